@@ -1,0 +1,79 @@
+"""The two lifecycles of the system, each an enum plus its table of allowed moves.
+
+Only `orchestrator.store` performs a transition (a guarded update that also records
+an event); everything else asks `check_*` or reads the tables.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from orchestrator.errors import IllegalTransitionError
+
+
+class JobState(str, enum.Enum):
+    PENDING = "PENDING"
+    PROVISIONING = "PROVISIONING"
+    STARTING = "STARTING"
+    RUNNING = "RUNNING"
+    RECOVERING = "RECOVERING"
+    RESIZING = "RESIZING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in _JOB_TERMINAL
+
+
+_JOB_TERMINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+
+_J = JobState
+JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    _J.PENDING: frozenset({_J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
+    _J.PROVISIONING: frozenset({_J.STARTING, _J.RECOVERING, _J.FAILED, _J.CANCELLED}),
+    _J.STARTING: frozenset({_J.RUNNING, _J.RECOVERING, _J.SUCCEEDED, _J.FAILED, _J.CANCELLED}),
+    _J.RUNNING: frozenset({_J.SUCCEEDED, _J.RECOVERING, _J.RESIZING, _J.FAILED, _J.CANCELLED}),
+    _J.RECOVERING: frozenset({_J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
+    _J.RESIZING: frozenset({_J.PROVISIONING, _J.RECOVERING, _J.FAILED, _J.CANCELLED}),
+    _J.SUCCEEDED: frozenset(),
+    _J.FAILED: frozenset(),
+    _J.CANCELLED: frozenset(),
+}
+
+
+class SliceState(str, enum.Enum):
+    REQUESTED = "REQUESTED"
+    WAITING = "WAITING"  # queued, no capacity yet
+    PROVISIONING = "PROVISIONING"
+    READY = "READY"
+    PREEMPTING = "PREEMPTING"  # a notice arrived; hosts still up for the grace window
+    GONE = "GONE"  # lost without being asked (preempted, host died)
+    RELEASED = "RELEASED"  # given back by us
+
+    @property
+    def terminal(self) -> bool:
+        return self in (SliceState.GONE, SliceState.RELEASED)
+
+
+_S = SliceState
+SLICE_TRANSITIONS: dict[SliceState, frozenset[SliceState]] = {
+    _S.REQUESTED: frozenset({_S.WAITING, _S.PROVISIONING, _S.READY, _S.GONE, _S.RELEASED}),
+    _S.WAITING: frozenset({_S.PROVISIONING, _S.GONE, _S.RELEASED}),
+    _S.PROVISIONING: frozenset({_S.READY, _S.GONE, _S.RELEASED}),
+    _S.READY: frozenset({_S.PREEMPTING, _S.GONE, _S.RELEASED}),
+    _S.PREEMPTING: frozenset({_S.GONE, _S.RELEASED}),
+    _S.GONE: frozenset({_S.RELEASED}),
+    _S.RELEASED: frozenset(),
+}
+
+
+def check_job(job_id: str, current: JobState, target: JobState) -> None:
+    if target not in JOB_TRANSITIONS[current]:
+        raise IllegalTransitionError("job", job_id, current.value, target.value)
+
+
+def check_slice(name: str, current: SliceState, target: SliceState) -> None:
+    if target not in SLICE_TRANSITIONS[current]:
+        raise IllegalTransitionError("slice", name, current.value, target.value)
