@@ -1,0 +1,217 @@
+"""HTTP routing: the TPU API v2 REST paths the client calls, and the `/_emulator/` control API.
+
+API paths (as ``google.cloud.tpu_v2``'s REST transport sends them):
+
+    POST   /v2/projects/P/locations/Z/queuedResources?queuedResourceId=Q   body: QueuedResource
+    GET    /v2/projects/P/locations/Z/queuedResources[/Q]
+    DELETE /v2/projects/P/locations/Z/queuedResources/Q[?force=true]
+    POST   /v2/projects/P/locations/Z/nodes?nodeId=N                       body: Node
+    GET    /v2/projects/P/locations/Z/nodes[/N]
+    DELETE /v2/projects/P/locations/Z/nodes/N
+    GET    /v2/projects/P/locations/Z/operations/OP
+
+Control paths (JSON in, JSON out; see ``ControlClient`` for the same over Python):
+
+    GET  /_emulator/state             resources, operations and the fault plan
+    GET  /_emulator/requests          every API request served: method, zone, status
+    POST /_emulator/fail              {"method", "kind", "count"?, "zone"?}
+    POST /_emulator/random-errors     {"rate", "codes"?, "seed"?, "methods"?}
+    POST /_emulator/stockout          {"zone", "acceleratorType"?, "mode"?: "wait"|"fail"}
+    POST /_emulator/clear-stockout    {"zone"?}
+    POST /_emulator/clear-faults      {}
+    POST /_emulator/reclaim           {"name"}   a queued resource or node, id or full name
+    POST /_emulator/terminate         {"name"}   a node's host dies (node TERMINATED)
+
+Request headers are never logged or stored: a request's record keeps only whether
+it carried an Authorization header.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from dataclasses import asdict, dataclass
+from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
+
+from google.cloud import tpu_v2
+
+from orchestrator.emulator.errors import ApiError, invalid, not_found
+
+if TYPE_CHECKING:
+    from orchestrator.emulator.server import Emulator
+
+log = logging.getLogger(__name__)
+
+_API_RE = re.compile(
+    r"^/v2/projects/(?P<project>[^/]+)/locations/(?P<zone>[^/]+)"
+    r"/(?P<coll>nodes|queuedResources|operations)(?:/(?P<id>[^/:]+))?$"
+)
+
+# (HTTP verb, collection, whether the path names one resource) -> API method
+_METHODS = {
+    ("POST", "queuedResources", False): "queuedResources.create",
+    ("GET", "queuedResources", False): "queuedResources.list",
+    ("GET", "queuedResources", True): "queuedResources.get",
+    ("DELETE", "queuedResources", True): "queuedResources.delete",
+    ("POST", "nodes", False): "nodes.create",
+    ("GET", "nodes", False): "nodes.list",
+    ("GET", "nodes", True): "nodes.get",
+    ("DELETE", "nodes", True): "nodes.delete",
+    ("GET", "operations", True): "operations.get",
+}
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    method: str  # API method (e.g. "queuedResources.create"), or "control"
+    verb: str
+    path: str  # without the query string
+    zone: str
+    status: int
+    authorized: bool  # an Authorization header came with it (its value is never kept)
+    at: float
+
+
+class Handler(BaseHTTPRequestHandler):
+    # HTTP/1.0 closes each connection after its response, so no handler thread
+    # outlives the server waiting on an idle keep-alive connection.
+    protocol_version = "HTTP/1.0"
+    server_version = "tpu-emulator"
+
+    @property
+    def emulator(self) -> Emulator:
+        return self.server.emulator  # type: ignore[attr-defined]
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # The default writes every request line to stderr; keep it at debug level.
+        log.debug("%s " + format, self.address_string(), *args)
+
+    def _dispatch(self, verb: str) -> None:
+        url = urlsplit(self.path)
+        query = {k: v[-1] for k, v in parse_qs(url.query).items()}
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length).decode() if length else ""
+        method, zone = "control", ""
+        try:
+            if url.path.startswith("/_emulator/"):
+                status, payload = 200, self._control(verb, url.path.removeprefix("/_emulator/"), body)
+            else:
+                match = _API_RE.match(url.path)
+                key = (verb, match["coll"], match["id"] is not None) if match else None
+                if match is None or key not in _METHODS:
+                    raise not_found(url.path)
+                method, zone = _METHODS[key], match["zone"]
+                int_enums = "enum-encoding=int" in query.get("$alt", "")
+                status, payload = 200, _render(self._api(method, match, query, body), coll=match["coll"],
+                                               query=query, int_enums=int_enums)
+        except ApiError as e:
+            status, payload = e.http, e.body()
+        except (ValueError, KeyError, TypeError) as e:  # a malformed control request
+            status, payload = 400, invalid(f"bad control request: {e!r}").body()
+        except Exception:  # the boundary of one request: answer 500, keep serving
+            log.exception("emulator failed on %s %s", verb, url.path)
+            status, payload = 500, ApiError(500, "INTERNAL", "emulator error").body()
+        authorized = "authorization" in {k.lower() for k in self.headers.keys()}
+        self.emulator._record(RequestRecord(method, verb, url.path, zone, status, authorized, time.time()))
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json; charset=UTF-8")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    # -- the TPU API ----------------------------------------------------------------
+
+    def _api(self, method: str, match: re.Match[str], query: dict[str, str], body: str) -> Any:
+        world = self.emulator.world
+        project, zone, rid = match["project"], match["zone"], match["id"]
+        parent = f"projects/{project}/locations/{zone}"
+        error = world.faults.before(method, zone, parent)
+        if error is not None:
+            raise error
+        world.check_zone(zone, project)
+        coll = match["coll"]
+        name = f"{parent}/{coll}/{rid}"
+        if method == "queuedResources.create":
+            spec = _parse(tpu_v2.QueuedResource, body)
+            return world.create_queued_resource(project, zone, query.get("queuedResourceId", ""), spec)
+        if method == "nodes.create":
+            return world.create_node(project, zone, query.get("nodeId", ""), _parse(tpu_v2.Node, body))
+        if method.endswith(".get"):
+            return world.get(coll, name)
+        if method.endswith(".list"):
+            return world.list(coll, parent)
+        if method == "queuedResources.delete":
+            return world.delete_queued_resource(project, zone, name, force=query.get("force") == "true")
+        if method == "nodes.delete":
+            return world.delete_node(project, zone, name)
+        raise AssertionError(f"unrouted method {method}")
+
+    # -- the control API ----------------------------------------------------------------
+
+    def _control(self, verb: str, what: str, body: str) -> Any:
+        emu = self.emulator
+        if verb == "GET" and what == "state":
+            return emu.state()
+        if verb == "GET" and what == "requests":
+            return {"requests": [asdict(r) for r in emu.requests()]}
+        if verb != "POST":
+            raise not_found(f"/_emulator/{what}")
+        args = json.loads(body or "{}")
+        if not isinstance(args, dict):
+            raise ValueError("control requests take a JSON object")
+        if what == "fail":
+            emu.fail(args["method"], args["kind"], count=args.get("count", 1), zone=args.get("zone"))
+        elif what == "random-errors":
+            emu.random_errors(
+                args["rate"],
+                codes=tuple(args.get("codes", (503, 429))),
+                seed=args.get("seed"),
+                methods=tuple(args["methods"]) if args.get("methods") else None,
+            )
+        elif what == "stockout":
+            emu.stockout(args["zone"], accelerator_type=args.get("acceleratorType"), mode=args.get("mode", "wait"))
+        elif what == "clear-stockout":
+            emu.clear_stockout(args.get("zone"))
+        elif what == "clear-faults":
+            emu.clear_faults()
+        elif what == "reclaim":
+            return {"name": emu.reclaim(args["name"])}
+        elif what == "terminate":
+            return {"name": emu.terminate(args["name"])}
+        else:
+            raise not_found(f"/_emulator/{what}")
+        return {}
+
+
+def _parse(cls: Any, body: str) -> Any:
+    # Strict, as the real API: an unknown field is an error, not silently dropped.
+    try:
+        return cls.from_json(body or "{}", ignore_unknown_fields=False)
+    except Exception as e:  # protobuf's ParseError and friends
+        raise invalid(f"Invalid JSON payload received. {e}") from None
+
+
+def _render(result: Any, *, coll: str, query: dict[str, str], int_enums: bool) -> dict:
+    if not isinstance(result, list):
+        return result.render(int_enums)
+    # A list call: one page of it, with a token for the next.
+    start = int(query.get("pageToken") or 0)
+    size = int(query.get("pageSize") or 0) or len(result) or 1
+    out: dict[str, Any] = {coll: [r.render(int_enums) for r in result[start : start + size]]}
+    if start + size < len(result):
+        out["nextPageToken"] = str(start + size)
+    return out

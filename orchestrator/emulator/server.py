@@ -1,0 +1,179 @@
+"""The emulator as a running thing: an HTTP server on loopback plus the handle that controls it.
+
+    emu = serve(time_scale=0.01)          # started, on a free port of 127.0.0.1
+    client = emu.client()                 # a real tpu_v2.TpuClient pointed at it
+    emu.stockout("us-central2-b")         # inject faults from Python...
+    ControlClient(emu.url).reclaim("s1")  # ...or over HTTP from another process
+    emu.stop()
+
+The server only binds loopback addresses: it has no authentication, and a fake cloud
+reachable from the network is a hazard, not a feature.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import threading
+from dataclasses import dataclass, field
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+from orchestrator.emulator.faults import Faults
+from orchestrator.emulator.machines import Timings
+from orchestrator.emulator.routes import Handler, RequestRecord
+from orchestrator.emulator.world import Hooks, World
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIME_SCALE = 0.05  # a two-minute provisioning takes 6 s
+
+
+@dataclass(frozen=True)
+class EmulatorConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    timings: Timings = field(default_factory=lambda: Timings(scale=DEFAULT_TIME_SCALE))
+    seed: int = 0  # seeds the random transient errors
+    zones: tuple[str, ...] | None = None  # None: every zone exists; else others answer 404
+    hooks: Hooks = field(default_factory=Hooks)
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], emulator: Emulator):
+        self.emulator = emulator
+        super().__init__(address, Handler)
+
+
+class Emulator:
+    """A running emulator and the Python side of its control API."""
+
+    def __init__(self, config: EmulatorConfig | None = None):
+        self.config = config or EmulatorConfig()
+        _require_loopback(self.config.host)
+        self.faults = Faults(seed=self.config.seed)
+        self.world = World(timings=self.config.timings, faults=self.faults, hooks=self.config.hooks,
+                           zones=self.config.zones)
+        self._requests: list[RequestRecord] = []
+        self._requests_lock = threading.Lock()
+        self._httpd: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- life ---------------------------------------------------------------------------
+
+    def start(self) -> Emulator:
+        self._httpd = _Server((self.config.host, self.config.port), self)
+        self.world.start()
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="tpu-emulator-http", daemon=True)
+        self._thread.start()
+        log.info("TPU API emulator serving on %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.world.stop()
+
+    def __enter__(self) -> Emulator:
+        return self if self._httpd is not None else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        if self._httpd is None:
+            raise RuntimeError("the emulator is not running")
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def client(self, credentials: Any = None) -> Any:
+        """A real `google.cloud.tpu_v2.TpuClient` over REST, pointed at this emulator."""
+        from google.api_core.client_options import ClientOptions
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import tpu_v2
+
+        return tpu_v2.TpuClient(
+            credentials=credentials or AnonymousCredentials(),
+            transport="rest",
+            client_options=ClientOptions(api_endpoint=self.url),
+        )
+
+    # -- control ------------------------------------------------------------------------
+
+    def fail(self, method: str, kind: str, *, count: int = 1, zone: str | None = None) -> None:
+        """Answer the next `count` calls of `method` (e.g. ``queuedResources.create``, or
+        ``*``) with error `kind` (unavailable, rate_limited, internal, deadline, quota,
+        permission, invalid, not_found); ``count=-1`` until cleared."""
+        self.faults.fail(method, kind, count=count, zone=zone)
+
+    def random_errors(self, rate: float, *, codes: tuple[int, ...] = (503, 429), seed: int | None = None,
+                      methods: tuple[str, ...] | None = None) -> None:
+        self.faults.random_errors(rate, codes=codes, seed=seed, methods=methods)
+
+    def stockout(self, zone: str, *, accelerator_type: str | None = None, mode: str = "wait") -> None:
+        self.faults.stockout(zone, accelerator_type=accelerator_type, mode=mode)
+
+    def clear_stockout(self, zone: str | None = None) -> None:
+        self.faults.clear_stockout(zone)
+
+    def clear_faults(self) -> None:
+        self.faults.clear()
+
+    def reclaim(self, name: str) -> str:
+        """Reclaim a spot slice: queued resource SUSPENDING (initiator SERVICE), then nodes
+        PREEMPTED and the queued resource SUSPENDED after the grace period."""
+        return self.world.reclaim(name)
+
+    def terminate(self, name: str) -> str:
+        """A host of the node dies: the node becomes TERMINATED at once."""
+        return self.world.terminate(name)
+
+    def state(self) -> dict[str, Any]:
+        return {**self.world.snapshot(), "faults": self.faults.describe()}
+
+    def requests(self, method: str | None = None, *, zone: str | None = None) -> list[RequestRecord]:
+        with self._requests_lock:
+            return [r for r in self._requests if method in (None, r.method) and zone in (None, r.zone)]
+
+    def request_count(self, method: str | None = None, *, zone: str | None = None) -> int:
+        return len(self.requests(method, zone=zone))
+
+    def _record(self, rec: RequestRecord) -> None:
+        with self._requests_lock:
+            self._requests.append(rec)
+
+
+def serve(
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    time_scale: float = DEFAULT_TIME_SCALE,
+    timings: Timings | None = None,
+    seed: int = 0,
+    zones: tuple[str, ...] | None = None,
+    hooks: Hooks | None = None,
+) -> Emulator:
+    """Start an emulator and return its handle; call ``stop()`` (or use it in ``with``)."""
+    if timings is None:
+        timings = Timings(scale=time_scale)
+    config = EmulatorConfig(host=host, port=port, timings=timings, seed=seed, zones=zones, hooks=hooks or Hooks())
+    return Emulator(config).start()
+
+
+def _require_loopback(host: str) -> None:
+    try:
+        addr = ipaddress.ip_address(socket.gethostbyname(host))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot resolve emulator host {host!r}: {e}") from None
+    if not addr.is_loopback:
+        raise ValueError(f"the emulator binds loopback addresses only (127.0.0.1), not {host!r}")
