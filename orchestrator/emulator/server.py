@@ -68,7 +68,9 @@ class Emulator:
     def start(self) -> Emulator:
         self._httpd = _Server((self.config.host, self.config.port), self)
         self.world.start()
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="tpu-emulator-http", daemon=True)
+        # A short poll interval: shutdown() waits up to one interval, and tests stop often.
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05},
+                                        name="tpu-emulator-http", daemon=True)
         self._thread.start()
         log.info("TPU API emulator serving on %s", self.url)
         return self

@@ -1,0 +1,97 @@
+"""The startup script of a slice's TPU VMs: install the worker environment, join the Ray cluster.
+
+Every host of a slice runs the same script (it is the node's ``startup-script``
+metadata, run as root at each boot). A host learns its worker number from the
+metadata server (``instance/attributes/agent-worker-number``, set on TPU VMs) and
+picks its own Ray resources and labels from a table baked into the script, built by
+`base.host_node_resources` / `base.host_node_labels`, so a GCP host carries exactly
+what a local fake host carries.
+
+The Ray cluster token, when token authentication is on (Ray 2.60's default), is read
+from Secret Manager at boot and never written into the script or the metadata:
+instance metadata is readable by anyone who can view the project.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass
+
+from orchestrator.catalog import TpuType
+from orchestrator.providers.base import host_node_labels, host_node_resources
+
+METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number"
+
+# Pinned as in constraints.txt: workers must run the versions the controller runs.
+DEFAULT_REQUIREMENTS = (
+    "ray[default]==2.60.0",
+    "jax[tpu]==0.10.2",
+    "orbax-checkpoint==0.12.8",
+)
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a TPU VM needs to become a worker host of the orchestrator's Ray cluster.
+
+    head_address: the Ray head's ``host:port`` as reachable from the TPU VMs' network.
+    requirements: pip requirements of the worker environment; add the project itself
+        here (a wheel in GCS or a git URL) so hosts can import ``workers``.
+    ray_token_secret: a Secret Manager secret holding the Ray cluster token (``ray
+        get-auth-token``), or None when the cluster runs without token authentication.
+    """
+
+    head_address: str
+    requirements: tuple[str, ...] = DEFAULT_REQUIREMENTS
+    venv: str = "/opt/tpu-orchestrator/venv"
+    python: str = "python3"
+    ray_token_secret: str | None = None
+    log_file: str = "/var/log/tpu-orchestrator-startup.log"
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.head_address.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"head_address must be host:port, got {self.head_address!r}")
+
+
+def startup_script(setup: WorkerSetup, tpu_type: TpuType, slice_name: str) -> str:
+    """The bash script every host of slice `slice_name` runs at boot."""
+    q = shlex.quote
+    cases = []
+    for w in range(tpu_type.hosts):
+        resources = json.dumps(host_node_resources(tpu_type, slice_name, w), sort_keys=True)
+        labels = ",".join(f"{k}={v}" for k, v in sorted(host_node_labels(tpu_type, slice_name, w).items()))
+        cases.append(f"  {w}) RESOURCES={q(resources)}; LABELS={q(labels)} ;;")
+    token = ""
+    if setup.ray_token_secret:
+        # set +x: the token must not reach the log, even if someone turns tracing on.
+        token = (
+            "set +x\n"
+            "export RAY_AUTH_MODE=token\n"
+            f'RAY_AUTH_TOKEN="$(gcloud secrets versions access latest --secret={q(setup.ray_token_secret)})"\n'
+            "export RAY_AUTH_TOKEN\n"
+        )
+    venv = q(setup.venv)
+    return f"""#!/bin/bash
+# Written by tpu-orchestrator for slice {slice_name} ({tpu_type.name}, {tpu_type.hosts} hosts):
+# installs the worker environment and joins the Ray cluster at {setup.head_address}.
+set -euo pipefail
+exec >>{q(setup.log_file)} 2>&1
+
+WORKER_ID="$(curl -sSf --retry 10 --retry-connrefused -H 'Metadata-Flavor: Google' {q(METADATA_URL)})"
+case "$WORKER_ID" in
+{chr(10).join(cases)}
+  *) echo "worker number '$WORKER_ID' is not a host of {tpu_type.name}" >&2; exit 1 ;;
+esac
+
+# The environment survives reboots; install it once.
+if [ ! -x {venv}/bin/ray ]; then
+  {q(setup.python)} -m venv {venv}
+  {venv}/bin/pip install --quiet {" ".join(q(r) for r in setup.requirements)}
+fi
+
+{token}{venv}/bin/ray stop --force >/dev/null 2>&1 || true
+{venv}/bin/ray start --address={q(setup.head_address)} --resources="$RESOURCES" --labels="$LABELS"
+echo "worker $WORKER_ID of {slice_name} joined {setup.head_address}"
+"""
