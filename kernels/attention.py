@@ -1,0 +1,508 @@
+"""Flash attention: causal, sliding-window, packed-segment and grouped-query attention.
+
+File order: block sizes, the public function, the Pallas path (custom_vjp, pallas_call
+builders, kernel bodies), the cuDNN path, and the naive reference. The memory-efficient
+XLA path lives in `attention_chunked`, the mask geometry in `attention_mask`.
+
+Layouts: the public API takes ``[batch, seq, heads, head_dim]``. The Pallas kernels work
+on ``[batch, heads, seq, head_dim]`` (one transpose in and out, which XLA usually fuses into
+the projections) so that each block is a ``[block, head_dim]`` tile in VMEM. Grouped-query
+attention never repeats K/V: query head ``h`` reads key/value head ``h // group``.
+
+Skipping: the forward and dQ grids are ``(batch, heads, q_blocks, num_kv_steps)`` where
+``num_kv_steps`` is the widest row of the mask's band (see `MaskBand`), so with a sliding
+window the blocks outside the band are not in the grid at all; inside a row, steps past
+the row's last block repeat its index (no copy on a TPU) and skip the compute with
+``pl.when``, as do block pairs whose segment id ranges do not meet. The dK/dV grid does
+the same by columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import dispatch
+from kernels.attention_chunked import chunked_attention
+from kernels.attention_mask import MaskBand, segment_block_bounds, segments_may_meet
+
+IMPLEMENTATIONS = (dispatch.PALLAS, dispatch.XLA, dispatch.CUDNN)
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes: ``[block_q, block_kv]`` score tiles for Pallas, chunk sizes for the XLA path.
+
+    They change speed and memory, never the result (beyond float rounding). On a TPU,
+    ``block_kv`` should be a multiple of 128 (the lane width) for the kernels to lower well.
+    """
+
+    block_q: int = 128
+    block_kv: int = 128
+
+    def __post_init__(self):
+        for name in ("block_q", "block_kv"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    def fit(self, q_len: int, kv_len: int) -> BlockSizes:
+        """These sizes clamped to the sequence lengths, checked to tile them exactly."""
+        fitted = BlockSizes(min(self.block_q, q_len), min(self.block_kv, kv_len))
+        for seq_name, seq_len, block_name, block in (
+                ("q_len", q_len, "block_q", fitted.block_q), ("kv_len", kv_len, "block_kv", fitted.block_kv)):
+            if seq_len % block:
+                raise ValueError(f"{seq_name}={seq_len} is not a multiple of {block_name}={block}")
+            if block % 8 and block != seq_len:
+                raise ValueError(f"{block_name}={block} must be a multiple of 8 (or all of {seq_name}={seq_len})")
+        return fitted
+
+
+CHUNKED_BLOCK_SIZES = BlockSizes(block_q=512, block_kv=512)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "causal", "window", "sm_scale", "implementation", "block_sizes"))
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+    implementation: str | None = None,
+    block_sizes: BlockSizes | None = None,
+) -> jax.Array:
+    """Softmax attention, ``softmax(q k^T * sm_scale + mask) v``, per head.
+
+    Args:
+      q: ``[batch, q_len, heads, head_dim]``, bf16 or f32 (accumulation is f32).
+      k: ``[batch, kv_len, kv_heads, head_dim]``, ``heads % kv_heads == 0`` (GQA/MQA).
+      v: like ``k``.
+      causal: query ``i`` sees keys ``j <= i`` (with ``q_len < kv_len`` the queries align
+        with the last keys, as when decoding against a cache).
+      window: sliding window (local attention): with ``causal``, query ``i`` sees keys
+        ``i - window < j <= i``; without, ``|i - j| < window``.
+      segment_ids: ``[batch, seq]`` int32 document ids of packed sequences (needs
+        ``q_len == kv_len``); tokens only see tokens of their own segment.
+      sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
+      implementation: ``"pallas"``, ``"xla"`` (chunked online softmax, memory linear in
+        the sequence), ``"cudnn"``, or None to choose from the backend (`kernels.dispatch`).
+      block_sizes: tile sizes (`BlockSizes`); the Pallas path needs them to divide the
+        sequence lengths, the XLA path pads.
+
+    Returns:
+      ``[batch, q_len, heads, head_dim]`` in ``q.dtype``.
+
+    Sharding: the XLA and cuDNN paths partition like any XLA op under ``jit``. A Pallas
+    kernel is one opaque call that XLA cannot split, so under ``jit`` with sharded inputs
+    it would run on gathered operands: wrap it with `kernels.sharded` over the batch and
+    head axes (every batch row and head is independent), e.g.
+    ``kernels.sharded(attention, mesh, in_specs=(P("data", None, "model"),) * 3,
+    out_specs=P("data", None, "model"), implementation="pallas")``.
+    """
+    batch, q_len, heads, head_dim = q.shape
+    _, kv_len, kv_heads, _ = k.shape
+    _check_shapes(q, k, v, segment_ids)
+    band = MaskBand(q_len, kv_len, causal, window)
+    scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+
+    impl = dispatch.resolve(implementation, valid=IMPLEMENTATIONS, gpu_default=dispatch.CUDNN)
+    if impl == dispatch.CUDNN:
+        reason = cudnn_unsupported_reason(q, k, band, segment_ids)
+        if reason is not None and implementation is not None:
+            raise ValueError(f"cuDNN attention does not support {reason}")
+        if reason is not None:
+            impl = dispatch.XLA
+    if impl == dispatch.PALLAS:
+        config = _FlashConfig(band, scale, (block_sizes or BlockSizes()).fit(q_len, kv_len))
+        out = _flash(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), segment_ids, config)
+        return out.swapaxes(1, 2)
+    if impl == dispatch.XLA:
+        return chunked_attention(q, k, v, segment_ids, band=band, sm_scale=scale,
+                                 block_sizes=block_sizes or CHUNKED_BLOCK_SIZES)
+    return _cudnn_attention(q, k, v, band, scale)
+
+
+def _check_shapes(q, k, v, segment_ids) -> None:
+    if q.ndim != 4 or k.ndim != 4:
+        raise ValueError(f"q and k must be [batch, seq, heads, head_dim], got {q.shape=}, {k.shape=}")
+    batch, q_len, heads, head_dim = q.shape
+    kv_batch, kv_len, kv_heads, kv_head_dim = k.shape
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape, got {v.shape=}, {k.shape=}")
+    if kv_batch != batch or kv_head_dim != head_dim:
+        raise ValueError(f"q and k disagree: {q.shape=}, {k.shape=}")
+    if heads % kv_heads:
+        raise ValueError(f"{heads=} is not a multiple of {kv_heads=}")
+    if segment_ids is not None:
+        if q_len != kv_len:
+            raise ValueError(f"segment_ids need q_len == kv_len, got {q_len=}, {kv_len=}")
+        if segment_ids.shape != (batch, q_len):
+            raise ValueError(f"segment_ids must be [batch, seq] = {(batch, q_len)}, got {segment_ids.shape}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be integers, got {segment_ids.dtype}")
+
+
+# --------------------------------------------------------------------------- Pallas path
+
+
+@dataclasses.dataclass(frozen=True)
+class _FlashConfig:
+    band: MaskBand
+    sm_scale: float
+    blocks: BlockSizes
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnames=("config",))
+def _flash(q, k, v, segment_ids, config: _FlashConfig):
+    """q ``[batch, heads, q_len, head_dim]``, k/v ``[batch, kv_heads, kv_len, head_dim]``."""
+    return _flash_forward(q, k, v, segment_ids, config)[0]
+
+
+def _flash_forward(q, k, v, segment_ids, config):
+    out, lse = _forward_call(q, k, v, segment_ids, config)
+    return out, (q, k, v, segment_ids, out, lse)
+
+
+def _flash_backward(config, residuals, d_out):
+    q, k, v, segment_ids, out, lse = residuals
+    # [batch, heads, q_len, 1]: rowsum(dO * O) = rowsum(P * dP), the softmax Jacobian's diagonal term.
+    di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
+    dq = _dq_call(q, k, v, segment_ids, d_out, lse, di, config)
+    dk, dv = _dkv_call(q, k, v, segment_ids, d_out, lse, di, config)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_forward, _flash_backward)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Coords:
+    """What one grid point works on; fields are traced int32 scalars (``real``: bool)."""
+
+    batch: jax.Array
+    head: jax.Array
+    kv_head: jax.Array
+    q_block: jax.Array
+    kv_block: jax.Array
+    real: jax.Array  # the step lies inside the band (not a padding step of a short row)
+
+
+def _row_coords(config: _FlashConfig, group: int) -> Callable[..., _Coords]:
+    """Grid ``(batch, heads, q_blocks, kv_steps)``: one query block against its band of key blocks."""
+    blocks = config.blocks
+
+    def coords(b, h, i, step):
+        kv_block, real = config.band.kv_block_at(i, step, blocks.block_q, blocks.block_kv)
+        return _Coords(b, h, h // group, i, kv_block, real)
+
+    return coords
+
+
+def _column_coords(config: _FlashConfig, group: int) -> Callable[..., _Coords]:
+    """Grid ``(batch, kv_heads, kv_blocks, group, q_steps)``: one key block against the queries that see it."""
+    blocks = config.blocks
+
+    def coords(b, kv_head, j, g, step):
+        q_block, real = config.band.q_block_at(j, step, blocks.block_q, blocks.block_kv)
+        return _Coords(b, kv_head * group + g, kv_head, q_block, j, real)
+
+    return coords
+
+
+class _Specs:
+    """BlockSpecs of every operand, all indexed through one ``coords`` function of the grid."""
+
+    def __init__(self, coords: Callable[..., _Coords], grid_rank: int, config: _FlashConfig, head_dim: int):
+        self.coords, self.grid_rank = coords, grid_rank
+        bq, bk = config.blocks.block_q, config.blocks.block_kv
+        self.q = self._spec((None, None, bq, head_dim), lambda c: (c.batch, c.head, c.q_block, 0))
+        self.kv = self._spec((None, None, bk, head_dim), lambda c: (c.batch, c.kv_head, c.kv_block, 0))
+        self.q_row = self._spec((None, None, bq, 1), lambda c: (c.batch, c.head, c.q_block, 0))
+        self.q_segments = self._spec((None, bq, 1), lambda c: (c.batch, c.q_block, 0))
+        self.kv_segments = self._spec((None, 1, bk), lambda c: (c.batch, 0, c.kv_block))
+
+    def _spec(self, block_shape, pick):
+        # Index maps get the grid indices, then the scalar-prefetch refs (unused here).
+        return pl.BlockSpec(block_shape, lambda *args: pick(self.coords(*args[:self.grid_rank])))
+
+
+def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape, out_specs, scratch):
+    """Run ``kernel`` over ``grid`` on ``operands`` (``(array, BlockSpec)`` pairs), adding segment ids."""
+    arrays, in_specs = [a for a, _ in operands], [s for _, s in operands]
+    bounds = ()
+    if segment_ids is not None:
+        ids = segment_ids.astype(jnp.int32)
+        q_lo, q_hi = segment_block_bounds(ids, config.blocks.block_q)
+        kv_lo, kv_hi = segment_block_bounds(ids, config.blocks.block_kv)
+        bounds = tuple(x.reshape(-1) for x in (q_lo, q_hi, kv_lo, kv_hi))  # 1-D: SMEM pads 2-D arrays
+        arrays += [ids[:, :, None], ids[:, None, :]]  # [batch, seq, 1], [batch, 1, seq]
+        in_specs += [specs.q_segments, specs.kv_segments]
+    semantics = ("parallel",) * (len(grid) - 2) + ("arbitrary", "arbitrary")
+    body = functools.partial(kernel, config=config, specs=specs, num_inputs=len(operands),
+                             has_segments=segment_ids is not None)
+    return pl.pallas_call(
+        body,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(bounds), grid=grid, in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=scratch),
+        out_shape=out_shape,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        interpret=dispatch.pallas_interpret(),
+    )(*bounds, *arrays)
+
+
+def _forward_call(q, k, v, segment_ids, config):
+    batch, heads, q_len, head_dim = q.shape
+    bq, bk = config.blocks.block_q, config.blocks.block_kv
+    specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, config, head_dim)
+    grid = (batch, heads, q_len // bq, config.band.num_kv_steps(bq, bk))
+    return _call(
+        _forward_kernel, specs, grid, config, segment_ids,
+        [(q, specs.q), (k, specs.kv), (v, specs.kv)],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
+                   jax.ShapeDtypeStruct((batch, heads, q_len, 1), jnp.float32)],
+        out_specs=[specs.q, specs.q_row],
+        scratch=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
+                 pltpu.VMEM((bq, head_dim), jnp.float32)])
+
+
+def _dq_call(q, k, v, segment_ids, d_out, lse, di, config):
+    batch, heads, q_len, head_dim = q.shape
+    bq, bk = config.blocks.block_q, config.blocks.block_kv
+    specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, config, head_dim)
+    grid = (batch, heads, q_len // bq, config.band.num_kv_steps(bq, bk))
+    return _call(
+        _dq_kernel, specs, grid, config, segment_ids,
+        [(q, specs.q), (k, specs.kv), (v, specs.kv), (d_out, specs.q), (lse, specs.q_row), (di, specs.q_row)],
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), out_specs=specs.q,
+        scratch=[pltpu.VMEM((bq, head_dim), jnp.float32)])
+
+
+def _dkv_call(q, k, v, segment_ids, d_out, lse, di, config):
+    batch, heads, _, head_dim = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    bq, bk = config.blocks.block_q, config.blocks.block_kv
+    specs = _Specs(_column_coords(config, group), 5, config, head_dim)
+    grid = (batch, kv_heads, kv_len // bk, group, config.band.num_q_steps(bq, bk))
+    return _call(
+        _dkv_kernel, specs, grid, config, segment_ids,
+        [(q, specs.q), (k, specs.kv), (v, specs.kv), (d_out, specs.q), (lse, specs.q_row), (di, specs.q_row)],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        out_specs=[specs.kv, specs.kv],
+        scratch=[pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, head_dim), jnp.float32)])
+
+
+# --------------------------------------------------------------------------- kernel bodies
+
+
+def _unpack(refs, num_inputs: int, has_segments: bool):
+    """Split a kernel's refs into (segment bounds | None, inputs, segment refs | None, outputs + scratch)."""
+    bounds = refs[:4] if has_segments else None
+    refs = refs[4:] if has_segments else refs
+    inputs, refs = refs[:num_inputs], refs[num_inputs:]
+    segments = refs[:2] if has_segments else None
+    return bounds, inputs, segments, refs[2:] if has_segments else refs
+
+
+def _grid_coords(specs: _Specs) -> _Coords:
+    return specs.coords(*(pl.program_id(axis) for axis in range(specs.grid_rank)))
+
+
+def _visits(c: _Coords, bounds, config: _FlashConfig):
+    """Whether this grid point computes: its block is in the band and its segments can meet."""
+    if bounds is None:
+        return c.real
+    q_lo, q_hi, kv_lo, kv_hi = bounds
+    num_q_blocks = config.band.q_len // config.blocks.block_q
+    num_kv_blocks = config.band.kv_len // config.blocks.block_kv
+    qi = c.batch * num_q_blocks + c.q_block
+    ki = c.batch * num_kv_blocks + c.kv_block
+    return c.real & segments_may_meet(q_lo[qi], q_hi[qi], kv_lo[ki], kv_hi[ki])
+
+
+def _mask(c: _Coords, segments, config: _FlashConfig) -> jax.Array | None:
+    """``[block_q, block_kv]`` bool of allowed (query, key) pairs, None when all are."""
+    bq, bk = config.blocks.block_q, config.blocks.block_kv
+    q_pos = c.q_block * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
+    k_pos = c.kv_block * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
+    mask = config.band.allows(q_pos, k_pos)
+    if segments is not None:
+        q_segments, kv_segments = segments
+        same = q_segments[...] == kv_segments[...]  # [block_q, 1] == [1, block_kv]
+        mask = same if mask is None else mask & same
+    return mask
+
+
+def _scores(q, k, sm_scale):
+    """``[block_q, block_kv]`` f32 logits of q ``[block_q, d]`` and k ``[block_kv, d]``."""
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return s * sm_scale
+
+
+def _probs(q_ref, k_ref, lse_ref, c, segments, config):
+    """Recomputed softmax probabilities ``[block_q, block_kv]`` f32 from the saved log-sum-exp."""
+    p = jnp.exp(_scores(q_ref[...], k_ref[...], config.sm_scale) - lse_ref[...])
+    mask = _mask(c, segments, config)
+    return p if mask is None else jnp.where(mask, p, 0.0)
+
+
+def _forward_kernel(*refs, config, specs, num_inputs, has_segments):
+    bounds, (q_ref, k_ref, v_ref), segments, rest = _unpack(refs, num_inputs, has_segments)
+    out_ref, lse_ref, m_scratch, l_scratch, acc_scratch = rest
+    c = _grid_coords(specs)
+    step = pl.program_id(3)
+
+    @pl.when(step == 0)
+    def _init():
+        m_scratch[...] = jnp.full_like(m_scratch, MASK_VALUE)
+        l_scratch[...] = jnp.zeros_like(l_scratch)
+        acc_scratch[...] = jnp.zeros_like(acc_scratch)
+
+    @pl.when(_visits(c, bounds, config))
+    def _accumulate():
+        s = _scores(q_ref[...], k_ref[...], config.sm_scale)  # [block_q, block_kv]
+        mask = _mask(c, segments, config)
+        m_prev = m_scratch[...]  # [block_q, 1]
+        row_max = (s if mask is None else jnp.where(mask, s, MASK_VALUE)).max(axis=1, keepdims=True)
+        m_next = jnp.maximum(m_prev, row_max)
+        p = jnp.exp(s - m_next)
+        if mask is not None:
+            p = jnp.where(mask, p, 0.0)
+        alpha = jnp.exp(m_prev - m_next)
+        l_scratch[...] = alpha * l_scratch[...] + p.sum(axis=1, keepdims=True)
+        pv = jnp.dot(p.astype(v_ref.dtype), v_ref[...], preferred_element_type=jnp.float32)
+        acc_scratch[...] = alpha * acc_scratch[...] + pv
+        m_scratch[...] = m_next
+
+    @pl.when(step == pl.num_programs(3) - 1)
+    def _finish():
+        l = l_scratch[...]
+        l = jnp.where(l == 0.0, 1.0, l)  # a row with no visible key outputs 0
+        out_ref[...] = (acc_scratch[...] / l).astype(out_ref.dtype)
+        lse_ref[...] = m_scratch[...] + jnp.log(l)
+
+
+def _dq_kernel(*refs, config, specs, num_inputs, has_segments):
+    bounds, inputs, segments, (dq_ref, dq_scratch) = _unpack(refs, num_inputs, has_segments)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = inputs
+    c = _grid_coords(specs)
+    step = pl.program_id(3)
+
+    @pl.when(step == 0)
+    def _init():
+        dq_scratch[...] = jnp.zeros_like(dq_scratch)
+
+    @pl.when(_visits(c, bounds, config))
+    def _accumulate():
+        p = _probs(q_ref, k_ref, lse_ref, c, segments, config)  # [block_q, block_kv]
+        dp = lax.dot_general(do_ref[...], v_ref[...], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        ds = p * (dp - di_ref[...])
+        dq_scratch[...] += jnp.dot(ds.astype(k_ref.dtype), k_ref[...], preferred_element_type=jnp.float32)
+
+    @pl.when(step == pl.num_programs(3) - 1)
+    def _finish():
+        dq_ref[...] = (dq_scratch[...] * config.sm_scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, config, specs, num_inputs, has_segments):
+    bounds, inputs, segments, (dk_ref, dv_ref, dk_scratch, dv_scratch) = _unpack(refs, num_inputs, has_segments)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = inputs
+    c = _grid_coords(specs)
+    g, step = pl.program_id(3), pl.program_id(4)
+
+    @pl.when((g == 0) & (step == 0))
+    def _init():
+        dk_scratch[...] = jnp.zeros_like(dk_scratch)
+        dv_scratch[...] = jnp.zeros_like(dv_scratch)
+
+    @pl.when(_visits(c, bounds, config))
+    def _accumulate():
+        p = _probs(q_ref, k_ref, lse_ref, c, segments, config)  # [block_q, block_kv]
+        transposed_lhs = (((0,), (0,)), ((), ()))  # contract the query axis: [block_kv, head_dim]
+        dv_scratch[...] += lax.dot_general(p.astype(do_ref.dtype), do_ref[...], transposed_lhs,
+                                           preferred_element_type=jnp.float32)
+        dp = lax.dot_general(do_ref[...], v_ref[...], (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+        ds = p * (dp - di_ref[...])
+        dk_scratch[...] += lax.dot_general(ds.astype(q_ref.dtype), q_ref[...], transposed_lhs,
+                                           preferred_element_type=jnp.float32)
+
+    @pl.when((g == pl.num_programs(3) - 1) & (step == pl.num_programs(4) - 1))
+    def _finish():
+        dk_ref[...] = (dk_scratch[...] * config.sm_scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_scratch[...].astype(dv_ref.dtype)
+
+
+# --------------------------------------------------------------------------- cuDNN path
+
+
+def cudnn_unsupported_reason(q, k, band: MaskBand, segment_ids) -> str | None:
+    """Why ``jax.nn.dot_product_attention(implementation="cudnn")`` cannot run this case, or None."""
+    head_dim = q.shape[-1]
+    if segment_ids is not None:
+        return "segment ids (its only per-token mask input would be a dense [q_len, kv_len] mask)"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
+        return f"dtype {q.dtype} (cuDNN flash attention takes bf16 or fp16)"
+    if head_dim % 8 or head_dim > 128:
+        return f"{head_dim=} (needs a multiple of 8, at most 128)"
+    if band.q_offset and (band.causal or band.window is not None):
+        return "a causal or windowed mask with q_len != kv_len (cuDNN aligns it top-left)"
+    if band.window is not None and not band.causal:
+        return "a two-sided sliding window"
+    return None
+
+
+def _cudnn_attention(q, k, v, band: MaskBand, sm_scale: float) -> jax.Array:
+    window = None if band.window is None else (band.window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, scale=sm_scale, is_causal=band.causal,
+                                        local_window_size=window, implementation="cudnn")
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = True,
+    window: int | None = None,
+    segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Naive attention in plain ``jax.numpy``; materializes ``[batch, heads, q_len, kv_len]`` logits.
+
+    Same arguments and result as `attention`; logits and softmax in f32, the
+    probabilities cast to ``v.dtype`` for the value product (f32 accumulation).
+    """
+    batch, q_len, heads, head_dim = q.shape
+    _, kv_len, kv_heads, _ = k.shape
+    band = MaskBand(q_len, kv_len, causal, window)
+    scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    q_grouped = q.reshape(batch, q_len, kv_heads, heads // kv_heads, head_dim)
+    logits = jnp.einsum("bqhgd,bkhd->bhgqk", q_grouped, k, preferred_element_type=jnp.float32) * scale
+    mask = band.allows(jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :])  # [q_len, kv_len]
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]  # [batch, q_len, kv_len]
+        mask = same if mask is None else mask & same
+    if mask is not None:
+        mask = jnp.broadcast_to(mask, (batch, q_len, kv_len))[:, None, None]
+        logits = jnp.where(mask, logits, MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)  # [batch, kv_heads, group, q_len, kv_len]
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(q.shape).astype(q.dtype)

@@ -1,0 +1,54 @@
+"""Which implementation of an op runs, chosen from the JAX backend.
+
+Vocabulary, shared by every op in `kernels`:
+
+- ``"pallas"``: the Pallas TPU kernel. On a TPU it is compiled by Mosaic; on any other
+  backend it runs in TPU interpret mode, a CPU simulation of the TPU that is exact but
+  slow. That is how the tests (and the CPU training comparison) exercise the kernels.
+- ``"xla"``: plain ``jax.numpy`` compiled by XLA. For attention this is the
+  memory-efficient path (online softmax over key/value chunks), for the others the
+  fused XLA expression of the op.
+- ``"cudnn"``: attention only, ``jax.nn.dot_product_attention(implementation="cudnn")``.
+- ``None``: automatic: ``"pallas"`` on TPU; on GPU ``"cudnn"`` for attention where cuDNN
+  supports the case and ``"xla"`` otherwise; ``"xla"`` on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+PALLAS = "pallas"
+XLA = "xla"
+CUDNN = "cudnn"
+
+_GPU_BACKENDS = ("gpu", "cuda", "rocm")
+
+
+def backend() -> str:
+    """The default JAX backend, with GPU platforms named ``"gpu"``."""
+    name = jax.default_backend()
+    return "gpu" if name in _GPU_BACKENDS else name
+
+
+def resolve(implementation: str | None, *, valid: tuple[str, ...], gpu_default: str = XLA) -> str:
+    """The implementation to run: ``implementation`` if valid, else the backend's default.
+
+    Raises:
+      ValueError: for a string not in ``valid``, listing the valid ones.
+    """
+    if implementation is None:
+        platform = backend()
+        if platform == "tpu":
+            return PALLAS
+        return gpu_default if platform == "gpu" else XLA
+    if implementation not in valid:
+        raise ValueError(
+            f"Unknown implementation {implementation!r}; valid: {', '.join(map(repr, valid))} "
+            "or None (chosen from the backend).")
+    return implementation
+
+
+def pallas_interpret() -> pltpu.InterpretParams | bool:
+    """The ``interpret=`` argument of ``pallas_call``: Mosaic on TPU, TPU interpret mode elsewhere."""
+    return False if backend() == "tpu" else pltpu.InterpretParams()

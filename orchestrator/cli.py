@@ -1,0 +1,254 @@
+"""The `orchestrator` command: a thin layer over `orchestrator.Client`.
+
+Exit codes: 0 the job succeeded (or the command did what it said), 1 the job failed
+or was cancelled, 2 a usage or validation error.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from orchestrator.client import Client, JobStatus
+from orchestrator.errors import ClusterError, JobNotFoundError, OrchestratorError, SpecError
+from orchestrator.spec import JobSpec, json_schema
+from orchestrator.states import JobState
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Run JAX training jobs on (spot) Cloud TPU slices, or on a local Ray cluster.")
+out = Console()
+err = Console(stderr=True)
+
+EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
+
+AddressOpt = typer.Option(None, "--address", help="Ray cluster address; default: the embedded local cluster.")
+
+
+def _fail(message: str, code: int = EXIT_USAGE) -> None:
+    err.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    raise typer.Exit(code)
+
+
+def _load(path: Path) -> JobSpec:
+    try:
+        return JobSpec.from_yaml(path)
+    except SpecError as e:
+        for line in str(e).splitlines():
+            err.print(f"[red]error:[/red] {line}", markup=True, highlight=False, soft_wrap=True)
+        raise typer.Exit(EXIT_USAGE)
+
+
+def _job_exit(st: JobStatus) -> int:
+    return EXIT_OK if st.state is JobState.SUCCEEDED else EXIT_JOB_FAILED
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+@app.command()
+def validate(job_file: Path = typer.Argument(..., help="The job's YAML file.")) -> None:
+    """Check a job file; print the resolved spec."""
+    spec = _load(job_file)
+    t = spec.tpu_type
+    out.print(f"{job_file}: valid ({spec.accelerator}: {t.chips} chips on {t.hosts} hosts, {spec.tier.value})",
+              highlight=False)
+
+
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of job files (for editors)."""
+    print(json.dumps(json_schema(), indent=2))
+
+
+@app.command()
+def submit(job_file: Path = typer.Argument(..., help="The job's YAML file."),
+           detach: bool = typer.Option(False, "--detach", "-d", help="Return the job id at once."),
+           quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
+           address: Optional[str] = AddressOpt) -> None:
+    """Submit a job; wait for it with a progress display unless --detach."""
+    spec = _load(job_file)
+    client = Client(address=address)
+    try:
+        job = client.submit(spec, workdir=job_file.parent)
+    except OrchestratorError as e:
+        client.close()
+        _fail(str(e), EXIT_JOB_FAILED)
+    print(job.id, flush=True)
+    if detach:
+        client.close(stop_owned_cluster=False)
+        err.print(f"follow it with: orchestrator logs {job.id} --follow   (stop the cluster: orchestrator down)")
+        raise typer.Exit(EXIT_OK)
+    try:
+        st = _wait_with_progress(job, quiet=quiet)
+    except KeyboardInterrupt:
+        client.close(stop_owned_cluster=False)
+        err.print(f"\nstopped waiting; the job goes on. cancel it with: orchestrator cancel {job.id}")
+        raise typer.Exit(130)
+    client.close()
+    _print_final(st)
+    raise typer.Exit(_job_exit(st))
+
+
+def _wait_with_progress(job, *, quiet: bool) -> JobStatus:
+    if quiet:
+        return job.wait()
+    if not out.is_terminal:
+        last = {"state": None, "step": -1}
+
+        def line(st: JobStatus) -> None:
+            every = max(1, (st.total_steps or 10) // 10)
+            if st.state != last["state"] or (st.step // every != last["step"] // every and st.step):
+                out.print(f"{st.state.value:<12} step {st.step}/{st.total_steps or '?'}  loss {_fmt(st.loss, '.4f')}"
+                          f"  tokens/s {_fmt(st.tokens_per_s, ',.0f')}", highlight=False)
+                last.update(state=st.state, step=st.step)
+
+        return job.wait(on_update=line)
+    with Progress(TextColumn("{task.fields[state]:<12}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]}  tok/s {task.fields[tps]}"), TimeElapsedColumn(),
+                  console=out, transient=False) as progress:
+        task = progress.add_task("job", total=None, state="PENDING", loss="-", tps="-")
+
+        def update(st: JobStatus) -> None:
+            progress.update(task, completed=st.step, total=st.total_steps, state=st.state.value,
+                            loss=_fmt(st.loss, ".4f"), tps=_fmt(st.tokens_per_s, ",.0f"))
+
+        return job.wait(on_update=update)
+
+
+def _print_final(st: JobStatus) -> None:
+    color = "green" if st.state is JobState.SUCCEEDED else "red"
+    out.print(f"[{color}]{st.state.value}[/{color}] {st.id}: {st.reason}", highlight=False)
+    if st.state is JobState.FAILED and st.error:
+        err.print(st.error, markup=False, highlight=False)
+
+
+@app.command()
+def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix, or name."),
+           events: bool = typer.Option(False, "--events", "-e", help="Show the job's events."),
+           as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Show one job (exit code 1 if it failed) or, with no JOB, all jobs."""
+    client = Client()
+    if job_id is None:
+        _print_jobs(client.jobs(), as_json)
+        return
+    try:
+        job = client.job(job_id)
+    except JobNotFoundError as e:
+        _fail(str(e))
+    st = job.status()
+    if as_json:
+        data = _status_dict(st)
+        if events:
+            data["events"] = [vars(e) for e in job.events()]
+        print(json.dumps(data, indent=2, default=str))
+    else:
+        out.print(f"[bold]{st.id}[/bold]  {st.state.value}  ({st.reason})", highlight=False)
+        out.print(f"  {st.accelerator} {st.tier}   step {st.step}/{st.total_steps or '?'}   "
+                  f"loss {_fmt(st.loss, '.4f')}   tokens/s {_fmt(st.tokens_per_s, ',.0f')}   "
+                  f"preemptions {st.preemptions}   failures {st.failures}", highlight=False)
+        if st.error and st.state is JobState.FAILED:
+            out.print("  last error:", highlight=False)
+            out.print(st.error, markup=False, highlight=False)
+        if events:
+            table = Table("time", "event", "state", "reason", box=None)
+            for e in job.events():
+                state = f"{e.from_state or ''} -> {e.to_state}" if e.to_state else ""
+                table.add_row(_time(e.at), e.kind, state, e.reason)
+            out.print(table)
+    if st.done and st.state is not JobState.SUCCEEDED:
+        raise typer.Exit(EXIT_JOB_FAILED)
+
+
+def _time(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _status_dict(st: JobStatus) -> dict:
+    d = dict(vars(st))
+    d["state"] = st.state.value
+    return d
+
+
+def _print_jobs(jobs: list[JobStatus], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps([_status_dict(s) for s in jobs], indent=2))
+        return
+    table = Table("id", "state", "accelerator", "tier", "step", "loss", "created", box=None)
+    for s in jobs:
+        table.add_row(s.id, s.state.value, s.accelerator, s.tier, f"{s.step}/{s.total_steps or '?'}",
+                      _fmt(s.loss, ".4f"), dt.datetime.fromtimestamp(s.created_at).strftime("%Y-%m-%d %H:%M"))
+    out.print(table)
+
+
+@app.command("list")
+def list_jobs(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """List all jobs."""
+    _print_jobs(Client().jobs(), as_json)
+
+
+@app.command()
+def logs(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
+         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends.")) -> None:
+    """Print a job's worker output, each line prefixed with its host."""
+    try:
+        job = Client().job(job_id)
+    except JobNotFoundError as e:
+        _fail(str(e))
+    if follow:
+        for line in job.follow_logs():
+            print(line, flush=True)
+    else:
+        sys.stdout.write(job.logs())
+
+
+@app.command()
+def cancel(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")) -> None:
+    """Cancel a job: its workers stop and its slice is released."""
+    client = Client()
+    try:
+        client.cancel(job_id)
+    except JobNotFoundError as e:
+        _fail(str(e))
+    finally:
+        client.close(stop_owned_cluster=False)
+    out.print(f"cancel requested for {client.job(job_id).id}", highlight=False)
+
+
+@app.command()
+def up() -> None:
+    """Start the embedded local Ray cluster (127.0.0.1, token auth) and its controller."""
+    client = Client()
+    try:
+        client.connect()
+    except ClusterError as e:
+        _fail(str(e), EXIT_JOB_FAILED)
+    import orchestrator.cluster as c
+
+    info = c.read_cluster(client.home)
+    client.close(stop_owned_cluster=False)
+    out.print(f"cluster up at {info.address} (state in {client.home.root}); stop it with: orchestrator down",
+              highlight=False)
+
+
+@app.command()
+def down() -> None:
+    """Cancel active jobs, release every slice and stop the embedded cluster."""
+    stopped = Client().down()
+    out.print("cluster stopped" if stopped else "no cluster was running", highlight=False)
+
+
+def main() -> None:
+    try:
+        app()
+    except OrchestratorError as e:
+        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
+        sys.exit(EXIT_JOB_FAILED)

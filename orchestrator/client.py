@@ -1,0 +1,269 @@
+"""The Python API: `Client().submit(JobSpec.from_yaml(path))` and the `Job` handle it returns.
+
+With no address, the client uses the embedded local cluster: the one `orchestrator up`
+started (recorded in the state directory), or a new one it starts itself. Reading a
+job (status, events, metrics, logs) needs only the state directory, not Ray, so it
+works from any shell.
+
+Examples::
+
+    from orchestrator import Client, JobSpec
+    client = Client()
+    job = client.submit(JobSpec.from_yaml("examples/tiny-lm.yaml"))
+    final = job.wait()
+    print(final.state, final.loss)
+    client.close()  # stops the cluster if this client started it
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from orchestrator import cluster
+from orchestrator.errors import ClusterError, JobNotFoundError
+from orchestrator.spec import JobSpec
+from orchestrator.states import JobState
+from orchestrator.store import Event, JobRecord, StepMetric, Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    id: str
+    name: str
+    state: JobState
+    reason: str
+    accelerator: str
+    tier: str
+    step: int  # completed steps
+    total_steps: int | None
+    loss: float | None
+    tokens_per_s: float | None
+    preemptions: int
+    failures: int
+    error: str | None
+    created_at: float
+    updated_at: float
+
+    @property
+    def done(self) -> bool:
+        return self.state.terminal
+
+
+class Job:
+    """A handle on one submitted job."""
+
+    def __init__(self, client: "Client", job_id: str):
+        self._client, self.id = client, job_id
+
+    def __repr__(self) -> str:
+        return f"Job({self.id!r})"
+
+    def record(self) -> JobRecord:
+        return self._client.store.job(self.id)
+
+    def status(self) -> JobStatus:
+        return _status(self.record(), self._client.store.last_step(self.id))
+
+    def wait(self, *, timeout_s: float | None = None, poll_s: float = 0.5,
+             on_update: Callable[[JobStatus], None] | None = None) -> JobStatus:
+        """Block until the job ends (or `timeout_s` passes: then TimeoutError); returns the final status."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            st = self.status()
+            if on_update:
+                on_update(st)
+            if st.done:
+                return st
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"job {self.id} still {st.state.value} after {timeout_s} s")
+            time.sleep(poll_s)
+
+    def events(self) -> list[Event]:
+        return self._client.store.events(self.id)
+
+    def metrics(self) -> list[StepMetric]:
+        """Per-step loss, tokens/s and step time (the newest generation's value for a recomputed step)."""
+        return self._client.store.steps(self.id)
+
+    def logs(self) -> str:
+        path = self._client.home.job_dir(self.id) / "job.log"
+        return path.read_text() if path.exists() else ""
+
+    def follow_logs(self, *, poll_s: float = 0.5) -> Iterator[str]:
+        """Yield log lines as they arrive, until the job ends."""
+        path = self._client.home.job_dir(self.id) / "job.log"
+        pos = 0
+        while True:
+            ended = self.status().done
+            if path.exists():
+                with open(path) as f:
+                    f.seek(pos)
+                    chunk = f.read()
+                    pos = f.tell()
+                yield from chunk.splitlines()
+            if ended:
+                return
+            time.sleep(poll_s)
+
+    def cancel(self) -> None:
+        self._client.cancel(self.id)
+
+
+class Client:
+    def __init__(self, *, address: str | None = None, home: str | Path | None = None):
+        self.home = (cluster.Home(Path(home).expanduser().resolve()) if home else cluster.Home.default()).ensure()
+        self.address = address
+        self.store = Store(self.home.db)
+        self._connected = False
+        self._owns_cluster = False
+
+    # -- cluster ---------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Reach the cluster (starting the embedded one if needed) and its controller."""
+        if self._connected:
+            return
+        import ray
+
+        if self.address is None:
+            cluster.apply_ray_env(self.home)
+            info = cluster.read_cluster(self.home)
+            if info is None:
+                info = cluster.start_head(self.home, owner="submit")
+                self._owns_cluster = True
+            address = info.address
+        else:
+            address = self.address
+        try:
+            ray.init(address=address, namespace=cluster.NAMESPACE, logging_level=logging.WARNING,
+                     log_to_driver=False, configure_logging=False)
+        except ConnectionError as e:
+            if self._owns_cluster:  # leave nothing running behind a failed start
+                cluster.stop_cluster(self.home)
+            raise ClusterError(f"cannot reach the Ray cluster at {address}: {e}") from None
+        self._connected = True
+        try:
+            self._ensure_controller(address)
+        except Exception:
+            self.close()
+            raise
+
+    def _ensure_controller(self, address: str):
+        import ray
+
+        from orchestrator.controller import Controller
+
+        try:
+            return ray.get_actor(cluster.CONTROLLER_NAME, namespace=cluster.NAMESPACE)
+        except ValueError:
+            pass
+        has_head_resource = ray.cluster_resources().get(cluster.CONTROLLER_RESOURCE, 0) > 0
+        ctrl = ray.remote(Controller).options(
+            name=cluster.CONTROLLER_NAME, namespace=cluster.NAMESPACE, lifetime="detached", get_if_exists=True,
+            num_cpus=0, max_concurrency=64, max_restarts=-1,
+            resources={cluster.CONTROLLER_RESOURCE: 0.01} if has_head_resource else None,
+        ).remote(str(self.home.root), address)
+        ray.get(ctrl.ping.remote(), timeout=120)
+        return ctrl
+
+    def controller(self):
+        import ray
+
+        self.connect()
+        return ray.get_actor(cluster.CONTROLLER_NAME, namespace=cluster.NAMESPACE)
+
+    @property
+    def owns_cluster(self) -> bool:
+        return self._owns_cluster
+
+    def close(self, *, stop_owned_cluster: bool = True) -> None:
+        """Disconnect; stop the embedded cluster if this client started it and no job is active."""
+        if not self._connected:
+            return
+        import ray
+
+        if stop_owned_cluster and self._owns_cluster and not self.store.jobs(active_only=True):
+            self._shutdown_controller()
+            ray.shutdown()
+            cluster.stop_cluster(self.home)
+        else:
+            ray.shutdown()
+        self._connected = False
+
+    def _shutdown_controller(self) -> None:
+        import ray
+
+        try:
+            ctrl = ray.get_actor(cluster.CONTROLLER_NAME, namespace=cluster.NAMESPACE)
+            ray.get(ctrl.shutdown.remote(), timeout=120)
+            ray.kill(ctrl, no_restart=True)
+        except ValueError:
+            pass
+
+    def down(self) -> bool:
+        """Cancel active jobs, release every slice, stop the embedded cluster. False if none ran."""
+        info = cluster.read_cluster(self.home)
+        if info is None:
+            self._release_recorded_slices()
+            return False
+        self.connect()
+        import ray
+
+        self._shutdown_controller()
+        ray.shutdown()
+        self._connected = False
+        self._release_recorded_slices()
+        cluster.stop_cluster(self.home)
+        return True
+
+    def _release_recorded_slices(self) -> None:
+        for rec in self.store.slices(live_only=True):
+            for pgid in rec["data"].get("pgids", []):
+                cluster.stop_group(pgid)
+            self.store.put_slice(rec["name"], rec["job_id"], rec["provider"], rec["accelerator"], rec["tier"],
+                                 "RELEASED", rec["data"])
+
+    # -- jobs ------------------------------------------------------------------
+
+    def submit(self, spec: JobSpec, *, workdir: str | Path | None = None) -> Job:
+        """Hand a job to the controller; returns at once with its handle."""
+        import ray
+
+        ctrl = self.controller()
+        job_id = ray.get(ctrl.submit.remote(spec.model_dump(mode="json"),
+                                            str(Path(workdir).resolve()) if workdir else None), timeout=60)
+        return Job(self, job_id)
+
+    def job(self, job_id: str) -> Job:
+        """A job by id, unique id prefix, or name (its newest job)."""
+        return Job(self, self.store.find_job(job_id).id)
+
+    def jobs(self) -> list[JobStatus]:
+        return [_status(j, self.store.last_step(j.id)) for j in self.store.jobs()]
+
+    def cancel(self, job_id: str) -> None:
+        job_id = self.store.find_job(job_id).id
+        self.store.update_job(job_id, cancel_requested=1)  # seen by the controller even if Ray is unreachable
+        if cluster.read_cluster(self.home) is not None or self.address is not None:
+            import ray
+
+            ray.get(self.controller().cancel.remote(job_id), timeout=60)
+
+
+def _status(job: JobRecord, last: StepMetric | None) -> JobStatus:
+    spec = job.spec
+    return JobStatus(
+        id=job.id, name=job.name, state=job.state, reason=job.reason, accelerator=spec.get("accelerator", "?"),
+        tier=spec.get("tier", "?"), step=(last.step + 1) if last else 0,
+        total_steps=(spec.get("workload") or {}).get("steps"), loss=last.loss if last else None,
+        tokens_per_s=last.tokens_per_s if last else None, preemptions=job.preemptions, failures=job.failures,
+        error=job.error, created_at=job.created_at, updated_at=job.updated_at)
+
+
+__all__ = ["Client", "Job", "JobStatus", "JobNotFoundError"]

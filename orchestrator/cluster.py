@@ -1,0 +1,253 @@
+"""The embedded local Ray cluster: where it lives on disk, how to start, reach and stop it.
+
+Everything the tool keeps is under one state directory (`Home`): ``$ORCHESTRATOR_HOME``,
+default ``~/.tpu-orchestrator``. The head node and every local "TPU host" node are
+``ray start --block`` processes, each in its own process group so that one signal
+removes a node whole (that is also how tests make a host vanish). All of them listen
+on 127.0.0.1 only and require Ray's token authentication; the token is a file in the
+state directory, readable by its owner only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from orchestrator.errors import ClusterError
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "tpu-orchestrator"
+CONTROLLER_NAME = "controller"
+CONTROLLER_RESOURCE = "orchestrator-controller"  # only the head has it: the controller never lands on a slice
+
+
+@dataclass(frozen=True)
+class Home:
+    """The state directory and the paths inside it."""
+
+    root: Path
+
+    @classmethod
+    def default(cls) -> "Home":
+        root = os.environ.get("ORCHESTRATOR_HOME") or str(Path.home() / ".tpu-orchestrator")
+        return cls(Path(root).expanduser().resolve())
+
+    def ensure(self) -> "Home":
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for sub in ("jobs", "checkpoints", "logs", "jax-cache"):
+            (self.root / sub).mkdir(exist_ok=True)
+        return self
+
+    @property
+    def db(self) -> Path:
+        return self.root / "state.db"
+
+    @property
+    def cluster_file(self) -> Path:
+        return self.root / "cluster.json"
+
+    @property
+    def token_file(self) -> Path:
+        return self.root / "auth_token"
+
+    @property
+    def compile_cache(self) -> Path:
+        return self.root / "jax-cache"
+
+    def job_dir(self, job_id: str) -> Path:
+        return _inside(self.root / "jobs", job_id)
+
+    def default_checkpoint_dir(self, job_name: str) -> Path:
+        return _inside(self.root / "checkpoints", job_name)
+
+
+def _inside(parent: Path, name: str) -> Path:
+    """`parent/name`, refusing any name that would step outside `parent`."""
+    path = (parent / name).resolve()
+    if path.parent != parent.resolve() or name in ("", ".", ".."):
+        raise ValueError(f"{name!r} would escape {parent}")
+    return path
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    address: str  # GCS address, 127.0.0.1:PORT
+    pgid: int  # process group of the head's `ray start --block`
+    dashboard_port: int
+    started_at: float
+    owner: str = "up"  # "up" (orchestrator up) or "submit" (started for one job)
+
+
+def ray_env(home: Home) -> dict[str, str]:
+    """Environment for every Ray process and driver of the embedded cluster."""
+    env = {
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # node address 127.0.0.1, ports bound to loopback
+        "RAY_AUTH_TOKEN_PATH": str(home.token_file),
+        "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token"),  # tests may set "disabled"
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",  # a released host goes at once
+        "ORCHESTRATOR_HOME": str(home.root),
+    }
+    return env
+
+
+def apply_ray_env(home: Home) -> None:
+    """Set `ray_env` in this process (before it talks to Ray) and make sure the token exists."""
+    ensure_token(home)
+    os.environ.update(ray_env(home))
+    import ray._private.ray_constants as ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # read at call time: keeps this driver on 127.0.0.1
+    # Ray caches its config and token at import; make this process see the values just set.
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def ensure_token(home: Home) -> None:
+    home.ensure()
+    if home.token_file.exists():
+        return
+    fd = os.open(home.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ray_start(home: Home, args: list[str], log_path: Path) -> subprocess.Popen:
+    ensure_token(home)
+    env = {**os.environ, **ray_env(home)}
+    for key in list(env):  # a fresh environment: nothing left over from an earlier slice
+        if key.startswith(("MEGASCALE_", "TPU_", "JAX_COORDINATOR")):
+            del env[key]
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log_path, "ab")
+    try:
+        return subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.raynode", "start", "--block", "--disable-usage-stats",
+             "--node-ip-address=127.0.0.1", "--object-store-memory", str(128 * 1024 * 1024),
+             f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
+             f"--runtime-env-agent-port={free_port()}", *args],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
+        )
+    finally:
+        out.close()
+
+
+def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ClusterError(f"the Ray head exited with code {proc.returncode}; see {log_path}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise ClusterError(f"the Ray head did not open port {port} within {timeout_s:.0f} s; see {log_path}")
+
+
+def start_head(home: Home, *, num_cpus: int = 2, owner: str = "up", timeout_s: float = 90.0) -> ClusterInfo:
+    home.ensure()
+    port, dash = free_port(), free_port()
+    log_path = home.root / "logs" / "head.log"
+    proc = _ray_start(home, ["--head", f"--port={port}", "--dashboard-host=127.0.0.1",
+                             f"--dashboard-port={dash}", f"--ray-client-server-port={free_port()}",
+                             f"--num-cpus={num_cpus}", f"--resources={json.dumps({CONTROLLER_RESOURCE: 1})}"], log_path)
+    try:
+        _wait_port(port, proc, timeout_s, log_path)
+    except ClusterError:
+        stop_group(proc.pid)
+        raise
+    info = ClusterInfo(f"127.0.0.1:{port}", proc.pid, dash, time.time(), owner)
+    home.cluster_file.write_text(json.dumps(asdict(info)))
+    log.info("started Ray head at %s (dashboard 127.0.0.1:%d)", info.address, dash)
+    return info
+
+
+def read_cluster(home: Home) -> ClusterInfo | None:
+    """The running cluster recorded in `home`, or None (a stale record is removed)."""
+    try:
+        info = ClusterInfo(**json.loads(home.cluster_file.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError, TypeError):
+        return None
+    if not group_alive(info.pgid):
+        home.cluster_file.unlink(missing_ok=True)
+        return None
+    return info
+
+
+def start_host_node(home: Home, *, address: str, resources: dict[str, float], labels: dict[str, str],
+                    log_path: Path, num_cpus: int = 1) -> int:
+    """Add one node to the cluster; returns its process group id."""
+    label_arg = ",".join(f"{k}={v}" for k, v in labels.items())
+    proc = _ray_start(home, [f"--address={address}", f"--num-cpus={num_cpus}",
+                             f"--resources={json.dumps(resources)}", f"--labels={label_arg}"], log_path)
+    return proc.pid
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A group whose leader is a zombie still answers; look at the leader.
+    try:
+        with open(f"/proc/{pgid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def stop_group(pgid: int, *, grace_s: float = 5.0, hard: bool = False) -> None:
+    """Stop every process of a node's group: SIGTERM, then SIGKILL after `grace_s` (or at once)."""
+    sig = signal.SIGKILL if hard else signal.SIGTERM
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and group_alive(pgid):
+        _reap(pgid)
+        time.sleep(0.1)
+    if group_alive(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _reap(pgid)
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def stop_cluster(home: Home) -> bool:
+    """Stop the recorded head (the caller releases slices first); False if none ran."""
+    info = read_cluster(home)
+    if info is None:
+        return False
+    stop_group(info.pgid, grace_s=10.0)
+    home.cluster_file.unlink(missing_ok=True)
+    return True

@@ -1,0 +1,166 @@
+"""Plan a job before running it: what each slice type x tier would cost, and what the policy would do.
+
+This is the glue between the catalog (prices, chips, hosts, peak FLOPs) and the pure
+cost policy in `policies.cost`. The CLI's ``orchestrator plan job.yaml [--trace FILE]``
+is meant to be a few lines over it::
+
+    from orchestrator.planning import plan_job, render_plan
+    plan = plan_job(tpu_types=["v4-16", "v4-32", "v4-64"], tiers=["spot", "on-demand"],
+                    total_tokens=20e9, deadline_hours=36, budget_usd=800, trace_path=None)
+    rich.console.Console().print(render_plan(plan))   # or print(plan_text(plan))
+
+`plan_job` replays the job on a spot capacity trace (the user's, or without one a
+synthetic trace drawn from the policy's own priors) from `windows` evenly spaced
+start times, once per fixed option (on spot: wait whenever the slice cannot be had,
+restart after each preemption) and once under the cost policy, which may move
+between all the allowed options. Expected figures are means over the windows; the
+risk of missing the deadline is the fraction of windows that missed it.
+
+Throughput before the job has measured any step times comes from a scaling model
+(`policies.cost.ScalingModel`) of a ~1B-parameter dense transformer; pass
+`flops_per_token` for another model, and `measured_tokens_per_s` (by type name) once
+the job has run.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.catalog import Tier, lookup
+from policies.cost import (
+    PRIOR_HOST_HAZARD_PER_HOUR,
+    PRIOR_OUTAGE_HOURS,
+    CostPolicy,
+    Option,
+    RestartCost,
+    ScalingModel,
+    estimate_tokens_per_s,
+)
+from policies.simulator import DecisionRecord, FixedPolicy, Run, SimJob, simulate
+from policies.traces import SpotTrace, load_trace, markov_trace
+
+# A ~1B-parameter dense decoder (24 layers, d_model 2048) on 2048-token sequences.
+DEFAULT_FLOPS_PER_TOKEN = 6 * 1.0e9 + 12 * 24 * 2048 * 2048
+REFERENCE_HOSTS = 4  # the synthetic trace's uptime is that of a 4-host slice under the prior
+
+
+def job_options(
+    tpu_types: Sequence[str],
+    tiers: Sequence[str],
+    *,
+    flops_per_token: float = DEFAULT_FLOPS_PER_TOKEN,
+    measured_tokens_per_s: Mapping[str, float] | None = None,
+    zone: str = "default",
+) -> tuple[Option, ...]:
+    """One policy `Option` per allowed type x tier, priced from the catalog."""
+    types = [lookup(name) for name in tpu_types]
+    measured = {(lookup(n).chips, lookup(n).hosts): v for n, v in (measured_tokens_per_s or {}).items()}
+    options = []
+    for t in types:
+        model = ScalingModel(flops_per_token, t.generation.peak_bf16_tflops_per_chip * 1e12)
+        speed = estimate_tokens_per_s(model, t.chips, t.hosts, measured)
+        for tier in tiers:
+            tier = Tier(tier)
+            options.append(Option(t.name, t.chips, t.hosts, tier.value, t.usd_per_hour(tier), speed, zone))
+    return tuple(options)
+
+
+@dataclass(frozen=True)
+class Outlook:
+    """Expected outcome of one way to run the job, over the trace windows."""
+
+    label: str  # "v4-32 spot", or "cost policy"
+    expected_cost_usd: float
+    expected_hours: float | None  # mean over the windows that finished
+    deadline_miss_risk: float  # fraction of windows that missed the deadline
+    within_budget: bool
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    total_tokens: float
+    deadline_hours: float
+    budget_usd: float | None
+    trace: str
+    windows: int
+    options: tuple[Outlook, ...]  # one per type x tier, run on that option alone
+    policy: Outlook  # the cost policy, free to move between the options
+    policy_moves: tuple[DecisionRecord, ...]  # what it did in the first window, with reasons
+
+
+def plan_job(
+    *,
+    tpu_types: Sequence[str],
+    tiers: Sequence[str],
+    total_tokens: float,
+    deadline_hours: float,
+    budget_usd: float | None = None,
+    trace_path: str | Path | None = None,
+    flops_per_token: float = DEFAULT_FLOPS_PER_TOKEN,
+    measured_tokens_per_s: Mapping[str, float] | None = None,
+    restart: RestartCost = RestartCost(),
+    windows: int = 6,
+) -> JobPlan:
+    """Expected cost, time and deadline risk of each type x tier, and of the cost policy."""
+    options = job_options(tpu_types, tiers, flops_per_token=flops_per_token,
+                          measured_tokens_per_s=measured_tokens_per_s)
+    job = SimJob(total_tokens, deadline_hours * 3600, options, budget_usd)
+    trace = load_trace(trace_path) if trace_path else _prior_trace(deadline_hours, windows)
+    starts = [i * trace.duration_s / windows for i in range(windows)]
+
+    def outlook(label: str, policy) -> tuple[Outlook, list[Run]]:
+        runs = [simulate(policy, job, trace, start_s=s, restart=restart) for s in starts]
+        cost = sum(r.cost_usd for r in runs) / len(runs)
+        hours = [r.hours for r in runs if r.hours is not None]
+        miss = sum(not r.deadline_met for r in runs) / len(runs)
+        within = budget_usd is None or cost <= budget_usd
+        return Outlook(label, cost, sum(hours) / len(hours) if hours else None, miss, within), runs
+
+    fixed = tuple(outlook(o.label, FixedPolicy(o, o.label))[0] for o in options)
+    policy, runs = outlook("cost policy", CostPolicy())
+    return JobPlan(total_tokens, deadline_hours, budget_usd, trace.name, windows, fixed, policy, runs[0].decisions)
+
+
+def _prior_trace(deadline_hours: float, windows: int) -> SpotTrace:
+    """Without a user trace: a two-state trace with the policy's prior uptime and outages."""
+    mean_up_h = 1 / (REFERENCE_HOSTS * PRIOR_HOST_HAZARD_PER_HOUR)
+    return markov_trace(mean_up_h=mean_up_h, mean_down_h=PRIOR_OUTAGE_HOURS,
+                        hours=max(24 * 14, 2 * windows * deadline_hours), seed=0)
+
+
+def render_plan(plan: JobPlan) -> Table:
+    """A rich Table: one row per option and one for the policy, then the policy's moves as caption."""
+    budget = "no budget" if plan.budget_usd is None else f"budget ${plan.budget_usd:,.0f}"
+    table = Table(title=f"{plan.total_tokens / 1e9:g}B tokens, deadline {plan.deadline_hours:g} h, {budget} "
+                        f"(trace {plan.trace}, {plan.windows} windows)")
+    for column in ("option", "expected cost", "$ / B tokens", "expected time", "deadline risk", "budget"):
+        table.add_column(column, justify="left" if column == "option" else "right")
+    for o in (*plan.options, plan.policy):
+        table.add_row(
+            o.label,
+            f"${o.expected_cost_usd:,.0f}",
+            f"{o.expected_cost_usd / plan.total_tokens * 1e9:,.2f}",
+            "unfinished" if o.expected_hours is None else f"{o.expected_hours:.1f} h",
+            f"{o.deadline_miss_risk:.0%}",
+            "ok" if o.within_budget else "over",
+            style="bold" if o is plan.policy else None,
+        )
+    moves = [f"{m.at_s / 3600:6.2f} h  {m.option}: {m.reason}" for m in plan.policy_moves[:12]]
+    if len(plan.policy_moves) > 12:
+        moves.append(f"... {len(plan.policy_moves) - 12} more moves")
+    table.caption = "cost policy, first window:\n" + "\n".join(moves)
+    table.caption_justify = "left"
+    return table
+
+
+def plan_text(plan: JobPlan, *, width: int = 120) -> str:
+    """`render_plan` as plain text (for logs and tests)."""
+    console = Console(width=width, file=io.StringIO(), record=True, color_system=None)
+    console.print(render_plan(plan))
+    return console.export_text()

@@ -1,0 +1,144 @@
+"""The local provider: a "TPU slice" is `hosts(T)` new Ray nodes on this machine.
+
+Each host is its own `ray start --block` process group (raylet, agents, and later the
+worker process) carrying the resources and labels of a real TPU VM (see
+`providers.base`), with its CPU devices standing in for the host's chips. Releasing a
+slice stops its process groups; `kill_host` makes one vanish the way a preempted VM
+does (SIGKILL, no goodbye), which is what the fault-injection tests use.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+
+from orchestrator import cluster
+from orchestrator.errors import ProvisioningError
+from orchestrator.providers.base import (Host, Slice, SliceEvent, SliceEventKind, SliceRequest, host_node_labels,
+                                         host_node_resources, host_resource)
+from orchestrator.states import SliceState, check_slice
+
+log = logging.getLogger(__name__)
+
+
+class LocalProvider:
+    name = "local"
+
+    def __init__(self, home: cluster.Home, address: str, *, max_hosts: int = 8, on_change=None):
+        self.home, self.address, self.max_hosts = home, address, max_hosts
+        self._on_change = on_change or (lambda s, pgids: None)  # persists slices (the controller's store)
+        self._lock = threading.Lock()
+        self._slices: dict[str, Slice] = {}
+        self._pgids: dict[str, list[int]] = {}
+        self._events: list[SliceEvent] = []
+
+    def _set(self, s: Slice, state: SliceState | None = None) -> Slice:
+        if state is not None and state != s.state:
+            check_slice(s.name, s.state, state)
+            s = replace(s, state=state)
+        self._slices[s.name] = s
+        self._on_change(s, self._pgids.get(s.name, []))
+        return s
+
+    def adopt(self, s: Slice, pgids: list[int]) -> None:
+        """Take over a slice started by an earlier controller (found in the store)."""
+        with self._lock:
+            self._pgids[s.name] = list(pgids)
+            self._slices[s.name] = s
+
+    def hosts_in_use(self) -> int:
+        return sum(s.tpu_type.hosts for s in self._slices.values() if not s.state.terminal)
+
+    def request(self, req: SliceRequest) -> Slice:
+        t = req.tpu_type
+        with self._lock:
+            if self.hosts_in_use() + t.hosts > self.max_hosts:
+                raise ProvisioningError(
+                    f"local provider: {t.name} needs {t.hosts} hosts but only "
+                    f"{self.max_hosts - self.hosts_in_use()} of {self.max_hosts} are free on this machine",
+                    slice_name=req.name, transient=True)
+            hosts = tuple(Host(worker_id=i, resource=host_resource(req.name, i)) for i in range(t.hosts))
+            s = Slice(req.name, req.job_id, t, req.tier, req.zone or "local", SliceState.REQUESTED, hosts, self.name)
+            self._pgids[req.name] = []
+            s = self._set(s)
+            logdir = self.home.root / "logs" / "slices" / req.name
+            for i in range(t.hosts):
+                pgid = cluster.start_host_node(
+                    self.home, address=self.address, resources=host_node_resources(t, req.name, i),
+                    labels=host_node_labels(t, req.name, i), log_path=Path(logdir / f"host-{i}.log"))
+                self._pgids[req.name].append(pgid)
+            return self._set(s, SliceState.PROVISIONING)
+
+    def wait_ready(self, name: str, *, timeout_s: float) -> Slice:
+        deadline = time.monotonic() + timeout_s
+        s = self.get(name)
+        while True:
+            for i, pgid in enumerate(self._pgids.get(name, [])):
+                if not cluster.group_alive(pgid):
+                    self.release(name)
+                    raise ProvisioningError(
+                        f"host {i} of slice {name} exited while starting; see "
+                        f"{self.home.root / 'logs' / 'slices' / name / f'host-{i}.log'}", slice_name=name)
+            joined = self._joined_nodes(name)
+            if len(joined) == len(s.hosts):
+                hosts = tuple(replace(h, node_id=joined[h.worker_id]["NodeID"],
+                                      address=joined[h.worker_id]["NodeManagerAddress"]) for h in s.hosts)
+                with self._lock:
+                    return self._set(replace(self._slices[name], hosts=hosts), SliceState.READY)
+            if time.monotonic() > deadline:
+                self.release(name)
+                raise ProvisioningError(
+                    f"slice {name}: only {len(joined)} of {len(s.hosts)} hosts joined the cluster within "
+                    f"{timeout_s:.0f} s", slice_name=name, transient=True)
+            time.sleep(0.5)
+
+    @staticmethod
+    def _joined_nodes(name: str) -> dict[int, dict]:
+        out = {}
+        for n in ray.nodes():
+            labels = n.get("Labels") or {}
+            if n.get("Alive") and labels.get("ray.io/tpu-slice-name") == name:
+                out[int(labels["ray.io/tpu-worker-id"])] = n
+        return out
+
+    def get(self, name: str) -> Slice:
+        with self._lock:
+            return self._slices[name]
+
+    def list(self, *, job_id: str | None = None) -> list[Slice]:
+        with self._lock:
+            return [s for s in self._slices.values() if job_id is None or s.job_id == job_id]
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            s = self._slices.get(name)
+            pgids = self._pgids.get(name, [])
+        for pgid in pgids:
+            cluster.stop_group(pgid, grace_s=5.0)
+        if s is not None and s.state is not SliceState.RELEASED:
+            with self._lock:
+                self._set(s, SliceState.RELEASED)
+            log.info("released slice %s (%d hosts)", name, len(pgids))
+
+    def kill_host(self, name: str, worker_id: int) -> None:
+        """Make one host vanish at once, as a preempted VM does (for fault injection)."""
+        cluster.stop_group(self._pgids[name][worker_id], hard=True, grace_s=2.0)
+
+    def poll_events(self) -> list[SliceEvent]:
+        with self._lock:
+            for s in list(self._slices.values()):
+                if s.state not in (SliceState.READY, SliceState.PREEMPTING):
+                    continue
+                for i, pgid in enumerate(self._pgids.get(s.name, [])):
+                    if not cluster.group_alive(pgid):
+                        self._events.append(SliceEvent(s.name, SliceEventKind.HOST_LOST,
+                                                       f"host {i} of slice {s.name} is gone", worker_id=i))
+                        self._set(s, SliceState.GONE)
+                        break
+            events, self._events = self._events, []
+        return events

@@ -1,0 +1,25 @@
+"""Run Ray's own `ray start` for a node of a single-machine cluster, kept on 127.0.0.1.
+
+Ray rewrites 127.0.0.1 to the machine's network address, and refuses to start worker
+nodes in its loopback mode, so a local multi-node cluster would listen on every
+interface. This entry point runs the unchanged `ray start` command with those two
+checks relaxed for this process only: every node then binds to 127.0.0.1, which is
+what a cluster that lives on one machine should do. Used as
+``python -m orchestrator.raynode start --block ...``.
+"""
+
+import os
+import sys
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # children (raylet, workers) stay on loopback
+
+import ray._private.ray_constants as ray_constants  # noqa: E402
+import ray._private.services as services  # noqa: E402
+
+ray_constants.ENABLE_RAY_CLUSTER = True  # allow `ray start --address` for worker nodes
+services.resolve_ip_for_localhost = lambda host: host
+
+from ray.scripts.scripts import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

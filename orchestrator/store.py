@@ -1,0 +1,289 @@
+"""The durable store: jobs, their events, per-step metrics and slices, in SQLite (WAL).
+
+The only module that writes SQL. Each state change is one transaction: a guarded
+UPDATE that succeeds only from an allowed previous state, plus its event row, so a
+crash never leaves a state without its event or the reverse. Readers (`status`,
+`logs` from another shell) never block the controller's writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from orchestrator.errors import IllegalTransitionError, JobNotFoundError
+from orchestrator.states import JOB_TRANSITIONS, JobState
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    spec TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    generation INTEGER NOT NULL DEFAULT 0,
+    preemptions INTEGER NOT NULL DEFAULT 0,
+    failures INTEGER NOT NULL DEFAULT 0,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    error TEXT,
+    result TEXT
+);
+CREATE TABLE IF NOT EXISTS events (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    at REAL NOT NULL,
+    kind TEXT NOT NULL,
+    from_state TEXT,
+    to_state TEXT,
+    reason TEXT NOT NULL,
+    data TEXT
+);
+CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
+CREATE TABLE IF NOT EXISTS steps (
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    generation INTEGER NOT NULL,
+    loss REAL NOT NULL,
+    tokens_per_s REAL,
+    step_time_s REAL,
+    at REAL NOT NULL,
+    PRIMARY KEY (job_id, step)
+);
+CREATE TABLE IF NOT EXISTS slices (
+    name TEXT PRIMARY KEY,
+    job_id TEXT NOT NULL,
+    provider TEXT NOT NULL,
+    accelerator TEXT NOT NULL,
+    tier TEXT NOT NULL,
+    state TEXT NOT NULL,
+    data TEXT NOT NULL,
+    updated_at REAL NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    id: str
+    name: str
+    spec: dict
+    state: JobState
+    reason: str
+    created_at: float
+    updated_at: float
+    generation: int
+    preemptions: int
+    failures: int
+    cancel_requested: bool
+    error: str | None
+    result: dict | None
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    job_id: str
+    at: float
+    kind: str
+    from_state: str | None
+    to_state: str | None
+    reason: str
+    data: dict | None
+
+
+@dataclass(frozen=True)
+class StepMetric:
+    step: int
+    generation: int
+    loss: float
+    tokens_per_s: float | None
+    step_time_s: float | None
+    at: float
+
+
+class Store:
+    def __init__(self, path: Path | str):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._conn().executescript(_SCHEMA)  # idempotent; executescript commits on its own
+        with self._tx() as db:
+            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row[0]) > SCHEMA_VERSION:
+                raise RuntimeError(f"{self.path} has schema version {row[0]}; this version reads {SCHEMA_VERSION}")
+
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=30000")
+            conn.row_factory = sqlite3.Row
+            self._local.conn = conn
+        return conn
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        db = self._conn()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    # -- jobs ------------------------------------------------------------------
+
+    def create_job(self, job_id: str, name: str, spec: dict, *, reason: str = "submitted") -> JobRecord:
+        now = time.time()
+        with self._tx() as db:
+            db.execute(
+                "INSERT INTO jobs (id, name, spec, state, reason, created_at, updated_at) VALUES (?,?,?,?,?,?,?)",
+                (job_id, name, json.dumps(spec), JobState.PENDING.value, reason, now, now),
+            )
+            self._event(db, job_id, "state", None, JobState.PENDING.value, reason, None, now)
+        return self.job(job_id)
+
+    def transition(self, job_id: str, target: JobState, reason: str, *, data: dict | None = None,
+                   **fields: Any) -> JobRecord:
+        """Move a job to `target` if its current state allows it, with an event; `fields` update columns too."""
+        allowed_from = [s.value for s, nxt in JOB_TRANSITIONS.items() if target in nxt]
+        now = time.time()
+        with self._tx() as db:
+            row = db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
+            if row is None:
+                raise JobNotFoundError(job_id)
+            sets, args = self._field_sets(fields)
+            cur = db.execute(
+                f"UPDATE jobs SET state=?, reason=?, updated_at=?{sets} WHERE id=? AND state IN "
+                f"({','.join('?' * len(allowed_from))})",
+                (target.value, reason, now, *args, job_id, *allowed_from),
+            )
+            if cur.rowcount != 1:
+                raise IllegalTransitionError("job", job_id, row["state"], target.value)
+            self._event(db, job_id, "state", row["state"], target.value, reason, data, now)
+        return self.job(job_id)
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        sets, args = self._field_sets(fields)
+        with self._tx() as db:
+            db.execute(f"UPDATE jobs SET updated_at=?{sets} WHERE id=?", (time.time(), *args, job_id))
+
+    def bump_generation(self, job_id: str) -> int:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET generation = generation + 1 WHERE id=?", (job_id,))
+            return db.execute("SELECT generation FROM jobs WHERE id=?", (job_id,)).fetchone()[0]
+
+    @staticmethod
+    def _field_sets(fields: dict[str, Any]) -> tuple[str, list[Any]]:
+        allowed = {"generation", "preemptions", "failures", "cancel_requested", "error", "result"}
+        bad = set(fields) - allowed
+        if bad:
+            raise ValueError(f"not job fields: {sorted(bad)}")
+        args = [json.dumps(v) if k == "result" and v is not None else v for k, v in fields.items()]
+        return "".join(f", {k}=?" for k in fields), args
+
+    def job(self, job_id: str) -> JobRecord:
+        row = self._conn().execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
+        if row is None:
+            raise JobNotFoundError(job_id)
+        return _job(row)
+
+    def jobs(self, *, active_only: bool = False) -> list[JobRecord]:
+        rows = self._conn().execute("SELECT * FROM jobs ORDER BY created_at").fetchall()
+        out = [_job(r) for r in rows]
+        return [j for j in out if not j.state.terminal] if active_only else out
+
+    def find_job(self, prefix: str) -> JobRecord:
+        """A job by id or unique id prefix or unique name (the most recent job of that name)."""
+        db = self._conn()
+        row = db.execute("SELECT * FROM jobs WHERE id=?", (prefix,)).fetchone()
+        if row is None:
+            rows = db.execute("SELECT * FROM jobs WHERE id LIKE ? ORDER BY created_at", (prefix + "%",)).fetchall()
+            if len(rows) != 1:
+                rows = db.execute("SELECT * FROM jobs WHERE name=? ORDER BY created_at", (prefix,)).fetchall()
+            if not rows:
+                raise JobNotFoundError(prefix)
+            row = rows[-1]
+        return _job(row)
+
+    # -- events and metrics ----------------------------------------------------
+
+    def add_event(self, job_id: str, kind: str, reason: str, data: dict | None = None) -> None:
+        with self._tx() as db:
+            self._event(db, job_id, kind, None, None, reason, data, time.time())
+
+    @staticmethod
+    def _event(db, job_id, kind, from_state, to_state, reason, data, at) -> None:
+        db.execute(
+            "INSERT INTO events (job_id, at, kind, from_state, to_state, reason, data) VALUES (?,?,?,?,?,?,?)",
+            (job_id, at, kind, from_state, to_state, reason, json.dumps(data) if data else None),
+        )
+
+    def events(self, job_id: str, *, after_seq: int = 0) -> list[Event]:
+        rows = self._conn().execute(
+            "SELECT * FROM events WHERE job_id=? AND seq>? ORDER BY seq", (job_id, after_seq)).fetchall()
+        return [Event(r["seq"], r["job_id"], r["at"], r["kind"], r["from_state"], r["to_state"], r["reason"],
+                      json.loads(r["data"]) if r["data"] else None) for r in rows]
+
+    def record_steps(self, job_id: str, generation: int, rows: list[tuple[int, float, float | None, float | None]]) -> None:
+        """Upsert (step, loss, tokens/s, step time) rows; a recomputed step keeps the newest generation's value."""
+        now = time.time()
+        with self._tx() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO steps (job_id, step, generation, loss, tokens_per_s, step_time_s, at) "
+                "VALUES (?,?,?,?,?,?,?)",
+                [(job_id, s, generation, loss, tps, dt, now) for s, loss, tps, dt in rows],
+            )
+
+    def steps(self, job_id: str) -> list[StepMetric]:
+        rows = self._conn().execute(
+            "SELECT step, generation, loss, tokens_per_s, step_time_s, at FROM steps WHERE job_id=? ORDER BY step",
+            (job_id,)).fetchall()
+        return [StepMetric(*tuple(r)) for r in rows]
+
+    def last_step(self, job_id: str) -> StepMetric | None:
+        row = self._conn().execute(
+            "SELECT step, generation, loss, tokens_per_s, step_time_s, at FROM steps WHERE job_id=? "
+            "ORDER BY step DESC LIMIT 1", (job_id,)).fetchone()
+        return StepMetric(*tuple(row)) if row else None
+
+    # -- slices ----------------------------------------------------------------
+
+    def put_slice(self, name: str, job_id: str, provider: str, accelerator: str, tier: str, state: str,
+                  data: dict) -> None:
+        with self._tx() as db:
+            db.execute("INSERT OR REPLACE INTO slices VALUES (?,?,?,?,?,?,?,?)",
+                       (name, job_id, provider, accelerator, tier, state, json.dumps(data), time.time()))
+
+    def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[dict]:
+        q, args = "SELECT * FROM slices", []
+        if job_id is not None:
+            q, args = q + " WHERE job_id=?", [job_id]
+        out = [dict(r) | {"data": json.loads(r["data"])} for r in self._conn().execute(q, args).fetchall()]
+        return [s for s in out if s["state"] not in ("GONE", "RELEASED")] if live_only else out
+
+
+def _job(row: sqlite3.Row) -> JobRecord:
+    return JobRecord(
+        id=row["id"], name=row["name"], spec=json.loads(row["spec"]), state=JobState(row["state"]),
+        reason=row["reason"], created_at=row["created_at"], updated_at=row["updated_at"],
+        generation=row["generation"], preemptions=row["preemptions"], failures=row["failures"],
+        cancel_requested=bool(row["cancel_requested"]), error=row["error"],
+        result=json.loads(row["result"]) if row["result"] else None,
+    )

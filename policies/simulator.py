@@ -1,0 +1,357 @@
+"""Replay a spot capacity trace against any policy; baselines; the hindsight optimum.
+
+The simulated world (one job, one zone):
+
+- Time advances in steps of at most `MAX_STEP_S` (the trace's tick split evenly), and
+  the policy is asked for a decision at the start of every step, seeing only the past
+  and the present capacity.
+- Spot capacity comes from the trace (see `policies.traces`); on-demand is always there.
+- A new slice spends `provisioning_s` (not billed), then `startup_s` (billed, no
+  progress), both rounded up to whole steps, then trains at its `tokens_per_s`.
+- A spot slice whose size exceeds the capacity at a step is preempted there: the
+  work since its last checkpoint (one every `checkpoint_interval_s` of training) is
+  lost. The 30 s preemption notice is not used (orbax may not finish a save in it).
+- A slice the policy gives up voluntarily is checkpointed first, so nothing is lost.
+- Billing stops the moment the last token is trained.
+
+`hindsight_optimum` is the lower bound: a dynamic programme over the same steps that
+knows the whole trace, and so also knows when each preemption comes and loses no work
+to it. Everything else (overheads, billing, capacity) is the same as in `simulate`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from policies.cost import (
+    SAFETY_MARGIN_S,
+    SPOT,
+    Decision,
+    Option,
+    RestartCost,
+    Snapshot,
+    SpotAvailability,
+    SpotHazard,
+)
+from policies.traces import SpotTrace
+
+MAX_STEP_S = 60.0
+MAX_DEADLINES_SIMULATED = 20  # a run still unfinished after 20 deadlines is reported unfinished
+
+
+@dataclass(frozen=True)
+class SimJob:
+    total_tokens: float
+    deadline_s: float  # from the job's start
+    options: tuple[Option, ...]
+    budget_usd: float | None = None
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, snap: Snapshot) -> Decision: ...
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    at_s: float
+    option: str  # label, or "wait"
+    reason: str
+
+
+@dataclass(frozen=True)
+class Run:
+    """The outcome of one job under one policy on one trace window."""
+
+    policy: str
+    trace: str
+    start_s: float  # offset into the trace
+    total_tokens: float
+    deadline_s: float
+    cost_usd: float
+    finish_s: float | None  # from the job's start; None if unfinished
+    tokens_trained: float  # every token computed, including those lost to preemptions
+    tokens_lost: float
+    preemptions: int
+    slices_started: int  # the first slice and every restart
+    billed_s: dict[str, float] = field(default_factory=dict)  # by option label
+    decisions: tuple[DecisionRecord, ...] = ()
+
+    @property
+    def deadline_met(self) -> bool:
+        return self.finish_s is not None and self.finish_s <= self.deadline_s
+
+    @property
+    def hours(self) -> float | None:
+        return None if self.finish_s is None else self.finish_s / 3600
+
+    @property
+    def usd_per_btok(self) -> float:
+        return self.cost_usd / self.total_tokens * 1e9
+
+
+def step_seconds(trace: SpotTrace) -> float:
+    """The simulation step: the trace tick, split evenly into pieces of at most MAX_STEP_S."""
+    return trace.gap_s / math.ceil(trace.gap_s / MAX_STEP_S)
+
+
+def quantized_restart(restart: RestartCost, step_s: float) -> RestartCost:
+    """The restart the simulator really charges: overheads rounded up to whole steps."""
+    return RestartCost(
+        math.ceil(restart.provisioning_s / step_s - 1e-9) * step_s,
+        math.ceil(restart.startup_s / step_s - 1e-9) * step_s,
+        restart.checkpoint_interval_s,
+    )
+
+
+def simulate(
+    policy: Policy,
+    job: SimJob,
+    trace: SpotTrace,
+    *,
+    start_s: float = 0.0,
+    restart: RestartCost = RestartCost(),
+    hazard: SpotHazard = SpotHazard(),
+    availability: SpotAvailability = SpotAvailability(),
+    zone: str = "default",
+) -> Run:
+    """Run `job` under `policy` from `start_s` into `trace`; see the module docstring for the rules."""
+    dt = step_seconds(trace)
+    restart = quantized_restart(restart, dt)
+    prov_steps = round(restart.provisioning_s / dt)
+    startup_steps = round(restart.startup_s / dt)
+    max_steps = math.ceil(MAX_DEADLINES_SIMULATED * job.deadline_s / dt)
+    capacity = trace.capacity_chips(start_s, dt, max_steps)
+    spot_sizes = sorted({o.chips for o in job.options if o.tier == SPOT})
+
+    held: Option | None = None
+    overhead_steps = 0  # steps left before the held slice trains
+    done = committed = trained = lost = cost = 0.0
+    since_checkpoint_s = 0.0
+    preemptions = slices_started = 0
+    billed: dict[str, float] = {}
+    decisions: list[DecisionRecord] = []
+    finish_s: float | None = None
+
+    for i in range(max_steps):
+        now, cap = i * dt, int(capacity[i])
+        if i > 0:  # learn from the step that just ended
+            availability = availability.observe(zone, spot_sizes, int(capacity[i - 1]), dt)
+        if held is not None and held.preemptible and cap < held.chips:
+            if overhead_steps <= startup_steps:  # billed, so the slice existed: a preemption
+                preemptions += 1
+                hazard = hazard.observe(held.tier, held.zone, host_hours=0.0, preemptions=1)
+                lost += done - committed
+                done = committed
+            held, since_checkpoint_s = None, 0.0
+        ready_in = overhead_steps * dt if held is not None else 0.0
+        snap = Snapshot(now, job.deadline_s, job.total_tokens, done, committed, job.options, cap, held,
+                        ready_in, hazard, availability, restart, cost, job.budget_usd, dt)
+        decision = policy.decide(snap)
+        target = decision.option
+        if target is not None and target.preemptible and target.chips > cap:
+            target = None  # asked for spot that cannot be had: nothing starts
+        if target != held:
+            decisions.append(DecisionRecord(now, target.label if target else "wait", decision.reason))
+            committed = done  # a planned stop checkpoints first
+            since_checkpoint_s = 0.0
+            held = target
+            if held is not None:
+                slices_started += 1
+                overhead_steps = prov_steps + startup_steps
+        if held is None:
+            continue
+        usd_per_s = held.usd_per_hour / 3600
+        if overhead_steps > 0:
+            if overhead_steps <= startup_steps:
+                cost += usd_per_s * dt
+                billed[held.label] = billed.get(held.label, 0.0) + dt
+                if held.preemptible:
+                    hazard = hazard.observe(held.tier, held.zone, host_hours=held.hosts * dt / 3600)
+            overhead_steps -= 1
+            continue
+        run_s = min(dt, (job.total_tokens - done) / held.tokens_per_s)
+        cost += usd_per_s * run_s
+        billed[held.label] = billed.get(held.label, 0.0) + run_s
+        if held.preemptible:
+            hazard = hazard.observe(held.tier, held.zone, host_hours=held.hosts * run_s / 3600)
+        done += held.tokens_per_s * run_s
+        trained += held.tokens_per_s * run_s
+        if run_s < dt or done >= job.total_tokens:
+            done = committed = job.total_tokens  # the final checkpoint
+            finish_s = now + run_s
+            break
+        since_checkpoint_s += run_s
+        if since_checkpoint_s >= restart.checkpoint_interval_s:
+            since_checkpoint_s %= restart.checkpoint_interval_s
+            committed = done - held.tokens_per_s * since_checkpoint_s
+
+    return Run(policy.name, trace.name, start_s, job.total_tokens, job.deadline_s, cost, finish_s,
+               trained, lost, preemptions, slices_started, billed, tuple(decisions))
+
+
+# --- Baselines ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FixedPolicy:
+    """Always the same option; for spot, wait whenever it cannot be had and restart after."""
+
+    option: Option
+    name: str = "fixed"
+
+    def decide(self, snap: Snapshot) -> Decision:
+        if self.option.preemptible and self.option.chips > snap.spot_chips_available:
+            return Decision(None, f"wait for spot {self.option.name}", math.nan, math.nan)
+        return Decision(self.option, f"always {self.option.label}", math.nan, math.nan)
+
+
+@dataclass(frozen=True)
+class GreedyPolicy:
+    """Can't Be Late's greedy rule: spot whenever it can be had, else wait; once the slack
+    to finish on on-demand falls under the margin, on-demand until the end."""
+
+    spot: Option
+    on_demand: Option
+    safety_margin_s: float = SAFETY_MARGIN_S
+    name: str = "greedy"
+
+    def decide(self, snap: Snapshot) -> Decision:
+        left = snap.total_tokens - snap.tokens_committed
+        fallback_s = snap.decision_interval_s + snap.restart.overhead_s + left / self.on_demand.tokens_per_s
+        if snap.current == self.on_demand or snap.deadline_s - snap.now_s - fallback_s < self.safety_margin_s:
+            return Decision(self.on_demand, "slack exhausted: on-demand to the end", math.nan, math.nan)
+        if self.spot.chips <= snap.spot_chips_available:
+            return Decision(self.spot, "spot available", math.nan, math.nan)
+        return Decision(None, "wait for spot", math.nan, math.nan)
+
+
+# --- Hindsight optimum ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Optimum:
+    """The cheapest any policy could do on this trace window, knowing the future."""
+
+    lower_bound_usd: float  # no run meeting the deadline costs less (Lagrangian dual of the DP)
+    schedule_cost_usd: float  # an actual clairvoyant schedule; the optimum lies in between
+    schedule_finish_s: float
+    feasible: bool
+
+
+def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0, restart: RestartCost = RestartCost()) -> Optimum:
+    """Lower bound on the cost of finishing `job` by its deadline on this trace window.
+
+    The exact problem (state: step, slice, progress) is too large for a progress grid
+    fine enough to be exact, so we relax the token target with a price `mu` per token:
+    g(mu) = min over schedules of [cost - mu * tokens] + mu * total_tokens. Every
+    schedule that finishes costs at least g(mu), so max over mu of g is a lower bound
+    (weak duality); g is concave in mu, and we find its maximum by zooming a grid. For
+    each mu the inner minimum is an exact DP over (step, idle | slice x overhead left).
+    """
+    dt = step_seconds(trace)
+    restart = quantized_restart(restart, dt)
+    prov, startup = round(restart.provisioning_s / dt), round(restart.startup_s / dt)
+    steps = math.ceil(job.deadline_s / dt - 1e-9)
+    dp = _DualProgramme(job.options, trace.capacity_chips(start_s, dt, steps), dt, prov, startup)
+    per_token = np.array([o.usd_per_token for o in job.options])
+    grid = np.geomspace(0.5 * per_token.min(), 200 * per_token.max(), 24)
+    g = dp.dual(grid, job.total_tokens)
+    if g[-1] > g[-2] and dp.schedule(grid[-1], job.total_tokens)[0] < job.total_tokens:
+        return Optimum(math.inf, math.inf, math.inf, False)  # not even the clairvoyant finishes
+    for _ in range(3):
+        k = int(np.argmax(g))
+        grid = np.linspace(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)], 16)
+        g = dp.dual(grid, job.total_tokens)
+    k = int(np.argmax(g))
+    # A run that finishes mid-step pays only part of that step; the DP pays whole steps.
+    bound = max(float(g[k]) - dt * max(o.usd_per_hour for o in job.options) / 3600, 0.0)
+    for mu in (*grid[k + 1:], grid[-1] * 1.01, grid[-1] * 1.1):  # just above the maximiser the target is reached
+        progress, cost, finish_s = dp.schedule(mu, job.total_tokens)
+        if progress >= job.total_tokens:
+            return Optimum(bound, cost, finish_s, True)
+    return Optimum(bound, math.nan, math.nan, True)
+
+
+class _DualProgramme:
+    """The inner DP of `hindsight_optimum`.
+
+    State at a step boundary: idle, or (slice c, j overhead steps left; j = 0 trains).
+    At each boundary a slice may be given up for free (the clairvoyant job checkpoints
+    just before each preemption) and a new one requested, entering at j = prov + startup.
+    Overhead steps j <= startup are billed; training steps are billed and add tokens.
+    """
+
+    def __init__(self, options, capacity, dt, prov, startup):
+        self.dt, self.k = dt, prov + startup
+        self.price = np.array([o.usd_per_hour / 3600 * dt for o in options])  # $ per step
+        self.tokens = np.array([o.tokens_per_s * dt for o in options])  # tokens per training step
+        chips = np.array([o.chips for o in options])
+        spot = np.array([o.preemptible for o in options])
+        usable = ~spot[None, :] | (chips[None, :] <= np.asarray(capacity)[:, None])  # [step, option]
+        self.blocked = np.where(usable, 0.0, np.inf)[:, None, :, None]  # [step, 1, option, 1]
+        j = np.arange(self.k + 1)
+        self.step_cost = self.price[:, None] * ((j >= 1) & (j <= startup))[None, :]  # [option, j]
+
+    def _step_value(self, mu: np.ndarray) -> np.ndarray:
+        value = np.broadcast_to(self.step_cost, (len(mu), *self.step_cost.shape)).copy()
+        value[:, :, 0] = self.price[None, :] - mu[:, None] * self.tokens[None, :]
+        return value  # [mu, option, j]: cost minus mu x tokens of spending one step in the state
+
+    def dual(self, mu: np.ndarray, total_tokens: float) -> np.ndarray:
+        """g(mu) for each price in `mu`."""
+        k, step_value = self.k, self._step_value(mu)
+        value = np.full(step_value.shape, np.inf)
+        idle = np.zeros(len(mu))
+        for blocked in self.blocked:
+            idle = np.minimum(idle, value.reshape(len(mu), -1).min(axis=1))
+            value[:, :, k] = np.minimum(value[:, :, k], idle[:, None])
+            value += blocked
+            new = np.full_like(value, np.inf)  # nobody is at j = k until a slice is requested
+            new[:, :, :k] = value[:, :, 1:] + step_value[:, :, 1:]
+            new[:, :, 0] = np.minimum(new[:, :, 0], value[:, :, 0] + step_value[:, :, 0])
+            value = new
+        return np.minimum(idle, value.reshape(len(mu), -1).min(axis=1)) + mu * total_tokens
+
+    def schedule(self, mu: float, total_tokens: float) -> tuple[float, float, float]:
+        """The minimising schedule at one price: its tokens, its cost up to the target, and
+        when it reached the target (inf if it did not). The same DP as `dual`, carrying
+        these along the argmin path."""
+        k, step_value = self.k, self._step_value(np.array([mu]))[0]
+        value = np.full(step_value.shape, np.inf)
+        tokens, cost, finish = np.zeros_like(value), np.zeros_like(value), np.full_like(value, np.inf)
+        idle, idle_carry = 0.0, (0.0, 0.0, math.inf)
+        for t, blocked in enumerate(self.blocked[:, 0]):
+            best = np.unravel_index(np.argmin(value), value.shape)
+            if value[best] < idle:  # give the slice up
+                idle, idle_carry = float(value[best]), (tokens[best], cost[best], finish[best])
+            enter = idle < value[:, k]
+            value[:, k] = np.where(enter, idle, value[:, k])
+            for array, carried in zip((tokens, cost, finish), idle_carry):
+                array[:, k] = np.where(enter, carried, array[:, k])
+            value = value + blocked
+            new_value, new_tokens, new_cost, new_finish = (np.full_like(value, np.inf), np.zeros_like(value),
+                                                           np.zeros_like(value), np.full_like(value, np.inf))
+            new_value[:, :k] = value[:, 1:] + step_value[:, 1:]
+            new_tokens[:, :k], new_finish[:, :k] = tokens[:, 1:], finish[:, 1:]
+            unfinished = np.isinf(finish[:, 1:])
+            new_cost[:, :k] = cost[:, 1:] + np.where(unfinished, self.step_cost[:, 1:], 0.0)
+            train = value[:, 0] + step_value[:, 0]
+            trains = train <= new_value[:, 0]
+            reached = np.isinf(finish[:, 0]) & (tokens[:, 0] + self.tokens >= total_tokens)
+            part = np.clip((total_tokens - tokens[:, 0]) / self.tokens, 0.0, 1.0)
+            billed = np.where(np.isinf(finish[:, 0]), np.where(reached, part, 1.0), 0.0) * self.price
+            new_value[:, 0] = np.where(trains, train, new_value[:, 0])
+            new_tokens[:, 0] = np.where(trains, tokens[:, 0] + self.tokens, new_tokens[:, 0])
+            new_cost[:, 0] = np.where(trains, cost[:, 0] + billed, new_cost[:, 0])
+            new_finish[:, 0] = np.where(trains, np.where(reached, (t + part) * self.dt, finish[:, 0]), new_finish[:, 0])
+            value, tokens, cost, finish = new_value, new_tokens, new_cost, new_finish
+        best = np.unravel_index(np.argmin(value), value.shape)
+        if value[best] < idle:
+            return float(tokens[best]), float(cost[best]), float(finish[best])
+        return float(idle_carry[0]), float(idle_carry[1]), float(idle_carry[2])

@@ -1,0 +1,378 @@
+"""The TPU API emulator, through the real client and over raw HTTP.
+
+These pin what the provider's tests rely on: the real API's state sequences, field
+names and error shapes, and faults that do what they say.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from google.api_core import exceptions as gexc
+from google.cloud import tpu_v2
+from google.longrunning import operations_pb2
+from google.protobuf import json_format
+
+from orchestrator.emulator import ControlClient, ControlError, Hooks, running_emulator, serve
+from orchestrator.emulator import machines as m
+
+pytestmark = pytest.mark.timeout(60)
+
+PROJECT, ZONE, ZONE_B = "p", "us-central2-b", "europe-west4-a"
+PARENT = f"projects/{PROJECT}/locations/{ZONE}"
+QR_NAME, NODE_NAME = f"{PARENT}/queuedResources/q1", f"{PARENT}/nodes/q1"
+QRState = tpu_v2.QueuedResourceState.State
+
+
+@pytest.fixture
+def emulator():
+    with running_emulator(time_scale=0.002) as emu:
+        yield emu
+    assert not [t for t in threading.enumerate() if t.name.startswith("tpu-emulator")]
+
+
+def qr_spec(node_id: str = "q1", parent: str = PARENT, accelerator: str = "v4-16", spot: bool = True):
+    node = tpu_v2.Node(accelerator_type=accelerator, runtime_version="tpu-ubuntu2204-base", labels={"job": "j1"})
+    spec = tpu_v2.QueuedResource.Tpu.NodeSpec(parent=parent, node_id=node_id, node=node)
+    tier = {"spot": tpu_v2.QueuedResource.Spot()} if spot else {"guaranteed": tpu_v2.QueuedResource.Guaranteed()}
+    return tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]), **tier)
+
+
+def create(client, qr_id: str = "q1", parent: str = PARENT, **kw):
+    return client.create_queued_resource(parent=parent, queued_resource_id=qr_id,
+                                         queued_resource=qr_spec(qr_id, parent, **kw))
+
+
+def wait_state(client, name: str, state, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        qr = client.get_queued_resource(name=name)
+        if qr.state.state == state:
+            return qr
+        time.sleep(0.005)
+    raise AssertionError(f"{name} never reached {state.name}; last {qr.state.state.name}")
+
+
+def http(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, dict]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+# -- the state machines -------------------------------------------------------------------
+
+
+def test_queued_resource_walks_the_real_states_in_order():
+    # Slow enough (CREATING lasts 100 ms) that polling sees every state even on a busy machine.
+    with running_emulator(time_scale=0.02) as emu:
+        client = emu.client()
+        create(client)
+        seen, node_states = [], set()
+        deadline = time.monotonic() + 10
+        while (not seen or seen[-1] != "ACTIVE") and time.monotonic() < deadline:
+            st = client.get_queued_resource(name=QR_NAME).state.state.name
+            if not seen or seen[-1] != st:
+                seen.append(st)
+            if st == "PROVISIONING":
+                node_state = client.get_node(name=NODE_NAME).state.name
+                # Only count it if the queued resource was PROVISIONING on both sides of the look.
+                if client.get_queued_resource(name=QR_NAME).state.state.name == "PROVISIONING":
+                    node_states.add(node_state)
+            time.sleep(0.003)
+        assert seen == ["CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"]
+        assert node_states == {"CREATING"}
+        node = client.get_node(name=NODE_NAME)
+        assert node.state.name == "READY" and node.queued_resource == QR_NAME
+        assert len(node.network_endpoints) == 2  # v4-16: two hosts
+        assert node.scheduling_config.spot and node.labels["job"] == "j1"
+
+
+def test_create_operation_ends_when_the_queued_resource_is_accepted(emulator):
+    op = create(emulator.client())
+    assert not op.operation.done  # as the create call answered
+    qr = op.result(timeout=10)
+    assert qr.name == QR_NAME and qr.state.state != QRState.CREATING
+
+
+def test_every_move_is_checked_against_the_table():
+    with pytest.raises(m.EmulatorBug):
+        m.check_qr("q", m.ACTIVE, m.PROVISIONING)
+    with pytest.raises(m.EmulatorBug):
+        m.check_node("n", m.N_PREEMPTED, m.N_READY)
+    # Every state can reach DELETING, and DELETING is the end.
+    assert all(m.DELETING in nxt for s, nxt in m.QR_TRANSITIONS.items() if s != m.DELETING)
+    assert m.QR_TRANSITIONS[m.DELETING] == frozenset()
+
+
+def test_delete_of_an_active_queued_resource_needs_force(emulator):
+    client = emulator.client()
+    create(client)
+    wait_state(client, QR_NAME, QRState.ACTIVE)
+    with pytest.raises(gexc.BadRequest, match="force"):
+        client.delete_queued_resource(name=QR_NAME)
+    with pytest.raises(gexc.BadRequest, match="queued resource"):
+        client.delete_node(name=NODE_NAME)  # owned by the queued resource
+    op = client.delete_queued_resource(request=tpu_v2.DeleteQueuedResourceRequest(name=QR_NAME, force=True))
+    assert client.get_queued_resource(name=QR_NAME).state.state == QRState.DELETING
+    op.result(timeout=10)
+    with pytest.raises(gexc.NotFound):
+        client.get_queued_resource(name=QR_NAME)
+    with pytest.raises(gexc.NotFound):
+        client.get_node(name=NODE_NAME)
+
+
+def test_direct_node_create_and_delete(emulator):
+    client = emulator.client()
+    node = tpu_v2.Node(accelerator_type="v4-8", runtime_version="tpu-ubuntu2204-base")
+    created = client.create_node(parent=PARENT, node_id="n1", node=node).result(timeout=10)
+    assert created.state.name == "READY" and not created.queued_resource
+    client.delete_node(name=f"{PARENT}/nodes/n1").result(timeout=10)
+    with pytest.raises(gexc.NotFound):
+        client.get_node(name=f"{PARENT}/nodes/n1")
+
+
+def test_reclaim_suspends_then_preempts_and_calls_the_hooks_in_order():
+    calls: list[tuple] = []
+    hooks = Hooks(on_node_ready=lambda *a: calls.append(("ready", *a)),
+                  on_node_gone=lambda *a: calls.append(("gone", *a)),
+                  on_preemption_notice=lambda *a: calls.append(("notice", *a)))
+    with running_emulator(time_scale=0.01, hooks=hooks) as emu:
+        client = emu.client()
+        create(client)
+        wait_state(client, QR_NAME, QRState.ACTIVE)
+        assert emu.reclaim("q1") == QR_NAME
+        qr = client.get_queued_resource(name=QR_NAME)
+        assert qr.state.state == QRState.SUSPENDING and qr.state.state_initiator.name == "SERVICE"
+        assert client.get_node(name=NODE_NAME).state.name == "READY"  # the grace period
+        wait_state(client, QR_NAME, QRState.SUSPENDED)
+        assert client.get_node(name=NODE_NAME).state.name == "PREEMPTED"
+    assert calls == [("ready", "q1", "v4-16", 2, {"job": "j1"}), ("notice", "q1"), ("gone", "q1", "preempted")]
+
+
+def test_a_failing_hook_is_logged_and_the_emulator_goes_on(caplog):
+    def broken(*args):
+        raise RuntimeError("hook broke")
+
+    with running_emulator(time_scale=0.002, hooks=Hooks(on_node_ready=broken)) as emu:
+        client = emu.client()
+        create(client)
+        wait_state(client, QR_NAME, QRState.ACTIVE)
+        create(client, "q2")
+        wait_state(client, f"{PARENT}/queuedResources/q2", QRState.ACTIVE)
+    assert "hook broke" in caplog.text
+
+
+def test_terminate_kills_a_node(emulator):
+    client = emulator.client()
+    create(client)
+    wait_state(client, QR_NAME, QRState.ACTIVE)
+    emulator.terminate("q1")
+    assert client.get_node(name=NODE_NAME).state.name == "TERMINATED"
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+def test_stockout_waits_until_cleared(emulator):
+    client = emulator.client()
+    emulator.stockout(ZONE)
+    create(client)
+    wait_state(client, QR_NAME, QRState.WAITING_FOR_RESOURCES)
+    time.sleep(0.3)  # many times capacity_s at this scale
+    assert client.get_queued_resource(name=QR_NAME).state.state == QRState.WAITING_FOR_RESOURCES
+    emulator.clear_stockout(ZONE)
+    wait_state(client, QR_NAME, QRState.ACTIVE)
+
+
+def test_stockout_can_fail_with_resource_exhausted_and_spare_other_types(emulator):
+    client = emulator.client()
+    emulator.stockout(ZONE, accelerator_type="v4-16", mode="fail")
+    create(client)
+    create(client, "small", accelerator="v4-8")
+    qr = wait_state(client, QR_NAME, QRState.FAILED)
+    assert qr.state.failed_data.error.code == 8 and ZONE in qr.state.failed_data.error.message
+    wait_state(client, f"{PARENT}/queuedResources/small", QRState.ACTIVE)
+
+
+def test_scripted_errors_hit_only_their_method_zone_and_count(emulator):
+    client = emulator.client()
+    emulator.fail("queuedResources.get", "unavailable", count=2, zone=ZONE)
+    create(client)
+    create(client, "b1", parent=f"projects/{PROJECT}/locations/{ZONE_B}")
+    client.get_queued_resource(name=f"projects/{PROJECT}/locations/{ZONE_B}/queuedResources/b1")
+    for _ in range(2):
+        with pytest.raises(gexc.ServiceUnavailable):
+            client.get_queued_resource(name=QR_NAME)
+    client.get_queued_resource(name=QR_NAME)
+    assert [r.status for r in emulator.requests("queuedResources.get", zone=ZONE)] == [503, 503, 200]
+
+
+@pytest.mark.parametrize(("kind", "exc", "reason"), [
+    ("permission", gexc.Forbidden, "IAM_PERMISSION_DENIED"),
+    ("quota", gexc.TooManyRequests, "QUOTA_EXCEEDED"),
+    ("rate_limited", gexc.TooManyRequests, "RATE_LIMIT_EXCEEDED"),
+    ("deadline", gexc.GatewayTimeout, None),
+])
+def test_error_kinds_reach_the_client_as_google_api_errors(emulator, kind, exc, reason):
+    emulator.fail("queuedResources.create", kind)
+    with pytest.raises(exc) as err:
+        create(emulator.client())
+    assert err.value.reason == reason
+    assert emulator.state()["queuedResources"] == []  # a failed call changed nothing
+
+
+def test_random_errors_replay_with_the_same_seed():
+    def statuses() -> list[int]:
+        with running_emulator(time_scale=0.002) as emu:
+            emu.random_errors(0.5, codes=(503, 429), seed=42)
+            client = emu.client()
+            for _ in range(20):
+                try:
+                    client.list_queued_resources(parent=PARENT)
+                except (gexc.ServiceUnavailable, gexc.TooManyRequests):
+                    pass
+            return [r.status for r in emu.requests()]
+
+    first = statuses()
+    assert first == statuses() and {503, 429, 200} <= set(first)
+
+
+def test_faults_reject_what_they_do_not_know(emulator):
+    with pytest.raises(ValueError, match="unknown method"):
+        emulator.fail("queuedResources.explode", "unavailable")
+    with pytest.raises(ValueError, match="unknown error kind"):
+        emulator.fail("queuedResources.get", "meteor")
+    with pytest.raises(ValueError, match="not transient"):
+        emulator.random_errors(0.1, codes=(404,))
+    with pytest.raises(ValueError, match="stockout mode"):
+        emulator.stockout(ZONE, mode="sometimes")
+
+
+# -- the wire ---------------------------------------------------------------------------------
+
+
+def test_responses_parse_strictly_as_the_real_types(emulator):
+    client = emulator.client()
+    op = create(client)
+    wait_state(client, QR_NAME, QRState.ACTIVE)
+    base = f"{emulator.url}/v2/{PARENT}"
+    for path, cls in [(f"/queuedResources/q1", tpu_v2.QueuedResource), ("/nodes/q1", tpu_v2.Node),
+                      ("/queuedResources", tpu_v2.ListQueuedResourcesResponse),
+                      ("/nodes", tpu_v2.ListNodesResponse)]:
+        status, body = http(base + path)
+        assert status == 200
+        cls.from_json(json.dumps(body), ignore_unknown_fields=False)  # raises on an unknown field
+    status, body = http(f"{emulator.url}/v2/{op.operation.name}")
+    parsed = json_format.Parse(json.dumps(body), operations_pb2.Operation())
+    assert parsed.done and parsed.response.type_url.endswith("google.cloud.tpu.v2.QueuedResource")
+    status, body = http(base + "/queuedResources/q1?%24alt=json%3Benum-encoding%3Dint")
+    assert body["state"]["state"] == QRState.ACTIVE.value  # numbers when the client asks for them
+
+
+def test_requests_are_checked_like_the_real_api(emulator):
+    base = f"{emulator.url}/v2/{PARENT}/queuedResources"
+    status, body = http(base + "?queuedResourceId=q1", "POST", {"bogus": 1})
+    assert status == 400 and body["error"]["status"] == "INVALID_ARGUMENT" and "bogus" in body["error"]["message"]
+    spec = json.loads(tpu_v2.QueuedResource.to_json(qr_spec()))
+    spec["tpu"]["nodeSpec"][0]["node"]["labels"] = {"Job": "UPPER"}
+    status, body = http(base + "?queuedResourceId=q1", "POST", spec)
+    assert status == 400 and "label" in body["error"]["message"]
+    spec = json.loads(tpu_v2.QueuedResource.to_json(qr_spec(accelerator="v9-1")))
+    assert http(base + "?queuedResourceId=q1", "POST", spec)[0] == 400
+    create(emulator.client())
+    with pytest.raises(gexc.Conflict):
+        create(emulator.client())
+    assert http(f"{emulator.url}/v2/nothing/here")[0] == 404
+
+
+def test_lists_come_in_pages(emulator):
+    client = emulator.client()
+    for i in range(3):
+        create(client, f"q{i}")
+    names = [q.name for q in client.list_queued_resources(
+        request=tpu_v2.ListQueuedResourcesRequest(parent=PARENT, page_size=2))]
+    assert names == [f"{PARENT}/queuedResources/q{i}" for i in range(3)]
+    assert emulator.request_count("queuedResources.list") == 2
+
+
+def test_configured_zones_are_the_only_ones():
+    with running_emulator(time_scale=0.002, zones=(ZONE,)) as emu:
+        with pytest.raises(gexc.NotFound):
+            create(emu.client(), parent=f"projects/{PROJECT}/locations/{ZONE_B}")
+        create(emu.client())
+
+
+def test_serves_loopback_only():
+    with pytest.raises(ValueError, match="loopback"):
+        serve(host="0.0.0.0")
+    with running_emulator(time_scale=0.002) as emu:
+        assert emu.url.startswith("http://127.0.0.1:")
+
+
+# -- the control API ----------------------------------------------------------------------------
+
+
+def test_control_api_over_http(emulator):
+    control = ControlClient(emulator.url)
+    client = emulator.client()
+    control.stockout(ZONE)
+    create(client)
+    wait_state(client, QR_NAME, QRState.WAITING_FOR_RESOURCES)
+    assert control.state()["faults"]["stockouts"] == [{"zone": ZONE, "acceleratorType": None, "mode": "wait"}]
+    control.clear_stockout()
+    wait_state(client, QR_NAME, QRState.ACTIVE)
+    assert control.reclaim("q1") == QR_NAME
+    control.fail("nodes.get", "permission")
+    with pytest.raises(gexc.Forbidden):
+        client.get_node(name=NODE_NAME)
+    assert any(r["method"] == "nodes.get" and r["status"] == 403 for r in control.requests())
+    control.random_errors(1.0, codes=(503,), seed=1)
+    with pytest.raises(gexc.ServiceUnavailable):
+        client.get_node(name=NODE_NAME)
+    control.clear_faults()
+    client.get_node(name=NODE_NAME)
+    with pytest.raises(ControlError, match="400"):
+        control.fail("nodes.get", "meteor")
+    with pytest.raises(ControlError, match="404"):
+        control.reclaim("no-such-slice")
+
+
+def test_main_serves_until_interrupted():
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.emulator", "--port", "0", "--log-level", "WARNING"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = proc.stdout.readline()
+        url = next(w for w in line.split() if w.startswith("http"))
+        assert url.startswith("http://127.0.0.1:")
+        assert ControlClient(url).state()["queuedResources"] == []
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+
+
+def test_request_log_keeps_no_header_values(emulator, caplog):
+    caplog.set_level(logging.DEBUG)
+    req = urllib.request.Request(f"{emulator.url}/v2/{PARENT}/nodes", headers={"Authorization": "Bearer s3cr3t-xyz"})
+    urllib.request.urlopen(req, timeout=10).read()
+    (rec,) = emulator.requests("nodes.list")
+    assert rec.authorized and "s3cr3t-xyz" not in repr(rec)
+    assert "s3cr3t-xyz" not in caplog.text

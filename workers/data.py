@@ -1,0 +1,60 @@
+"""Training data: a real byte corpus that every machine has, in a reproducible order.
+
+The corpus is the Python standard library's own source files (sorted by path, read as
+bytes, capped at `CORPUS_BYTES`), so nothing is downloaded and every host of a slice
+sees the same bytes. Batch `step` is a pure function of `(seed, step)`: a resumed
+run, or one on a slice of another size, sees exactly the rows an uninterrupted run
+would, and each process reads only the rows its devices hold.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+CORPUS_BYTES = 4 * 1024 * 1024
+
+
+@functools.lru_cache(maxsize=1)
+def corpus() -> np.ndarray:
+    """The corpus as a uint8 array (about 4 MiB)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if "site-packages" in path.parts or "test" in path.parts:
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= CORPUS_BYTES:
+            break
+    blob = b"".join(chunks)[:CORPUS_BYTES]
+    if len(blob) < 1 << 20:
+        raise RuntimeError(f"the standard library under {root} gave only {len(blob)} bytes of corpus")
+    return np.frombuffer(blob, dtype=np.uint8)
+
+
+def corpus_fingerprint() -> str:
+    """A short hash of the corpus, recorded with results so runs on other machines are not compared blindly."""
+    return hashlib.sha256(corpus().tobytes()).hexdigest()[:12]
+
+
+def row_offsets(seed: int, step: int, global_batch_size: int, seq_len: int) -> np.ndarray:
+    """Start offsets of every row of batch `step` (the whole global batch; cheap)."""
+    rng = np.random.default_rng([seed, step])
+    return rng.integers(0, len(corpus()) - seq_len - 1, size=global_batch_size)
+
+
+def batch_rows(seed: int, step: int, global_batch_size: int, seq_len: int, rows: slice) -> np.ndarray:
+    """Rows `rows` of batch `step`: int32 tokens [rows, seq_len + 1] (inputs and shifted targets)."""
+    data = corpus()
+    offsets = row_offsets(seed, step, global_batch_size, seq_len)[rows]
+    idx = offsets[:, None] + np.arange(seq_len + 1)[None, :]
+    return data[idx].astype(np.int32)

@@ -1,0 +1,116 @@
+"""The built-in trainer's model: a decoder-only transformer over bytes.
+
+Pre-norm blocks (RMSNorm, attention with rotary positions, RMSNorm, GELU MLP), layers
+stacked on a leading axis and run with `lax.scan` so compile time does not grow with
+depth. Attention, norms and RoPE go through the project's kernels (`kernels`), which
+pick the implementation for the backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+import kernels
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    vocab_size: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def num_params(self) -> int:
+        d, f, v, hd = self.d_model, self.d_ff, self.vocab_size, self.head_dim
+        attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
+        per_layer = attn + 2 * d * f + 2 * d
+        return 2 * v * d + self.n_layers * per_layer + d
+
+
+def param_roles(shape: ModelShape) -> dict:
+    """The pytree of parameter roles (keys of `policies.sharding.PARAM_RULES`), stacked layers marked."""
+    layer = {"attn_norm": "norm", "wq": "wq", "wk": "wk", "wv": "wv", "wo": "wo",
+             "mlp_norm": "norm", "w_up": "w_up", "w_down": "w_down"}
+    return {"embed": "embed", "layers": {k: ("stacked", v) for k, v in layer.items()},
+            "final_norm": "norm", "unembed": "unembed"}
+
+
+def init_params(key: jax.Array, shape: ModelShape) -> dict:
+    """Parameters in f32; the same values whatever the sharding (threefry is partitionable)."""
+    d, f, v, hd, L = shape.d_model, shape.d_ff, shape.vocab_size, shape.head_dim, shape.n_layers
+    keys = jax.random.split(key, 8)
+
+    def dense(k, fan_in, *dims):
+        return jax.random.normal(k, dims, jnp.float32) * (fan_in ** -0.5)
+
+    return {
+        "embed": jax.random.normal(keys[0], (v, d), jnp.float32),
+        "layers": {
+            "attn_norm": jnp.ones((L, d), jnp.float32),
+            "wq": dense(keys[1], d, L, d, shape.n_heads * hd),
+            "wk": dense(keys[2], d, L, d, shape.n_kv_heads * hd),
+            "wv": dense(keys[3], d, L, d, shape.n_kv_heads * hd),
+            "wo": dense(keys[4], d, L, shape.n_heads * hd, d) / (2 * L) ** 0.5,
+            "mlp_norm": jnp.ones((L, d), jnp.float32),
+            "w_up": dense(keys[5], d, L, d, f),
+            "w_down": dense(keys[6], f, L, f, d) / (2 * L) ** 0.5,
+        },
+        "final_norm": jnp.ones((d,), jnp.float32),
+        "unembed": dense(keys[7], d, d, v),
+    }
+
+
+def forward(params: dict, tokens: jax.Array, shape: ModelShape, *, implementation: str | None = None) -> jax.Array:
+    """Logits [batch, seq, vocab] for int32 tokens [batch, seq]."""
+    b, s = tokens.shape
+    hd = shape.head_dim
+    positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    h = params["embed"][tokens]  # [batch, seq, d_model]
+
+    def block(h, p):
+        a = _rms_norm(h, p["attn_norm"], implementation=implementation)
+        q = (a @ p["wq"]).reshape(b, s, shape.n_heads, hd)
+        k = (a @ p["wk"]).reshape(b, s, shape.n_kv_heads, hd)
+        v = (a @ p["wv"]).reshape(b, s, shape.n_kv_heads, hd)
+        q = _rope(q, positions, implementation=implementation)
+        k = _rope(k, positions, implementation=implementation)
+        o = kernels.attention(q, k, v, causal=True, implementation=implementation)  # [b, s, heads, hd]
+        h = h + o.reshape(b, s, shape.n_heads * hd) @ p["wo"]
+        m = _rms_norm(h, p["mlp_norm"], implementation=implementation)
+        h = h + jax.nn.gelu(m @ p["w_up"]) @ p["w_down"]
+        return h, None
+
+    h, _ = jax.lax.scan(block, h, params["layers"])
+    h = _rms_norm(h, params["final_norm"], implementation=implementation)
+    return h @ params["unembed"]
+
+
+def _rms_norm(x, w, *, implementation=None, eps=1e-6):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope(x, positions, *, implementation=None, base=10000.0):
+    half = x.shape[-1] // 2
+    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = positions[..., None, None].astype(jnp.float32) * freqs  # [b, s, 1, half]
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def loss_fn(params: dict, batch: jax.Array, shape: ModelShape, *, implementation: str | None = None) -> jax.Array:
+    """Mean next-byte cross-entropy of int32 tokens [batch, seq + 1]."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    logits = forward(params, inputs, shape, implementation=implementation)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - gold)
