@@ -223,7 +223,9 @@ class World:
         if self.zones is not None and zone not in self.zones:
             raise not_found(f"projects/{project}/locations/{zone}")
 
-    def create_queued_resource(self, project: str, zone: str, qr_id: str, spec: tpu_v2.QueuedResource) -> OperationRecord:
+    def create_queued_resource(
+        self, project: str, zone: str, qr_id: str, spec: tpu_v2.QueuedResource
+    ) -> OperationRecord:
         parent = f"projects/{project}/locations/{zone}"
         name = f"{parent}/queuedResources/{qr_id}"
         if not _ID_RE.match(qr_id or ""):

@@ -51,7 +51,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 QRS = tpu_v2.QueuedResourceState.State
-NodeState = tpu_v2.Node.State
 CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
 
 MANAGED_BY_KEY, MANAGED_BY = "managed-by", "tpu-orchestrator"
@@ -65,8 +64,6 @@ _TRANSIENT_HTTP = frozenset({429, 500, 502, 503, 504})
 # A 429 that is a resource quota, not a request rate: waiting seconds will not free it.
 _PERMANENT_REASONS = frozenset({"QUOTA_EXCEEDED"})
 _RESOURCE_EXHAUSTED = 8  # google.rpc.Code in a FAILED queued resource's error
-_NODE_DOWN = frozenset({NodeState.PREEMPTED, NodeState.TERMINATED, NodeState.DELETING, NodeState.STOPPED,
-                        NodeState.STOPPING, NodeState.REPAIRING, NodeState.UNKNOWN, NodeState.HIDDEN})
 
 
 class CloudApiError(ProvisioningError):
@@ -129,22 +126,6 @@ def ray_join_check(s: Slice) -> list[Host]:
     return sorted(hosts, key=lambda h: h.worker_id)
 
 
-def _slice_state(seen: _Seen, *, joined: bool) -> SliceState:
-    """The slice state a look at the API means; `joined`: its hosts have joined Ray."""
-    q, node = seen.qr, seen.node
-    if q in ("CREATING", "ACCEPTED"):
-        return SliceState.REQUESTED
-    if q == "WAITING_FOR_RESOURCES":
-        return SliceState.WAITING
-    if q == "PROVISIONING" or (q == "ACTIVE" and node in (None, "CREATING")):
-        return SliceState.PROVISIONING
-    if q == "ACTIVE" and node == "READY":
-        return SliceState.READY if joined else SliceState.PROVISIONING
-    if q == "SUSPENDING" and node == "READY":
-        return SliceState.PREEMPTING  # reclaim notice: the hosts have their grace period left
-    return SliceState.GONE  # 404, node down, SUSPENDED, FAILED, DELETING
-
-
 def label_value(s: str) -> str:
     """`s` as a GCP label value: lowercase letters, digits, - and _, at most 63 characters."""
     return re.sub(r"[^a-z0-9_-]", "-", s.lower())[:63]
@@ -175,6 +156,23 @@ class _Tracked:
     hosts: tuple[Host, ...] = ()
     reported: frozenset[SliceEventKind] = frozenset()  # events already reported for this zone
     released: bool = False
+
+
+def _slice_state(seen: _Seen, *, joined: bool, was_up: bool) -> SliceState:
+    """The slice state a look at the API means; `joined`: its hosts have joined Ray;
+    `was_up`: its node has been READY before (so a missing node is a lost one)."""
+    q, node = seen.qr, seen.node
+    if q in ("CREATING", "ACCEPTED"):
+        return SliceState.REQUESTED
+    if q == "WAITING_FOR_RESOURCES":
+        return SliceState.WAITING
+    if q == "PROVISIONING" or (q == "ACTIVE" and node in (None, "CREATING") and not was_up):
+        return SliceState.PROVISIONING
+    if q == "ACTIVE" and node == "READY":
+        return SliceState.READY if joined else SliceState.PROVISIONING
+    if q == "SUSPENDING" and node == "READY":
+        return SliceState.PREEMPTING  # reclaim notice: the hosts have their grace period left
+    return SliceState.GONE  # 404, node down, SUSPENDED, FAILED, DELETING
 
 
 class GcpTpuProvider:
@@ -261,6 +259,12 @@ class GcpTpuProvider:
                     f"slice {name} in {self.project}/{t.zone} was lost while provisioning: "
                     + (f"queued resource FAILED: {failed[1]}" if failed else f"{t.seen}"),
                     slice_name=name, transient=failed is None)
+            if time.monotonic() >= deadline and t.state in (SliceState.REQUESTED, SliceState.WAITING):
+                # Still queued when the caller's patience ran out: that is no capacity, too.
+                why = f"zone {t.zone}: still {t.seen.qr if t.seen else 'queued'} after the {timeout_s:.0f}s wait"
+                with self._lock:
+                    self._tracked[name] = self._event(self._tracked[name], SliceEventKind.NO_CAPACITY, why)
+                raise NoCapacityError(name, t.tried, why)
             if time.monotonic() >= deadline:
                 joined = f"{sum(h.node_id is not None for h in t.hosts)}/{t.req.tpu_type.hosts} hosts joined Ray"
                 # Capacity may come elsewhere; hosts that never join will not join elsewhere either.
@@ -412,7 +416,7 @@ class GcpTpuProvider:
         if q is None and never_seen and time.monotonic() - t.since < self._poll.accept_grace_s:
             state = SliceState.REQUESTED  # created a moment ago, not readable yet
         else:
-            state = _slice_state(seen, joined=t.state is SliceState.READY)
+            state = _slice_state(seen, joined=t.state is SliceState.READY, was_up=t.ever_up)
         hosts = t.hosts or tuple(Host(i, host_resource(t.req.name, i), address=a)
                                  for i, a in enumerate(seen.addresses))
         t = replace(t, seen=seen, state=state, ever_up=t.ever_up or up, hosts=hosts)
@@ -587,9 +591,13 @@ class GcpTpuProvider:
         tier = Tier.SPOT if qr is not None and "spot" in qr else Tier.ON_DEMAND
         if qr is not None and qr.reservation_name:
             tier = Tier.RESERVED
+        # A node without a queued resource reads as one whose queued resource is ACTIVE.
         seen = _Seen(qr=qr.state.state.name if qr is not None else "ACTIVE",
                      node=node.state.name if node is not None else None)
-        state = SliceState.RELEASED if seen.qr == "DELETING" or seen.node == "DELETING" else _slice_state(seen, joined=True)
+        if "DELETING" in (seen.qr, seen.node):
+            state = SliceState.RELEASED  # on its way out already
+        else:
+            state = _slice_state(seen, joined=True, was_up=False)
         created = (qr or node).create_time
         return Slice(name, spec.labels.get(JOB_KEY, ""), tpu_type, tier, zone, state, (), self.name,
                      created.timestamp() if created else time.time())

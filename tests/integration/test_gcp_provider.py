@@ -53,6 +53,7 @@ ZONE_A, ZONE_B = "us-central2-b", "us-east5-a"
 HEAD = "10.128.0.2:6379"
 V4_32 = catalog.lookup("v4-32")
 SECRET_TOKEN = "ya29.NEVER-LOG-THIS-TOKEN-4f1c9e"
+RESERVATION_R1 = f"projects/{PROJECT}/locations/{ZONE_A}/reservations/r1"
 
 
 class JoinedHosts:
@@ -170,7 +171,7 @@ def test_create_poll_to_ready_then_release(emulator, provider):
     [
         (Tier.SPOT, {"spot": {}}),
         (Tier.ON_DEMAND, {"guaranteed": {}}),
-        (Tier.RESERVED, {"guaranteed": {}, "reservationName": f"projects/{PROJECT}/locations/{ZONE_A}/reservations/r1"}),
+        (Tier.RESERVED, {"guaranteed": {}, "reservationName": RESERVATION_R1}),
     ],
 )
 def test_tiers_map_to_queued_resource_fields(emulator, joined, tier, expect):
@@ -269,6 +270,16 @@ def test_no_capacity_anywhere_is_a_transient_error_and_leaves_nothing(emulator, 
     assert [e.kind for e in provider.poll_events()] == [SliceEventKind.NO_CAPACITY] * 2
     wait_for(lambda: not emulator.state()["queuedResources"], what="every queued resource deleted")
     assert provider.get("s1").state is SliceState.RELEASED
+
+
+def test_still_queued_at_the_callers_deadline_is_no_capacity(emulator, joined):
+    p = make_provider(emulator, joined, polling=Polling(poll_s=0.02, capacity_wait_s=600))
+    emulator.stockout(ZONE_A)
+    p.request(req(zone=ZONE_A))
+    with pytest.raises(NoCapacityError, match=ZONE_A):
+        p.wait_ready("s1", timeout_s=0.3)
+    assert [e.kind for e in p.poll_events()] == [SliceEventKind.NO_CAPACITY]
+    wait_for(lambda: qr_of(emulator, "s1") is None, what="queued resource deleted")
 
 
 def test_without_fallthrough_the_policy_gets_the_zone(emulator, joined):
@@ -422,8 +433,9 @@ def test_startup_script_joins_each_host_with_its_resources(tmp_path, worker):
 
     args = out.read_text().splitlines()
     assert args[:2] == ["start", f"--address={HEAD}"]
-    resources = json.loads(next(a for a in args if a.startswith("--resources=")).split("=", 1)[1])
-    labels = dict(kv.split("=") for kv in next(a for a in args if a.startswith("--labels=")).split("=", 1)[1].split(","))
+    flags = dict(a.removeprefix("--").split("=", 1) for a in args[1:])
+    resources = json.loads(flags["resources"])
+    labels = dict(kv.split("=") for kv in flags["labels"].split(","))
     assert resources == host_node_resources(V4_32, "s1", worker)
     assert labels == host_node_labels(V4_32, "s1", worker)
     assert "token-from-secret-manager" not in (tmp_path / "log").read_text()
