@@ -16,6 +16,7 @@ import ipaddress
 import logging
 import socket
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from typing import Any
@@ -58,7 +59,8 @@ class Emulator:
         self.faults = Faults(seed=self.config.seed)
         self.world = World(timings=self.config.timings, faults=self.faults, hooks=self.config.hooks,
                            zones=self.config.zones)
-        self._requests: list[RequestRecord] = []
+        # Bounded: a long-running emulator polled every few seconds must not grow forever.
+        self._requests: deque[RequestRecord] = deque(maxlen=100_000)
         self._requests_lock = threading.Lock()
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None

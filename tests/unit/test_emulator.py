@@ -23,7 +23,7 @@ from google.cloud import tpu_v2
 from google.longrunning import operations_pb2
 from google.protobuf import json_format
 
-from orchestrator.emulator import ControlClient, ControlError, Hooks, running_emulator, serve
+from orchestrator.emulator import ControlClient, ControlError, Hooks, emulator_fixture, running_emulator, serve
 from orchestrator.emulator import machines as m
 
 pytestmark = pytest.mark.timeout(60)
@@ -39,6 +39,9 @@ def emulator():
     with running_emulator(time_scale=0.002) as emu:
         yield emu
     assert not [t for t in threading.enumerate() if t.name.startswith("tpu-emulator")]
+
+
+fast_emulator = emulator_fixture("fast_emulator", time_scale=0.001)
 
 
 def qr_spec(node_id: str = "q1", parent: str = PARENT, accelerator: str = "v4-16", spot: bool = True):
@@ -314,6 +317,12 @@ def test_configured_zones_are_the_only_ones():
         with pytest.raises(gexc.NotFound):
             create(emu.client(), parent=f"projects/{PROJECT}/locations/{ZONE_B}")
         create(emu.client())
+
+
+def test_the_fixture_factory_gives_a_running_emulator(fast_emulator):
+    client = fast_emulator.client()
+    create(client)
+    wait_state(client, QR_NAME, QRState.ACTIVE)
 
 
 def test_serves_loopback_only():
