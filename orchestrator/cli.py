@@ -24,8 +24,8 @@ from orchestrator.states import JobState
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run JAX training jobs on (spot) Cloud TPU slices, or on a local Ray cluster.")
-out = Console()
-err = Console(stderr=True)
+out = Console(soft_wrap=True)
+err = Console(stderr=True, soft_wrap=True)
 
 EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
 

@@ -57,12 +57,11 @@ class _Run:
 
 
 class Controller:
-    def __init__(self, home_root: str, address: str, *, max_hosts: int = 8, start_timeout_s: float = 180.0):
+    def __init__(self, home_root: str, address: str, *, max_hosts: int = 8):
         self.home = cluster.Home(Path(home_root)).ensure()
         _log_to(self.home.root / "logs" / "controller.log")
         self.store = Store(self.home.db)
         self.address = address
-        self.start_timeout_s = start_timeout_s
         self.provider = LocalProvider(self.home, address, max_hosts=max_hosts, on_change=self._save_slice)
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
@@ -97,6 +96,19 @@ class Controller:
                 self.store.transition(job_id, JobState.CANCELLED, "cancelled by the user")
             except IllegalTransitionError:
                 pass
+
+    def inject_fault(self, kind: str, **kw) -> None:
+        """Fault injection for tests and drills (`tests/chaos`). Kinds:
+
+        - ``short_host`` (worker_id): that host of the next slices registers half its chips,
+          so the job's workers cannot all be placed; ``clear`` undoes it.
+        """
+        if kind == "short_host":
+            self.provider.short_hosts.add(int(kw["worker_id"]))
+        elif kind == "clear":
+            self.provider.short_hosts.clear()
+        else:
+            raise ValueError(f"unknown fault {kind!r}")
 
     def current_generation(self, job_id: str) -> int:
         return self.store.job(job_id).generation
@@ -166,8 +178,8 @@ class Controller:
             self._transition(job_id, JobState.CANCELLED, outcome.reason)
         elif k is OutcomeKind.PROVISION_FAILED and not outcome.transient:
             self._transition(job_id, JobState.FAILED, f"could not provision: {outcome.reason}")
-        elif outcome.counts_as_preemption or k is OutcomeKind.PROVISION_FAILED:
-            n = job.preemptions + (1 if outcome.counts_as_preemption else 0)
+        elif outcome.counts_as_preemption:
+            n = job.preemptions + 1
             self.store.update_job(job_id, preemptions=n)
             if n > rec["max_preemptions"]:
                 self._transition(job_id, JobState.FAILED,
@@ -175,7 +187,7 @@ class Controller:
                                  f"{rec['max_preemptions']}; last: {outcome.reason}")
             else:
                 self._recover(job_id, outcome, f"preemption {n} of at most {rec['max_preemptions']}")
-        else:  # APP_FAILED
+        else:  # APP_FAILED, or a transient provisioning failure (no capacity now, workers did not start)
             n = job.failures + 1
             self.store.update_job(job_id, failures=n, error=outcome.traceback)
             if n > rec["max_failures"]:
@@ -185,13 +197,15 @@ class Controller:
                 self._recover(job_id, outcome, f"failure {n} of at most {rec['max_failures']}")
 
     def _recover(self, job_id: str, outcome: Outcome, budget: str) -> None:
-        state = self.store.job(job_id).state
-        if state is JobState.PENDING:
-            self.store.add_event(job_id, "retry", f"{outcome.reason}; retrying ({budget})")
-            time.sleep(2.0)
-            return
         self._transition(job_id, JobState.RECOVERING, f"{outcome.reason} ({budget})",
                          data={"outcome": outcome.kind.value})
+        if outcome.kind is OutcomeKind.PROVISION_FAILED:  # back off before asking again
+            job = self.store.job(job_id)
+            with self._lock:
+                run = self._runs.get(job_id)
+            delay = min(60.0, 2.0 ** job.failures)
+            if run is not None:
+                run.cancel.wait(delay)
 
     def _attempt(self, job_id: str) -> Outcome:
         job = self.store.job(job_id)
@@ -205,7 +219,7 @@ class Controller:
         t0 = time.monotonic()
         try:
             self.provider.request(SliceRequest(job_id, name, spec.tpu_type, spec.tier, spec.zone))
-            run.slice = self.provider.wait_ready(name, timeout_s=self.start_timeout_s)
+            run.slice = self.provider.wait_ready(name, timeout_s=spec.recovery.start_timeout_s)
         except ProvisioningError as e:
             self.provider.release(name)  # idempotent; frees whatever part of the slice started
             return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
@@ -228,12 +242,13 @@ class Controller:
         bundles = [{"TPU": float(t.chips_per_host), h.resource: 1.0} for h in s.hosts]
         pg = placement_group(bundles, strategy="STRICT_SPREAD", name=f"{s.name}-g{run.generation}")
         run.pg = pg
+        timeout = spec.recovery.start_timeout_s
         try:
-            ray.get(pg.ready(), timeout=self.start_timeout_s)
+            ray.get(pg.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             return Outcome(OutcomeKind.PROVISION_FAILED,
-                           f"the {t.hosts} workers of slice {s.name} could not all be placed within "
-                           f"{self.start_timeout_s:.0f} s", transient=True)
+                           f"the {t.hosts} workers of slice {s.name} could not all be placed within {timeout:.0f} s "
+                           f"(each needs {t.chips_per_host} TPU chips on its own host)", transient=True)
         actor = ray.remote(HostWorker)
         run.workers = [
             actor.options(num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=4,
@@ -245,6 +260,10 @@ class Controller:
                     controller=(cluster.CONTROLLER_NAME, cluster.NAMESPACE))
             for i in range(t.hosts)
         ]
+        placed = ray.get([w.info.remote() for w in run.workers], timeout=timeout)
+        self.store.add_event(job_id, "launched", f"{t.hosts} workers of generation {run.generation} on slice {s.name}",
+                             data={"slice": s.name, "nodes": [p["node_id"] for p in placed],
+                                   "generation": run.generation})
         coordinator = ray.get(run.workers[0].coordinator_address.remote(), timeout=120) if t.hosts > 1 else None
         workload = _workload(raw_spec, spec, t.chips, t.hosts)
         refs = [w.run.remote(coordinator, workload) for w in run.workers]

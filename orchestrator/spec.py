@@ -120,6 +120,7 @@ class RecoveryConfig(_Frozen):
     max_failures: Annotated[int, Field(ge=0)] = 2
     heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     grace_period_s: Annotated[float, Field(gt=0)] = 30.0
+    start_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # for a slice's hosts to join and its workers to start
 
 
 class JobSpec(_Frozen):

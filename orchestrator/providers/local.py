@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 class LocalProvider:
     name = "local"
+    START_RETRIES = 2
 
     def __init__(self, home: cluster.Home, address: str, *, max_hosts: int = 8, on_change=None):
         self.home, self.address, self.max_hosts = home, address, max_hosts
@@ -36,6 +37,7 @@ class LocalProvider:
         self._slices: dict[str, Slice] = {}
         self._pgids: dict[str, list[int]] = {}
         self._events: list[SliceEvent] = []
+        self.short_hosts: set[int] = set()  # fault injection, see `Controller.inject_fault`
 
     def _set(self, s: Slice, state: SliceState | None = None) -> Slice:
         if state is not None and state != s.state:
@@ -57,6 +59,10 @@ class LocalProvider:
     def request(self, req: SliceRequest) -> Slice:
         t = req.tpu_type
         with self._lock:
+            if t.hosts > self.max_hosts:
+                raise ProvisioningError(
+                    f"local provider: {t.name} needs {t.hosts} hosts but this machine is set up for at most "
+                    f"{self.max_hosts}", slice_name=req.name, transient=False)
             if self.hosts_in_use() + t.hosts > self.max_hosts:
                 raise ProvisioningError(
                     f"local provider: {t.name} needs {t.hosts} hosts but only "
@@ -66,25 +72,40 @@ class LocalProvider:
             s = Slice(req.name, req.job_id, t, req.tier, req.zone or "local", SliceState.REQUESTED, hosts, self.name)
             self._pgids[req.name] = []
             s = self._set(s)
-            logdir = self.home.root / "logs" / "slices" / req.name
             for i in range(t.hosts):
-                pgid = cluster.start_host_node(
-                    self.home, address=self.address, resources=host_node_resources(t, req.name, i),
-                    labels=host_node_labels(t, req.name, i), log_path=Path(logdir / f"host-{i}.log"))
-                self._pgids[req.name].append(pgid)
+                self._pgids[req.name].append(self._start_host(req.name, t, i))
             return self._set(s, SliceState.PROVISIONING)
+
+    def _start_host(self, name: str, t, worker_id: int) -> int:
+        resources = host_node_resources(t, name, worker_id)
+        if worker_id in self.short_hosts:  # fault injection: a host that comes up with half its chips
+            resources["TPU"] = resources["TPU"] / 2
+        return cluster.start_host_node(
+            self.home, address=self.address, resources=resources,
+            labels=host_node_labels(t, name, worker_id), log_path=self._host_log(name, worker_id))
+
+    def _host_log(self, name: str, worker_id: int) -> Path:
+        return self.home.root / "logs" / "slices" / name / f"host-{worker_id}.log"
 
     def wait_ready(self, name: str, *, timeout_s: float) -> Slice:
         deadline = time.monotonic() + timeout_s
         s = self.get(name)
+        restarts = {i: 0 for i in range(len(s.hosts))}
         while True:
+            joined = self._joined_nodes(name)
             for i, pgid in enumerate(self._pgids.get(name, [])):
-                if not cluster.group_alive(pgid):
+                if i in joined or cluster.group_alive(pgid):
+                    continue
+                # Ray gives a raylet 30 s to register; a busy machine can miss that. Try again a few times.
+                if restarts[i] >= self.START_RETRIES:
                     self.release(name)
                     raise ProvisioningError(
-                        f"host {i} of slice {name} exited while starting; see "
-                        f"{self.home.root / 'logs' / 'slices' / name / f'host-{i}.log'}", slice_name=name)
-            joined = self._joined_nodes(name)
+                        f"host {i} of slice {name} exited while starting ({restarts[i] + 1} tries); see "
+                        f"{self._host_log(name, i)}", slice_name=name)
+                restarts[i] += 1
+                log.warning("host %d of slice %s exited while starting; starting it again (%d/%d)",
+                            i, name, restarts[i], self.START_RETRIES)
+                self._pgids[name][i] = self._start_host(name, s.tpu_type, i)
             if len(joined) == len(s.hosts):
                 hosts = tuple(replace(h, node_id=joined[h.worker_id]["NodeID"],
                                       address=joined[h.worker_id]["NodeManagerAddress"]) for h in s.hosts)

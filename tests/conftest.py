@@ -1,0 +1,51 @@
+"""Shared fixtures: an isolated state directory, and one embedded local cluster per session.
+
+Integration tests run real Ray nodes (a head plus one node per "TPU host") on this
+machine, with token authentication on as users run it; every process they start is
+stopped at the end of the session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def session_home(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("orchestrator-home")
+    os.environ["ORCHESTRATOR_HOME"] = str(home)
+    return home
+
+
+@pytest.fixture(scope="session")
+def client(session_home):
+    """A client connected to a fresh embedded cluster, stopped (with all its slices) at the end."""
+    from orchestrator import Client
+
+    c = Client(home=session_home)
+    c.connect()
+    yield c
+    c.down()
+
+
+def run_reference(cfg, devices: int, tmp_path: Path) -> dict:
+    """Per-step losses of `cfg` trained in one plain process with `devices` CPU devices."""
+    cfg_file, out = tmp_path / "ref-config.json", tmp_path / "ref-out.json"
+    cfg_file.write_text(json.dumps(cfg.to_dict()))
+    subprocess.run([sys.executable, "-m", "workers.reference", "--config", str(cfg_file), "--devices", str(devices),
+                    "--out", str(out)], check=True, cwd=REPO, timeout=600)
+    return json.loads(out.read_text())
+
+
+def assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:
+    assert len(actual) == len(expected), f"{len(actual)} steps, expected {len(expected)}"
+    worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
+    assert worst <= rtol, f"per-step losses differ by up to {worst:.2e} relative (allowed {rtol:.0e})"

@@ -1,0 +1,47 @@
+"""The sharding plan (pure numbers) and the TPU catalog."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator import catalog
+from orchestrator.errors import UnknownAcceleratorError
+from policies.sharding import MeshError, ModelDims, plan_mesh
+
+DIMS = ModelDims(d_model=128, n_heads=4, n_kv_heads=4, d_ff=512, vocab_size=256)
+
+
+@pytest.mark.parametrize("name,chips,hosts,per_host", [
+    ("v4-8", 4, 1, 4), ("v4-16", 8, 2, 4), ("v4-32", 16, 4, 4), ("v4-64", 32, 8, 4),
+    ("v5litepod-16", 16, 4, 4), ("v5p-32", 16, 4, 4), ("v6e-8", 8, 1, 8)])
+def test_catalog_counts(name, chips, hosts, per_host):
+    t = catalog.lookup(name)
+    assert (t.chips, t.hosts, t.chips_per_host) == (chips, hosts, per_host)
+
+
+def test_catalog_prices_and_unknown_names():
+    v4 = catalog.lookup("v4-32")
+    assert v4.usd_per_hour("spot") == pytest.approx(16 * 0.92)
+    assert v4.usd_per_hour("on-demand") == pytest.approx(16 * 3.22)
+    with pytest.raises(UnknownAcceleratorError, match="valid types are: v4-8, v4-16"):
+        catalog.lookup("v4-33")
+    assert [t.name for t in catalog.same_generation(v4)] == ["v4-8", "v4-16", "v4-32", "v4-64", "v4-128"]
+
+
+def test_rest_axis_takes_the_remaining_devices():
+    plan = plan_mesh(num_devices=16, num_hosts=4, wishes={"data": -1, "fsdp": 2, "model": 2}, dims=DIMS,
+                     global_batch_size=16)
+    assert plan.shape == (4, 2, 2) and plan.batch_shards == 8 and plan.rows_per_shard == 2
+
+
+@pytest.mark.parametrize("wishes,batch,field", [
+    ({"data": 3}, 12, "mesh"),
+    ({"data": -1, "model": 3}, 12, "mesh.data"),
+    ({"data": -1, "fsdp": -1}, 16, "mesh"),
+    ({"data": -1}, 6, "global_batch_size"),
+    ({"data": 1, "fsdp": 1, "model": 8}, 8, "mesh.model"),
+])
+def test_what_does_not_divide_is_named(wishes, batch, field):
+    with pytest.raises(MeshError) as info:
+        plan_mesh(num_devices=8, num_hosts=2, wishes=wishes, dims=DIMS, global_batch_size=batch)
+    assert info.value.field == field
