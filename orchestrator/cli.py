@@ -252,3 +252,7 @@ def main() -> None:
     except OrchestratorError as e:
         err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
         sys.exit(EXIT_JOB_FAILED)
+
+
+if __name__ == "__main__":
+    main()

@@ -343,6 +343,10 @@ class Controller:
             log.warning("job %s: %s", job_id, e)
 
     def _save_slice(self, s: Slice, pgids: list[int]) -> None:
+        self.store.add_event(s.job_id, "slice", f"slice {s.name} {s.state.value}",
+                             data={"name": s.name, "accelerator": s.tpu_type.name, "chips": s.tpu_type.chips,
+                                   "tier": s.tier.value, "state": s.state.value,
+                                   "usd_per_hour": s.tpu_type.usd_per_hour(s.tier)})
         self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
                              {"pgids": pgids, "hosts": [h.resource for h in s.hosts]})
 

@@ -149,8 +149,9 @@ class Store:
 
     # -- jobs ------------------------------------------------------------------
 
-    def create_job(self, job_id: str, name: str, spec: dict, *, reason: str = "submitted") -> JobRecord:
-        now = time.time()
+    def create_job(self, job_id: str, name: str, spec: dict, *, reason: str = "submitted",
+                   at: float | None = None) -> JobRecord:
+        now = time.time() if at is None else at
         with self._tx() as db:
             db.execute(
                 "INSERT INTO jobs (id, name, spec, state, reason, created_at, updated_at) VALUES (?,?,?,?,?,?,?)",
@@ -160,10 +161,10 @@ class Store:
         return self.job(job_id)
 
     def transition(self, job_id: str, target: JobState, reason: str, *, data: dict | None = None,
-                   **fields: Any) -> JobRecord:
+                   at: float | None = None, **fields: Any) -> JobRecord:
         """Move a job to `target` if its current state allows it, with an event; `fields` update columns too."""
         allowed_from = [s.value for s, nxt in JOB_TRANSITIONS.items() if target in nxt]
-        now = time.time()
+        now = time.time() if at is None else at
         with self._tx() as db:
             row = db.execute("SELECT state FROM jobs WHERE id=?", (job_id,)).fetchone()
             if row is None:
@@ -224,9 +225,10 @@ class Store:
 
     # -- events and metrics ----------------------------------------------------
 
-    def add_event(self, job_id: str, kind: str, reason: str, data: dict | None = None) -> None:
+    def add_event(self, job_id: str, kind: str, reason: str, data: dict | None = None, *,
+                  at: float | None = None) -> None:
         with self._tx() as db:
-            self._event(db, job_id, kind, None, None, reason, data, time.time())
+            self._event(db, job_id, kind, None, None, reason, data, time.time() if at is None else at)
 
     @staticmethod
     def _event(db, job_id, kind, from_state, to_state, reason, data, at) -> None:
@@ -241,9 +243,10 @@ class Store:
         return [Event(r["seq"], r["job_id"], r["at"], r["kind"], r["from_state"], r["to_state"], r["reason"],
                       json.loads(r["data"]) if r["data"] else None) for r in rows]
 
-    def record_steps(self, job_id: str, generation: int, rows: list[tuple[int, float, float | None, float | None]]) -> None:
+    def record_steps(self, job_id: str, generation: int, rows: list[tuple[int, float, float | None, float | None]],
+                     *, at: float | None = None) -> None:
         """Upsert (step, loss, tokens/s, step time) rows; a recomputed step keeps the newest generation's value."""
-        now = time.time()
+        now = time.time() if at is None else at
         with self._tx() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO steps (job_id, step, generation, loss, tokens_per_s, step_time_s, at) "
