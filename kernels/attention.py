@@ -69,8 +69,6 @@ class BlockSizes:
 CHUNKED_BLOCK_SIZES = BlockSizes(block_q=512, block_kv=512)
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "causal", "window", "sm_scale", "implementation", "block_sizes"))
 def attention(
     q: jax.Array,
     k: jax.Array,
@@ -111,12 +109,9 @@ def attention(
     ``kernels.sharded(attention, mesh, in_specs=(P("data", None, "model"),) * 3,
     out_specs=P("data", None, "model"), implementation="pallas")``.
     """
-    batch, q_len, heads, head_dim = q.shape
-    _, kv_len, kv_heads, _ = k.shape
     _check_shapes(q, k, v, segment_ids)
-    band = MaskBand(q_len, kv_len, causal, window)
-    scale = head_dim ** -0.5 if sm_scale is None else float(sm_scale)
-
+    band = MaskBand(q.shape[1], k.shape[1], causal, window)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     impl = dispatch.resolve(implementation, valid=IMPLEMENTATIONS, gpu_default=dispatch.CUDNN)
     if impl == dispatch.CUDNN:
         reason = cudnn_unsupported_reason(q, k, band, segment_ids)
@@ -125,13 +120,21 @@ def attention(
         if reason is not None:
             impl = dispatch.XLA
     if impl == dispatch.PALLAS:
-        config = _FlashConfig(band, scale, (block_sizes or BlockSizes()).fit(q_len, kv_len))
+        blocks = (block_sizes or BlockSizes()).fit(band.q_len, band.kv_len)
+    else:
+        blocks = block_sizes or CHUNKED_BLOCK_SIZES
+    return _attention(q, k, v, segment_ids, band=band, sm_scale=scale, implementation=impl, blocks=blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("band", "sm_scale", "implementation", "blocks"))
+def _attention(q, k, v, segment_ids, *, band: MaskBand, sm_scale: float, implementation: str, blocks: BlockSizes):
+    if implementation == dispatch.PALLAS:
+        config = _FlashConfig(band, sm_scale, blocks)
         out = _flash(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), segment_ids, config)
         return out.swapaxes(1, 2)
-    if impl == dispatch.XLA:
-        return chunked_attention(q, k, v, segment_ids, band=band, sm_scale=scale,
-                                 block_sizes=block_sizes or CHUNKED_BLOCK_SIZES)
-    return _cudnn_attention(q, k, v, band, scale)
+    if implementation == dispatch.XLA:
+        return chunked_attention(q, k, v, segment_ids, band=band, sm_scale=sm_scale, block_sizes=blocks)
+    return _cudnn_attention(q, k, v, band, sm_scale)
 
 
 def _check_shapes(q, k, v, segment_ids) -> None:

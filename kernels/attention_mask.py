@@ -123,7 +123,7 @@ class MaskBand:
         q_block = np.arange(self.q_len // block_q)[:, None]
         kv_block = np.arange(self.kv_len // block_kv)[None, :]
         first, last = self.kv_blocks(q_block, block_q, block_kv)
-        return np.asarray((first <= kv_block) & (kv_block <= last))
+        return np.broadcast_to((first <= kv_block) & (kv_block <= last), (q_block.size, kv_block.size))
 
 
 def _maximum(a, b):
