@@ -253,48 +253,63 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0, re
     schedule that finishes costs at least g(mu), so max over mu of g is a lower bound
     (weak duality); g is concave in mu, and we find its maximum by zooming a grid. For
     each mu the inner minimum is an exact DP over (step, idle | slice x overhead left).
+
+    The schedule reported beside the bound is a real clairvoyant schedule, so the true
+    optimum lies between the two. It is the cheapest of: the DP's schedule just above
+    the maximising price (it reaches the target, often with time to spare), its
+    schedule just below (short of the target) with idle stretches filled with
+    on-demand, and the two spliced at the step where the target is just reached.
     """
     dt = step_seconds(trace)
     restart = quantized_restart(restart, dt)
     prov, startup = round(restart.provisioning_s / dt), round(restart.startup_s / dt)
     steps = math.ceil(job.deadline_s / dt - 1e-9)
     dp = _DualProgramme(job.options, trace.capacity_chips(start_s, dt, steps), dt, prov, startup)
+    total = job.total_tokens
     per_token = np.array([o.usd_per_token for o in job.options])
     grid = np.geomspace(0.5 * per_token.min(), 200 * per_token.max(), 24)
-    g = dp.dual(grid, job.total_tokens)
-    if g[-1] > g[-2] and dp.schedule(grid[-1], job.total_tokens)[0] < job.total_tokens:
+    g = dp.dual(grid, total)
+    if g[-1] > g[-2] and dp.evaluate(dp.path(grid[-1]), total)[0] < total:
         return Optimum(math.inf, math.inf, math.inf, False)  # not even the clairvoyant finishes
     for _ in range(3):
         k = int(np.argmax(g))
         grid = np.linspace(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)], 16)
-        g = dp.dual(grid, job.total_tokens)
+        g = dp.dual(grid, total)
     k = int(np.argmax(g))
     # A run that finishes mid-step pays only part of that step; the DP pays whole steps.
     bound = max(float(g[k]) - dt * max(o.usd_per_hour for o in job.options) / 3600, 0.0)
-    for mu in (*grid[k + 1:], grid[-1] * 1.01, grid[-1] * 1.1):  # just above the maximiser the target is reached
-        progress, cost, finish_s = dp.schedule(mu, job.total_tokens)
-        if progress >= job.total_tokens:
-            return Optimum(bound, cost, finish_s, True)
-    return Optimum(bound, math.nan, math.nan, True)
+    above, below = dp.path(grid[min(k + 1, len(grid) - 1)]), dp.path(grid[max(k - 1, 0)])
+    schedules = [above, dp.splice_to_target(above, below, total), dp.splice_to_target(below, above, total)]
+    schedules += [dp.fill(below, d, total) for d in range(len(job.options)) if not job.options[d].preemptible]
+    outcomes = [dp.evaluate(path, total) for path in schedules]
+    done = [(cost, finish) for tokens, cost, finish in outcomes if tokens >= total]
+    if not done:
+        return Optimum(bound, math.nan, math.nan, True)
+    cost, finish = min(done)
+    return Optimum(min(bound, cost), cost, finish, True)
+
+
+IDLE = -1
 
 
 class _DualProgramme:
     """The inner DP of `hindsight_optimum`.
 
-    State at a step boundary: idle, or (slice c, j overhead steps left; j = 0 trains).
-    At each boundary a slice may be given up for free (the clairvoyant job checkpoints
-    just before each preemption) and a new one requested, entering at j = prov + startup.
-    Overhead steps j <= startup are billed; training steps are billed and add tokens.
+    State at a step boundary: idle, or (slice c, j overhead steps left; j = 0 trains),
+    flattened as c * (k + 1) + j. At each boundary a slice may be given up for free (the
+    clairvoyant job checkpoints just before each preemption) and a new one requested,
+    entering at j = k = prov + startup. Overhead steps j <= startup are billed; training
+    steps are billed and add tokens.
     """
 
     def __init__(self, options, capacity, dt, prov, startup):
-        self.dt, self.k = dt, prov + startup
+        self.dt, self.k, self.startup = dt, prov + startup, startup
         self.price = np.array([o.usd_per_hour / 3600 * dt for o in options])  # $ per step
         self.tokens = np.array([o.tokens_per_s * dt for o in options])  # tokens per training step
         chips = np.array([o.chips for o in options])
         spot = np.array([o.preemptible for o in options])
-        usable = ~spot[None, :] | (chips[None, :] <= np.asarray(capacity)[:, None])  # [step, option]
-        self.blocked = np.where(usable, 0.0, np.inf)[:, None, :, None]  # [step, 1, option, 1]
+        self.usable = ~spot[None, :] | (chips[None, :] <= np.asarray(capacity)[:, None])  # [step, option]
+        self.blocked = np.where(self.usable, 0.0, np.inf)[:, None, :, None]  # [step, 1, option, 1]
         j = np.arange(self.k + 1)
         self.step_cost = self.price[:, None] * ((j >= 1) & (j <= startup))[None, :]  # [option, j]
 
@@ -318,40 +333,102 @@ class _DualProgramme:
             value = new
         return np.minimum(idle, value.reshape(len(mu), -1).min(axis=1)) + mu * total_tokens
 
-    def schedule(self, mu: float, total_tokens: float) -> tuple[float, float, float]:
-        """The minimising schedule at one price: its tokens, its cost up to the target, and
-        when it reached the target (inf if it did not). The same DP as `dual`, carrying
-        these along the argmin path."""
+    def path(self, mu: float) -> np.ndarray:
+        """The minimising schedule at one price: the state held during each step (IDLE or flat)."""
         k, step_value = self.k, self._step_value(np.array([mu]))[0]
-        value = np.full(step_value.shape, np.inf)
-        tokens, cost, finish = np.zeros_like(value), np.zeros_like(value), np.full_like(value, np.inf)
-        idle, idle_carry = 0.0, (0.0, 0.0, math.inf)
+        n_steps, n_opt = len(self.blocked), len(self.price)
+        released = np.full(n_steps, IDLE)  # state given up at the start of step t, if any
+        entered = np.zeros((n_steps, n_opt), bool)  # (c, k) requested from idle at step t
+        trained = np.zeros((n_steps, n_opt), bool)  # (c, 0) after step t came from training
+        value, idle = np.full(step_value.shape, np.inf), 0.0
         for t, blocked in enumerate(self.blocked[:, 0]):
-            best = np.unravel_index(np.argmin(value), value.shape)
-            if value[best] < idle:  # give the slice up
-                idle, idle_carry = float(value[best]), (tokens[best], cost[best], finish[best])
-            enter = idle < value[:, k]
-            value[:, k] = np.where(enter, idle, value[:, k])
-            for array, carried in zip((tokens, cost, finish), idle_carry):
-                array[:, k] = np.where(enter, carried, array[:, k])
+            best = int(np.argmin(value))
+            if value.flat[best] < idle:
+                idle, released[t] = float(value.flat[best]), best
+            entered[t] = idle < value[:, k]
+            value[:, k] = np.where(entered[t], idle, value[:, k])
             value = value + blocked
-            new_value, new_tokens, new_cost, new_finish = (np.full_like(value, np.inf), np.zeros_like(value),
-                                                           np.zeros_like(value), np.full_like(value, np.inf))
-            new_value[:, :k] = value[:, 1:] + step_value[:, 1:]
-            new_tokens[:, :k], new_finish[:, :k] = tokens[:, 1:], finish[:, 1:]
-            unfinished = np.isinf(finish[:, 1:])
-            new_cost[:, :k] = cost[:, 1:] + np.where(unfinished, self.step_cost[:, 1:], 0.0)
+            new = np.full_like(value, np.inf)
+            new[:, :k] = value[:, 1:] + step_value[:, 1:]
             train = value[:, 0] + step_value[:, 0]
-            trains = train <= new_value[:, 0]
-            reached = np.isinf(finish[:, 0]) & (tokens[:, 0] + self.tokens >= total_tokens)
-            part = np.clip((total_tokens - tokens[:, 0]) / self.tokens, 0.0, 1.0)
-            billed = np.where(np.isinf(finish[:, 0]), np.where(reached, part, 1.0), 0.0) * self.price
-            new_value[:, 0] = np.where(trains, train, new_value[:, 0])
-            new_tokens[:, 0] = np.where(trains, tokens[:, 0] + self.tokens, new_tokens[:, 0])
-            new_cost[:, 0] = np.where(trains, cost[:, 0] + billed, new_cost[:, 0])
-            new_finish[:, 0] = np.where(trains, np.where(reached, (t + part) * self.dt, finish[:, 0]), new_finish[:, 0])
-            value, tokens, cost, finish = new_value, new_tokens, new_cost, new_finish
-        best = np.unravel_index(np.argmin(value), value.shape)
-        if value[best] < idle:
-            return float(tokens[best]), float(cost[best]), float(finish[best])
-        return float(idle_carry[0]), float(idle_carry[1]), float(idle_carry[2])
+            trained[t] = train <= new[:, 0]
+            new[:, 0] = np.where(trained[t], train, new[:, 0])
+            value = new
+        held = np.full(n_steps, IDLE)
+        state = int(np.argmin(value)) if value.min() < idle else IDLE
+        for t in range(n_steps - 1, -1, -1):  # walk back: the state held during step t
+            if state != IDLE:
+                c, j = divmod(state, k + 1)
+                state = state if j == 0 and trained[t, c] else c * (k + 1) + j + 1
+            held[t] = state
+            if state != IDLE and state % (k + 1) == k and entered[t, state // (k + 1)]:
+                state = IDLE  # requested from idle at this step
+            if state == IDLE and released[t] != IDLE:
+                state = int(released[t])
+        return held
+
+    def evaluate(self, held: np.ndarray, total_tokens: float) -> tuple[float, float, float]:
+        """Tokens, cost up to the target and time the target is reached (inf if never) of a schedule."""
+        k, tokens, cost = self.k, 0.0, 0.0
+        for t, state in enumerate(held):
+            if state == IDLE:
+                continue
+            c, j = divmod(int(state), k + 1)
+            if j == 0:
+                part = min(1.0, (total_tokens - tokens) / self.tokens[c])
+                tokens, cost = tokens + part * self.tokens[c], cost + part * self.price[c]
+                if tokens >= total_tokens - 1e-6:
+                    return total_tokens, cost, (t + part) * self.dt
+            elif j <= self.startup:
+                cost += self.price[c]
+        return tokens, cost, math.inf
+
+    def splice(self, first: np.ndarray, second: np.ndarray, at: int) -> np.ndarray:
+        """`first` before step `at`, `second` from it; a slice of `second` already under way
+        at `at` is started afresh there (its overhead again, then training)."""
+        k, held = self.k, np.concatenate([first[:at], second[at:]])
+        if at >= len(held) or held[at] == IDLE:
+            return held
+        c = held[at] // (k + 1)
+        continues = at > 0 and first[at - 1] != IDLE and first[at - 1] // (k + 1) == c and (
+            first[at - 1] % (k + 1) in (0, held[at] % (k + 1) + 1))
+        if continues:
+            return held
+        run = at
+        while run < len(held) and held[run] != IDLE and held[run] // (k + 1) == c:
+            run += 1
+        length = run - at
+        fresh = np.maximum(np.arange(k, k - length, -1), 0)  # overhead counting down, then training
+        held[at:run] = c * (k + 1) + fresh if length > k else IDLE  # too short to train: skip it
+        return held
+
+    def splice_to_target(self, first: np.ndarray, second: np.ndarray, total_tokens: float) -> np.ndarray:
+        """The splice of `first` then `second` at the step where the target is just reached
+        (bisection; progress grows with the share of the faster schedule)."""
+        reaches = [self.evaluate(self.splice(first, second, at), total_tokens)[0] >= total_tokens
+                   for at in (0, len(first))]
+        if reaches[0] == reaches[1]:
+            return second if reaches[0] else first
+        lo, hi = 0, len(first)  # reaches at lo differs from reaches at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if (self.evaluate(self.splice(first, second, mid), total_tokens)[0] >= total_tokens) == reaches[0]:
+                lo = mid
+            else:
+                hi = mid
+        return self.splice(first, second, lo if reaches[0] else hi)
+
+    def fill(self, held: np.ndarray, option: int, total_tokens: float) -> np.ndarray:
+        """`held` with on-demand `option` added in its idle stretches, longest first, until the
+        schedule reaches the target (or no stretch is long enough to train in)."""
+        k, filled = self.k, held.copy()
+        need = total_tokens - self.evaluate(held, total_tokens)[0]
+        idle = np.flatnonzero(held == IDLE)
+        stretches = np.split(idle, np.flatnonzero(np.diff(idle) != 1) + 1) if len(idle) else []
+        for stretch in sorted(stretches, key=len, reverse=True):
+            if need <= 0 or len(stretch) <= k:
+                break
+            train = min(len(stretch) - k, math.ceil(need / self.tokens[option]))
+            filled[stretch[: k + train]] = option * (k + 1) + np.r_[np.arange(k, 0, -1), np.zeros(train, int)]
+            need -= train * self.tokens[option]
+        return filled

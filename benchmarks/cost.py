@@ -1,0 +1,150 @@
+"""Cost of the cost-aware policy against the baselines and the hindsight optimum, on every trace.
+
+    python benchmarks/cost.py [--windows N] [--jobs N] [--out PATH]
+
+The job (fixed before looking at any result, and the same on every trace):
+
+- a ~1B-parameter dense decoder (24 layers, d_model 2048, 2048-token sequences)
+  trained on 20B tokens (about 20 tokens per parameter), throughput from the scaling
+  model in `policies.cost.ScalingModel` on v4 (v4-16: 143k, v4-32: 270k, v4-64: 507k
+  tokens/s);
+- options v4-16, v4-32, v4-64 on spot and on-demand, catalog prices;
+- deadline 1.75x the on-demand v4-32 duration (20.7 h -> 36.0 h): a v4-16 alone
+  could not make it, so the policy must trade size against tier;
+- restart figures: the defaults of `policies.cost.RestartCost` (120 s provisioning,
+  240 s startup, a checkpoint every 600 s).
+
+Each trace (see policies/traces/README.md: AWS GPU traces standing in for one TPU
+slice family in one zone) is replayed from `--windows` start times spread evenly over
+it. Policies: `policy` (policies.cost.CostPolicy, online, priors only), `ondemand`
+(fixed on-demand v4-32), `spot_restart` (fixed spot v4-32, waits and restarts),
+`greedy` (spot v4-32, on-demand v4-32 to the end once slack runs out) and `optimum`
+(the clairvoyant lower bound of policies.simulator.hindsight_optimum).
+
+Per trace and policy: `cost_per_btok` and `hours` are means over the windows, and
+`deadline_met` is true only if every window met it. The optimum's `cost_per_btok`
+is the lower bound; `schedule_cost_per_btok` and `hours` are those of a clairvoyant
+schedule found along the way (the true optimum lies between the two).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator.planning import job_options  # noqa: E402
+from policies.cost import CostPolicy  # noqa: E402
+from policies.simulator import FixedPolicy, GreedyPolicy, SimJob, hindsight_optimum, simulate  # noqa: E402
+from policies.traces import bundled_traces  # noqa: E402
+
+TOTAL_TOKENS = 20e9
+DEADLINE_OVER_ONDEMAND = 1.75
+POLICIES = ("policy", "ondemand", "spot_restart", "greedy", "optimum")
+RESULT_PATH = Path(__file__).parent / "results" / "cost.json"
+
+
+def benchmark_job() -> SimJob:
+    options = job_options(["v4-16", "v4-32", "v4-64"], ["spot", "on-demand"])
+    ondemand = next(o for o in options if o.name == "v4-32" and o.tier == "on-demand")
+    return SimJob(TOTAL_TOKENS, DEADLINE_OVER_ONDEMAND * TOTAL_TOKENS / ondemand.tokens_per_s, options)
+
+
+def run_window(args: tuple[str, float]) -> dict[str, dict]:
+    """Every policy on one trace window; returns {policy: {usd, hours, deadline_met}}."""
+    trace_name, start_s = args
+    trace = next(t for t in bundled_traces() if t.name == trace_name)
+    job = benchmark_job()
+    od32 = next(o for o in job.options if o.name == "v4-32" and o.tier == "on-demand")
+    spot32 = next(o for o in job.options if o.name == "v4-32" and o.tier == "spot")
+    policies = {
+        "policy": CostPolicy(),
+        "ondemand": FixedPolicy(od32, "ondemand"),
+        "spot_restart": FixedPolicy(spot32, "spot_restart"),
+        "greedy": GreedyPolicy(spot32, od32),
+    }
+    out = {}
+    for name, policy in policies.items():
+        run = simulate(policy, job, trace, start_s=start_s)
+        out[name] = {"usd": run.cost_usd, "hours": run.hours, "deadline_met": run.deadline_met,
+                     "preemptions": run.preemptions}
+    best = hindsight_optimum(job, trace, start_s=start_s)
+    out["optimum"] = {"usd": best.lower_bound_usd, "schedule_usd": best.schedule_cost_usd,
+                      "hours": best.schedule_finish_s / 3600, "deadline_met": best.feasible}
+    return out
+
+
+def summarise(trace_runs: dict[str, list[dict]]) -> dict:
+    per_btok = 1e9 / TOTAL_TOKENS
+    traces = {}
+    for name, windows in trace_runs.items():
+        row = {}
+        for policy in POLICIES:
+            runs = [w[policy] for w in windows]
+            hours = [r["hours"] for r in runs if r["hours"] is not None]
+            row[policy] = {
+                "cost_per_btok": round(sum(r["usd"] for r in runs) / len(runs) * per_btok, 3),
+                "hours": round(sum(hours) / len(hours), 2) if hours else None,
+                "deadline_met": all(r["deadline_met"] for r in runs),
+                "windows_missed": sum(not r["deadline_met"] for r in runs),
+            }
+        row["optimum"]["schedule_cost_per_btok"] = round(
+            sum(w["optimum"]["schedule_usd"] for w in windows) / len(windows) * per_btok, 3)
+        traces[name] = row
+    ratios = [t["policy"]["cost_per_btok"] / t["optimum"]["cost_per_btok"] for t in traces.values()]
+    savings = [1 - t["policy"]["cost_per_btok"] / t["ondemand"]["cost_per_btok"] for t in traces.values()]
+    summary = {
+        "policy_over_optimum": round(sum(ratios) / len(ratios), 4),
+        "policy_over_optimum_worst": round(max(ratios), 4),
+        "saving_vs_ondemand": round(sum(savings) / len(savings), 4),
+        "deadlines_missed": sum(t["policy"]["windows_missed"] for t in traces.values()),
+        "baseline_deadlines_missed": {p: sum(t[p]["windows_missed"] for t in traces.values())
+                                      for p in ("ondemand", "spot_restart", "greedy")},
+    }
+    return {"traces": traces, "summary": summary}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--windows", type=int, default=4, help="start times per trace")
+    parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+    parser.add_argument("--out", type=Path, default=RESULT_PATH)
+    args = parser.parse_args(argv)
+
+    job = benchmark_job()
+    tasks = [(t.name, i * t.duration_s / args.windows) for t in bundled_traces() for i in range(args.windows)]
+    began = time.time()
+    with ProcessPoolExecutor(args.jobs) as pool:
+        results = list(pool.map(run_window, tasks))
+    trace_runs: dict[str, list[dict]] = {}
+    for (name, _), result in zip(tasks, results):
+        trace_runs.setdefault(name, []).append(result)
+    report = summarise(trace_runs)
+    report["job"] = {
+        "model": "dense decoder ~1B params (24 layers, d_model 2048, seq 2048)",
+        "total_tokens": TOTAL_TOKENS,
+        "deadline_hours": round(job.deadline_s / 3600, 2),
+        "deadline_over_ondemand_v4_32": DEADLINE_OVER_ONDEMAND,
+        "options": {o.label: {"tokens_per_s": round(o.tokens_per_s), "usd_per_hour": round(o.usd_per_hour, 2)}
+                    for o in job.options},
+        "windows_per_trace": args.windows,
+    }
+    report["seconds"] = round(time.time() - began, 1)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+    print(f"{'trace':58s} {'policy':>8s} {'optimum':>8s} {'ondemand':>8s} {'spot_rst':>8s} {'greedy':>8s}  met")
+    for name, row in report["traces"].items():
+        cells = " ".join(f"{row[p]['cost_per_btok']:8.2f}" for p in ("policy", "optimum", "ondemand", "spot_restart", "greedy"))
+        print(f"{name:58s} {cells}  {'yes' if row['policy']['deadline_met'] else 'NO'}")
+    print(json.dumps(report["summary"], indent=2))
+    print(f"{report['seconds']} s; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
