@@ -1,0 +1,177 @@
+"""Prometheus metrics of every job, read from the store on each scrape.
+
+Nothing is kept in memory between scrapes (except the goodput of jobs that have
+ended, which cannot change), so the numbers are those `orchestrator status` shows and
+a restarted controller exports the same series. Each sample carries the job id as
+`job`; note that Prometheus renames a target's own `job` label to `exported_job`
+unless the scrape config sets `honor_labels: true`.
+
+Exported (all gauges unless marked as counters):
+
+- orchestrator_job_info{job,name,accelerator,tier} 1
+- orchestrator_job_state{job,state} 1 for the job's state, 0 for every other state
+- orchestrator_job_completed_steps{job}: steps done (the last reported step + 1)
+- orchestrator_job_tokens_per_second{job}, orchestrator_job_loss{job}: of the last reported step
+- orchestrator_job_goodput_ratio{job}: productive time / wall time
+- orchestrator_job_time_seconds{job,category}: wall time by goodput category
+- orchestrator_job_cost_dollars_total{job,accelerator,tier} (counter)
+- orchestrator_job_preemptions_total{job}, orchestrator_job_restarts_total{job} (counters)
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import threading
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from orchestrator.errors import OrchestratorError
+from orchestrator.goodput import Goodput, goodput
+from orchestrator.states import JobState
+from orchestrator.store import JobRecord, Store
+
+log = logging.getLogger(__name__)
+
+
+class RemoteMetricsRefused(OrchestratorError, ValueError):
+    """Serving metrics on a non-loopback address was asked for without `allow_remote=True`."""
+
+    def __init__(self, host: str):
+        self.host = host
+        super().__init__(f"refusing to serve metrics on {host!r}: job names, losses and costs would be visible "
+                         f"to the network; use 127.0.0.1, or pass allow_remote=True")
+
+
+class JobCollector(Collector):
+    """The per-job metrics of one store (see the module doc), computed on each `collect`."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self._ended: dict[str, tuple[float, Goodput]] = {}  # job id -> (updated_at, goodput) of ended jobs
+
+    def describe(self) -> list[Metric]:
+        return []  # so that registering does not read the store
+
+    def collect(self) -> Iterator[Metric]:
+        m = _Families()
+        for job in self.store.jobs():
+            try:
+                self._add(m, job)
+            except Exception:  # one unreadable job must not take every other job's metrics down
+                log.exception("job %s: could not compute its metrics", job.id)
+        yield from m.all()
+
+    def _add(self, m: _Families, job: JobRecord) -> None:
+        accelerator, tier = str(job.spec.get("accelerator", "")), str(job.spec.get("tier", ""))
+        m.info.add_metric([job.id], {"name": job.name, "accelerator": accelerator, "tier": tier})
+        for state in JobState:
+            m.state.add_metric([job.id, state.value], 1.0 if job.state is state else 0.0)
+        last = self.store.last_step(job.id)
+        if last is not None:
+            m.completed_steps.add_metric([job.id], last.step + 1)
+            m.loss.add_metric([job.id], last.loss)
+            if last.tokens_per_s is not None:
+                m.tokens_per_second.add_metric([job.id], last.tokens_per_s)
+        g = self._goodput(job)
+        m.goodput.add_metric([job.id], g.goodput_fraction)
+        for category, seconds in g.seconds().items():
+            m.time.add_metric([job.id, category], seconds)
+        for (acc, t), usd in sorted(g.usd_by.items()) or [((accelerator, tier), 0.0)]:
+            m.cost.add_metric([job.id, acc, t], usd)
+        m.preemptions.add_metric([job.id], g.preemptions)
+        m.restarts.add_metric([job.id], g.restarts)
+
+    def _goodput(self, job: JobRecord) -> Goodput:
+        # An ended job's rows no longer change: reading all its steps again on every
+        # scrape would make scrapes slower with every job ever run.
+        cached = self._ended.get(job.id)
+        if cached is not None and cached[0] == job.updated_at:
+            return cached[1]
+        g = goodput(self.store, job.id)
+        if job.state.terminal:
+            self._ended[job.id] = (job.updated_at, g)
+        return g
+
+
+class _Families:
+    """One scrape's metric families, filled job by job."""
+
+    def __init__(self):
+        p = "orchestrator_job"
+        self.info = InfoMetricFamily(p, "The job's name, accelerator type and tier.", labels=["job"])
+        self.state = GaugeMetricFamily(f"{p}_state", "1 for the job's current state, 0 for the others.",
+                                       labels=["job", "state"])
+        self.completed_steps = GaugeMetricFamily(f"{p}_completed_steps", "Training steps completed.", labels=["job"])
+        self.tokens_per_second = GaugeMetricFamily(f"{p}_tokens_per_second", "Throughput of the last step.",
+                                                   labels=["job"])
+        self.loss = GaugeMetricFamily(f"{p}_loss", "Training loss of the last step.", labels=["job"])
+        self.goodput = GaugeMetricFamily(f"{p}_goodput_ratio", "Productive step time over wall time.", labels=["job"])
+        self.time = GaugeMetricFamily(f"{p}_time_seconds", "Wall time by goodput category.",
+                                      labels=["job", "category"])
+        self.cost = CounterMetricFamily(f"{p}_cost_dollars", "Slice time billed (list prices), in US dollars.",
+                                        labels=["job", "accelerator", "tier"])
+        self.preemptions = CounterMetricFamily(f"{p}_preemptions", "Slices preempted or hosts lost.", labels=["job"])
+        self.restarts = CounterMetricFamily(f"{p}_restarts", "Launches of the workers after the first.",
+                                            labels=["job"])
+
+    def all(self) -> list[Metric]:
+        return list(vars(self).values())
+
+
+class MetricsServer:
+    """A running HTTP endpoint serving the metrics at `/metrics`; `stop()` shuts it down."""
+
+    def __init__(self, httpd, thread: threading.Thread):
+        self._httpd, self._thread = httpd, thread
+        self.host, self.port = httpd.server_address[:2]
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    @property
+    def serving(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop serving, close the socket and wait for the serving thread to end (idempotent)."""
+        if self._thread.is_alive():
+            self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout_s)
+
+
+def serve_metrics(store: Store, *, host: str = "127.0.0.1", port: int = 0,
+                  allow_remote: bool = False) -> tuple[MetricsServer, int]:
+    """Serve the jobs of `store` at http://host:port/metrics on a daemon thread; returns (server, bound port).
+
+    Only loopback addresses unless `allow_remote`; `port=0` picks a free port. Example::
+
+        server, port = serve_metrics(store)
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        server.stop()
+    """
+    if not allow_remote and not _is_loopback(host):
+        raise RemoteMetricsRefused(host)
+    # A registry of our own: the process-wide default would also export this process's
+    # Python and GC metrics, and a second server in one process would clash in it.
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(JobCollector(store))
+    httpd, thread = start_http_server(port, addr=host, registry=registry)
+    server = MetricsServer(httpd, thread)
+    log.info("serving job metrics at %s", server.url)
+    return server, server.port
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost may resolve anywhere
+        return False
