@@ -1,0 +1,275 @@
+"""One job's report: a picture of its run, as a PNG or as a self-contained HTML page.
+
+The picture, top to bottom, against time since submission: loss, throughput, the
+slices held (chips, coloured by tier), cumulative cost; disruptions, restores and
+resizes as labelled vertical lines across all four; and where the wall time went (the
+goodput categories) as one stacked bar. The HTML page adds the goodput table and the
+job's event list, with the picture inlined, so it can be mailed or attached as one file.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import html
+import io
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.transforms import blended_transform_factory
+
+from orchestrator.errors import OrchestratorError
+from orchestrator.goodput import (CATEGORIES, BilledSlice, Goodput, billed_slices, compute_goodput,
+                                  format_duration, summary_line)
+from orchestrator.store import Event, Store
+
+FORMATS = (".png", ".html")
+
+_MARKER_STYLE = {  # kind -> (colour, line style)
+    "preemption": ("#d62728", "--"),
+    "failure": ("#ff7f0e", "--"),
+    "restore": ("#2ca02c", ":"),
+    "resize": ("#9467bd", "-."),
+}
+_TIER_COLOUR = {"spot": "#ff9f1c", "on-demand": "#1f77b4", "reserved": "#2ca02c"}
+_CATEGORY_COLOUR = dict(zip(CATEGORIES, ["#2ca02c", "#bdbdbd", "#9ecae1", "#3182bd", "#9467bd", "#17becf",
+                                         "#8c564b", "#d62728", "#eeeeee"]))
+_RECOVERY_MARKERS = {"preempted": ("preemption", "preempted"), "infra_lost": ("preemption", "host lost"),
+                     "app_failed": ("failure", "app failed")}
+
+
+class NoStepsError(OrchestratorError, ValueError):
+    """A report was asked for a job that has not reported a single training step."""
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        super().__init__(f"job {job_id!r} has no recorded steps yet; there is nothing to plot")
+
+
+@dataclass(frozen=True)
+class Marker:
+    at: float
+    kind: str  # a key of _MARKER_STYLE
+    label: str
+
+
+@dataclass(frozen=True)
+class ReportSeries:
+    """Everything the picture shows, as plain numbers (times are Unix seconds)."""
+
+    job_id: str
+    name: str
+    state: str
+    start: float  # the job's submission
+    end: float  # its end (or now), or the last slice release if later
+    step_at: tuple[float, ...]  # when each kept step was reported
+    step: tuple[int, ...]
+    generation: tuple[int, ...]
+    loss: tuple[float, ...]
+    tokens_per_s: tuple[float | None, ...]
+    slices: tuple[BilledSlice, ...]
+    chips_at: tuple[float, ...]  # a step function: `chips[i]` chips held from `chips_at[i]` on
+    chips: tuple[int, ...]
+    cost_at: tuple[float, ...]  # cumulative dollars, linear between these points
+    cost_usd: tuple[float, ...]
+    markers: tuple[Marker, ...]
+    goodput: Goodput
+
+
+def report_series(store: Store, job_id: str, *, now: float | None = None) -> ReportSeries:
+    """The series of job `job_id`'s report; raises `NoStepsError` if it has no steps."""
+    job, events, steps = store.job(job_id), store.events(job_id), store.steps(job_id)
+    if not steps:
+        raise NoStepsError(job_id)
+    g = compute_goodput(job, events, steps, now=time.time() if now is None else now)
+    slices = tuple(billed_slices(events, end=g.end))
+    end = max([g.end] + [s.end for s in slices])
+    changes = sorted({g.start, end} | {t for s in slices for t in (s.start, s.end) if g.start <= t <= end})
+    return ReportSeries(
+        job_id=job.id, name=job.name, state=job.state.value, start=g.start, end=end,
+        step_at=tuple(s.at for s in steps), step=tuple(s.step for s in steps),
+        generation=tuple(s.generation for s in steps), loss=tuple(s.loss for s in steps),
+        tokens_per_s=tuple(s.tokens_per_s for s in steps), slices=slices,
+        chips_at=tuple(changes), chips=tuple(sum(s.chips for s in slices if s.start <= t < s.end) for t in changes),
+        cost_at=tuple(changes), cost_usd=tuple(sum(s.usd_until(t) for s in slices) for t in changes),
+        markers=tuple(_markers(events)), goodput=g)
+
+
+def write_report(store: Store, job_id: str, path: Path | str, *, now: float | None = None) -> Path:
+    """Write job `job_id`'s report to `path`: a `.png` picture or a self-contained `.html` page."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"cannot write a report as {path.name!r}: the name must end in {' or '.join(FORMATS)}")
+    series = report_series(store, job_id, now=now)
+    png = render_png(series)
+    if path.suffix.lower() == ".png":
+        path.write_bytes(png)
+    else:
+        path.write_text(render_html(series, png, store.events(job_id)), encoding="utf-8")
+    return path
+
+
+def render_png(s: ReportSeries) -> bytes:
+    fig = Figure(figsize=(11, 13), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)  # Agg, without pyplot: no global figure registry, safe off the main thread
+    grid = fig.add_gridspec(5, 1, height_ratios=[3, 2, 1.6, 1.8, 0.9])
+    ax_loss = fig.add_subplot(grid[0])
+    ax_tps, ax_chips, ax_cost = (fig.add_subplot(grid[i], sharex=ax_loss) for i in (1, 2, 3))
+    unit, unit_s = _time_unit(s.end - s.start)
+    x = _elapsed(s.start, unit_s)
+
+    for gen in sorted(set(s.generation)):
+        rows = [i for i, g in enumerate(s.generation) if g == gen]
+        ax_loss.plot([x(s.step_at[i]) for i in rows], [s.loss[i] for i in rows], ".-", ms=3, lw=1,
+                     label=f"generation {gen}")
+        tps = [i for i in rows if s.tokens_per_s[i] is not None]
+        ax_tps.plot([x(s.step_at[i]) for i in tps], [s.tokens_per_s[i] for i in tps], ".-", ms=3, lw=1)
+    ax_loss.set_ylabel("loss")
+    ax_loss.legend(loc="upper right", fontsize=8)
+    ax_tps.set_ylabel("tokens / s")
+    ax_tps.set_ylim(bottom=0)
+    _plot_slices(ax_chips, s, x)
+    ax_cost.plot([x(t) for t in s.cost_at], s.cost_usd, color="black", lw=1.5)
+    ax_cost.fill_between([x(t) for t in s.cost_at], s.cost_usd, color="#cccccc")
+    ax_cost.set_ylabel("cost (USD)")
+    ax_cost.set_ylim(bottom=0)
+    ax_cost.annotate(f"${s.cost_usd[-1]:,.2f}", (x(s.cost_at[-1]), s.cost_usd[-1]), xytext=(-4, -4),
+                     textcoords="offset points", ha="right", va="top", fontsize=9)
+    ax_cost.set_xlabel(f"time since submission ({unit})")
+    ax_cost.set_xlim(0, x(s.end))
+    for ax in (ax_loss, ax_tps, ax_chips):
+        ax.tick_params(labelbottom=False)
+    for ax in (ax_loss, ax_tps, ax_chips, ax_cost):
+        ax.grid(alpha=0.3)
+        _plot_markers(ax, s.markers, x, labelled=ax is ax_loss)
+    _plot_goodput(fig.add_subplot(grid[4]), s.goodput)
+    started = dt.datetime.fromtimestamp(s.start).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
+    fig.suptitle(f"{s.name} ({s.job_id}): {s.state}\nsubmitted {started}, {format_duration(s.goodput.wall_s)} "
+                 f"wall time, ${s.goodput.usd_total:,.2f}, {s.step[-1] + 1} steps", fontsize=12)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def render_html(s: ReportSeries, png: bytes, events: list[Event]) -> str:
+    """A self-contained page: summary, the picture inlined, the goodput table and the event list."""
+    e = html.escape
+    g = s.goodput
+    rows = "".join(f"<tr><td>{e(c.replace('_', ' '))}</td><td>{e(format_duration(sec))}</td>"
+                   f"<td>{sec / g.wall_s if g.wall_s else 0:.1%}</td></tr>" for c, sec in g.seconds().items())
+    rows += f"<tr class=total><td>wall time</td><td>{e(format_duration(g.wall_s))}</td><td>100.0%</td></tr>"
+    event_rows = "".join(
+        f"<tr><td>{e(_clock(ev.at))}</td><td>+{e(format_duration(max(0.0, ev.at - s.start)))}</td>"
+        f"<td>{e(ev.kind)}</td><td>{e(_transition(ev))}</td><td>{e(ev.reason)}</td>"
+        f"<td><code>{e(json.dumps(ev.data, sort_keys=True)) if ev.data else ''}</code></td></tr>" for ev in events)
+    title = f"{s.name} ({s.job_id}): {s.state}"
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>{e(title)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; margin-bottom: 2em; }}
+td, th {{ border-bottom: 1px solid #ddd; padding: 0.25em 0.8em; text-align: left; vertical-align: top; }}
+table.goodput td:nth-child(n+2) {{ text-align: right; }}
+tr.total td {{ font-weight: bold; }}
+code {{ font-size: 0.85em; }}
+img {{ max-width: 100%; }}
+</style></head>
+<body>
+<h1>{e(title)}</h1>
+<p>{e(summary_line(g))}</p>
+<img alt="loss, throughput, slices, cost and goodput of {e(s.job_id)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">
+<h2>Goodput</h2>
+<table class="goodput"><tr><th>category</th><th>time</th><th>share</th></tr>{rows}</table>
+<h2>Events</h2>
+<table class="events"><tr><th>time</th><th>since submission</th><th>kind</th><th>state</th><th>reason</th><th>data</th></tr>
+{event_rows}</table>
+</body></html>
+"""
+
+
+# -- pieces of the picture ---------------------------------------------------------------
+
+
+def _markers(events: list[Event]) -> list[Marker]:
+    out = []
+    has_resize_events = any(e.kind == "resize" for e in events)
+    for e in events:
+        d = e.data or {}
+        if e.kind == "state" and e.to_state == "RECOVERING" and d.get("outcome") in _RECOVERY_MARKERS:
+            out.append(Marker(e.at, *_RECOVERY_MARKERS[d["outcome"]]))
+        elif e.kind == "state" and e.to_state == "RESIZING" and not has_resize_events:
+            out.append(Marker(e.at, "resize", "resizing"))
+        elif e.kind == "restore" and d.get("restored_step") is not None:  # a fresh start is no event to mark
+            out.append(Marker(e.at, "restore", f"restored step {d['restored_step']}"))
+        elif e.kind == "resize":
+            out.append(Marker(e.at, "resize", f"resize {d.get('from', '?')} → {d.get('to', '?')}"))
+    return out
+
+
+def _plot_slices(ax, s: ReportSeries, x) -> None:
+    seen_tiers = set()
+    for sl in s.slices:
+        colour = _TIER_COLOUR.get(sl.tier, "#7f7f7f")
+        ax.fill_between([x(sl.start), x(sl.end)], 0, sl.chips, color=colour, alpha=0.35, lw=0,
+                        label=None if sl.tier in seen_tiers else sl.tier)
+        seen_tiers.add(sl.tier)
+        ax.text(x((sl.start + sl.end) / 2), sl.chips / 2, f"{sl.accelerator}\n{sl.tier}", ha="center", va="center",
+                fontsize=8, clip_on=True)
+    ax.step([x(t) for t in s.chips_at], s.chips, where="post", color="black", lw=1.2)
+    ax.set_ylabel("chips held")
+    ax.set_ylim(0, max(s.chips + (1,)) * 1.25)
+    if seen_tiers:
+        ax.legend(loc="upper right", fontsize=8, title="tier", title_fontsize=8)
+
+
+def _plot_markers(ax, markers: tuple[Marker, ...], x, *, labelled: bool) -> None:
+    on_top = blended_transform_factory(ax.transData, ax.transAxes)  # x in data, y in axes fractions
+    for m in markers:
+        colour, style = _MARKER_STYLE[m.kind]
+        ax.axvline(x(m.at), color=colour, ls=style, lw=1.2)
+        if labelled:
+            ax.text(x(m.at), 0.98, f" {m.label}", transform=on_top, rotation=90, ha="right", va="top",
+                    fontsize=8, color=colour)
+
+
+def _plot_goodput(ax, g: Goodput) -> None:
+    """One horizontal bar of 100%: each category's share of wall time, labelled where it is wide enough."""
+    left = 0.0
+    for category, seconds in g.seconds().items():
+        share = 100 * seconds / g.wall_s if g.wall_s > 0 else 0.0
+        ax.barh(0, share, height=0.6, left=left, color=_CATEGORY_COLOUR[category], edgecolor="white",
+                label=f"{category.replace('_', ' ')} {share:.1f}% ({format_duration(seconds)})")
+        if share >= 6:
+            ax.text(left + share / 2, 0, f"{share:.0f}%", ha="center", va="center", fontsize=9)
+        left += share
+    ax.set_xlim(0, 100)
+    ax.set_yticks([])
+    ax.set_xlabel("share of wall time (%)")
+    ax.set_title(f"where the {format_duration(g.wall_s)} went: goodput {g.goodput_fraction:.1%}", fontsize=10,
+                 loc="left")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=3, fontsize=8, frameon=False)
+
+
+def _time_unit(span_s: float) -> tuple[str, float]:
+    """The unit that keeps the time axis' numbers readable."""
+    if span_s >= 3 * 3600:
+        return "h", 3600.0
+    if span_s >= 180:
+        return "min", 60.0
+    return "s", 1.0
+
+
+def _elapsed(start: float, unit_s: float):
+    return lambda t: (t - start) / unit_s
+
+
+def _clock(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts).astimezone().strftime("%Y-%m-%d %H:%M:%S.%f")[:-3]
+
+
+def _transition(e: Event) -> str:
+    return f"{e.from_state or ''} → {e.to_state}" if e.to_state else ""
