@@ -167,17 +167,34 @@ def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric]
     usd_by: dict[tuple[str, str], float] = {}
     for s in billed_slices(events, end=end):
         usd_by[(s.accelerator, s.tier)] = usd_by.get((s.accelerator, s.tier), 0.0) + s.usd
-    outcomes = [(e.data or {}).get("outcome") for e in events if e.kind == "state" and e.to_state == "RECOVERING"]
+    kinds = [kind for _, kind in disruptions(events)]
     launches = sum(1 for e in events if e.kind == "state" and e.to_state == "STARTING")
     return Goodput(
         job_id=job.id, start=start, end=end, finished=job.state.terminal,
         **{f"{c}_s": spent[c] for c in CATEGORIES},
         usd_total=sum(usd_by.values()), usd_by=usd_by,
-        preemptions=sum(o in _PREEMPTION_OUTCOMES for o in outcomes),
-        failures=sum(o in _FAILURE_OUTCOMES for o in outcomes),
+        preemptions=sum(k in _PREEMPTION_OUTCOMES for k in kinds),
+        failures=sum(k in _FAILURE_OUTCOMES for k in kinds),
         restarts=max(0, launches - 1),
         lost_steps=sum(int((e.data or {}).get("steps") or 0) for e in events if e.kind == "lost_work"),
     )
+
+
+def disruptions(events: list[Event]) -> list[tuple[float, str]]:
+    """(at, outcome kind) of each attempt that ended without finishing the job, oldest first.
+
+    Kinds are those of `OutcomeKind`: preempted, infra_lost, app_failed, provision_failed.
+    Disruption events are the record when the controller writes them (they are written
+    even when the job then fails for lack of retries); older stores only have the
+    `outcome` of ->RECOVERING transitions. Failed provisioning never has a disruption
+    event, so it always comes from the transitions.
+    """
+    recovering = [(e.at, (e.data or {}).get("outcome")) for e in events
+                  if e.kind == "state" and e.to_state == "RECOVERING" and (e.data or {}).get("outcome")]
+    recorded = [(e.at, e.data["kind"]) for e in events if e.kind == "disruption" and (e.data or {}).get("kind")]
+    if not recorded:
+        return recovering
+    return sorted(recorded + [(at, k) for at, k in recovering if k == "provision_failed"])
 
 
 def billed_slices(events: list[Event], *, end: float) -> list[BilledSlice]:
@@ -296,14 +313,20 @@ def _previous_run(intervals: list[_Interval], starts: list[float], t: float) -> 
 
 
 def _stale_ranges(events: list[Event]) -> list[tuple[float, range]]:
-    """(reported at, steps) of lost_work events: rows of those steps written earlier will be recomputed."""
+    """(reported at, step indices) of lost_work events: rows of those steps written before will be recomputed.
+
+    `from_step` and `to_step` bound the lost steps in either order (the controller
+    writes from the disrupted step back to the restored one); without `to_step`, the
+    `steps` steps from `from_step` on.
+    """
     out = []
     for e in events:
         d = e.data or {}
-        if e.kind == "lost_work" and d.get("from_step") is not None:
-            first = int(d["from_step"])
-            stop = first + int(d["steps"]) if d.get("steps") is not None else int(d.get("to_step", first))
-            out.append((e.at, range(first, stop)))
+        if e.kind != "lost_work" or d.get("from_step") is None:
+            continue
+        a = int(d["from_step"])
+        b = int(d["to_step"]) if d.get("to_step") is not None else a + int(d.get("steps") or 0)
+        out.append((e.at, range(min(a, b), max(a, b))))
     return out
 
 

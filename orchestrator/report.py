@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
 from orchestrator.errors import OrchestratorError
-from orchestrator.goodput import (CATEGORIES, BilledSlice, Goodput, billed_slices, compute_goodput,
+from orchestrator.goodput import (CATEGORIES, BilledSlice, Goodput, billed_slices, compute_goodput, disruptions,
                                   format_duration, summary_line)
 from orchestrator.store import Event, Store
 
@@ -38,7 +38,7 @@ _MARKER_STYLE = {  # kind -> (colour, line style)
 _TIER_COLOUR = {"spot": "#ff9f1c", "on-demand": "#1f77b4", "reserved": "#2ca02c"}
 _CATEGORY_COLOUR = dict(zip(CATEGORIES, ["#2ca02c", "#bdbdbd", "#9ecae1", "#3182bd", "#9467bd", "#17becf",
                                          "#8c564b", "#d62728", "#eeeeee"]))
-_RECOVERY_MARKERS = {"preempted": ("preemption", "preempted"), "infra_lost": ("preemption", "host lost"),
+_DISRUPTION_MARKERS = {"preempted": ("preemption", "preempted"), "infra_lost": ("preemption", "host lost"),
                      "app_failed": ("failure", "app failed")}
 
 
@@ -195,19 +195,17 @@ img {{ max-width: 100%; }}
 
 
 def _markers(events: list[Event]) -> list[Marker]:
-    out = []
+    out = [Marker(at, *_DISRUPTION_MARKERS[kind]) for at, kind in disruptions(events) if kind in _DISRUPTION_MARKERS]
     has_resize_events = any(e.kind == "resize" for e in events)
     for e in events:
         d = e.data or {}
-        if e.kind == "state" and e.to_state == "RECOVERING" and d.get("outcome") in _RECOVERY_MARKERS:
-            out.append(Marker(e.at, *_RECOVERY_MARKERS[d["outcome"]]))
-        elif e.kind == "state" and e.to_state == "RESIZING" and not has_resize_events:
+        if e.kind == "state" and e.to_state == "RESIZING" and not has_resize_events:
             out.append(Marker(e.at, "resize", "resizing"))
         elif e.kind == "restore" and d.get("restored_step") is not None:  # a fresh start is no event to mark
             out.append(Marker(e.at, "restore", f"restored step {d['restored_step']}"))
         elif e.kind == "resize":
             out.append(Marker(e.at, "resize", f"resize {d.get('from', '?')} → {d.get('to', '?')}"))
-    return out
+    return sorted(out, key=lambda m: m.at)
 
 
 def _plot_slices(ax, s: ReportSeries, x) -> None:

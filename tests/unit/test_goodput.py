@@ -57,8 +57,8 @@ def preempted_job(store: Store, job_id: str = "job-p") -> str:
     store.add_event(job_id, "checkpoint", "saved step 8", {"step": 8, "blocking_s": 0.5}, at=t + 56.5)
     _slice(store, job_id, t + 62, "s1", "PREEMPTING")
     _slice(store, job_id, t + 63, "s1", "GONE")
-    store.add_event(job_id, "disruption", "preempted", {"kind": "preempted", "step": 10, "reason": "reclaimed"},
-                    at=t + 63)
+    store.add_event(job_id, "disruption", "preempted: reclaimed (after step 10)",
+                    {"kind": "preempted", "step": 9, "reason": "reclaimed", "generation": 1}, at=t + 63)
     store.transition(job_id, J.RECOVERING, "reclaimed (preemption 1 of at most 3)", data={"outcome": "preempted"},
                      at=t + 63, preemptions=1)
     store.transition(job_id, J.PROVISIONING, "requesting v4-8 (on-demand)", at=t + 64)
@@ -69,8 +69,8 @@ def preempted_job(store: Store, job_id: str = "job-p") -> str:
     store.transition(job_id, J.RUNNING, "all hosts joined", data={"init_s": 5.0, "generation": 2}, at=t + 80)
     store.add_event(job_id, "restore", "restored step 8", {"restore_s": 1.0, "compile_s": 2.0, "restored_step": 8},
                     at=t + 85)
-    store.add_event(job_id, "lost_work", "steps 8-9 computed again",
-                    {"steps": 2, "seconds": 3.0, "from_step": 8, "to_step": 10}, at=t + 85)
+    store.add_event(job_id, "lost_work", "lost 2 steps (from step 10 back to 8)",  # as the controller writes it
+                    {"steps": 2, "seconds": 3.0, "from_step": 10, "to_step": 8}, at=t + 85)
     _steps(store, job_id, 2, 8, 19, t + 87)  # steps 8-19 reported at t+87 ... t+109
     store.add_event(job_id, "checkpoint", "saved step 16", {"step": 16, "blocking_s": 0.5}, at=t + 103.5)
     _slice(store, job_id, t + 110, "s2", "RELEASED", tier="on-demand")
@@ -164,6 +164,29 @@ def test_failed_provisioning_and_its_backoff_count_as_waiting_for_capacity(store
     g = goodput(store, job)
     _assert_adds_up(g)
     assert (g.waiting_for_capacity_s, g.provisioning_s, g.failures) == pytest.approx((60.0, 10.0, 1))
+
+
+def test_disruptions_count_from_their_events_even_when_the_job_then_fails(store):
+    job = preempted_job(store, "job-p")
+    g = goodput(store, job)
+    assert (g.preemptions, g.failures) == (1, 0)
+    job = "job-f"  # the second host loss is one more than max_preemptions: FAILED, with no RECOVERING
+    store.create_job(job, "f", {}, at=T0)
+    for i, kind in enumerate(["infra_lost", "app_failed", "infra_lost"]):
+        store.add_event(job, "disruption", kind, {"kind": kind, "step": i, "reason": "x"}, at=T0 + i)
+    store.transition(job, J.FAILED, "2 preemptions or host losses, more than max_preemptions=1", at=T0 + 5)
+    assert (goodput(store, job).preemptions, goodput(store, job).failures) == (2, 1)
+
+
+def test_without_disruption_events_the_recovering_outcomes_count(store):
+    job = "job-old"  # a store written before the controller recorded disruption events
+    store.create_job(job, "old", {}, at=T0)
+    store.transition(job, J.PROVISIONING, "requesting", at=T0)
+    for i, outcome in enumerate(["preempted", "app_failed", "infra_lost", "provision_failed"]):
+        store.transition(job, J.RECOVERING, outcome, data={"outcome": outcome}, at=T0 + 2 * i + 1)
+        store.transition(job, J.PROVISIONING, "requesting", at=T0 + 2 * i + 2)
+    g = goodput(store, job, now=T0 + 10)
+    assert (g.preemptions, g.failures) == (2, 2)
 
 
 def test_overlapping_measurements_are_clamped_not_negative(store):
