@@ -1,0 +1,63 @@
+"""RMSNorm and LayerNorm: every implementation against the plain reference, outputs and gradients."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernel_checks import IMPLEMENTATIONS, as_f32, assert_close, normal
+from kernels import NormBlockSizes, layer_norm, rms_norm
+from kernels.norm import reference_norm
+
+# (norm, dtype, x shape, rows per block): each norm in both dtypes, over 3 blocks of 16 rows
+# and over 3 blocks of 8 rows of a feature size that is not a power of two.
+CASES = [
+    pytest.param(False, jnp.float32, (2, 24, 128), 16, id="rms-f32-48x128"),
+    pytest.param(False, jnp.bfloat16, (3, 8, 96), 8, id="rms-bf16-24x96"),
+    pytest.param(True, jnp.float32, (3, 8, 96), 8, id="layer-f32-24x96"),
+    pytest.param(True, jnp.bfloat16, (2, 24, 128), 16, id="layer-bf16-48x128"),
+]
+
+
+def _value_and_grads(fn, args, d_out):
+    out, vjp = jax.vjp(fn, *args)
+    return out, vjp(d_out)
+
+
+def _inputs(shape, dtype, centered: bool):
+    keys = jax.random.split(jax.random.key(0), 4)
+    x = normal(keys[0], shape, dtype, scale=2.0) + 0.5  # off-center rows exercise LayerNorm's mean
+    weight = 1.0 + normal(keys[1], shape[-1:], jnp.float32, scale=0.1)
+    bias = normal(keys[2], shape[-1:], jnp.float32, scale=0.1)
+    d_out = normal(keys[3], shape, dtype)
+    return ((x, weight, bias) if centered else (x, weight)), d_out
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("centered, dtype, shape, block_rows", CASES)
+def test_matches_reference(implementation, centered, dtype, shape, block_rows):
+    args, d_out = _inputs(shape, dtype, centered)
+    blocks = NormBlockSizes(block_rows)
+    if centered:
+        kernel = functools.partial(layer_norm, eps=1e-5, implementation=implementation, block_sizes=blocks)
+        reference = jax.jit(functools.partial(reference_norm, eps=1e-5))
+    else:
+        kernel = functools.partial(rms_norm, eps=1e-6, implementation=implementation, block_sizes=blocks)
+        reference = jax.jit(lambda x, w: reference_norm(x, w, None, eps=1e-6))
+    got = _value_and_grads(kernel, args, d_out)
+    want_f32 = _value_and_grads(reference, as_f32(args), as_f32(d_out))
+    want_same_dtype = _value_and_grads(reference, args, d_out)
+    assert_close(got, want_f32, want_same_dtype, dtype=dtype)
+
+
+def test_rows_that_do_not_tile_are_rejected():
+    x = jnp.zeros((3, 100, 64))
+    with pytest.raises(ValueError, match="rows=300 is not a multiple of block_rows=256"):
+        rms_norm(x, jnp.ones(64), implementation="pallas")
+    with pytest.raises(ValueError, match=r"weight must be \[d\]"):
+        layer_norm(x, jnp.ones(32), jnp.zeros(64))
+    with pytest.raises(ValueError, match="valid: 'pallas', 'xla'"):
+        rms_norm(x, jnp.ones(64), implementation="cudnn")

@@ -1,0 +1,64 @@
+"""Rotary position embedding: every implementation against the reference; the rotation's algebra."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_checks import DTYPES, IMPLEMENTATIONS, as_f32, assert_close, normal
+from kernels import RopeBlockSizes, apply_rope
+from kernels.rope import reference_rope
+
+
+def _inputs(dtype, seq=48):
+    keys = jax.random.split(jax.random.key(0), 2)
+    x = normal(keys[0], (2, seq, 3, 64), dtype)
+    d_out = normal(keys[1], x.shape, dtype)
+    # Two packed documents per row: positions restart at the boundary.
+    positions = jnp.asarray(np.stack([np.r_[np.arange(20), np.arange(seq - 20)], np.arange(100, 100 + seq)]),
+                            jnp.int32)
+    return x, positions, d_out
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference(implementation, dtype):
+    x, positions, d_out = _inputs(dtype)
+    kernel = functools.partial(apply_rope, positions=positions, base=500.0, implementation=implementation,
+                               block_sizes=RopeBlockSizes(16))
+    reference = jax.jit(functools.partial(reference_rope, positions=positions, base=500.0))
+    got = jax.vjp(kernel, x)
+    got = (got[0], got[1](d_out))
+    want_f32 = jax.vjp(reference, as_f32(x))
+    want_f32 = (want_f32[0], want_f32[1](as_f32(d_out)))
+    want_same_dtype = jax.vjp(reference, x)
+    want_same_dtype = (want_same_dtype[0], want_same_dtype[1](d_out))
+    assert_close(got, want_f32, want_same_dtype, dtype=dtype)
+
+
+def test_rotation_preserves_norms_and_relative_positions():
+    """|rope(x)| = |x|, and <rope(q, p), rope(k, p')> depends on p - p' only."""
+    rope = jax.jit(reference_rope)
+    x = normal(jax.random.key(1), (1, 16, 2, 64), jnp.float32)
+    q, k = x[:, :1], x[:, 1:2]
+    rotated = rope(x, jnp.arange(16, dtype=jnp.int32)[None] * 37)
+    np.testing.assert_allclose(jnp.linalg.norm(rotated, axis=-1), jnp.linalg.norm(x, axis=-1), rtol=1e-5)
+
+    def score(p_q, p_k):
+        rq = rope(q, jnp.full((1, 1), p_q, jnp.int32))
+        rk = rope(k, jnp.full((1, 1), p_k, jnp.int32))
+        return float(jnp.sum(rq * rk))
+
+    assert score(7, 3) == pytest.approx(score(104, 100), rel=1e-4)
+
+
+def test_bad_shapes_are_rejected():
+    x = jnp.zeros((1, 40, 2, 64))
+    with pytest.raises(ValueError, match="seq_len=40 is not a multiple of block_seq=32"):
+        apply_rope(x, jnp.zeros((1, 40), jnp.int32), implementation="pallas", block_sizes=RopeBlockSizes(32))
+    with pytest.raises(ValueError, match="head_dim=63 must be even"):
+        apply_rope(jnp.zeros((1, 40, 2, 63)), jnp.zeros((1, 40), jnp.int32))
