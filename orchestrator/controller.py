@@ -2,14 +2,17 @@
 
 For each job a thread runs attempts until one ends the job: provision a slice through
 the provider, gang-launch one `HostWorker` per host (a placement group: all or none),
-watch them (results, the provider's events, heartbeats, cancellation), classify how the
-attempt ended (`outcomes`), and always release what it took. Preemptions and host
-losses count against `recovery.max_preemptions`, failures of the user's code against
-`recovery.max_failures`; the next attempt restores the last committed checkpoint.
+watch them (their results, the provider's events, heartbeats, notices, cancellation),
+classify how the attempt ended (`outcomes`), and always release what it took.
+Preemptions and host losses count against `recovery.max_preemptions`, failures of the
+user's code against `recovery.max_failures`; the next attempt restores the last
+committed checkpoint.
 
-State lives in the store, so a restarted controller finds every job and goes on; each
-launch gets a new generation, and workers of an older one are fenced off from writing
-checkpoints.
+State lives in the store. Workers and their placement group are detached, so when the
+controller dies the job trains on; the restarted controller adopts the running group
+(`_reconcile`) instead of starting a second one. Each launch gets a new generation,
+written to a fence file beside the checkpoints before the group starts; workers of an
+older generation never write a checkpoint.
 """
 
 from __future__ import annotations
@@ -18,17 +21,18 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import ray
+import tenacity
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import cluster
+from orchestrator import catalog, cluster
 from orchestrator.errors import IllegalTransitionError, ProvisioningError
 from orchestrator.outcomes import Outcome, OutcomeKind
-from orchestrator.providers.base import Slice, SliceEventKind, SliceRequest
+from orchestrator.providers.base import Host, Slice, SliceEventKind, SliceRequest
 from orchestrator.providers.local import LocalProvider
 from orchestrator.spec import EntrypointWorkload, JobSpec, LmWorkload
 from orchestrator.states import JobState, SliceState
@@ -50,10 +54,17 @@ class _Run:
     generation: int = 0
     slice: Slice | None = None
     workers: list = field(default_factory=list)
-    started: bool = False
     pg: object = None
+    started: bool = False
+    adopted: bool = False
     last_progress: float = field(default_factory=time.monotonic)
+    last_step: int = -1  # newest step reported by worker 0 in this generation
     cancel: threading.Event = field(default_factory=threading.Event)
+    notice: str | None = None
+    notice_at: float | None = None
+    disrupted_at: float | None = None  # wall time of the last disruption, for "resumed after"
+    disrupted_step: int | None = None  # steps complete when it happened
+    resumed: bool = True
 
 
 class Controller:
@@ -81,7 +92,7 @@ class Controller:
         record["_workdir"] = workdir
         self.store.create_job(job_id, parsed.name, record)
         self.home.job_dir(job_id).mkdir(parents=True, exist_ok=True)
-        self._start_thread(job_id)
+        self._start_thread(job_id, _Run())
         log.info("job %s submitted (%s on %s)", job_id, parsed.tier.value, parsed.accelerator)
         return job_id
 
@@ -98,7 +109,7 @@ class Controller:
                 pass
 
     def inject_fault(self, kind: str, **kw) -> None:
-        """Fault injection for tests and drills (`tests/chaos`). Kinds:
+        """Fault injection for tests and drills. Kinds:
 
         - ``short_host`` (worker_id): that host of the next slices registers half its chips,
           so the job's workers cannot all be placed; ``clear`` undoes it.
@@ -129,49 +140,95 @@ class Controller:
             self._transition(job_id, JobState.RUNNING, "all hosts joined the runtime",
                              data={"init_s": round(payload["init_s"], 3), "generation": generation})
         elif kind == "timings" and rank == 0:
-            restored = payload.get("restored_step")
-            what = f"restored step {restored}" if restored is not None else "started from scratch"
-            self.store.add_event(job_id, "restore", f"{what}; compile took {payload['compile_s']:.1f} s",
-                                 data={k: v for k, v in payload.items()})
+            self._record_restore(job_id, run, payload)
         elif kind == "step" and rank == 0:
-            self.store.record_steps(job_id, generation, [(payload["step"], payload["loss"],
-                                                          payload.get("tokens_per_s"), payload.get("step_time_s"))])
+            self._record_step(job_id, run, generation, payload)
+        elif kind == "checkpoint" and rank == 0:
+            self.store.add_event(job_id, "checkpoint", f"saved step {payload['step']}", data=payload)
+        elif kind == "notice" and run.notice is None:
+            run.notice, run.notice_at = f"host {rank}: {payload['reason']}", time.monotonic()
+            self.store.add_event(job_id, "notice", f"preemption notice on host {rank} ({payload['reason']}) "
+                                 f"after step {run.last_step + 1}", data={"rank": rank, "step": run.last_step + 1})
 
     def shutdown(self) -> None:
         """Cancel every active job and release every slice (before the cluster stops)."""
         with self._lock:
-            runs = list(self._runs.items())
-        for job_id, run in runs:
+            runs = list(self._runs)
+        for job_id in runs:
             self.cancel(job_id)
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(not self.store.job(j).state.terminal for j, _ in runs):
+        while time.monotonic() < deadline and any(not self.store.job(j).state.terminal for j in runs):
             time.sleep(0.2)
         for s in self.provider.list():
             self.provider.release(s.name)
 
+    # -- what workers report ----------------------------------------------------------
+
+    def _record_step(self, job_id: str, run: _Run, generation: int, p: dict) -> None:
+        run.last_step = p["step"]
+        self.store.record_steps(job_id, generation, [(p["step"], p["loss"], p.get("tokens_per_s"),
+                                                      p.get("step_time_s"))])
+        if not run.resumed and run.disrupted_at is not None:
+            run.resumed = True
+            self.store.add_event(job_id, "resumed", f"resumed after {time.time() - run.disrupted_at:.1f} s "
+                                 f"(first step done: {p['step'] + 1})",
+                                 data={"seconds": time.time() - run.disrupted_at, "step": p["step"] + 1})
+
+    def _record_restore(self, job_id: str, run: _Run, p: dict) -> None:
+        restored, unreadable = p.get("restored_step"), p.get("unreadable") or []
+        what = f"restored step {restored}" if restored is not None else "started from scratch"
+        if unreadable:
+            what += f" (fell back: checkpoint {', '.join(map(str, unreadable))} unreadable)"
+        self.store.add_event(job_id, "restore", f"{what}; compile took {p['compile_s']:.1f} s", data=p)
+        if run.disrupted_step is not None:
+            lost = max(0, run.disrupted_step - (restored or 0))
+            times = [m.step_time_s for m in self.store.steps(job_id) if m.step_time_s]
+            mean = sum(times) / len(times) if times else 0.0
+            self.store.add_event(job_id, "lost_work", f"lost {lost} steps (from step {run.disrupted_step} back to "
+                                 f"{restored or 0})", data={"steps": lost, "seconds": lost * mean,
+                                                             "from_step": run.disrupted_step,
+                                                             "to_step": restored or 0})
+
     # -- driving a job --------------------------------------------------------------
 
-    def _start_thread(self, job_id: str) -> None:
+    def _start_thread(self, job_id: str, run: _Run) -> None:
         with self._lock:
-            self._runs[job_id] = _Run()
-        threading.Thread(target=self._drive, args=(job_id,), name=f"job-{job_id}", daemon=True).start()
+            self._runs[job_id] = run
+        threading.Thread(target=self._drive, args=(job_id, run), name=f"job-{job_id}", daemon=True).start()
 
-    def _drive(self, job_id: str) -> None:
+    def _drive(self, job_id: str, run: _Run) -> None:
         try:
+            if run.adopted:  # a group started by the previous controller: watch it to its end first
+                spec = self._spec(job_id)
+                try:
+                    outcome = self._watch(job_id, spec, run)
+                finally:
+                    self._teardown(run)
+                self._after(job_id, run, outcome)
             while not self.store.job(job_id).state.terminal:
-                outcome = self._attempt(job_id)
-                self._after(job_id, outcome)
+                outcome = self._attempt(job_id, run)
+                self._after(job_id, run, outcome)
         except Exception as e:  # a bug of ours: end the job visibly rather than leave it hanging
             log.exception("job %s: controller error", job_id)
+            self._teardown(run)
             self._transition(job_id, JobState.FAILED, f"controller error: {type(e).__name__}: {e}")
         finally:
             with self._lock:
                 self._runs.pop(job_id, None)
 
-    def _after(self, job_id: str, outcome: Outcome) -> None:
+    def _spec(self, job_id: str) -> JobSpec:
+        return JobSpec.model_validate({k: v for k, v in self.store.job(job_id).spec.items() if not k.startswith("_")})
+
+    def _after(self, job_id: str, run: _Run, outcome: Outcome) -> None:
         job = self.store.job(job_id)
         rec = job.spec["recovery"]
         k = outcome.kind
+        if k not in (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVISION_FAILED):
+            steps_done = run.last_step + 1
+            run.disrupted_at, run.disrupted_step, run.resumed = time.time(), steps_done, False
+            self.store.add_event(job_id, "disruption", f"{k.value}: {outcome.reason} (after step {steps_done})",
+                                 data={"kind": k.value, "step": run.last_step, "reason": outcome.reason,
+                                       "generation": run.generation})
         if k is OutcomeKind.SUCCEEDED:
             self._transition(job_id, JobState.SUCCEEDED, outcome.reason)
         elif k is OutcomeKind.CANCELLED:
@@ -186,74 +243,89 @@ class Controller:
                                  f"{n} preemptions or host losses, more than max_preemptions="
                                  f"{rec['max_preemptions']}; last: {outcome.reason}")
             else:
-                self._recover(job_id, outcome, f"preemption {n} of at most {rec['max_preemptions']}")
+                self._recover(job_id, run, outcome, f"preemption {n} of at most {rec['max_preemptions']}")
         else:  # APP_FAILED, or a transient provisioning failure (no capacity now, workers did not start)
             n = job.failures + 1
-            self.store.update_job(job_id, failures=n, error=outcome.traceback)
+            self.store.update_job(job_id, failures=n, error=outcome.traceback or outcome.reason)
             if n > rec["max_failures"]:
                 self._transition(job_id, JobState.FAILED, f"the job's code failed {n} times "
-                                 f"(max_failures={rec['max_failures']}): {outcome.reason}")
+                                 f"(max_failures={rec['max_failures']}): {outcome.reason}"
+                                 if k is OutcomeKind.APP_FAILED else
+                                 f"could not start after {n} tries (max_failures={rec['max_failures']}): "
+                                 f"{outcome.reason}")
             else:
-                self._recover(job_id, outcome, f"failure {n} of at most {rec['max_failures']}")
+                self._recover(job_id, run, outcome, f"failure {n} of at most {rec['max_failures']}")
 
-    def _recover(self, job_id: str, outcome: Outcome, budget: str) -> None:
+    def _recover(self, job_id: str, run: _Run, outcome: Outcome, budget: str) -> None:
         self._transition(job_id, JobState.RECOVERING, f"{outcome.reason} ({budget})",
                          data={"outcome": outcome.kind.value})
-        if outcome.kind is OutcomeKind.PROVISION_FAILED:  # back off before asking again
-            job = self.store.job(job_id)
-            with self._lock:
-                run = self._runs.get(job_id)
-            delay = min(60.0, 2.0 ** job.failures)
-            if run is not None:
-                run.cancel.wait(delay)
+        if outcome.kind in (OutcomeKind.PROVISION_FAILED, OutcomeKind.APP_FAILED):  # back off before trying again
+            run.cancel.wait(min(60.0, 2.0 ** self.store.job(job_id).failures))
 
-    def _attempt(self, job_id: str) -> Outcome:
+    def _attempt(self, job_id: str, run: _Run) -> Outcome:
         job = self.store.job(job_id)
-        with self._lock:
-            run = self._runs[job_id]
-        spec = JobSpec.model_validate({k: v for k, v in job.spec.items() if not k.startswith("_")})
+        spec = self._spec(job_id)
         if job.cancel_requested or run.cancel.is_set():
             return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
         self._transition(job_id, JobState.PROVISIONING, f"requesting {spec.accelerator} ({spec.tier.value})")
-        name = f"{job_id}-{job.generation + 1}"
         t0 = time.monotonic()
         try:
-            self.provider.request(SliceRequest(job_id, name, spec.tpu_type, spec.tier, spec.zone))
-            run.slice = self.provider.wait_ready(name, timeout_s=spec.recovery.start_timeout_s)
+            run.slice = self._provision(job_id, spec, job.generation + 1)
         except ProvisioningError as e:
-            self.provider.release(name)  # idempotent; frees whatever part of the slice started
             return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
         provision_s = time.monotonic() - t0
         try:
             if run.cancel.is_set():
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
             generation = self.store.bump_generation(job_id)
-            run.generation, run.started = generation, False
+            run.generation, run.started, run.last_step, run.notice = generation, False, -1, None
+            self._write_fence(job.spec, generation)
             self._transition(job_id, JobState.STARTING,
-                             f"slice {name} ready after {provision_s:.1f} s; starting generation {generation}",
-                             data={"provision_s": round(provision_s, 3), "slice": name})
-            return self._launch_and_watch(job_id, job.spec, spec, run)
+                             f"slice {run.slice.name} ready after {provision_s:.1f} s; starting generation "
+                             f"{generation}", data={"provision_s": round(provision_s, 3), "slice": run.slice.name})
+            outcome = self._launch(job_id, job.spec, spec, run)
+            return outcome or self._watch(job_id, spec, run)
         finally:
             self._teardown(run)
 
-    def _launch_and_watch(self, job_id: str, raw_spec: dict, spec: JobSpec, run: _Run) -> Outcome:
+    def _provision(self, job_id: str, spec: JobSpec, attempt: int) -> Slice:
+        """A ready slice, asking again (with backoff and jitter) while the failure is transient."""
+        names = iter(f"{job_id}-{attempt}{suffix}" for suffix in ["", "b", "c", "d"])
+
+        def once() -> Slice:
+            name = next(names)
+            try:
+                self.provider.request(SliceRequest(job_id, name, spec.tpu_type, spec.tier, spec.zone))
+                return self.provider.wait_ready(name, timeout_s=spec.recovery.start_timeout_s)
+            except ProvisioningError:
+                self.provider.release(name)  # idempotent; frees whatever part of the slice started
+                raise
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential_jitter(initial=1, max=20),
+            retry=tenacity.retry_if_exception(lambda e: isinstance(e, ProvisioningError) and e.transient),
+            reraise=True)
+        return retrying(once)
+
+    def _launch(self, job_id: str, raw_spec: dict, spec: JobSpec, run: _Run) -> Outcome | None:
         s = run.slice
         t = s.tpu_type
-        bundles = [{"TPU": float(t.chips_per_host), h.resource: 1.0} for h in s.hosts]
-        pg = placement_group(bundles, strategy="STRICT_SPREAD", name=f"{s.name}-g{run.generation}")
-        run.pg = pg
         timeout = spec.recovery.start_timeout_s
+        bundles = [{"TPU": float(t.chips_per_host), h.resource: 1.0} for h in s.hosts]
+        run.pg = placement_group(bundles, strategy="STRICT_SPREAD", name=_pg_name(s.name, run.generation),
+                                 lifetime="detached")
         try:
-            ray.get(pg.ready(), timeout=timeout)
+            ray.get(run.pg.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             return Outcome(OutcomeKind.PROVISION_FAILED,
                            f"the {t.hosts} workers of slice {s.name} could not all be placed within {timeout:.0f} s "
                            f"(each needs {t.chips_per_host} TPU chips on its own host)", transient=True)
         actor = ray.remote(HostWorker)
         run.workers = [
-            actor.options(num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=4,
-                          scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
-                          name=f"{s.name}-g{run.generation}-w{i}", namespace=cluster.NAMESPACE)
+            actor.options(num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8,
+                          scheduling_strategy=PlacementGroupSchedulingStrategy(run.pg, placement_group_bundle_index=i),
+                          name=_worker_name(s.name, run.generation, i), namespace=cluster.NAMESPACE,
+                          lifetime="detached")
             .remote(job_id=job_id, generation=run.generation, rank=i, num_hosts=t.hosts,
                     devices_per_host=t.chips_per_host, platform="cpu",
                     compile_cache_dir=str(self.home.compile_cache),
@@ -263,41 +335,57 @@ class Controller:
         placed = ray.get([w.info.remote() for w in run.workers], timeout=timeout)
         self.store.add_event(job_id, "launched", f"{t.hosts} workers of generation {run.generation} on slice {s.name}",
                              data={"slice": s.name, "nodes": [p["node_id"] for p in placed],
-                                   "generation": run.generation})
+                                   "pids": [p["pid"] for p in placed], "generation": run.generation})
         coordinator = ray.get(run.workers[0].coordinator_address.remote(), timeout=120) if t.hosts > 1 else None
         workload = _workload(raw_spec, spec, t.chips, t.hosts)
-        refs = [w.run.remote(coordinator, workload) for w in run.workers]
+        ray.get([w.start.remote(coordinator, workload) for w in run.workers], timeout=120)
         run.last_progress = time.monotonic()
-        return self._watch(job_id, spec, run, refs)
+        return None
 
-    def _watch(self, job_id: str, spec: JobSpec, run: _Run, refs: list) -> Outcome:
-        pending, results = list(refs), {}
-        hang_limit = spec.recovery.heartbeat_timeout_s
+    def _watch(self, job_id: str, spec: JobSpec, run: _Run) -> Outcome:
+        hang_limit, grace = spec.recovery.heartbeat_timeout_s, spec.recovery.grace_period_s
+        stop_sent = False
         while True:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=POLL_S)
-            for ref in done:
-                rank = refs.index(ref)
-                try:
-                    results[rank] = ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    return Outcome(OutcomeKind.INFRA_LOST, f"worker {rank} died: {type(e).__name__}")
-            failed = [r for r in results.values() if r["outcome"] == "failed"]
-            if failed:
-                return self._classify_failure(run, failed[0])
-            if not pending:
-                stopped = [r for r in results.values() if r["outcome"] == "stopped"]
-                if stopped:
-                    return Outcome(OutcomeKind.PREEMPTED, f"stopped at step {stopped[0].get('steps')} on notice")
-                return Outcome(OutcomeKind.SUCCEEDED, "training finished")
+            for ev in self.provider.poll_events():  # the provider sees a host go within a poll
+                if ev.slice_name != run.slice.name:
+                    continue
+                if ev.kind is SliceEventKind.PREEMPTION_NOTICE and run.notice is None:
+                    run.notice, run.notice_at = ev.reason, time.monotonic()
+                elif ev.kind is not SliceEventKind.PREEMPTION_NOTICE:
+                    kind = OutcomeKind.PREEMPTED if ev.kind is SliceEventKind.RECLAIMED else OutcomeKind.INFRA_LOST
+                    return Outcome(kind, ev.reason)
+            try:
+                results = ray.get([w.result.remote() for w in run.workers], timeout=2)
+            except ray.exceptions.RayActorError as e:
+                return Outcome(OutcomeKind.INFRA_LOST, f"a worker died ({type(e).__name__})")
+            except ray.exceptions.GetTimeoutError:
+                results = None  # slow to answer; the heartbeat timeout below decides whether it hangs
+            if results is not None:
+                failed = [r for r in results if r and r["outcome"] == "failed"]
+                if failed:
+                    return self._classify_failure(run, failed[0])
+                if all(results):
+                    stopped = [r for r in results if r["outcome"] == "stopped"]
+                    if stopped:
+                        return Outcome(OutcomeKind.PREEMPTED,
+                                       f"preemption notice ({run.notice or stopped[0]['notice']}); stopped after "
+                                       f"step {stopped[0]['steps']} with its checkpoint committed")
+                    self.store.update_job(job_id, result={"steps": results[0].get("steps"),
+                                                          "param_sums": results[0].get("param_sums")})
+                    return Outcome(OutcomeKind.SUCCEEDED, "training finished")
             if run.cancel.is_set() or self.store.job(job_id).cancel_requested:
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
-            for ev in self.provider.poll_events():
-                if ev.slice_name == run.slice.name:
-                    kind = OutcomeKind.PREEMPTED if ev.kind in (SliceEventKind.RECLAIMED,
-                                                                SliceEventKind.PREEMPTION_NOTICE) else OutcomeKind.INFRA_LOST
-                    return Outcome(kind, ev.reason)
+            if run.notice is not None:
+                if not stop_sent:  # every host stops after the same step, with a committed checkpoint
+                    for w in run.workers:
+                        w.request_stop.remote(run.notice)
+                    stop_sent = True
+                if time.monotonic() - run.notice_at > grace:
+                    return Outcome(OutcomeKind.PREEMPTED, f"preemption notice ({run.notice}); no checkpoint within "
+                                   f"the {grace:.0f} s grace window")
             if run.started and time.monotonic() - run.last_progress > hang_limit:
                 return Outcome(OutcomeKind.INFRA_LOST, f"no progress for {hang_limit:.0f} s (hung)")
+            time.sleep(POLL_S)
 
     def _classify_failure(self, run: _Run, failure: dict) -> Outcome:
         """A worker raised: the user's code failed only if every host is still healthy.
@@ -320,13 +408,12 @@ class Controller:
         for w in run.workers:
             try:
                 ray.kill(w, no_restart=True)
-            except Exception:
+            except Exception:  # already gone with its host
                 pass
         run.workers = []
-        pg = run.pg
-        if pg is not None:
+        if run.pg is not None:
             try:
-                remove_placement_group(pg)
+                remove_placement_group(run.pg)
             except Exception:
                 pass
             run.pg = None
@@ -335,6 +422,17 @@ class Controller:
             run.slice = None
 
     # -- bookkeeping -----------------------------------------------------------------
+
+    def _write_fence(self, raw_spec: dict, generation: int) -> None:
+        """Record the current generation beside the checkpoints (atomically) before a group starts."""
+        from etils import epath
+
+        ckpt = raw_spec["checkpoint"]["directory"]
+        d = epath.Path(ckpt)
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d / f".fence.tmp-{secrets.token_hex(4)}"
+        tmp.write_text(str(generation))
+        tmp.replace(d / ".fence")
 
     def _transition(self, job_id: str, target: JobState, reason: str, *, data: dict | None = None) -> None:
         try:
@@ -351,24 +449,78 @@ class Controller:
                              {"pgids": pgids, "hosts": [h.resource for h in s.hosts]})
 
     def _reconcile(self) -> None:
-        """After a restart: release what the old controller left running and go on with each job."""
+        """After a restart: adopt each job's running worker group, or clean up and relaunch."""
+        live = {}
         for rec in self.store.slices(live_only=True):
-            for pgid in rec["data"].get("pgids", []):
-                cluster.stop_group(pgid)
-            self.store.put_slice(rec["name"], rec["job_id"], rec["provider"], rec["accelerator"], rec["tier"],
-                                 SliceState.RELEASED.value, rec["data"])
+            live.setdefault(rec["job_id"], []).append(rec)
         for job in self.store.jobs(active_only=True):
-            if job.state is not JobState.PENDING:
+            run = self._try_adopt(job, live.pop(job.id, []))
+            if run is None and job.state is not JobState.PENDING:
                 self._transition(job.id, JobState.RECOVERING, "the controller restarted; relaunching")
-            self._start_thread(job.id)
+            self._start_thread(job.id, run or _Run())
+        for recs in live.values():  # slices of jobs that are over
+            for rec in recs:
+                self._release_record(rec)
+
+    def _try_adopt(self, job, slices: list[dict]) -> _Run | None:
+        """The job's running group as a `_Run`, or None after stopping whatever is left of it."""
+        workers, pg = [], None
+        if job.state in (JobState.STARTING, JobState.RUNNING) and len(slices) == 1:
+            rec = slices[0]
+            t = catalog.lookup(rec["accelerator"])
+            try:
+                workers = [ray.get_actor(_worker_name(rec["name"], job.generation, i), namespace=cluster.NAMESPACE)
+                           for i in range(t.hosts)]
+                pg = ray.util.get_placement_group(_pg_name(rec["name"], job.generation))
+                ray.get([w.info.remote() for w in workers], timeout=30)
+                history = ray.get(workers[0].history.remote(), timeout=30)
+            except Exception as e:  # some part is gone: relaunch
+                log.warning("job %s: cannot adopt generation %d (%s)", job.id, job.generation, e)
+            else:
+                s = Slice(rec["name"], job.id, t, catalog.Tier(rec["tier"]), None, SliceState.READY,
+                          tuple(Host(i, r) for i, r in enumerate(rec["data"]["hosts"])), "local")
+                self.provider.adopt(s, rec["data"]["pgids"])
+                known = {m.step for m in self.store.steps(job.id)}
+                missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"))
+                          for h in history if h["step"] not in known]
+                self.store.record_steps(job.id, job.generation, missed)
+                self.store.add_event(job.id, "adopted", f"the controller restarted and adopted the running "
+                                     f"generation {job.generation} ({len(missed)} missed steps recorded)")
+                return _Run(generation=job.generation, slice=s, workers=workers, pg=pg, started=True, adopted=True,
+                            last_step=max((h["step"] for h in history), default=-1))
+        for w in workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:
+                pass
+        if pg is not None:
+            remove_placement_group(pg)
+        for rec in slices:
+            self._release_record(rec)
+        return None
+
+    def _release_record(self, rec: dict) -> None:
+        for pgid in rec["data"].get("pgids", []):
+            cluster.stop_group(pgid)
+        self.store.put_slice(rec["name"], rec["job_id"], rec["provider"], rec["accelerator"], rec["tier"],
+                             SliceState.RELEASED.value, rec["data"])
+
+
+def _worker_name(slice_name: str, generation: int, rank: int) -> str:
+    return f"{slice_name}-g{generation}-w{rank}"
+
+
+def _pg_name(slice_name: str, generation: int) -> str:
+    return f"{slice_name}-g{generation}"
 
 
 def _workload(raw_spec: dict, spec: JobSpec, devices: int, hosts: int) -> dict:
     w = spec.workload
     ckpt = raw_spec["checkpoint"]["directory"]
+    common = {"fence_file": f"{ckpt}/.fence", "metadata_url": spec.recovery.metadata_url}
     if isinstance(w, EntrypointWorkload):
         return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "checkpoint_dir": ckpt,
-                "workdir": raw_spec.get("_workdir")}
+                "workdir": raw_spec.get("_workdir"), **common}
     assert isinstance(w, LmWorkload)
     m = w.model
     plan = plan_mesh(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(),
@@ -380,7 +532,7 @@ def _workload(raw_spec: dict, spec: JobSpec, devices: int, hosts: int) -> dict:
         lr_peak=w.learning_rate.peak, lr_end=w.learning_rate.end, warmup_steps=w.learning_rate.warmup_steps,
         weight_decay=w.learning_rate.weight_decay, mesh_shape=plan.shape, checkpoint_dir=ckpt,
         checkpoint_interval=spec.checkpoint.interval_steps, checkpoint_keep=spec.checkpoint.keep)
-    return {"type": "lm", "config": cfg.to_dict()}
+    return {"type": "lm", "config": cfg.to_dict(), **common}
 
 
 def _log_to(path: Path) -> None:

@@ -121,6 +121,8 @@ class RecoveryConfig(_Frozen):
     heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 120.0
     grace_period_s: Annotated[float, Field(gt=0)] = 30.0
     start_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # for a slice's hosts to join and its workers to start
+    # Where hosts long-poll for preemption notices; None: the GCE metadata server on gcp, none locally.
+    metadata_url: str | None = None
 
 
 class JobSpec(_Frozen):

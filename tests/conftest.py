@@ -7,6 +7,7 @@ stopped at the end of the session.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -39,7 +40,7 @@ def client(session_home):
 def run_reference(cfg, devices: int, tmp_path: Path) -> dict:
     """Per-step losses of `cfg` trained in one plain process with `devices` CPU devices."""
     cfg_file, out = tmp_path / "ref-config.json", tmp_path / "ref-out.json"
-    cfg_file.write_text(json.dumps(cfg.to_dict()))
+    cfg_file.write_text(json.dumps(dataclasses.replace(cfg, checkpoint_dir=None).to_dict()))
     subprocess.run([sys.executable, "-m", "workers.reference", "--config", str(cfg_file), "--devices", str(devices),
                     "--out", str(out)], check=True, cwd=REPO, timeout=600)
     return json.loads(out.read_text())

@@ -13,4 +13,5 @@ class WorkerContext:
     args: dict[str, Any] = field(default_factory=dict)
     checkpoint_dir: str | None = None
     stop_requested: Callable[[], bool] = lambda: False  # True once a preemption notice arrived
+    may_write: Callable[[], bool] = lambda: True  # False once a newer generation of the job was launched
     report: Callable[..., None] = lambda step, loss, tokens_per_s=None: None  # progress for `status`

@@ -1,10 +1,16 @@
 """One worker per TPU host: a Ray actor pinned to its host that joins the slice's JAX runtime.
 
 The controller creates one `HostWorker` per host of a slice (all or none, through a
-placement group), asks worker 0 for a coordinator address, then calls `run` on all of
-them at once (`jax.distributed.initialize` blocks until every process has joined).
-Workers report to the controller by name: a heartbeat with the step after every
-step, metrics from worker 0, and their log lines, each tagged with the host.
+placement group), asks worker 0 for a coordinator address, then calls `start` on all
+of them at once (`jax.distributed.initialize` blocks until every process has joined).
+Training runs on a thread of the actor; the controller polls `result()`. Workers are
+detached actors: if the controller dies, they train on, and the restarted controller
+adopts them (`history()` fills in the steps it missed).
+
+Workers report to the controller by name: a heartbeat with the step after every step,
+metrics and save timings from worker 0, and their log lines, each tagged with the host.
+A preemption notice (metadata server, SIGTERM, or the controller) stops every host at
+the same step, after a committed checkpoint of that step.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 import importlib
 import io
 import logging
+import os
 import socket
 import sys
 import threading
@@ -22,6 +29,7 @@ from typing import Any
 import ray
 
 from workers import runtime
+from workers.notices import MetadataWatcher, install_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +58,13 @@ class HostWorker:
     def __init__(self, *, job_id: str, generation: int, rank: int, num_hosts: int, devices_per_host: int,
                  platform: str | None, compile_cache_dir: str | None, controller: tuple[str, str] | None):
         self.job_id, self.generation, self.rank, self.num_hosts = job_id, generation, rank, num_hosts
-        self.devices_per_host = devices_per_host
         self._controller_name = controller
         self._controller = None
-        self._stop = threading.Event()
+        self._notice = threading.Event()
+        self._notice_reason: str | None = None
+        self._result: dict | None = None
+        self._history: list[dict] = []
+        self._fence_file: str | None = None
         self._out = _LineBuffer(sys.stdout)
         runtime.configure(platform=platform, devices_per_host=devices_per_host, compile_cache_dir=compile_cache_dir)
         handler = logging.StreamHandler(self._out)
@@ -61,12 +72,14 @@ class HostWorker:
         logging.getLogger().addHandler(handler)
         logging.getLogger().setLevel(logging.INFO)
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax narrates every save at INFO
+        install_sigterm(self._on_notice)
 
     # -- called by the controller -------------------------------------------------
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
-        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "rank": self.rank}
+        return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "rank": self.rank,
+                "pid": os.getpid()}
 
     def coordinator_address(self) -> str:
         ip = ray.util.get_node_ip_address()
@@ -74,53 +87,91 @@ class HostWorker:
             s.bind((ip, 0))
             return f"{ip}:{s.getsockname()[1]}"
 
-    def request_stop(self, reason: str) -> None:
-        """A preemption notice: save at the current step, commit, and return from `run`."""
-        log.warning("stop requested: %s", reason)
-        self._stop.set()
+    def start(self, coordinator: str | None, workload: dict) -> None:
+        """Begin training on a thread; poll `result()` for the end."""
+        threading.Thread(target=self._main, args=(coordinator, workload), daemon=True, name="train").start()
 
-    def run(self, coordinator: str | None, workload: dict) -> dict:
-        """Train; returns {"outcome": "succeeded"|"stopped"|"failed", ...}. Never raises for user errors."""
+    def result(self) -> dict | None:
+        """None while training; then {"outcome": "succeeded"|"stopped"|"failed", ...}."""
+        return self._result
+
+    def history(self) -> list[dict]:
+        """Every step report of this worker so far (for a controller that missed some)."""
+        return list(self._history)
+
+    def request_stop(self, reason: str) -> None:
+        """A preemption notice from the controller: save at the current step, commit, stop."""
+        self._on_notice(f"controller: {reason}")
+
+    # -- the training thread -------------------------------------------------------
+
+    def _main(self, coordinator: str | None, workload: dict) -> None:
         t0 = time.perf_counter()
+        watcher = None
         try:
+            self._fence_file = workload.get("fence_file")
+            if workload.get("metadata_url"):
+                watcher = MetadataWatcher(workload["metadata_url"], self._notice, self._on_notice)
             runtime.initialize(coordinator_address=coordinator, num_processes=self.num_hosts, process_id=self.rank)
-            init_s = time.perf_counter() - t0
-            self._send("ready", {"init_s": init_s})
+            self._send("ready", {"init_s": time.perf_counter() - t0})
             if workload["type"] == "lm":
                 result = self._run_lm(workload)
             else:
                 result = self._run_entrypoint(workload)
-            self._send("log", {})
-            return result
         except Exception as e:  # the boundary of user code: report it, typed, with its traceback
             tb = traceback.format_exc()
             print(tb, file=self._out)
-            self._send("log", {})
-            return {"outcome": "failed", "error": f"{type(e).__name__}: {e}", "traceback": tb, "rank": self.rank}
+            result = {"outcome": "failed", "error": f"{type(e).__name__}: {e}", "traceback": tb, "rank": self.rank}
+        finally:
+            if watcher:
+                watcher.close()
+        self._send("log", {})
+        self._result = result
 
-    # -- workloads ----------------------------------------------------------------
+    def _on_notice(self, reason: str) -> None:
+        if not self._notice.is_set():
+            self._notice_reason = reason
+            self._notice.set()
+            log.warning("preemption notice (%s): saving at the current step, then stopping", reason)
+            self._send("notice", {"reason": reason})
+
+    def _any_host_noticed(self) -> bool:
+        """Whether any host got a notice: all hosts must stop after the same step."""
+        mine = self._notice.is_set()
+        if self.num_hosts == 1:
+            return mine
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.int32(mine))))
 
     def _run_lm(self, workload: dict) -> dict:
-        from workers.train import Trainer, TrainConfig  # after runtime.configure
+        from workers.train import Trainer, TrainConfig, param_checksums  # after runtime.configure
 
         cfg = TrainConfig.from_dict(workload["config"])
         trainer = Trainer(cfg, may_write=self._may_write)
+        every = max(1, cfg.steps // 10)
 
         def on_ready(t):
             self._send("timings", {"restore_s": t.restore_s, "compile_s": t.compile_s,
-                                   "restored_step": t.restored_step})
-
-        every = max(1, cfg.steps // 10)
+                                   "restored_step": t.restored_step, "unreadable": list(t.unreadable)})
 
         def on_step(r):
+            report = {"step": r.step, "loss": r.loss, "tokens_per_s": r.tokens_per_s, "step_time_s": r.step_time_s}
+            self._history.append(report)
             if self.rank == 0 and ((r.step + 1) % every == 0 or r.step + 1 == cfg.steps):
                 log.info("step %d/%d loss %.4f (%.0f tokens/s)", r.step + 1, cfg.steps, r.loss, r.tokens_per_s)
-            self._send("step", {"step": r.step, "loss": r.loss, "tokens_per_s": r.tokens_per_s,
-                                "step_time_s": r.step_time_s})
+            self._send("step", report)
 
-        _, done = trainer.run(on_step=on_step, on_ready=on_ready, should_stop=self._stop.is_set)
-        outcome = "succeeded" if done >= cfg.steps else "stopped"
-        return {"outcome": outcome, "steps": done, "rank": self.rank}
+        def on_save(step, blocking_s):
+            self._send("checkpoint", {"step": step, "blocking_s": blocking_s})
+
+        state, done = trainer.run(on_step=on_step, on_ready=on_ready, on_save=on_save,
+                                  should_stop=self._any_host_noticed)
+        if done < cfg.steps:
+            return {"outcome": "stopped", "steps": done, "rank": self.rank, "notice": self._notice_reason}
+        return {"outcome": "succeeded", "steps": done, "rank": self.rank,
+                "param_sums": param_checksums(state["params"])}
 
     def _run_entrypoint(self, workload: dict) -> dict:
         from workers.context import WorkerContext
@@ -129,26 +180,34 @@ class HostWorker:
         if workload.get("workdir") and workload["workdir"] not in sys.path:
             sys.path.insert(0, workload["workdir"])
         fn = getattr(importlib.import_module(module_name), fn_name)
+
+        def report(step, loss, tokens_per_s=None):
+            self._send("step", {"step": step, "loss": loss, "tokens_per_s": tokens_per_s})
+
         ctx = WorkerContext(rank=self.rank, num_hosts=self.num_hosts, args=workload.get("args", {}),
-                            checkpoint_dir=workload.get("checkpoint_dir"), stop_requested=self._stop.is_set,
-                            report=lambda step, loss, tokens_per_s=None: self._send(
-                                "step", {"step": step, "loss": loss, "tokens_per_s": tokens_per_s}))
+                            checkpoint_dir=workload.get("checkpoint_dir"), stop_requested=self._notice.is_set,
+                            may_write=self._may_write, report=report)
         fn(ctx)
         return {"outcome": "succeeded", "rank": self.rank}
 
-    # -- reporting ----------------------------------------------------------------
+    # -- fencing and reporting ------------------------------------------------------
 
     def _may_write(self) -> bool:
-        """Fencing: only the job's current generation may write checkpoints."""
-        ctrl = self._ctrl()
-        if ctrl is None:
+        """Fencing: only the job's current generation may write checkpoints.
+
+        The controller writes the current generation into a file beside the checkpoints
+        before it launches a group, so the check needs no controller (it may be restarting).
+        """
+        if not self._fence_file:
             return True
+        from etils import epath
+
         try:
-            return ray.get(ctrl.current_generation.remote(self.job_id), timeout=30) == self.generation
-        except Exception:
-            self._controller = None
-            log.warning("could not reach the controller to check the generation; not writing")
+            current = int(epath.Path(self._fence_file).read_text().strip())
+        except (OSError, ValueError) as e:
+            log.warning("cannot read the fence %s (%s); not writing", self._fence_file, e)
             return False
+        return current == self.generation
 
     def _ctrl(self):
         if self._controller is None and self._controller_name:

@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     from workers import runtime
 
     runtime.configure(platform="cpu", devices_per_host=args.devices, compile_cache_dir=args.compile_cache)
-    from workers.train import TrainConfig, Trainer
+    from workers.train import TrainConfig, Trainer, param_checksums
 
     with open(args.config) as f:
         cfg = TrainConfig.from_dict(json.load(f))
@@ -32,8 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     trainer = Trainer(cfg)
     state, done = trainer.run(on_step=lambda r: (losses.append(r.loss), times.append(r.step_time_s)))
-    params = {"embed_sum": float(state["params"]["embed"].sum()),
-              "unembed_sum": float(state["params"]["unembed"].sum())}
+    params = param_checksums(state["params"])
     with open(args.out, "w") as f:
         json.dump({"losses": losses, "step_times_s": times, "steps": done, "wall_s": time.perf_counter() - t0,
                    "tokens_per_step": cfg.tokens_per_step, "param_sums": params}, f)

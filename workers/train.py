@@ -74,9 +74,10 @@ class StepReport:
 
 @dataclass(frozen=True)
 class Timings:
-    restore_s: float = 0.0
+    restore_s: float = 0.0  # reading the checkpoint, or initializing parameters on a fresh start
     compile_s: float = 0.0
     restored_step: int | None = None
+    unreadable: tuple[int, ...] = ()  # newer checkpoints that could not be read, newest first
 
 
 class Trainer:
@@ -135,15 +136,18 @@ class Trainer:
         """The newest readable committed checkpoint, falling back step by step; else a fresh state."""
         t0 = time.perf_counter()
         mngr = self.manager
+        unreadable: list[int] = []
         for step in sorted(mngr.all_steps(), reverse=True) if mngr else []:
             try:
                 state = mngr.restore(step, args=ocp.args.StandardRestore(self.abstract_state))
             except Exception as e:  # an unreadable checkpoint: try the one before
                 log.warning("checkpoint at step %d is unreadable (%s: %s); trying the one before",
-                            step, type(e).__name__, e)
+                            step, type(e).__name__, str(e)[:300])
+                unreadable.append(int(step))
                 continue
-            return state, Timings(restore_s=time.perf_counter() - t0, restored_step=int(step))
-        return self.init_state(), Timings(restore_s=time.perf_counter() - t0)
+            return state, Timings(restore_s=time.perf_counter() - t0, restored_step=int(step),
+                                  unreadable=tuple(unreadable))
+        return self.init_state(), Timings(restore_s=time.perf_counter() - t0, unreadable=tuple(unreadable))
 
     def save(self, step: int, state: dict, *, force: bool = False) -> bool:
         """Start an async save of `state` after `step` complete steps; False when fenced off."""
@@ -186,7 +190,8 @@ class Trainer:
 
     def run(self, *, on_step: Callable[[StepReport], None] | None = None,
             should_stop: Callable[[], bool] | None = None,
-            on_ready: Callable[[Timings], None] | None = None) -> tuple[dict, int]:
+            on_ready: Callable[[Timings], None] | None = None,
+            on_save: Callable[[int, float], None] | None = None) -> tuple[dict, int]:
         """Train from the latest checkpoint to `cfg.steps`; returns (state, completed steps).
 
         `should_stop` is asked after every step (a preemption notice): the state is then
@@ -206,12 +211,21 @@ class Trainer:
             loss_v = float(np.asarray(loss.addressable_data(0)))
             dt = time.perf_counter() - t
             done += 1
-            stop = bool(should_stop and should_stop())
+            stop = bool(should_stop and should_stop())  # every process must ask, every step (a collective)
             if done % c.checkpoint_interval == 0 or done == c.steps or stop:
-                self.save(done, state, force=True)
+                t = time.perf_counter()
+                if self.save(done, state, force=True) and on_save:
+                    on_save(done, time.perf_counter() - t)  # the blocking part; the write goes on behind
             if on_step:
                 on_step(StepReport(done - 1, loss_v, dt, c.tokens_per_step / dt))
             if stop:
                 break
-        self.close()
+        self.close()  # waits until the last save is committed
         return state, done
+
+
+def param_checksums(params: dict) -> dict[str, float]:
+    """The sum of each parameter array, for comparing two runs' final models (all processes must call)."""
+    sums = jax.jit(lambda p: jax.tree.map(jnp.sum, p))(params)
+    flat, _ = jax.tree_util.tree_flatten_with_path(sums)
+    return {jax.tree_util.keystr(path): float(np.asarray(x.addressable_data(0))) for path, x in flat}

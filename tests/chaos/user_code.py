@@ -1,0 +1,6 @@
+"""A user entrypoint that fails, for the failure-budget test."""
+
+
+def broken(ctx):
+    ctx.report(0, 5.0)
+    raise ValueError(f"bad batch on host {ctx.rank}")
