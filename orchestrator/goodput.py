@@ -128,7 +128,9 @@ class BilledSlice:
 
 
 @dataclass(frozen=True)
-class _Interval:
+class StateInterval:
+    """The job was in `state` from `start` to `end`."""
+
     state: str
     start: float
     end: float
@@ -152,7 +154,7 @@ def goodput(store: Store, job_id: str, *, now: float | None = None) -> Goodput:
 
 def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric], *, now: float) -> Goodput:
     """`goodput` over rows already read (a pure function: the same rows give the same answer)."""
-    intervals = _intervals(job, events, now)
+    intervals = state_intervals(job, events, now=now)
     start, end = intervals[0].start, intervals[-1].end
     claims = _claims(intervals, events, steps)
     spent = dict.fromkeys(CATEGORIES, 0.0)
@@ -251,22 +253,22 @@ def format_duration(seconds: float) -> str:
 # -- building blocks ------------------------------------------------------------------
 
 
-def _intervals(job: JobRecord, events: list[Event], now: float) -> list[_Interval]:
-    """The state intervals tiling [created, end]; the terminal state's interval is empty."""
+def state_intervals(job: JobRecord, events: list[Event], *, now: float) -> list[StateInterval]:
+    """The job's states as intervals tiling [created, end]; a terminal state's interval is empty."""
     changes = [e for e in events if e.kind == "state" and e.to_state]
     if not changes:  # a job row without its creation event: all of it is one PENDING stretch
-        return [_Interval("PENDING", job.created_at, max(now, job.created_at), None, None)]
+        return [StateInterval("PENDING", job.created_at, max(now, job.created_at), None, None)]
     starts = [job.created_at]
     for e in changes[1:]:
         starts.append(max(e.at, starts[-1]))  # a clock step backwards must not make a negative interval
     end = starts[-1] if job.state.terminal else max(now, starts[-1])
     ends = starts[1:] + [end]
     outcomes = [(e.data or {}).get("outcome") for e in changes]
-    return [_Interval(e.to_state, s, t, outcomes[i], outcomes[i + 1] if i + 1 < len(changes) else None)
+    return [StateInterval(e.to_state, s, t, outcomes[i], outcomes[i + 1] if i + 1 < len(changes) else None)
             for i, (e, s, t) in enumerate(zip(changes, starts, ends))]
 
 
-def _claims(intervals: list[_Interval], events: list[Event], steps: list[StepMetric]) -> dict[int, list]:
+def _claims(intervals: list[StateInterval], events: list[Event], steps: list[StepMetric]) -> dict[int, list]:
     """Measured work as {interval index: [(category, seconds), ...]}."""
     claims: dict[int, list] = {}
 
@@ -295,7 +297,7 @@ def _claims(intervals: list[_Interval], events: list[Event], steps: list[StepMet
     return claims
 
 
-def _work_interval(intervals: list[_Interval], starts: list[float], t: float) -> int:
+def _work_interval(intervals: list[StateInterval], starts: list[float], t: float) -> int:
     """The latest RUNNING/RESIZING interval begun by `t`; else the interval holding `t`."""
     holding = max(0, bisect.bisect_right(starts, t) - 1)
     for i in range(holding, -1, -1):
@@ -304,7 +306,7 @@ def _work_interval(intervals: list[_Interval], starts: list[float], t: float) ->
     return holding
 
 
-def _previous_run(intervals: list[_Interval], starts: list[float], t: float) -> int:
+def _previous_run(intervals: list[StateInterval], starts: list[float], t: float) -> int:
     """The latest RUNNING/RESIZING interval that had ended by `t` (lost work is reported after the restore)."""
     for i in range(len(intervals) - 1, -1, -1):
         if intervals[i].state in _WORK_STATES and intervals[i].end <= t and intervals[i].end > intervals[i].start:

@@ -1,8 +1,8 @@
 """One job's report: a picture of its run, as a PNG or as a self-contained HTML page.
 
-The picture, top to bottom, against time since submission: loss, throughput, the
-slices held (chips, coloured by tier), cumulative cost; disruptions, restores and
-resizes as labelled vertical lines across all four; and where the wall time went (the
+The picture, top to bottom, against time since submission: the job's state, loss,
+throughput, the slices held (chips, coloured by tier), cumulative cost; disruptions,
+restores and resizes as labelled vertical lines across all of them; and where the wall time went (the
 goodput categories) as one stacked bar. The HTML page adds the goodput table and the
 job's event list, with the picture inlined, so it can be mailed or attached as one file.
 """
@@ -23,8 +23,8 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
 from orchestrator.errors import OrchestratorError
-from orchestrator.goodput import (CATEGORIES, BilledSlice, Goodput, billed_slices, compute_goodput, disruptions,
-                                  format_duration, summary_line)
+from orchestrator.goodput import (CATEGORIES, BilledSlice, Goodput, StateInterval, billed_slices, compute_goodput,
+                                  disruptions, format_duration, state_intervals, summary_line)
 from orchestrator.store import Event, Store
 
 FORMATS = (".png", ".html")
@@ -35,6 +35,8 @@ _MARKER_STYLE = {  # kind -> (colour, line style)
     "restore": ("#2ca02c", ":"),
     "resize": ("#9467bd", "-."),
 }
+_STATE_COLOUR = {"PENDING": "#bdbdbd", "PROVISIONING": "#9ecae1", "STARTING": "#3182bd", "RUNNING": "#2ca02c",
+                 "RECOVERING": "#d62728", "RESIZING": "#9467bd"}
 _TIER_COLOUR = {"spot": "#ff9f1c", "on-demand": "#1f77b4", "reserved": "#2ca02c"}
 _CATEGORY_COLOUR = dict(zip(CATEGORIES, ["#2ca02c", "#bdbdbd", "#9ecae1", "#3182bd", "#9467bd", "#17becf",
                                          "#8c564b", "#d62728", "#eeeeee"]))
@@ -66,6 +68,7 @@ class ReportSeries:
     state: str
     start: float  # the job's submission
     end: float  # its end (or now), or the last slice release if later
+    states: tuple[StateInterval, ...]
     step_at: tuple[float, ...]  # when each kept step was reported
     step: tuple[int, ...]
     generation: tuple[int, ...]
@@ -85,12 +88,14 @@ def report_series(store: Store, job_id: str, *, now: float | None = None) -> Rep
     job, events, steps = store.job(job_id), store.events(job_id), store.steps(job_id)
     if not steps:
         raise NoStepsError(job_id)
-    g = compute_goodput(job, events, steps, now=time.time() if now is None else now)
+    now = time.time() if now is None else now
+    g = compute_goodput(job, events, steps, now=now)
     slices = tuple(billed_slices(events, end=g.end))
     end = max([g.end] + [s.end for s in slices])
     changes = sorted({g.start, end} | {t for s in slices for t in (s.start, s.end) if g.start <= t <= end})
     return ReportSeries(
         job_id=job.id, name=job.name, state=job.state.value, start=g.start, end=end,
+        states=tuple(iv for iv in state_intervals(job, events, now=now) if iv.end > iv.start),
         step_at=tuple(s.at for s in steps), step=tuple(s.step for s in steps),
         generation=tuple(s.generation for s in steps), loss=tuple(s.loss for s in steps),
         tokens_per_s=tuple(s.tokens_per_s for s in steps), slices=slices,
@@ -114,20 +119,23 @@ def write_report(store: Store, job_id: str, path: Path | str, *, now: float | No
 
 
 def render_png(s: ReportSeries) -> bytes:
+    """The picture (see the module doc) as PNG bytes, 1100 x 1300 pixels."""
     fig = Figure(figsize=(11, 13), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)  # Agg, without pyplot: no global figure registry, safe off the main thread
-    grid = fig.add_gridspec(5, 1, height_ratios=[3, 2, 1.6, 1.8, 0.9])
-    ax_loss = fig.add_subplot(grid[0])
-    ax_tps, ax_chips, ax_cost = (fig.add_subplot(grid[i], sharex=ax_loss) for i in (1, 2, 3))
+    grid = fig.add_gridspec(6, 1, height_ratios=[0.35, 3, 2, 1.6, 1.8, 0.9])
+    ax_loss = fig.add_subplot(grid[1])
+    ax_states, ax_tps, ax_chips, ax_cost = (fig.add_subplot(grid[i], sharex=ax_loss) for i in (0, 2, 3, 4))
     unit, unit_s = _time_unit(s.end - s.start)
     x = _elapsed(s.start, unit_s)
 
+    _plot_states(ax_states, s.states, x)
+    dots = "." if len(s.step) <= 300 else ""  # thousands of dots would hide the line
     for gen in sorted(set(s.generation)):
         rows = [i for i, g in enumerate(s.generation) if g == gen]
-        ax_loss.plot([x(s.step_at[i]) for i in rows], [s.loss[i] for i in rows], ".-", ms=3, lw=1,
+        ax_loss.plot([x(s.step_at[i]) for i in rows], [s.loss[i] for i in rows], dots + "-", ms=3, lw=1,
                      label=f"generation {gen}")
         tps = [i for i in rows if s.tokens_per_s[i] is not None]
-        ax_tps.plot([x(s.step_at[i]) for i in tps], [s.tokens_per_s[i] for i in tps], ".-", ms=3, lw=1)
+        ax_tps.plot([x(s.step_at[i]) for i in tps], [s.tokens_per_s[i] for i in tps], dots + "-", ms=3, lw=1)
     ax_loss.set_ylabel("loss")
     ax_loss.legend(loc="upper right", fontsize=8)
     ax_tps.set_ylabel("tokens / s")
@@ -137,16 +145,22 @@ def render_png(s: ReportSeries) -> bytes:
     ax_cost.fill_between([x(t) for t in s.cost_at], s.cost_usd, color="#cccccc")
     ax_cost.set_ylabel("cost (USD)")
     ax_cost.set_ylim(bottom=0)
-    ax_cost.annotate(f"${s.cost_usd[-1]:,.2f}", (x(s.cost_at[-1]), s.cost_usd[-1]), xytext=(-4, -4),
-                     textcoords="offset points", ha="right", va="top", fontsize=9)
+    if s.slices:
+        ax_cost.annotate(f"${s.cost_usd[-1]:,.2f}", (x(s.cost_at[-1]), s.cost_usd[-1]), xytext=(-4, -4),
+                         textcoords="offset points", ha="right", va="top", fontsize=9)
+    else:  # a store from before slices were recorded as events: say so rather than show $0
+        for ax in (ax_chips, ax_cost):
+            ax.text(0.5, 0.5, "no slice events recorded", transform=ax.transAxes, ha="center", va="center",
+                    color="#7f7f7f")
     ax_cost.set_xlabel(f"time since submission ({unit})")
     ax_cost.set_xlim(0, x(s.end))
-    for ax in (ax_loss, ax_tps, ax_chips):
+    for ax in (ax_states, ax_loss, ax_tps, ax_chips):
         ax.tick_params(labelbottom=False)
     for ax in (ax_loss, ax_tps, ax_chips, ax_cost):
         ax.grid(alpha=0.3)
+    for ax in (ax_states, ax_loss, ax_tps, ax_chips, ax_cost):
         _plot_markers(ax, s.markers, x, labelled=ax is ax_loss)
-    _plot_goodput(fig.add_subplot(grid[4]), s.goodput)
+    _plot_goodput(fig.add_subplot(grid[5]), s.goodput)
     started = dt.datetime.fromtimestamp(s.start).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
     fig.suptitle(f"{s.name} ({s.job_id}): {s.state}\nsubmitted {started}, {format_duration(s.goodput.wall_s)} "
                  f"wall time, ${s.goodput.usd_total:,.2f}, {s.step[-1] + 1} steps", fontsize=12)
@@ -181,11 +195,13 @@ img {{ max-width: 100%; }}
 <body>
 <h1>{e(title)}</h1>
 <p>{e(summary_line(g))}</p>
-<img alt="loss, throughput, slices, cost and goodput of {e(s.job_id)}" src="data:image/png;base64,{base64.b64encode(png).decode()}">
+<img alt="loss, throughput, slices, cost and goodput of {e(s.job_id)}"
+     src="data:image/png;base64,{base64.b64encode(png).decode()}">
 <h2>Goodput</h2>
 <table class="goodput"><tr><th>category</th><th>time</th><th>share</th></tr>{rows}</table>
 <h2>Events</h2>
-<table class="events"><tr><th>time</th><th>since submission</th><th>kind</th><th>state</th><th>reason</th><th>data</th></tr>
+<table class="events">
+<tr><th>time</th><th>since submission</th><th>kind</th><th>state</th><th>reason</th><th>data</th></tr>
 {event_rows}</table>
 </body></html>
 """
@@ -206,6 +222,19 @@ def _markers(events: list[Event]) -> list[Marker]:
         elif e.kind == "resize":
             out.append(Marker(e.at, "resize", f"resize {d.get('from', '?')} → {d.get('to', '?')}"))
     return sorted(out, key=lambda m: m.at)
+
+
+def _plot_states(ax, states: tuple[StateInterval, ...], x) -> None:
+    """The job's state over time as one coloured strip, each stretch named where it is wide enough."""
+    span = x(states[-1].end) - x(states[0].start) if states else 0.0
+    for iv in states:
+        x0, width = x(iv.start), x(iv.end) - x(iv.start)
+        ax.broken_barh([(x0, width)], (0, 1), color=_STATE_COLOUR.get(iv.state, "#eeeeee"))
+        if span and width / span > 0.06:
+            ax.text(x0 + width / 2, 0.5, iv.state.lower(), ha="center", va="center", fontsize=7, clip_on=True)
+    ax.set_ylim(0, 1)
+    ax.set_yticks([])
+    ax.set_ylabel("state", rotation=0, ha="right", va="center")
 
 
 def _plot_slices(ax, s: ReportSeries, x) -> None:

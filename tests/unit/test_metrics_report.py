@@ -100,6 +100,8 @@ def test_stop_ends_the_serving_thread_and_frees_the_port(store):
 
 def test_report_series_holds_what_the_picture_shows(store):
     s = report_series(store, "job-p")
+    assert [iv.state for iv in s.states] == ["PENDING", "PROVISIONING", "STARTING", "RUNNING", "RECOVERING",
+                                             "PROVISIONING", "STARTING", "RUNNING"]
     assert s.step == tuple(range(20)) and s.generation == (1,) * 8 + (2,) * 12
     assert s.loss[-1] == pytest.approx(5.0 / 20)
     assert [(m.kind, m.label) for m in s.markers] == [("preemption", "preempted"), ("restore", "restored step 8")]
