@@ -27,8 +27,8 @@ Categories, in seconds:
 - idle: the remainder: gaps between steps (input, reporting), noticing a disruption and
   releasing the slice, RECOVERING after a disruption, RESIZING.
 
-Work reported at time t is carved out of the most recent RUNNING (or RESIZING)
-interval that began by t: the workers of the latest launch did it.
+Work reported at time t is carved out of the most recent RUNNING interval that
+began by t: the workers of the latest launch did it.
 
 Money: each slice is billed its `usd_per_hour` (as recorded in its slice events, else
 the catalog's list price) from its REQUESTED event to its GONE or RELEASED event, or
@@ -57,7 +57,9 @@ CATEGORIES = ("productive", "waiting_for_capacity", "provisioning", "runtime_ini
 # measured most directly, so when measurements overlap the later ones are cut short.
 _CARVE_ORDER = ("waiting_for_capacity", "restore", "compile", "checkpoint_save", "productive", "lost_work")
 
-_WORK_STATES = ("RUNNING", "RESIZING")  # states in which the job's workers are up
+# The only state in which the job's workers are up: the controller enters RESIZING and
+# RECOVERING after it has stopped them, so work reported then is late news of the run before.
+_WORK_STATES = ("RUNNING",)
 _BASE_CATEGORY = {"PENDING": "waiting_for_capacity", "PROVISIONING": "provisioning", "STARTING": "runtime_init"}
 _PREEMPTION_OUTCOMES = ("preempted", "infra_lost")  # what the controller counts against max_preemptions
 _FAILURE_OUTCOMES = ("app_failed", "provision_failed")  # ... and against max_failures
@@ -298,7 +300,7 @@ def _claims(intervals: list[StateInterval], events: list[Event], steps: list[Ste
 
 
 def _work_interval(intervals: list[StateInterval], starts: list[float], t: float) -> int:
-    """The latest RUNNING/RESIZING interval begun by `t`; else the interval holding `t`."""
+    """The latest RUNNING interval begun by `t`; else the interval holding `t`."""
     holding = max(0, bisect.bisect_right(starts, t) - 1)
     for i in range(holding, -1, -1):
         if intervals[i].state in _WORK_STATES:
@@ -307,7 +309,7 @@ def _work_interval(intervals: list[StateInterval], starts: list[float], t: float
 
 
 def _previous_run(intervals: list[StateInterval], starts: list[float], t: float) -> int:
-    """The latest RUNNING/RESIZING interval that had ended by `t` (lost work is reported after the restore)."""
+    """The latest RUNNING interval that had ended by `t` (lost work is reported after the restore)."""
     for i in range(len(intervals) - 1, -1, -1):
         if intervals[i].state in _WORK_STATES and intervals[i].end <= t and intervals[i].end > intervals[i].start:
             return i

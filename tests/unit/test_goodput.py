@@ -189,6 +189,35 @@ def test_without_disruption_events_the_recovering_outcomes_count(store):
     assert (g.preemptions, g.failures) == (2, 2)
 
 
+def test_a_resize_bills_both_slices_and_late_reports_belong_to_the_run_before(store):
+    job = "job-r"
+    store.create_job(job, "r", {"accelerator": "v4-16", "tier": "spot"}, at=T0)
+    store.transition(job, J.PROVISIONING, "requesting", at=T0)
+    _slice(store, job, T0, "r1", "REQUESTED", "v4-8")
+    store.transition(job, J.STARTING, "ready", at=T0 + 10)
+    store.transition(job, J.RUNNING, "joined", at=T0 + 20)
+    _steps(store, job, 1, 0, 9, T0 + 22)  # reported at T0+22 ... T0+40
+    store.add_event(job, "resize", "resizing v4-8 -> v4-16", {"from": "v4-8", "to": "v4-16"}, at=T0 + 40)
+    _slice(store, job, T0 + 41, "r1", "RELEASED", "v4-8")
+    store.transition(job, J.RESIZING, "resized", data={"to": "v4-16"}, at=T0 + 41)
+    store.add_event(job, "checkpoint", "saved step 10", {"step": 10, "blocking_s": 0.5}, at=T0 + 41.1)  # late
+    store.transition(job, J.PROVISIONING, "requesting v4-16", at=T0 + 41.2)
+    _slice(store, job, T0 + 50, "r2", "REQUESTED", "v4-16")
+    store.transition(job, J.STARTING, "ready", at=T0 + 60)
+    store.transition(job, J.RUNNING, "joined", at=T0 + 70)
+    _steps(store, job, 2, 10, 14, T0 + 72)
+    _slice(store, job, T0 + 90, "r2", "RELEASED", "v4-16")
+    store.transition(job, J.SUCCEEDED, "done", at=T0 + 90)
+    g = goodput(store, job)
+    _assert_adds_up(g)
+    assert (g.checkpoint_save_s, g.productive_s) == pytest.approx((0.5, 15 * STEP_S))
+    assert (g.provisioning_s, g.runtime_init_s) == pytest.approx((10 + 18.8, 20))
+    assert g.idle_s == pytest.approx(90 - 28.8 - 20 - 0.5 - 15 * STEP_S)  # the 0.2 s of RESIZING among them
+    assert g.usd_by == pytest.approx({("v4-8", "spot"): lookup("v4-8").usd_per_hour("spot") * 41 / 3600,
+                                      ("v4-16", "spot"): lookup("v4-16").usd_per_hour("spot") * 40 / 3600})
+    assert (g.preemptions, g.restarts) == (0, 1)
+
+
 def test_overlapping_measurements_are_clamped_not_negative(store):
     """Steps claiming more time than their run had: the run is all productive, nothing goes negative."""
     job = "job-o"
