@@ -146,7 +146,10 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
         _fail(str(e))
     st = job.status()
     if as_json:
+        from orchestrator.goodput import goodput
+
         data = _status_dict(st)
+        data["goodput"] = goodput(client.store, st.id).to_dict()
         if events:
             data["events"] = [vars(e) for e in job.events()]
         print(json.dumps(data, indent=2, default=str))
@@ -155,6 +158,9 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
         out.print(f"  {st.accelerator} {st.tier}   step {st.step}/{st.total_steps or '?'}   "
                   f"loss {_fmt(st.loss, '.4f')}   tokens/s {_fmt(st.tokens_per_s, ',.0f')}   "
                   f"preemptions {st.preemptions}   failures {st.failures}", highlight=False)
+        from orchestrator.goodput import goodput, summary_line
+
+        out.print("  " + summary_line(goodput(client.store, st.id)), highlight=False)
         if st.error and st.state is JobState.FAILED:
             out.print("  last error:", highlight=False)
             out.print(st.error, markup=False, highlight=False)
@@ -224,6 +230,67 @@ def cancel(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
 
 
 @app.command()
+def resize(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
+           accelerator: str = typer.Argument(..., help="The slice type to move to, e.g. v4-32."),
+           reason: str = typer.Option("requested by the user", help="Recorded in the job's events.")) -> None:
+    """Move a running job to another slice size (checkpoint, new slice, resharded restore)."""
+    import ray
+
+    client = Client()
+    try:
+        job = client.job(job_id)
+        ray.get(client.controller().resize.remote(job.id, accelerator, reason), timeout=60)
+    except JobNotFoundError as e:
+        _fail(str(e))
+    except ray.exceptions.RayTaskError as e:
+        _fail(str(e.cause) if e.cause else str(e))
+    finally:
+        client.close(stop_owned_cluster=False)
+    out.print(f"resizing {job.id} to {accelerator}", highlight=False)
+
+
+@app.command()
+def report(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
+           output: Path = typer.Option(..., "--output", "-o", help="A .png or .html file to write.")) -> None:
+    """Write a picture of a job's life: loss, throughput, slices, cost, disruptions, goodput."""
+    from orchestrator.report import write_report
+
+    client = Client()
+    try:
+        job = client.job(job_id)
+        path = write_report(client.store, job.id, output)
+    except (JobNotFoundError, ValueError) as e:
+        _fail(str(e))
+    out.print(f"wrote {path}", highlight=False)
+
+
+@app.command()
+def emulator(port: int = typer.Option(8470, help="0 picks a free port."),
+             time_scale: float = typer.Option(0.05, help="Multiplies the real service's timings."),
+             seed: int = typer.Option(0, help="Seed of the random transient errors.")) -> None:
+    """Serve a local emulator of the Cloud TPU API (127.0.0.1) until interrupted."""
+    from orchestrator.emulator.__main__ import main as emulator_main
+
+    raise typer.Exit(emulator_main(["--port", str(port), "--time-scale", str(time_scale), "--seed", str(seed)]))
+
+
+@app.command()
+def gc(project: str = typer.Option(..., help="Google Cloud project."),
+       zone: list[str] = typer.Option(..., "--zone", help="Zone to look in (repeatable)."),
+       endpoint: Optional[str] = typer.Option(None, help="TPU API endpoint (the emulator's URL in tests)."),
+       dry_run: bool = typer.Option(False, "--dry-run", help="List, do not delete.")) -> None:
+    """Delete Cloud TPU slices labelled by this tool whose jobs are gone (leaked slices)."""
+    from orchestrator.providers.gcp import GcpTpuProvider, collect_leaked
+
+    client = Client()
+    live = {j.id for j in client.store.jobs(active_only=True)}
+    provider = GcpTpuProvider(project, zone, endpoint=endpoint, join_check=lambda s: [])
+    leaked = collect_leaked(provider, live, dry_run=dry_run)
+    verb = "would delete" if dry_run else "deleted"
+    out.print(f"{verb} {len(leaked)} leaked slice(s){': ' + ', '.join(leaked) if leaked else ''}", highlight=False)
+
+
+@app.command()
 def up() -> None:
     """Start the embedded local Ray cluster (127.0.0.1, token auth) and its controller."""
     client = Client()
@@ -234,9 +301,13 @@ def up() -> None:
     import orchestrator.cluster as c
 
     info = c.read_cluster(client.home)
+    import ray
+
+    ray.get(client.controller().ping.remote())
     client.close(stop_owned_cluster=False)
-    out.print(f"cluster up at {info.address} (state in {client.home.root}); stop it with: orchestrator down",
-              highlight=False)
+    metrics = json.loads((client.home.root / "metrics.json").read_text())["url"]
+    out.print(f"cluster up at {info.address} (state in {client.home.root}); metrics at {metrics}; "
+              f"stop it with: orchestrator down", highlight=False)
 
 
 @app.command()

@@ -65,6 +65,7 @@ class _Run:
     disrupted_at: float | None = None  # wall time of the last disruption, for "resumed after"
     disrupted_step: int | None = None  # steps complete when it happened
     resumed: bool = True
+    resize_to: str | None = None  # accelerator to move to once the current step is checkpointed
 
 
 class Controller:
@@ -76,7 +77,22 @@ class Controller:
         self.provider = LocalProvider(self.home, address, max_hosts=max_hosts, on_change=self._save_slice)
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
+        self._metrics = self._serve_metrics()
         self._reconcile()
+
+    def _serve_metrics(self):
+        """Prometheus metrics of every job, on 127.0.0.1; the URL is recorded in the state directory."""
+        import json
+
+        from orchestrator.metrics import serve_metrics
+
+        server, port = serve_metrics(self.store, host="127.0.0.1", port=0)
+        (self.home.root / "metrics.json").write_text(json.dumps({"url": f"http://127.0.0.1:{port}/metrics"}))
+        log.info("metrics on http://127.0.0.1:%d/metrics", port)
+        return server
+
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self._metrics.port}/metrics"
 
     # -- API (called through Ray) -------------------------------------------------
 
@@ -107,6 +123,26 @@ class Controller:
                 self.store.transition(job_id, JobState.CANCELLED, "cancelled by the user")
             except IllegalTransitionError:
                 pass
+
+    def resize(self, job_id: str, accelerator: str, reason: str = "requested by the user") -> None:
+        """Move a running job to another slice size: checkpoint at the current step, release,
+        provision `accelerator`, restore resharded onto the new mesh. The global batch and the
+        learning-rate schedule stay the same, so the loss curve continues."""
+        job = self.store.job(job_id)
+        raw = dict(job.spec)
+        target = JobSpec.from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")},
+                                    "accelerator": accelerator})  # raises SpecError if the mesh cannot fit
+        with self._lock:
+            run = self._runs.get(job_id)
+        if run is None or job.state is not JobState.RUNNING:
+            raise ValueError(f"job {job_id} is {job.state.value}; only a RUNNING job can be resized")
+        if target.accelerator == raw["accelerator"]:
+            return
+        run.resize_to = target.accelerator
+        run.notice, run.notice_at = f"resize to {accelerator}: {reason}", time.monotonic()
+        self.store.add_event(job_id, "resize", f"resizing {raw['accelerator']} -> {accelerator}: {reason}",
+                             data={"from": raw["accelerator"], "to": accelerator, "reason": reason,
+                                   "step": run.last_step + 1})
 
     def inject_fault(self, kind: str, **kw) -> None:
         """Fault injection for tests and drills. Kinds:
@@ -223,6 +259,12 @@ class Controller:
         job = self.store.job(job_id)
         rec = job.spec["recovery"]
         k = outcome.kind
+        if k is OutcomeKind.RESIZED:
+            raw = dict(job.spec, accelerator=run.resize_to)
+            self.store.update_spec(job_id, raw)
+            self._transition(job_id, JobState.RESIZING, outcome.reason, data={"to": run.resize_to})
+            run.resize_to, run.disrupted_step, run.disrupted_at, run.resumed = None, run.last_step + 1, time.time(), False
+            return
         if k not in (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVISION_FAILED):
             steps_done = run.last_step + 1
             run.disrupted_at, run.disrupted_step, run.resumed = time.time(), steps_done, False
@@ -366,6 +408,9 @@ class Controller:
                     return self._classify_failure(run, failed[0])
                 if all(results):
                     stopped = [r for r in results if r["outcome"] == "stopped"]
+                    if stopped and run.resize_to:
+                        return Outcome(OutcomeKind.RESIZED, f"checkpointed after step {stopped[0]['steps']} to "
+                                       f"resize to {run.resize_to}")
                     if stopped:
                         return Outcome(OutcomeKind.PREEMPTED,
                                        f"preemption notice ({run.notice or stopped[0]['notice']}); stopped after "

@@ -102,21 +102,21 @@ class _Families:
 
     def __init__(self):
         p = "orchestrator_job"
-        self.info = InfoMetricFamily(p, "The job's name, accelerator type and tier.", labels=["job"])
+        self.info = InfoMetricFamily(p, "The job's name, accelerator type and tier.", labels=["job_id"])
         self.state = GaugeMetricFamily(f"{p}_state", "1 for the job's current state, 0 for the others.",
-                                       labels=["job", "state"])
-        self.completed_steps = GaugeMetricFamily(f"{p}_completed_steps", "Training steps completed.", labels=["job"])
+                                       labels=["job_id", "state"])
+        self.completed_steps = GaugeMetricFamily(f"{p}_completed_steps", "Training steps completed.", labels=["job_id"])
         self.tokens_per_second = GaugeMetricFamily(f"{p}_tokens_per_second", "Throughput of the last step.",
-                                                   labels=["job"])
-        self.loss = GaugeMetricFamily(f"{p}_loss", "Training loss of the last step.", labels=["job"])
-        self.goodput = GaugeMetricFamily(f"{p}_goodput_ratio", "Productive step time over wall time.", labels=["job"])
+                                                   labels=["job_id"])
+        self.loss = GaugeMetricFamily(f"{p}_loss", "Training loss of the last step.", labels=["job_id"])
+        self.goodput = GaugeMetricFamily(f"{p}_goodput_ratio", "Productive step time over wall time.", labels=["job_id"])
         self.time = GaugeMetricFamily(f"{p}_time_seconds", "Wall time by goodput category.",
-                                      labels=["job", "category"])
+                                      labels=["job_id", "category"])
         self.cost = CounterMetricFamily(f"{p}_cost_dollars", "Slice time billed (list prices), in US dollars.",
-                                        labels=["job", "accelerator", "tier"])
-        self.preemptions = CounterMetricFamily(f"{p}_preemptions", "Slices preempted or hosts lost.", labels=["job"])
+                                        labels=["job_id", "accelerator", "tier"])
+        self.preemptions = CounterMetricFamily(f"{p}_preemptions", "Slices preempted or hosts lost.", labels=["job_id"])
         self.restarts = CounterMetricFamily(f"{p}_restarts", "Launches of the workers after the first.",
-                                            labels=["job"])
+                                            labels=["job_id"])
 
     def all(self) -> list[Metric]:
         return list(vars(self).values())

@@ -13,6 +13,7 @@ class OutcomeKind(str, enum.Enum):
     APP_FAILED = "app_failed"  # the user's code raised (or exited non-zero) on healthy hosts
     PROVISION_FAILED = "provision_failed"  # no slice, or its workers could not all start
     CANCELLED = "cancelled"
+    RESIZED = "resized"  # stopped on purpose at a committed checkpoint, to go on on another slice size
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,10 @@ class Store:
         with self._tx() as db:
             db.execute(f"UPDATE jobs SET updated_at=?{sets} WHERE id=?", (time.time(), *args, job_id))
 
+    def update_spec(self, job_id: str, spec: dict) -> None:
+        with self._tx() as db:
+            db.execute("UPDATE jobs SET spec=?, updated_at=? WHERE id=?", (json.dumps(spec), time.time(), job_id))
+
     def bump_generation(self, job_id: str) -> int:
         with self._tx() as db:
             db.execute("UPDATE jobs SET generation = generation + 1 WHERE id=?", (job_id,))

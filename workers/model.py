@@ -77,34 +77,21 @@ def forward(params: dict, tokens: jax.Array, shape: ModelShape, *, implementatio
     h = params["embed"][tokens]  # [batch, seq, d_model]
 
     def block(h, p):
-        a = _rms_norm(h, p["attn_norm"], implementation=implementation)
+        a = kernels.rms_norm(h, p["attn_norm"], implementation=implementation)
         q = (a @ p["wq"]).reshape(b, s, shape.n_heads, hd)
         k = (a @ p["wk"]).reshape(b, s, shape.n_kv_heads, hd)
         v = (a @ p["wv"]).reshape(b, s, shape.n_kv_heads, hd)
-        q = _rope(q, positions, implementation=implementation)
-        k = _rope(k, positions, implementation=implementation)
+        q = kernels.apply_rope(q, positions, implementation=implementation)
+        k = kernels.apply_rope(k, positions, implementation=implementation)
         o = kernels.attention(q, k, v, causal=True, implementation=implementation)  # [b, s, heads, hd]
         h = h + o.reshape(b, s, shape.n_heads * hd) @ p["wo"]
-        m = _rms_norm(h, p["mlp_norm"], implementation=implementation)
+        m = kernels.rms_norm(h, p["mlp_norm"], implementation=implementation)
         h = h + jax.nn.gelu(m @ p["w_up"]) @ p["w_down"]
         return h, None
 
     h, _ = jax.lax.scan(block, h, params["layers"])
-    h = _rms_norm(h, params["final_norm"], implementation=implementation)
+    h = kernels.rms_norm(h, params["final_norm"], implementation=implementation)
     return h @ params["unembed"]
-
-
-def _rms_norm(x, w, *, implementation=None, eps=1e-6):
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def _rope(x, positions, *, implementation=None, base=10000.0):
-    half = x.shape[-1] // 2
-    freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = positions[..., None, None].astype(jnp.float32) * freqs  # [b, s, 1, half]
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 def loss_fn(params: dict, batch: jax.Array, shape: ModelShape, *, implementation: str | None = None) -> jax.Array:

@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 class LocalProvider:
     name = "local"
-    START_RETRIES = 2
+    START_RETRIES = 3
+    START_STAGGER_S = 0.5
 
     def __init__(self, home: cluster.Home, address: str, *, max_hosts: int = 8, on_change=None):
         self.home, self.address, self.max_hosts = home, address, max_hosts
@@ -71,10 +72,13 @@ class LocalProvider:
             hosts = tuple(Host(worker_id=i, resource=host_resource(req.name, i)) for i in range(t.hosts))
             s = Slice(req.name, req.job_id, t, req.tier, req.zone or "local", SliceState.REQUESTED, hosts, self.name)
             self._pgids[req.name] = []
-            s = self._set(s)
-            for i in range(t.hosts):
-                self._pgids[req.name].append(self._start_host(req.name, t, i))
-            return self._set(s, SliceState.PROVISIONING)
+            s = self._set(s)  # reserves the hosts before the lock is let go
+        for i in range(t.hosts):  # outside the lock: other slices' events go on being polled
+            if i:
+                time.sleep(self.START_STAGGER_S)  # a herd of raylets starting at once can miss Ray's 30 s
+            self._pgids[req.name].append(self._start_host(req.name, t, i))
+        with self._lock:
+            return self._set(self._slices[req.name], SliceState.PROVISIONING)
 
     def _start_host(self, name: str, t, worker_id: int) -> int:
         resources = host_node_resources(t, name, worker_id)
@@ -101,7 +105,7 @@ class LocalProvider:
                     self.release(name)
                     raise ProvisioningError(
                         f"host {i} of slice {name} exited while starting ({restarts[i] + 1} tries); see "
-                        f"{self._host_log(name, i)}", slice_name=name)
+                        f"{self._host_log(name, i)}", slice_name=name, transient=True)
                 restarts[i] += 1
                 log.warning("host %d of slice %s exited while starting; starting it again (%d/%d)",
                             i, name, restarts[i], self.START_RETRIES)

@@ -49,19 +49,19 @@ def _value(metrics, metric, /, **labels):
 
 
 def test_scrape_carries_the_jobs_values_under_prometheus_names(metrics):
-    assert _value(metrics, "orchestrator_job_completed_steps", job="job-p") == 20
-    assert _value(metrics, "orchestrator_job_loss", job="job-p") == pytest.approx(5.0 / 20)
-    assert _value(metrics, "orchestrator_job_tokens_per_second", job="job-p") == pytest.approx(1019.0)
-    assert _value(metrics, "orchestrator_job_info", job="job-p", name="lm", accelerator="v4-8", tier="spot") == 1
-    assert _value(metrics, "orchestrator_job_state", job="job-p", state="SUCCEEDED") == 1
-    assert sum(_value(metrics, "orchestrator_job_state", job="job-p", state=s.value) for s in JobState) == 1
-    assert _value(metrics, "orchestrator_job_goodput_ratio", job="job-p") == pytest.approx(30 / 110)
-    assert sum(_value(metrics, "orchestrator_job_time_seconds", job="job-p", category=c)
+    assert _value(metrics, "orchestrator_job_completed_steps", job_id="job-p") == 20
+    assert _value(metrics, "orchestrator_job_loss", job_id="job-p") == pytest.approx(5.0 / 20)
+    assert _value(metrics, "orchestrator_job_tokens_per_second", job_id="job-p") == pytest.approx(1019.0)
+    assert _value(metrics, "orchestrator_job_info", job_id="job-p", name="lm", accelerator="v4-8", tier="spot") == 1
+    assert _value(metrics, "orchestrator_job_state", job_id="job-p", state="SUCCEEDED") == 1
+    assert sum(_value(metrics, "orchestrator_job_state", job_id="job-p", state=s.value) for s in JobState) == 1
+    assert _value(metrics, "orchestrator_job_goodput_ratio", job_id="job-p") == pytest.approx(30 / 110)
+    assert sum(_value(metrics, "orchestrator_job_time_seconds", job_id="job-p", category=c)
                for c in CATEGORIES) == pytest.approx(110.0)
-    spot = _value(metrics, "orchestrator_job_cost_dollars_total", job="job-p", accelerator="v4-8", tier="spot")
+    spot = _value(metrics, "orchestrator_job_cost_dollars_total", job_id="job-p", accelerator="v4-8", tier="spot")
     assert spot == pytest.approx(lookup("v4-8").usd_per_hour("spot") * 58 / 3600)
-    assert _value(metrics, "orchestrator_job_preemptions_total", job="job-p") == 1
-    assert _value(metrics, "orchestrator_job_restarts_total", job="job-p") == 1
+    assert _value(metrics, "orchestrator_job_preemptions_total", job_id="job-p") == 1
+    assert _value(metrics, "orchestrator_job_restarts_total", job_id="job-p") == 1
 
 
 def test_each_scrape_reads_the_store_again(store):
@@ -72,11 +72,11 @@ def test_each_scrape_reads_the_store_again(store):
         def scrape() -> str:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
                 return resp.read().decode()
-        assert 'orchestrator_job_state{job="job-new",state="PROVISIONING"} 1.0' in scrape()
-        assert 'orchestrator_job_cost_dollars_total{accelerator="v6e-4",job="job-new",tier="on-demand"} 0.0' \
+        assert 'orchestrator_job_state{job_id="job-new",state="PROVISIONING"} 1.0' in scrape()
+        assert 'orchestrator_job_cost_dollars_total{accelerator="v6e-4",job_id="job-new",tier="on-demand"} 0.0' \
             in scrape()  # no slice yet: a zero for the spec's accelerator and tier, not a missing series
         store.record_steps("job-new", 1, [(0, 3.25, None, 0.5)], at=T0 + 2)
-        assert 'orchestrator_job_loss{job="job-new"} 3.25' in scrape()
+        assert 'orchestrator_job_loss{job_id="job-new"} 3.25' in scrape()
     finally:
         server.stop()
 
