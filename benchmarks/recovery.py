@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import fresh_client, machine, save  # noqa: E402
+from benchmarks.common import RESULTS, fresh_client, machine, save  # noqa: E402
 from orchestrator import JobSpec, JobState  # noqa: E402
 
 
@@ -81,6 +81,9 @@ def main() -> None:
             "compile_s": [e.data["compile_s"] for e in restores],
             "first_step_after_restore_s": [r.at - k for r, k in zip(resumed, kills)],
         }
+        from orchestrator.report import write_report
+
+        write_report(client.store, job.id, RESULTS / "recovery-report.png")  # the README's picture
     finally:
         client.down()
     result = {k: statistics.median(v) for k, v in per_kill.items()}

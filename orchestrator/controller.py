@@ -52,6 +52,7 @@ class _Run:
     """What the controller knows of a job's current attempt (in memory; the store has the rest)."""
 
     generation: int = 0
+    provider: object = None  # the SliceProvider of the current slice
     slice: Slice | None = None
     workers: list = field(default_factory=list)
     pg: object = None
@@ -75,6 +76,7 @@ class Controller:
         self.store = Store(self.home.db)
         self.address = address
         self.provider = LocalProvider(self.home, address, max_hosts=max_hosts, on_change=self._save_slice)
+        self._gcp: dict[tuple, object] = {}  # GcpTpuProvider by (project, zones, endpoint)
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
         self._metrics = self._serve_metrics()
@@ -195,8 +197,25 @@ class Controller:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any(not self.store.job(j).state.terminal for j in runs):
             time.sleep(0.2)
-        for s in self.provider.list():
-            self.provider.release(s.name)
+        for provider in [self.provider, *self._gcp.values()]:
+            for s in provider.list():
+                provider.release(s.name)
+
+    def _provider_for(self, spec: JobSpec):
+        if spec.provider == "local":
+            return self.provider
+        from orchestrator.providers.gcp import GcpTpuProvider
+        from orchestrator.providers.startup import WorkerSetup
+
+        g = spec.gcp
+        key = (g.project, tuple(g.zones), g.endpoint)
+        with self._lock:
+            if key not in self._gcp:
+                self._gcp[key] = GcpTpuProvider(
+                    g.project, g.zones, endpoint=g.endpoint, node_service_account=g.service_account,
+                    reservation=g.reservation,
+                    worker_setup=WorkerSetup(g.head_address or self.address, ray_token_secret=g.ray_token_secret))
+            return self._gcp[key]
 
     # -- what workers report ----------------------------------------------------------
 
@@ -311,8 +330,9 @@ class Controller:
             return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
         self._transition(job_id, JobState.PROVISIONING, f"requesting {spec.accelerator} ({spec.tier.value})")
         t0 = time.monotonic()
+        run.provider = self._provider_for(spec)
         try:
-            run.slice = self._provision(job_id, spec, job.generation + 1)
+            run.slice = self._provision(job_id, spec, job.generation + 1, run.provider)
         except ProvisioningError as e:
             return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
         provision_s = time.monotonic() - t0
@@ -330,18 +350,23 @@ class Controller:
         finally:
             self._teardown(run)
 
-    def _provision(self, job_id: str, spec: JobSpec, attempt: int) -> Slice:
+    def _provision(self, job_id: str, spec: JobSpec, attempt: int, provider) -> Slice:
         """A ready slice, asking again (with backoff and jitter) while the failure is transient."""
         names = iter(f"{job_id}-{attempt}{suffix}" for suffix in ["", "b", "c", "d"])
 
         def once() -> Slice:
             name = next(names)
             try:
-                self.provider.request(SliceRequest(job_id, name, spec.tpu_type, spec.tier, spec.zone))
-                return self.provider.wait_ready(name, timeout_s=spec.recovery.start_timeout_s)
+                provider.request(SliceRequest(job_id, name, spec.tpu_type, spec.tier, spec.zone))
+                ready = provider.wait_ready(name, timeout_s=spec.recovery.start_timeout_s)
             except ProvisioningError:
-                self.provider.release(name)  # idempotent; frees whatever part of the slice started
+                provider.release(name)  # idempotent; frees whatever part of the slice started
+                if provider is not self.provider:
+                    self._record_slice(job_id, name, spec, SliceState.RELEASED, provider.name)
                 raise
+            if provider is not self.provider:  # the local provider records its slices itself
+                self._save_slice(ready, [])
+            return ready
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential_jitter(initial=1, max=20),
@@ -388,7 +413,7 @@ class Controller:
         hang_limit, grace = spec.recovery.heartbeat_timeout_s, spec.recovery.grace_period_s
         stop_sent = False
         while True:
-            for ev in self.provider.poll_events():  # the provider sees a host go within a poll
+            for ev in run.provider.poll_events():  # the provider sees a host go within a poll
                 if ev.slice_name != run.slice.name:
                     continue
                 if ev.kind is SliceEventKind.PREEMPTION_NOTICE and run.notice is None:
@@ -439,7 +464,7 @@ class Controller:
         failures are the loss of the host, not a bug in the job.
         """
         time.sleep(1.0)  # let a dying host finish dying before asking
-        lost = [e for e in self.provider.poll_events() if e.slice_name == run.slice.name]
+        lost = [e for e in run.provider.poll_events() if e.slice_name == run.slice.name]
         if lost:
             return Outcome(OutcomeKind.INFRA_LOST, lost[0].reason)
         try:
@@ -463,7 +488,9 @@ class Controller:
                 pass
             run.pg = None
         if run.slice is not None:
-            self.provider.release(run.slice.name)
+            run.provider.release(run.slice.name)
+            if run.provider is not self.provider:
+                self._save_slice(replace(run.slice, state=SliceState.RELEASED), [])
             run.slice = None
 
     # -- bookkeeping -----------------------------------------------------------------
@@ -493,6 +520,9 @@ class Controller:
         self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
                              {"pgids": pgids, "hosts": [h.resource for h in s.hosts]})
 
+    def _record_slice(self, job_id: str, name: str, spec: JobSpec, state: SliceState, provider: str) -> None:
+        self._save_slice(Slice(name, job_id, spec.tpu_type, spec.tier, spec.zone, state, (), provider), [])
+
     def _reconcile(self) -> None:
         """After a restart: adopt each job's running worker group, or clean up and relaunch."""
         live = {}
@@ -510,7 +540,7 @@ class Controller:
     def _try_adopt(self, job, slices: list[dict]) -> _Run | None:
         """The job's running group as a `_Run`, or None after stopping whatever is left of it."""
         workers, pg = [], None
-        if job.state in (JobState.STARTING, JobState.RUNNING) and len(slices) == 1:
+        if job.state in (JobState.STARTING, JobState.RUNNING) and len(slices) == 1 and slices[0]["provider"] == "local":
             rec = slices[0]
             t = catalog.lookup(rec["accelerator"])
             try:
@@ -531,7 +561,8 @@ class Controller:
                 self.store.record_steps(job.id, job.generation, missed)
                 self.store.add_event(job.id, "adopted", f"the controller restarted and adopted the running "
                                      f"generation {job.generation} ({len(missed)} missed steps recorded)")
-                return _Run(generation=job.generation, slice=s, workers=workers, pg=pg, started=True, adopted=True,
+                return _Run(generation=job.generation, provider=self.provider, slice=s, workers=workers, pg=pg,
+                            started=True, adopted=True,
                             last_step=max((h["step"] for h in history), default=-1))
         for w in workers:
             try:
@@ -547,6 +578,11 @@ class Controller:
     def _release_record(self, rec: dict) -> None:
         for pgid in rec["data"].get("pgids", []):
             cluster.stop_group(pgid)
+        if rec["provider"] == "gcp":  # delete the cloud resources, not only our record of them
+            try:
+                self._provider_for(self._spec(rec["job_id"])).release(rec["name"])
+            except Exception:  # `orchestrator gc` finds it later; say so now
+                log.exception("could not release gcp slice %s; run `orchestrator gc`", rec["name"])
         self.store.put_slice(rec["name"], rec["job_id"], rec["provider"], rec["accelerator"], rec["tier"],
                              SliceState.RELEASED.value, rec["data"])
 

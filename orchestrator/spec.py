@@ -125,12 +125,25 @@ class RecoveryConfig(_Frozen):
     metadata_url: str | None = None
 
 
+class GcpConfig(_Frozen):
+    """Where and how `provider: gcp` gets slices (see the README's Google Cloud section)."""
+
+    project: str
+    zones: Annotated[list[str], Field(min_length=1)]  # tried in order when one has no capacity
+    endpoint: str | None = None  # the TPU API; None: Google's. The emulator's URL for local runs
+    reservation: str | None = None  # for tier: reserved
+    service_account: str | None = None  # the TPU VMs' service account
+    head_address: str | None = None  # the Ray head as the TPU VMs reach it; default: the cluster's address
+    ray_token_secret: str | None = None  # Secret Manager secret with the Ray token, for the VMs
+
+
 class JobSpec(_Frozen):
     name: str
     accelerator: str = "v4-8"
     tier: Tier = Tier.SPOT
     provider: Literal["local", "gcp"] = "local"
     zone: str | None = None
+    gcp: GcpConfig | None = None
     workload: Workload = LmWorkload()
     checkpoint: CheckpointConfig = CheckpointConfig()
     recovery: RecoveryConfig = RecoveryConfig()
@@ -202,7 +215,9 @@ class JobSpec(_Frozen):
         return spec
 
     def semantic_problems(self) -> list[tuple[str, str]]:
-        """Problems that involve several fields (the mesh against the slice, for now)."""
+        """Problems that involve several fields (the provider's settings, the mesh against the slice)."""
+        if self.provider == "gcp" and self.gcp is None:
+            return [("gcp", "provider gcp needs a gcp section with at least project and zones")]
         w = self.workload
         if not isinstance(w, LmWorkload):
             return []

@@ -121,15 +121,16 @@ def test_two_jobs_at_once_keep_to_their_own_slices(client, tmp_path):
     assert a.wait(timeout_s=420).state is JobState.SUCCEEDED
     assert b.wait(timeout_s=420).state is JobState.SUCCEEDED
     assert not set(launched_nodes(a)) & set(launched_nodes(b))
-    assert sorted(p.name for p in (tmp_path / "ckpt-job-a").iterdir()) == ["3", "6"]
-    assert sorted(p.name for p in (tmp_path / "ckpt-job-b").iterdir()) == ["5"]
+    assert sorted(p.name for p in (tmp_path / "ckpt-job-a").iterdir()) == [".fence", "3", "6"]
+    assert sorted(p.name for p in (tmp_path / "ckpt-job-b").iterdir()) == [".fence", "5"]
     assert "step 6/6" in a.logs() and "/5 " not in a.logs()
     assert "step 5/5" in b.logs() and "/6 " not in b.logs()
     assert len(a.metrics()) == 6 and len(b.metrics()) == 5
 
 
 def test_slice_too_big_for_the_provider_fails_clearly(client, tmp_path):
-    job = client.submit(tiny_spec("huge", "v4-128", tmp_path))
+    spec = tiny_spec("huge", "v4-128", tmp_path, workload={"type": "lm", "global_batch_size": 64, "steps": 2})
+    job = client.submit(spec)
     st = job.wait(timeout_s=60)
     assert st.state is JobState.FAILED
     assert st.reason == ("could not provision: local provider: v4-128 needs 16 hosts but this machine is set up "

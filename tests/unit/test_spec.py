@@ -40,7 +40,7 @@ def problem(tmp_path: Path, text: str) -> str:
 
 CASES = {
     "unknown key": ("name: a\nbogus: 1\n",
-                    "job.yaml: bogus: unknown key; allowed keys here: name, accelerator, tier, provider, zone, "
+                    "job.yaml: bogus: unknown key; allowed keys here: name, accelerator, tier, provider, zone, gcp, "
                     "workload, checkpoint, recovery, budget_usd, deadline"),
     "nested unknown key": ("name: a\nworkload: {type: lm, modle: {}}\n",
                            "job.yaml: workload.modle: unknown key; allowed keys here: type, model, seq_len, "
@@ -112,3 +112,10 @@ def test_schema_describes_fields():
     schema = json_schema()
     assert schema["additionalProperties"] is False
     assert {"name", "accelerator", "workload", "checkpoint", "recovery"} <= set(schema["properties"])
+
+
+def test_gcp_provider_needs_its_section(tmp_path):
+    assert problem(tmp_path, "name: a\nprovider: gcp\n") == (
+        "job.yaml: gcp: provider gcp needs a gcp section with at least project and zones")
+    assert problem(tmp_path, "name: a\nprovider: gcp\ngcp: {project: p, zones: []}\n") == (
+        "job.yaml: gcp.zones: List should have at least 1 item after validation, not 0")

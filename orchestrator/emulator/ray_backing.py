@@ -1,0 +1,49 @@
+"""Back the emulator's TPU nodes with local Ray nodes, so whole jobs run through `provider: gcp`.
+
+When a node becomes READY, each of its hosts joins the local cluster as its own Ray node
+with the resources and labels a real TPU VM's startup script gives it; when the node is
+preempted or deleted, those Ray nodes go (a preemption kills them outright, as a VM
+power-off does).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from orchestrator import catalog, cluster
+from orchestrator.emulator.world import Hooks
+from orchestrator.providers.base import host_node_labels, host_node_resources
+
+log = logging.getLogger(__name__)
+
+
+class RayBackedNodes:
+    def __init__(self, home: cluster.Home, address: str):
+        self.home, self.address = home, address
+        self._lock = threading.Lock()
+        self._groups: dict[str, list[int]] = {}
+
+    def hooks(self) -> Hooks:
+        return Hooks(on_node_ready=self.node_ready, on_node_gone=self.node_gone)
+
+    def node_ready(self, node_id: str, accelerator_type: str, worker_count: int, labels: dict[str, str]) -> None:
+        t = catalog.lookup(accelerator_type)
+        pgids = [cluster.start_host_node(self.home, address=self.address,
+                                         resources=host_node_resources(t, node_id, w),
+                                         labels=host_node_labels(t, node_id, w),
+                                         log_path=self.home.root / "logs" / "emulator" / node_id / f"host-{w}.log")
+                 for w in range(worker_count)]
+        with self._lock:
+            self._groups[node_id] = pgids
+        log.info("emulated node %s: %d hosts joined the Ray cluster", node_id, worker_count)
+
+    def node_gone(self, node_id: str, reason: str) -> None:
+        with self._lock:
+            pgids = self._groups.pop(node_id, [])
+        for pgid in pgids:
+            cluster.stop_group(pgid, hard=(reason == "preempted"))
+
+    def close(self) -> None:
+        for node_id in list(self._groups):
+            self.node_gone(node_id, "deleted")

@@ -1,0 +1,52 @@
+"""`provider: gcp` end to end: the real TPU client talks to the emulator, whose nodes are local Ray nodes.
+
+The job trains on emulator-backed hosts; the emulator reclaims the slice mid-run (its
+queued resource goes SUSPENDING, its nodes PREEMPTED and their hosts vanish); the job
+recovers on a new slice and ends with the losses of an undisturbed run; afterwards
+nothing of the job is left in the (emulated) cloud.
+"""
+
+from __future__ import annotations
+
+import time
+
+from orchestrator import JobState
+from orchestrator.cluster import read_cluster
+from orchestrator.emulator.ray_backing import RayBackedNodes
+from orchestrator.emulator.server import serve
+from tests.conftest import assert_losses_close, run_reference
+from tests.integration.test_local_jobs import tiny_spec, train_config
+
+
+def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path):
+    backing = RayBackedNodes(client.home, read_cluster(client.home).address)
+    emu = serve(time_scale=0.02, hooks=backing.hooks())
+    try:
+        spec = tiny_spec("gcp-e2e", "v4-16", tmp_path, steps=16, interval=4, provider="gcp",
+                         gcp={"project": "test-project", "zones": ["us-central2-b"], "endpoint": emu.url})
+        job = client.submit(spec)
+        deadline = time.monotonic() + 300
+        while not (job.status().state is JobState.RUNNING and job.status().step >= 6):
+            assert time.monotonic() < deadline and not job.status().done, job.status().reason
+            time.sleep(0.1)
+        live = client.store.slices(job_id=job.id, live_only=True)
+        assert len(live) == 1 and live[0]["provider"] == "gcp"
+        emu.reclaim(live[0]["name"])
+        st = job.wait(timeout_s=600)
+        assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-2000:])
+        disruption = [e for e in job.events() if e.kind == "disruption"]
+        assert len(disruption) == 1 and disruption[0].data["kind"] == "preempted", disruption
+        assert st.preemptions == 1
+        ref = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)
+        assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
+        deadline = time.monotonic() + 60
+        while True:  # deletes are long-running operations: give them a moment
+            state = emu.state()
+            left = [r["name"] for r in state["queuedResources"] + state["nodes"] if job.id in r["name"]]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert left == [], f"left behind in the cloud: {left}"
+    finally:
+        emu.stop()
+        backing.close()
