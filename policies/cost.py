@@ -68,7 +68,17 @@ PRIOR_AVAILABILITY_HOURS = 6.0
 
 SAFETY_MARGIN_S = 600.0  # spare time the safety net keeps, against slow provisioning
 LOOKAHEAD_S = 3600.0  # long enough to amortise a restart, short against a day-long job
-PESSIMISM_SIGMAS = 1.0  # plan on spot time one standard deviation below its mean
+# Future spot time is uncertain: plans are priced in five scenarios (5-point Gauss-
+# Hermite nodes of a normal, in standard deviations, with their weights) and averaged.
+# The cost of a plan is convex in spot time, so the average prices the risk of a long
+# outage without a hand-picked pessimism level. The mean scenario comes first.
+SPOT_TIME_SCENARIOS = (
+    (0.0, 0.533333),
+    (-1.355626, 0.222076),
+    (1.355626, 0.222076),
+    (-2.856970, 0.011257),
+    (2.856970, 0.011257),
+)  # (sigmas, weight)
 INFEASIBLE_PENALTY = 10.0  # x the dearest $/token, per token a plan cannot fit in time
 
 
@@ -187,18 +197,39 @@ class SpotHazard:
 
 
 @dataclass(frozen=True)
+class PeriodStats:
+    """Lengths of completed up (or down) periods: count, sum and sum of squares, in hours."""
+
+    count: int = 0
+    total_h: float = 0.0
+    total_sq_h2: float = 0.0
+
+    def add(self, hours: float) -> PeriodStats:
+        return PeriodStats(self.count + 1, self.total_h + hours, self.total_sq_h2 + hours * hours)
+
+    def moments(self, prior_mean_h: float, current_h: float = 0.0) -> tuple[float, float]:
+        """Mean and variance of a period's length. The prior is one exponential period
+        (second moment 2 x mean^2); the period under way counts towards the mean as far as it got."""
+        ongoing = 1 if current_h > 0 else 0
+        mean = (prior_mean_h + self.total_h + current_h) / (1 + self.count + ongoing)
+        second = (2 * prior_mean_h**2 + self.total_sq_h2) / (1 + self.count)
+        return mean, max(second - mean * mean, 0.0)
+
+
+@dataclass(frozen=True)
 class AvailabilityCounts:
     available_h: float = 0.0
     observed_h: float = 0.0
-    outages: int = 0  # outages begun (a drop below the size)
-    outage_h: float = 0.0
-    uptimes: int = 0  # up periods begun
-    in_outage: bool | None = None  # None before the first observation
+    ups: PeriodStats = PeriodStats()
+    downs: PeriodStats = PeriodStats()
+    up_now: bool | None = None  # None before the first observation
+    current_h: float = 0.0  # length of the period under way
 
 
 @dataclass(frozen=True)
 class SpotAvailability:
-    """How often a spot slice of each size can be had in a zone, and how long outages last."""
+    """How often a spot slice of each size can be had in a zone, and how its up and down
+    periods are distributed (learned from the capacity seen, on top of a prior)."""
 
     prior_fraction: float = PRIOR_AVAILABLE_FRACTION
     prior_hours: float = PRIOR_AVAILABILITY_HOURS
@@ -206,46 +237,47 @@ class SpotAvailability:
     prior_uptime_h: float = PRIOR_UPTIME_HOURS
     counts: Mapping[tuple[str, int], AvailabilityCounts] = field(default_factory=dict)
 
+    def _counts(self, zone: str, chips: int) -> AvailabilityCounts:
+        return self.counts.get((zone, chips), AvailabilityCounts())
+
     def fraction(self, zone: str, chips: int) -> float:
-        c = self.counts.get((zone, chips), AvailabilityCounts())
+        c = self._counts(zone, chips)
         return (self.prior_fraction * self.prior_hours + c.available_h) / (self.prior_hours + c.observed_h)
 
-    def mean_outage_h(self, zone: str, chips: int) -> float:
-        c = self.counts.get((zone, chips), AvailabilityCounts())
-        return (self.prior_outage_h + c.outage_h) / (1 + c.outages)
+    def uptime_h(self, zone: str, chips: int) -> tuple[float, float]:
+        """Mean and variance of the length of a period during which the slice can be had."""
+        c = self._counts(zone, chips)
+        return c.ups.moments(self.prior_uptime_h, c.current_h if c.up_now else 0.0)
 
-    def mean_uptime_h(self, zone: str, chips: int) -> float:
-        c = self.counts.get((zone, chips), AvailabilityCounts())
-        return (self.prior_uptime_h + c.available_h) / (1 + c.uptimes)
+    def outage_h(self, zone: str, chips: int) -> tuple[float, float]:
+        """Mean and variance of the length of an outage."""
+        c = self._counts(zone, chips)
+        return c.downs.moments(self.prior_outage_h, c.current_h if c.up_now is False else 0.0)
 
-    def pessimistic_hours(self, zone: str, chips: int, horizon_h: float, sigmas: float) -> float:
-        """Hours a spot slice can be had within the horizon, `sigmas` deviations below the mean.
+    def spread_h(self, zone: str, chips: int) -> float:
+        """Standard deviation of the hours a slice can be had in a horizon of H hours, / sqrt(H).
 
-        Up and down times alternate with means u and d; over a long horizon H the time up
-        has variance 2 u^2 d^2 / (u + d)^3 x H (alternating renewal process, exponential
-        periods), so the reserve grows as sqrt(H) while the mean grows as H.
+        Up and down periods alternate (means u, d; variances su, sd); over a long
+        horizon H the time up has variance (u^2 sd + d^2 su) / (u + d)^3 x H
+        (alternating renewal process), so the spread grows as sqrt(H) while the mean
+        grows as H, and heavy-tailed outages widen it.
         """
-        if horizon_h <= 0:
-            return 0.0
-        u, d = self.mean_uptime_h(zone, chips), self.mean_outage_h(zone, chips)
-        sd = math.sqrt(2 * u * u * d * d / (u + d) ** 3 * horizon_h)
-        return max(self.fraction(zone, chips) * horizon_h - sigmas * sd, 0.0)
+        (u, var_u), (d, var_d) = self.uptime_h(zone, chips), self.outage_h(zone, chips)
+        return math.sqrt((u * u * var_d + d * d * var_u) / (u + d) ** 3)
 
     def observe(self, zone: str, sizes: Sequence[int], capacity_chips: int, seconds: float) -> SpotAvailability:
         """The estimate after `seconds` during which the zone could give `capacity_chips`."""
         hours = seconds / 3600
         counts = dict(self.counts)
         for chips in sizes:
-            c = counts.get((zone, chips), AvailabilityCounts())
+            c = self._counts(zone, chips)
             up = capacity_chips >= chips
+            ups, downs, current = c.ups, c.downs, c.current_h + hours
+            if c.up_now is not None and up != c.up_now:  # the period under way ended
+                ups, downs = (ups.add(c.current_h), downs) if c.up_now else (ups, downs.add(c.current_h))
+                current = hours
             counts[(zone, chips)] = AvailabilityCounts(
-                c.available_h + (hours if up else 0.0),
-                c.observed_h + hours,
-                c.outages + (0 if up or c.in_outage is True else 1),
-                c.outage_h + (0.0 if up else hours),
-                c.uptimes + (1 if up and c.in_outage is not False else 0),
-                not up,
-            )
+                c.available_h + (hours if up else 0.0), c.observed_h + hours, ups, downs, up, current)
         return replace(self, counts=counts)
 
 
@@ -304,67 +336,113 @@ class Decision:
     within_budget: bool = True
 
 
+def slice_hazard_per_hour(option: Option, snap: Snapshot) -> float:
+    """Preemptions per hour of holding `option`: the job's own estimate (`SpotHazard`), or,
+    if shorter-lived, what the zone's capacity says (one drop per mean up period of the
+    size), since the capacity signal is seen even while the job holds no spot slice."""
+    if not option.preemptible:
+        return 0.0
+    mean_up_h = snap.availability.uptime_h(option.zone, option.chips)[0]
+    return max(snap.hazard.per_slice_hour(option), 1 / max(mean_up_h, 1e-3))
+
+
 @dataclass(frozen=True)
-class SpotEconomics:
-    usd_per_token: float  # billed time / productive time folded in
+class SpotOutlook:
+    """What the policy expects of one spot option; computed once per decision."""
+
+    option: Option
+    hazard_per_hour: float
+    usd_per_token: float  # restarts and lost work after preemptions folded in
     tokens_per_up_s: float  # speed x productive fraction, while the slice can be had
+    fraction: float  # of the time the slice can be had
+    spread_h: float  # standard deviation of spot hours over a horizon of H hours, / sqrt(H)
+
+    def up_s(self, horizon_s: float, sigmas: float) -> float:
+        """Seconds the slice can be had within the horizon, `sigmas` deviations from the mean."""
+        if horizon_s <= 0:
+            return 0.0
+        hours = horizon_s / 3600
+        return 3600 * min(max(self.fraction * hours + sigmas * self.spread_h * math.sqrt(hours), 0.0), hours)
 
 
-def spot_economics(option: Option, snap: Snapshot) -> SpotEconomics:
-    """Expected price per token and speed of a spot option while it can be had.
+@dataclass(frozen=True)
+class Outlook:
+    """Everything the fluid plan needs, derived from a snapshot once per decision."""
+
+    spot: tuple[SpotOutlook, ...]
+    on_demand: tuple[Option, ...]  # cheapest per token first
+    fastest_tokens_per_s: float
+    penalty_per_token: float
+    restart: RestartCost
+
+
+def outlook(snap: Snapshot) -> Outlook:
+    """The snapshot's options with their expected economics.
 
     Each preemption (slice hazard per hour) costs a restart and half a checkpoint
-    interval of work; provisioning is the only part of that which is not billed.
+    interval of work, and provisioning is the only part of that which is not billed.
     """
-    per_s = snap.hazard.per_slice_hour(option) / 3600
-    r = snap.restart
-    productive = max(0.05, 1 - per_s * (r.overhead_s + r.expected_lost_work_s))
-    billed = max(0.05, 1 - per_s * r.provisioning_s)
-    return SpotEconomics(option.usd_per_token * billed / productive, option.tokens_per_s * productive)
+    r, spot = snap.restart, []
+    for o in (o for o in snap.options if o.preemptible):
+        per_s = slice_hazard_per_hour(o, snap) / 3600
+        productive = max(0.05, 1 - per_s * (r.overhead_s + r.expected_lost_work_s))
+        billed = max(0.05, 1 - per_s * r.provisioning_s)
+        spot.append(SpotOutlook(o, per_s * 3600, o.usd_per_token * billed / productive, o.tokens_per_s * productive,
+                                snap.availability.fraction(o.zone, o.chips),
+                                snap.availability.spread_h(o.zone, o.chips)))
+    on_demand = tuple(sorted((o for o in snap.options if not o.preemptible), key=lambda o: o.usd_per_token))
+    return Outlook(tuple(spot), on_demand, max(o.tokens_per_s for o in snap.options),
+                   INFEASIBLE_PENALTY * max(o.usd_per_token for o in snap.options), r)
 
 
-def fluid_plan(snap: Snapshot, horizon_s: float, tokens: float, sigmas: float = PESSIMISM_SIGMAS) -> Plan:
+def fluid_plan(view: Outlook, horizon_s: float, tokens: float, sigmas: float = 0.0,
+               holding: Option | None = None) -> Plan:
     """Cheapest way to train `tokens` within `horizon_s`, treating the future as a fluid.
 
-    Each spot size is used whenever it can be had, for the pessimistic spot time of
-    `SpotAvailability.pessimistic_hours`; what it cannot cover goes to the cheapest
-    on-demand size fast enough to fit in the rest of the horizon. Planning on less spot
-    than the mean keeps a reserve that shrinks as the deadline nears, so the policy
-    does not spend its slack early on slow, cheap slices. A plan that cannot fit is
-    kept but priced with a steep penalty, so that the policy moves away from it smoothly.
+    Each spot size is used whenever it can be had, for `SpotOutlook.up_s` (`sigmas`
+    away from the mean); what it cannot cover goes to the cheapest on-demand size fast
+    enough to fit in the rest of the horizon. Each slice the plan uses costs one
+    startup unless the job is `holding` it already (later restarts after preemptions
+    are in the spot price per token); without that, starting later would always look
+    cheaper than starting now. A plan that cannot fit is kept but priced with a steep
+    penalty, so that the policy moves away from it smoothly.
     """
     if tokens <= 0:
         return Plan(None, None, 0.0, 0.0, 0.0, 0.0, True)
     horizon_s = max(horizon_s, 0.0)
-    on_demand = sorted((o for o in snap.options if not o.preemptible), key=lambda o: o.usd_per_token)
-    fastest = max(snap.options, key=lambda o: o.tokens_per_s)
-    penalty = INFEASIBLE_PENALTY * max(o.usd_per_token for o in snap.options)
-    best: Plan | None = None
-    for spot in [None, *(o for o in snap.options if o.preemptible)]:
-        econ = spot_economics(spot, snap) if spot else SpotEconomics(0.0, 0.0)
-        up_s = 3600 * snap.availability.pessimistic_hours(spot.zone, spot.chips, horizon_s / 3600, sigmas) if spot else 0.0
-        spot_tokens = min(tokens, econ.tokens_per_up_s * up_s)
+    restart, best = view.restart, None
+
+    def start_usd(o: Option) -> float:
+        return 0.0 if o == holding else o.usd_per_hour * restart.startup_s / 3600
+
+    for spot in (None, *view.spot):
+        up_s = spot.up_s(horizon_s, sigmas) if spot else 0.0
+        spot_tokens = min(tokens, spot.tokens_per_up_s * up_s) if spot else 0.0
+        spot_cost = spot_tokens * spot.usd_per_token + start_usd(spot.option) if spot else 0.0
         rest = tokens - spot_tokens
-        spot_cost = spot_tokens * econ.usd_per_token
         if rest <= 0:
-            plan = Plan(spot, None, tokens, 0.0, spot_cost, horizon_s * tokens / (econ.tokens_per_up_s * up_s), True)
+            plan = Plan(spot.option, None, tokens, 0.0, spot_cost, horizon_s * tokens / (spot.tokens_per_up_s * up_s), True)
         else:
-            window_s = horizon_s - up_s - snap.restart.overhead_s
-            fit = next((d for d in on_demand if d.tokens_per_s * window_s >= rest), None)
+            window_s = horizon_s - up_s - restart.overhead_s
+            fit = next((d for d in view.on_demand if d.tokens_per_s * window_s >= rest), None)
             if fit is not None:
-                cost = spot_cost + rest * fit.usd_per_token + fit.usd_per_hour * snap.restart.startup_s / 3600
-                plan = Plan(spot, fit, spot_tokens, rest, cost, horizon_s, True)
+                cost = spot_cost + rest * fit.usd_per_token + start_usd(fit)
+                plan = Plan(spot and spot.option, fit, spot_tokens, rest, cost, horizon_s, True)
             else:
-                d = max(on_demand, key=lambda o: o.tokens_per_s) if on_demand else None
-                fill = d.tokens_per_s * max(window_s, 0.0) if d else 0.0
-                short = rest - fill
-                cost = spot_cost + rest * (d.usd_per_token if d else 0.0) + short * penalty
-                finish = horizon_s + short / fastest.tokens_per_s
-                plan = Plan(spot, d, spot_tokens, rest, cost, finish, False)
+                d = max(view.on_demand, key=lambda o: o.tokens_per_s) if view.on_demand else None
+                short = rest - (d.tokens_per_s * max(window_s, 0.0) if d else 0.0)
+                cost = spot_cost + rest * (d.usd_per_token if d else 0.0) + short * view.penalty_per_token
+                finish = horizon_s + short / view.fastest_tokens_per_s
+                plan = Plan(spot and spot.option, d, spot_tokens, rest, cost, finish, False)
         if best is None or plan.cost_usd < best.cost_usd:
             best = plan
-    assert best is not None
     return best
+
+
+def expected_plan_cost(view: Outlook, horizon_s: float, tokens: float, holding: Option | None) -> tuple[float, Plan]:
+    """Mean cost of the fluid plan over the spot-time scenarios, and the plan at the mean."""
+    plans = [(fluid_plan(view, horizon_s, tokens, sigmas, holding), weight) for sigmas, weight in SPOT_TIME_SCENARIOS]
+    return sum(p.cost_usd * w for p, w in plans), plans[0][0]
 
 
 @dataclass(frozen=True)
@@ -375,18 +453,18 @@ class ActionValue:
     elapsed_s: float  # time the action covers (less than the lookahead if the job finishes)
 
 
-def value_of(action: Option | None, snap: Snapshot, lookahead_s: float) -> ActionValue:
+def value_of(action: Option | None, snap: Snapshot, view: Outlook, lookahead_s: float) -> ActionValue:
     """Expected cost to finish if the job runs `action` for the lookahead, then follows the plan."""
     horizon_s = snap.deadline_s - snap.now_s
     remaining = snap.total_tokens - snap.tokens_done
     if action is None:
-        plan = fluid_plan(snap, horizon_s - lookahead_s, remaining)
-        return ActionValue(None, plan.cost_usd, plan, lookahead_s)
+        cost, plan = expected_plan_cost(view, horizon_s - lookahead_s, remaining, None)
+        return ActionValue(None, cost, plan, lookahead_s)
     r = snap.restart
     overhead_s = snap.current_ready_in_s if action == snap.current else r.overhead_s
     billed_overhead_s = min(overhead_s, r.startup_s)  # startup is the billed tail of a restart
     run_s = max(lookahead_s - overhead_s, 0.0)
-    per_s = snap.hazard.per_slice_hour(action) / 3600
+    per_s = next((s.hazard_per_hour for s in view.spot if s.option == action), 0.0) / 3600
     if per_s > 0:  # expected running time before a preemption, and work lost at one
         alive_s = (1 - math.exp(-per_s * run_s)) / per_s
         lost_s = (1 - math.exp(-per_s * run_s)) * r.expected_lost_work_s
@@ -398,8 +476,8 @@ def value_of(action: Option | None, snap: Snapshot, lookahead_s: float) -> Actio
         used_s = remaining / action.tokens_per_s
         done = Plan(None, None, 0.0, 0.0, 0.0, 0.0, True)
         return ActionValue(action, usd_per_s * (billed_overhead_s + used_s), done, overhead_s + used_s)
-    plan = fluid_plan(snap, horizon_s - lookahead_s, remaining - tokens)
-    return ActionValue(action, usd_per_s * (billed_overhead_s + alive_s) + plan.cost_usd, plan, lookahead_s)
+    cost, plan = expected_plan_cost(view, horizon_s - lookahead_s, remaining - tokens, action)
+    return ActionValue(action, usd_per_s * (billed_overhead_s + alive_s) + cost, plan, lookahead_s)
 
 
 @dataclass(frozen=True)
@@ -434,7 +512,8 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
             return _safety_net(snap, on_demand, od_finish_s, horizon_s, slack_s)
 
     candidates = [None, *spot_now, *on_demand]
-    values = [value_of(a, snap, lookahead_s) for a in candidates]
+    view = outlook(snap)
+    values = [value_of(a, snap, view, lookahead_s) for a in candidates]
     # Hysteresis: leaving the current slice must also pay for the startup of coming back
     # to it, or the policy chatters between two sizes at the edge of a plan.
     come_back = snap.current.usd_per_hour * snap.restart.startup_s / 3600 if snap.current else 0.0

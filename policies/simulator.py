@@ -2,9 +2,10 @@
 
 The simulated world (one job, one zone):
 
-- Time advances in steps of at most `MAX_STEP_S` (the trace's tick split evenly), and
-  the policy is asked for a decision at the start of every step, seeing only the past
-  and the present capacity.
+- Time advances in steps of at most `MAX_STEP_S` (the trace's tick split evenly). The
+  policy is asked for a decision, seeing only the past and the present capacity, at
+  the start of the job, whenever the capacity changes or the job's slice is
+  preempted, and otherwise every `decision_interval_s` (as a controller would).
 - Spot capacity comes from the trace (see `policies.traces`); on-demand is always there.
 - A new slice spends `provisioning_s` (not billed), then `startup_s` (billed, no
   progress), both rounded up to whole steps, then trains at its `tokens_per_s`.
@@ -40,6 +41,7 @@ from policies.cost import (
 from policies.traces import SpotTrace
 
 MAX_STEP_S = 60.0
+DECISION_INTERVAL_S = 300.0  # how often the policy is asked when nothing happens
 MAX_DEADLINES_SIMULATED = 20  # a run still unfinished after 20 deadlines is reported unfinished
 
 
@@ -119,6 +121,7 @@ def simulate(
     hazard: SpotHazard = SpotHazard(),
     availability: SpotAvailability = SpotAvailability(),
     zone: str = "default",
+    decision_interval_s: float = DECISION_INTERVAL_S,
 ) -> Run:
     """Run `job` under `policy` from `start_s` into `trace`; see the module docstring for the rules."""
     dt = step_seconds(trace)
@@ -137,33 +140,45 @@ def simulate(
     billed: dict[str, float] = {}
     decisions: list[DecisionRecord] = []
     finish_s: float | None = None
+    next_decision_s = 0.0
+    unobserved_s = 0.0  # time at the previous capacity not yet fed to the availability estimate
+    exposure: dict[tuple[str, str], float] = {}  # spot host-hours not yet fed to the hazard estimate
 
     for i in range(max_steps):
         now, cap = i * dt, int(capacity[i])
-        if i > 0:  # learn from the step that just ended
-            availability = availability.observe(zone, spot_sizes, int(capacity[i - 1]), dt)
-        if held is not None and held.preemptible and cap < held.chips:
+        changed = i > 0 and cap != capacity[i - 1]
+        preempted = held is not None and held.preemptible and cap < held.chips
+        if preempted:
             if overhead_steps <= startup_steps:  # billed, so the slice existed: a preemption
                 preemptions += 1
                 hazard = hazard.observe(held.tier, held.zone, host_hours=0.0, preemptions=1)
                 lost += done - committed
                 done = committed
             held, since_checkpoint_s = None, 0.0
-        ready_in = overhead_steps * dt if held is not None else 0.0
-        snap = Snapshot(now, job.deadline_s, job.total_tokens, done, committed, job.options, cap, held,
-                        ready_in, hazard, availability, restart, cost, job.budget_usd, dt)
-        decision = policy.decide(snap)
-        target = decision.option
-        if target is not None and target.preemptible and target.chips > cap:
-            target = None  # asked for spot that cannot be had: nothing starts
-        if target != held:
-            decisions.append(DecisionRecord(now, target.label if target else "wait", decision.reason))
-            committed = done  # a planned stop checkpoints first
-            since_checkpoint_s = 0.0
-            held = target
-            if held is not None:
-                slices_started += 1
-                overhead_steps = prov_steps + startup_steps
+        if i > 0 and not (changed or preempted or now >= next_decision_s - 1e-9):
+            unobserved_s += dt
+        else:  # a decision point: learn from what happened since the last one, then ask
+            if i > 0:  # capacity was constant since the last decision point (a change is one)
+                availability = availability.observe(zone, spot_sizes, int(capacity[i - 1]), unobserved_s + dt)
+            for (tier, spot_zone), host_hours in exposure.items():
+                hazard = hazard.observe(tier, spot_zone, host_hours=host_hours)
+            unobserved_s, exposure = 0.0, {}
+            ready_in = overhead_steps * dt if held is not None else 0.0
+            snap = Snapshot(now, job.deadline_s, job.total_tokens, done, committed, job.options, cap, held,
+                            ready_in, hazard, availability, restart, cost, job.budget_usd, decision_interval_s)
+            decision = policy.decide(snap)
+            next_decision_s = now + decision_interval_s
+            target = decision.option
+            if target is not None and target.preemptible and target.chips > cap:
+                target = None  # asked for spot that cannot be had: nothing starts
+            if target != held:
+                decisions.append(DecisionRecord(now, target.label if target else "wait", decision.reason))
+                committed = done  # a planned stop checkpoints first
+                since_checkpoint_s = 0.0
+                held = target
+                if held is not None:
+                    slices_started += 1
+                    overhead_steps = prov_steps + startup_steps
         if held is None:
             continue
         usd_per_s = held.usd_per_hour / 3600
@@ -172,14 +187,16 @@ def simulate(
                 cost += usd_per_s * dt
                 billed[held.label] = billed.get(held.label, 0.0) + dt
                 if held.preemptible:
-                    hazard = hazard.observe(held.tier, held.zone, host_hours=held.hosts * dt / 3600)
+                    key = (held.tier, held.zone)
+                    exposure[key] = exposure.get(key, 0.0) + held.hosts * dt / 3600
             overhead_steps -= 1
             continue
         run_s = min(dt, (job.total_tokens - done) / held.tokens_per_s)
         cost += usd_per_s * run_s
         billed[held.label] = billed.get(held.label, 0.0) + run_s
         if held.preemptible:
-            hazard = hazard.observe(held.tier, held.zone, host_hours=held.hosts * run_s / 3600)
+            key = (held.tier, held.zone)
+            exposure[key] = exposure.get(key, 0.0) + held.hosts * run_s / 3600
         done += held.tokens_per_s * run_s
         trained += held.tokens_per_s * run_s
         if run_s < dt or done >= job.total_tokens:

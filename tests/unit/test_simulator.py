@@ -1,0 +1,241 @@
+"""The trace simulator, the baselines and the hindsight lower bound (fast: small jobs, short traces)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from policies.cost import ON_DEMAND, SPOT, CostPolicy, Option, RestartCost
+from policies.simulator import (
+    IDLE,
+    FixedPolicy,
+    GreedyPolicy,
+    SimJob,
+    _DualProgramme,
+    hindsight_optimum,
+    quantized_restart,
+    simulate,
+    step_seconds,
+)
+from policies.traces import (
+    FOUR_NODE_MAPPING,
+    ONE_NODE_MAPPING,
+    SpotTrace,
+    bundled_traces,
+    constant_trace,
+    load_trace,
+    markov_trace,
+)
+
+# v4 sizes with the benchmark's scaling-model speeds and catalog prices.
+SPEED = {8: 143_453.0, 16: 269_691.0, 32: 507_019.0}
+HOSTS = {8: 2, 16: 4, 32: 8}
+
+
+def option(chips: int, tier: str) -> Option:
+    per_chip = 0.92 if tier == SPOT else 3.22
+    return Option(f"v4-{2 * chips}", chips, HOSTS[chips], tier, per_chip * chips, SPEED[chips])
+
+
+SPOT32, OD32 = option(16, SPOT), option(16, ON_DEMAND)
+ALL = tuple(option(c, t) for c in (8, 16, 32) for t in (SPOT, ON_DEMAND))
+
+
+def small_job(ondemand_hours: float = 3.0, slack: float = 1.75, options=ALL) -> SimJob:
+    tokens = SPEED[16] * 3600 * ondemand_hours
+    return SimJob(tokens, slack * ondemand_hours * 3600, options)
+
+
+def trace_of(counts, gap_s: float = 300.0, nodes: int = 1) -> SpotTrace:
+    return SpotTrace("test", gap_s, tuple(counts), nodes)
+
+
+SYNTHETIC = [markov_trace(mean_up_h=up, mean_down_h=down, hours=48, seed=seed)
+             for up, down, seed in [(4, 2, 0), (1, 1, 1), (0.5, 3, 2), (8, 0.5, 3)]]
+
+
+def test_bundled_traces_load_with_attribution():
+    traces = bundled_traces()
+    assert len(traces) == 24
+    assert all(t.gap_s > 0 and len(t.counts) > 1000 for t in traces)
+    assert {t.nodes for t in traces} == {1, 4}
+    readme = (load_trace.__globals__["TRACE_ROOT"] / "README.md").read_text()
+    assert "Can't Be Late" in readme and "skypilot-org/spot-traces" in readme
+
+
+def test_capacity_mapping_and_wraparound():
+    assert [FOUR_NODE_MAPPING.chips(n) for n in range(5)] == [0, 8, 16, 16, 32]
+    assert [ONE_NODE_MAPPING.chips(n) for n in range(2)] == [0, 16]
+    trace = trace_of([0, 1, 2, 4], gap_s=100, nodes=4)
+    assert list(trace.capacity_chips(0, 50, 10)) == [0, 0, 8, 8, 16, 16, 32, 32, 0, 0]  # wraps after 400 s
+
+
+def test_step_splits_the_tick_evenly():
+    assert step_seconds(trace_of([1], gap_s=600)) == 60
+    assert step_seconds(trace_of([1], gap_s=195)) == 48.75
+    assert step_seconds(trace_of([1], gap_s=32)) == 32
+
+
+def test_no_preemptions_costs_exactly_spot_price_times_time():
+    job = small_job()
+    trace = constant_trace(1, gap_s=300, ticks=200)
+    run = simulate(FixedPolicy(SPOT32), job, trace)
+    restart = quantized_restart(RestartCost(), step_seconds(trace))
+    train_s = job.total_tokens / SPOT32.tokens_per_s
+    assert run.preemptions == 0 and run.tokens_lost == 0
+    assert run.finish_s == pytest.approx(restart.overhead_s + train_s)
+    billed_s = restart.startup_s + train_s  # provisioning is not billed
+    assert run.cost_usd == pytest.approx(SPOT32.usd_per_hour * billed_s / 3600, rel=1e-12)
+    assert run.billed_s == {SPOT32.label: pytest.approx(billed_s)}
+
+
+@pytest.mark.parametrize("trace", SYNTHETIC, ids=lambda t: t.name)
+@pytest.mark.parametrize("make_policy", [lambda: CostPolicy(), lambda: FixedPolicy(SPOT32),
+                                         lambda: GreedyPolicy(SPOT32, OD32)], ids=["policy", "spot", "greedy"])
+def test_work_is_conserved(trace, make_policy):
+    job = small_job()
+    run = simulate(make_policy(), job, trace)
+    assert run.finish_s is not None
+    assert run.tokens_trained == pytest.approx(job.total_tokens + run.tokens_lost, rel=1e-9)
+    # nothing is trained for free: at least the cheapest price per token was paid
+    assert run.cost_usd >= job.total_tokens * min(o.usd_per_token for o in ALL)
+
+
+def test_preemption_loses_the_work_since_the_last_checkpoint():
+    # spot for 35 minutes, gone for an hour, then back: 6 min of overhead, 29 min of
+    # training with checkpoints at 10 and 20 min, so 9 min are lost and trained again.
+    trace = trace_of([1] * 7 + [0] * 12 + [1] * 200, gap_s=300)
+    job = small_job(ondemand_hours=1, slack=10)
+    run = simulate(FixedPolicy(SPOT32), job, trace)
+    restart = quantized_restart(RestartCost(), step_seconds(trace))
+    trained_s = 35 * 60 - restart.overhead_s
+    lost_s = trained_s % restart.checkpoint_interval_s
+    assert run.preemptions == 1 and run.slices_started == 2
+    assert run.tokens_lost == pytest.approx(SPOT32.tokens_per_s * lost_s)
+    second_start = (35 + 60) * 60
+    left_s = (job.total_tokens - SPOT32.tokens_per_s * (trained_s - lost_s)) / SPOT32.tokens_per_s
+    assert run.finish_s == pytest.approx(second_start + restart.overhead_s + left_s)
+
+
+def test_ondemand_baseline_is_deterministic():
+    job = small_job()
+    run = simulate(FixedPolicy(OD32), job, SYNTHETIC[0])
+    restart = quantized_restart(RestartCost(), step_seconds(SYNTHETIC[0]))
+    train_s = job.total_tokens / OD32.tokens_per_s
+    assert run.cost_usd == pytest.approx(OD32.usd_per_hour * (restart.startup_s + train_s) / 3600)
+    assert run.deadline_met
+
+
+def test_greedy_switches_to_ondemand_when_slack_runs_out():
+    trace = trace_of([0] * 500)  # spot never comes
+    job = small_job()
+    run = simulate(GreedyPolicy(SPOT32, OD32), job, trace)
+    assert run.deadline_met and set(run.billed_s) == {OD32.label}
+    assert run.decisions[0].option == OD32.label and run.decisions[0].at_s > 0
+
+
+@pytest.mark.parametrize("trace", SYNTHETIC + [constant_trace(1, gap_s=300, ticks=100)], ids=lambda t: t.name)
+def test_optimum_is_never_dearer_than_any_run_that_meets_the_deadline(trace):
+    job = small_job()
+    best = hindsight_optimum(job, trace)
+    assert best.feasible and best.lower_bound_usd <= best.schedule_cost_usd + 1e-9
+    assert best.schedule_finish_s <= job.deadline_s + step_seconds(trace)
+    policies = [CostPolicy(), FixedPolicy(OD32), FixedPolicy(SPOT32), GreedyPolicy(SPOT32, OD32)]
+    policies += [FixedPolicy(o) for o in ALL]
+    for policy in policies:
+        run = simulate(policy, job, trace)
+        if run.deadline_met:
+            assert best.lower_bound_usd <= run.cost_usd + 1e-9, policy
+
+
+def test_optimum_on_a_bundled_trace_window():
+    trace = next(t for t in bundled_traces() if "4-node" in t.name)
+    job = small_job()
+    best = hindsight_optimum(job, trace, start_s=86_400)
+    for policy in (CostPolicy(), GreedyPolicy(SPOT32, OD32), FixedPolicy(OD32)):
+        run = simulate(policy, job, trace, start_s=86_400)
+        assert not run.deadline_met or best.lower_bound_usd <= run.cost_usd
+    assert best.schedule_cost_usd <= 1.05 * best.lower_bound_usd  # the bracket is tight
+
+
+def test_infeasible_deadline_is_reported():
+    job = small_job(slack=0.5)  # not even on-demand v4-64 can make it
+    assert not hindsight_optimum(job, SYNTHETIC[0]).feasible
+
+
+def _exact_optimum(dp: _DualProgramme, units_per_step: list[int], target_units: int) -> float:
+    """Brute force over (state, progress in integer units) for a tiny instance."""
+    k = dp.k
+    frontier = {(IDLE, 0): 0.0}
+    best = math.inf
+    for t, usable in enumerate(dp.usable):
+        moved: dict[tuple[int, int], float] = {}
+        for (state, done), cost in frontier.items():
+            choices = {state, IDLE} | {c * (k + 1) + k for c in range(len(usable))}
+            for s in choices:
+                if s != IDLE and not usable[s // (k + 1)]:
+                    continue
+                if s == IDLE:
+                    nxt, step_cost, gained = IDLE, 0.0, 0
+                else:
+                    c, j = divmod(s, k + 1)
+                    nxt = s if j == 0 else s - 1
+                    step_cost = dp.price[c] if (j == 0 or j <= dp.startup) else 0.0
+                    gained = units_per_step[c] if j == 0 else 0
+                total = min(done + gained, target_units)
+                if total >= target_units:
+                    best = min(best, cost + step_cost)
+                    continue
+                key = (nxt, total)
+                if cost + step_cost < moved.get(key, math.inf):
+                    moved[key] = cost + step_cost
+        frontier = moved
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lower_bound_brackets_the_exact_optimum_on_tiny_instances(seed):
+    # Speeds of 1 and 2 units per step make the exact problem small enough to enumerate.
+    rng = np.random.default_rng(seed)
+    unit, dt = 1e6, 60.0
+    options = (Option("small", 8, 2, SPOT, 7.36, unit / dt), Option("small", 8, 2, ON_DEMAND, 25.76, unit / dt),
+               Option("big", 16, 4, SPOT, 14.72, 2 * unit / dt), Option("big", 16, 4, ON_DEMAND, 51.52, 2 * unit / dt))
+    counts = tuple(int(c) for c in rng.choice([0, 1, 2], size=40, p=[0.4, 0.3, 0.3]))
+    trace = SpotTrace("tiny", dt, counts, 4)
+    restart = RestartCost(provisioning_s=60, startup_s=60, checkpoint_interval_s=600)
+    job = SimJob(30 * unit, 40 * dt, options)
+    best = hindsight_optimum(job, trace, restart=restart)
+    dp = _DualProgramme(options, trace.capacity_chips(0, dt, 40), dt, 1, 1)
+    exact = _exact_optimum(dp, [1, 1, 2, 2], 30)
+    assert best.lower_bound_usd <= exact + 1e-9 and exact <= best.schedule_cost_usd + 1e-9
+    for policy in [CostPolicy(), *(FixedPolicy(o) for o in options)]:
+        run = simulate(policy, job, trace, restart=restart)
+        assert not run.deadline_met or exact <= run.cost_usd + 1e-9
+
+
+def test_dp_schedules_are_consistent_paths():
+    """Every schedule the optimum builds moves between states only as the model allows."""
+    trace = SYNTHETIC[1]
+    job = small_job()
+    dt = step_seconds(trace)
+    dp = _DualProgramme(job.options, trace.capacity_chips(0, dt, 400), dt, 2, 4)
+    per_token = min(o.usd_per_token for o in job.options)
+    for mu, other in itertools.product([per_token * 1.1, per_token * 4], [per_token * 2]):
+        a, b = dp.path(mu), dp.path(other)
+        for held in (a, b, dp.splice_to_target(a, b, job.total_tokens), dp.fill(a, 1, job.total_tokens)):
+            _assert_consistent(dp, held)
+
+
+def _assert_consistent(dp: _DualProgramme, held: np.ndarray) -> None:
+    k, previous = dp.k, IDLE
+    for t, state in enumerate(held):
+        if state != IDLE:
+            c, j = divmod(int(state), k + 1)
+            assert dp.usable[t, c], f"step {t}: option {c} not usable"
+            if j < k:  # not a fresh request: must continue the previous step's slice
+                assert previous != IDLE and previous // (k + 1) == c
+                assert previous % (k + 1) in ((j + 1,) if j > 0 else (0, 1))
+        previous = state
