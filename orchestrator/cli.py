@@ -291,6 +291,34 @@ def gc(project: str = typer.Option(..., help="Google Cloud project."),
 
 
 @app.command()
+def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
+         trace: Optional[Path] = typer.Option(None, "--trace", help="A spot capacity trace (JSON, as in policies/traces)."),
+         deadline_hours: Optional[float] = typer.Option(None, help="Overrides the job file's deadline.")) -> None:
+    """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
+    from orchestrator.planning import plan_job, render_plan
+    from orchestrator.spec import AutoscalingConfig, LmWorkload
+    from workers.model import ModelShape
+
+    spec = _load(job_file)
+    w = spec.workload
+    if not isinstance(w, LmWorkload):
+        _fail(f"{job_file}: plan needs the built-in lm workload (its token count and model size)")
+    hours = deadline_hours or (spec.deadline.total_seconds() / 3600 if spec.deadline else None)
+    if hours is None:
+        _fail(f"{job_file}: deadline: plan needs a deadline (in the job file, or --deadline-hours)")
+    if trace is not None and not trace.is_file():
+        _fail(f"{trace}: file not found")
+    auto = spec.autoscaling or AutoscalingConfig()
+    m = w.model
+    shape = ModelShape(m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size)
+    flops_per_token = 6 * shape.num_params() + 12 * m.n_layers * m.d_model * w.seq_len
+    result = plan_job(tpu_types=auto.accelerators, tiers=[t.value for t in auto.tiers],
+                      total_tokens=float(w.steps * w.global_batch_size * w.seq_len), deadline_hours=hours,
+                      budget_usd=spec.budget_usd, trace_path=trace, flops_per_token=flops_per_token)
+    out.print(render_plan(result))
+
+
+@app.command()
 def up() -> None:
     """Start the embedded local Ray cluster (127.0.0.1, token auth) and its controller."""
     client = Client()

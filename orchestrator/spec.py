@@ -137,6 +137,23 @@ class GcpConfig(_Frozen):
     ray_token_secret: str | None = None  # Secret Manager secret with the Ray token, for the VMs
 
 
+class AutoscalingConfig(_Frozen):
+    """The slice types and tiers the cost policy may choose between (`orchestrator plan`)."""
+
+    accelerators: Annotated[list[str], Field(min_length=1)] = ["v4-16", "v4-32", "v4-64"]
+    tiers: Annotated[list[Tier], Field(min_length=1)] = [Tier.SPOT, Tier.ON_DEMAND]
+
+    @field_validator("accelerators")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        for name in v:
+            try:
+                catalog.lookup(name)
+            except UnknownAcceleratorError as e:
+                raise ValueError(str(e)) from None
+        return v
+
+
 class JobSpec(_Frozen):
     name: str
     accelerator: str = "v4-8"
@@ -147,6 +164,7 @@ class JobSpec(_Frozen):
     workload: Workload = LmWorkload()
     checkpoint: CheckpointConfig = CheckpointConfig()
     recovery: RecoveryConfig = RecoveryConfig()
+    autoscaling: AutoscalingConfig | None = None
     budget_usd: Annotated[float, Field(gt=0)] | None = None
     deadline: dt.timedelta | None = None  # from submission, e.g. "PT12H" or "12:00:00"
 
