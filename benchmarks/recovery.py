@@ -12,8 +12,6 @@ the same run undisturbed, measured in the same session.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import statistics
 import sys
 import time
@@ -23,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import RESULTS, fresh_client, machine, save  # noqa: E402
 from orchestrator import JobSpec, JobState  # noqa: E402
+from orchestrator.cluster import kill_host  # noqa: E402
 
 
 def spec(name: str, steps: int) -> JobSpec:
@@ -63,7 +62,7 @@ def main() -> None:
             wait_until(lambda: job.status().state is JobState.RUNNING and job.status().step >= target)
             live = client.store.slices(job_id=job.id, live_only=True)[0]
             kills.append(time.time())
-            os.killpg(live["data"]["pgids"][1], signal.SIGKILL)
+            kill_host(live["data"]["pgids"][1])
             wait_until(lambda: len([e for e in job.events() if e.kind == "resumed"]) == len(kills))
         st = job.wait(timeout_s=900)
         assert st.state is JobState.SUCCEEDED, st.reason

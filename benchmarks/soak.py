@@ -26,6 +26,7 @@ import ray  # noqa: E402
 
 from benchmarks.common import fresh_client, machine, save  # noqa: E402
 from orchestrator import JobSpec, JobState  # noqa: E402
+from orchestrator.cluster import kill_host  # noqa: E402
 from tests.chaos.fake_metadata import FakeMetadataServer  # noqa: E402
 
 KINDS = ("kill_worker", "kill_host", "notice", "kill_controller")
@@ -84,10 +85,11 @@ def main() -> None:
             if kind == "kill_worker":
                 os.kill(rng.choice([e for e in job.events() if e.kind == "launched"][-1].data["pids"]), signal.SIGKILL)
             elif kind == "kill_host":
-                os.killpg(rng.choice(live[0]["data"]["pgids"]), signal.SIGKILL)
+                kill_host(rng.choice(live[0]["data"]["pgids"]))
             elif kind == "notice":
+                seen = len([e for e in job.events() if e.kind == "disruption"])
                 metadata.set("instance/preempted", "TRUE")
-                wait(lambda: job.status().state is not JobState.RUNNING)
+                wait(lambda: len([e for e in job.events() if e.kind == "disruption"]) > seen)
                 metadata.set("instance/preempted", "FALSE")
             else:
                 ray.kill(client.controller(), no_restart=False)

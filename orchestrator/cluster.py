@@ -202,38 +202,58 @@ def start_host_node(home: Home, *, address: str, resources: dict[str, float], la
     return proc.pid
 
 
+def _session(sid: int) -> list[int]:
+    """Every live process of a node's session.
+
+    A node is started as a new session; Ray gives each worker process its own process
+    group inside it, so the session, not the group, is what dies with a host.
+    """
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        state, session = fields[0], int(fields[3])
+        if session == sid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A group whose leader is a zombie still answers; look at the leader.
-    try:
-        with open(f"/proc/{pgid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    """Whether any process of the node started as session `pgid` is still running."""
+    return bool(_session(pgid))
+
+
+def _signal_session(sid: int, sig: int) -> None:
+    for pid in _session(sid):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def stop_group(pgid: int, *, grace_s: float = 5.0, hard: bool = False) -> None:
-    """Stop every process of a node's group: SIGTERM, then SIGKILL after `grace_s` (or at once)."""
-    sig = signal.SIGKILL if hard else signal.SIGTERM
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return
+    """Stop every process of a node (its session): SIGTERM, then SIGKILL after `grace_s` (or at once).
+
+    ``hard=True`` is a host vanishing: raylet, agents and workers get SIGKILL together.
+    """
+    _signal_session(pgid, signal.SIGKILL if hard else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and group_alive(pgid):
         _reap(pgid)
         time.sleep(0.1)
     if group_alive(pgid):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal_session(pgid, signal.SIGKILL)
     _reap(pgid)
+
+
+def kill_host(pgid: int) -> None:
+    """A host vanishing: every process of the node, SIGKILL, at once."""
+    _signal_session(pgid, signal.SIGKILL)
 
 
 def _reap(pid: int) -> None:

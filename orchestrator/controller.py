@@ -57,6 +57,7 @@ class _Run:
     workers: list = field(default_factory=list)
     pg: object = None
     started: bool = False
+    accepting: bool = False  # whether reports of `generation` still count (not once its attempt ended)
     adopted: bool = False
     last_progress: float = field(default_factory=time.monotonic)
     last_step: int = -1  # newest step reported by worker 0 in this generation
@@ -166,7 +167,7 @@ class Controller:
         """Heartbeats, metrics and log lines from workers; those of an old generation are dropped."""
         with self._lock:
             run = self._runs.get(job_id)
-        if run is None or generation != run.generation:
+        if run is None or generation != run.generation or not run.accepting:
             return
         lines = payload.pop("lines", [])
         if lines:
@@ -341,6 +342,7 @@ class Controller:
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
             generation = self.store.bump_generation(job_id)
             run.generation, run.started, run.last_step, run.notice = generation, False, -1, None
+            run.accepting = True
             self._write_fence(job.spec, generation)
             self._transition(job_id, JobState.STARTING,
                              f"slice {run.slice.name} ready after {provision_s:.1f} s; starting generation "
@@ -475,6 +477,7 @@ class Controller:
                        traceback=failure.get("traceback"))
 
     def _teardown(self, run: _Run) -> None:
+        run.accepting = False  # a dying group's last words must not land after its disruption
         for w in run.workers:
             try:
                 ray.kill(w, no_restart=True)
@@ -562,7 +565,7 @@ class Controller:
                 self.store.add_event(job.id, "adopted", f"the controller restarted and adopted the running "
                                      f"generation {job.generation} ({len(missed)} missed steps recorded)")
                 return _Run(generation=job.generation, provider=self.provider, slice=s, workers=workers, pg=pg,
-                            started=True, adopted=True,
+                            started=True, adopted=True, accepting=True,
                             last_step=max((h["step"] for h in history), default=-1))
         for w in workers:
             try:

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -50,3 +51,17 @@ def assert_losses_close(actual: list[float], expected: list[float], rtol: float)
     assert len(actual) == len(expected), f"{len(actual)} steps, expected {len(expected)}"
     worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
     assert worst <= rtol, f"per-step losses differ by up to {worst:.2e} relative (allowed {rtol:.0e})"
+
+
+@pytest.fixture(autouse=True)
+def _cancel_leftover_jobs(request):
+    """A test that fails mid-job must not leave that job competing with the next test."""
+    yield
+    if "client" not in request.fixturenames:
+        return
+    c = request.getfixturevalue("client")
+    for job in c.store.jobs(active_only=True):
+        c.cancel(job.id)
+    deadline = time.monotonic() + 120
+    while c.store.jobs(active_only=True) and time.monotonic() < deadline:
+        time.sleep(0.5)

@@ -112,7 +112,7 @@ def test_multihost_job_matches_single_process_reference(client, tmp_path, accele
     ref = run_reference(train_config(spec), devices=spec.tpu_type.chips, tmp_path=tmp_path)
     assert_losses_close(losses(job), ref["losses"], rtol=1e-5)
     logs = job.logs()
-    assert "[host-0]" in logs and f"step 6/6" in logs
+    assert "[host-0]" in logs and "step 6/6" in logs
 
 
 def test_two_jobs_at_once_keep_to_their_own_slices(client, tmp_path):

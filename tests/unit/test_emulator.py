@@ -273,7 +273,7 @@ def test_responses_parse_strictly_as_the_real_types(emulator):
     op = create(client)
     wait_state(client, QR_NAME, QRState.ACTIVE)
     base = f"{emulator.url}/v2/{PARENT}"
-    for path, cls in [(f"/queuedResources/q1", tpu_v2.QueuedResource), ("/nodes/q1", tpu_v2.Node),
+    for path, cls in [("/queuedResources/q1", tpu_v2.QueuedResource), ("/nodes/q1", tpu_v2.Node),
                       ("/queuedResources", tpu_v2.ListQueuedResourcesResponse),
                       ("/nodes", tpu_v2.ListNodesResponse)]:
         status, body = http(base + path)
