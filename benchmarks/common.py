@@ -32,6 +32,18 @@ def steady_tokens_per_s(step_times: list[float], tokens_per_step: int, *, skip: 
     return tokens_per_step * len(times) / sum(times)
 
 
+def wait_until(predicate, timeout_s: float = 600.0, poll_s: float = 0.05) -> None:
+    """Poll `predicate` until it holds; TimeoutError after `timeout_s`."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(poll_s)
+    raise TimeoutError(f"gave up after {timeout_s:.0f} s")
+
+
 def save(name: str, data: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"{name}.json"

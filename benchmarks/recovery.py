@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import RESULTS, fresh_client, machine, save  # noqa: E402
+from benchmarks.common import RESULTS, fresh_client, machine, save, wait_until  # noqa: E402
 from orchestrator import JobSpec, JobState  # noqa: E402
 from orchestrator.cluster import kill_host  # noqa: E402
 
@@ -36,15 +36,6 @@ def goodput(job) -> float:
     events = job.events()
     wall = events[-1].at - events[0].at
     return sum(m.step_time_s for m in job.metrics()) / wall
-
-
-def wait_until(pred, timeout=600):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise TimeoutError
 
 
 def main() -> None:

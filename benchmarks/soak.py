@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray  # noqa: E402
 
-from benchmarks.common import fresh_client, machine, save  # noqa: E402
+from benchmarks.common import fresh_client, machine, save, wait_until  # noqa: E402
 from orchestrator import JobSpec, JobState  # noqa: E402
 from orchestrator.cluster import kill_host  # noqa: E402
 from tests.chaos.fake_metadata import FakeMetadataServer  # noqa: E402
@@ -46,15 +46,6 @@ def committed(ckpt: Path) -> int:
     return max(steps, default=0)
 
 
-def wait(pred, timeout=600):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return
-        time.sleep(0.05)
-    raise TimeoutError("soak: the job did not get there in time")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--disruptions", type=int, default=50)
@@ -73,7 +64,7 @@ def main() -> None:
         ckpt = Path(job.record().spec["checkpoint"]["directory"])
         for i in range(args.disruptions):
             target = min(steps - 5, job.status().step + rng.randint(1, 3))
-            wait(lambda: (job.status().state is JobState.RUNNING and job.status().step >= target)
+            wait_until(lambda: (job.status().state is JobState.RUNNING and job.status().step >= target)
                  or job.status().done)
             if job.status().done:
                 break
@@ -89,16 +80,16 @@ def main() -> None:
             elif kind == "notice":
                 seen = len([e for e in job.events() if e.kind == "disruption"])
                 metadata.set("instance/preempted", "TRUE")
-                wait(lambda: len([e for e in job.events() if e.kind == "disruption"]) > seen)
+                wait_until(lambda: len([e for e in job.events() if e.kind == "disruption"]) > seen)
                 metadata.set("instance/preempted", "FALSE")
             else:
                 ray.kill(client.controller(), no_restart=False)
                 done_kinds.append(kind)
-                wait(lambda: any(e.kind == "adopted" for e in job.events()[-50:]) or job.status().done)
+                wait_until(lambda: any(e.kind == "adopted" for e in job.events()[-50:]) or job.status().done)
                 print(f"disruption {i + 1}: {kind}", flush=True)
                 continue
             done_kinds.append(kind)
-            wait(lambda: len([e for e in job.events() if e.kind == "restore"]) > n_restores)
+            wait_until(lambda: len([e for e in job.events() if e.kind == "restore"]) > n_restores)
             restored = [e for e in job.events() if e.kind == "restore"][-1].data["restored_step"] or 0
             lost_committed += max(0, before - restored)
             print(f"disruption {i + 1}: {kind}; committed {before}, restored {restored}", flush=True)
