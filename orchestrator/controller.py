@@ -550,8 +550,12 @@ class Controller:
                 workers = [ray.get_actor(_worker_name(rec["name"], job.generation, i), namespace=cluster.NAMESPACE)
                            for i in range(t.hosts)]
                 pg = ray.util.get_placement_group(_pg_name(rec["name"], job.generation))
-                ray.get([w.info.remote() for w in workers], timeout=30)
-                history = ray.get(workers[0].history.remote(), timeout=30)
+                # Right after a restart Ray may answer "temporarily unavailable" while it resolves the actors.
+                probe = tenacity.Retrying(
+                    stop=tenacity.stop_after_delay(30), wait=tenacity.wait_fixed(1), reraise=True,
+                    retry=tenacity.retry_if_exception_type(ray.exceptions.ActorUnavailableError))
+                probe(lambda: ray.get([w.info.remote() for w in workers], timeout=30))
+                history = probe(lambda: ray.get(workers[0].history.remote(), timeout=30))
             except Exception as e:  # some part is gone: relaunch
                 log.warning("job %s: cannot adopt generation %d (%s)", job.id, job.generation, e)
             else:
