@@ -14,10 +14,10 @@ from typing import Optional
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from orchestrator.client import Client, JobStatus
+from orchestrator.progress import watch
 from orchestrator.errors import ClusterError, JobNotFoundError, OrchestratorError, SpecError
 from orchestrator.spec import JobSpec, json_schema
 from orchestrator.states import JobState
@@ -73,6 +73,7 @@ def schema() -> None:
 def submit(job_file: Path = typer.Argument(..., help="The job's YAML file."),
            detach: bool = typer.Option(False, "--detach", "-d", help="Return the job id at once."),
            quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
+           as_json: bool = typer.Option(False, "--json", help="Progress as JSON Lines, for scripts."),
            address: Optional[str] = AddressOpt) -> None:
     """Submit a job; wait for it with a progress display unless --detach."""
     spec = _load(job_file)
@@ -88,40 +89,15 @@ def submit(job_file: Path = typer.Argument(..., help="The job's YAML file."),
         err.print(f"follow it with: orchestrator logs {job.id} --follow   (stop the cluster: orchestrator down)")
         raise typer.Exit(EXIT_OK)
     try:
-        st = _wait_with_progress(job, quiet=quiet)
+        st = watch(job, out, mode="quiet" if quiet else "json" if as_json else "auto")
     except KeyboardInterrupt:
         client.close(stop_owned_cluster=False)
         err.print(f"\nstopped waiting; the job goes on. cancel it with: orchestrator cancel {job.id}")
         raise typer.Exit(130)
     client.close()
-    _print_final(st)
+    if not as_json:
+        _print_final(st)
     raise typer.Exit(_job_exit(st))
-
-
-def _wait_with_progress(job, *, quiet: bool) -> JobStatus:
-    if quiet:
-        return job.wait()
-    if not out.is_terminal:
-        last = {"state": None, "step": -1}
-
-        def line(st: JobStatus) -> None:
-            every = max(1, (st.total_steps or 10) // 10)
-            if st.state != last["state"] or (st.step // every != last["step"] // every and st.step):
-                out.print(f"{st.state.value:<12} step {st.step}/{st.total_steps or '?'}  loss {_fmt(st.loss, '.4f')}"
-                          f"  tokens/s {_fmt(st.tokens_per_s, ',.0f')}", highlight=False)
-                last.update(state=st.state, step=st.step)
-
-        return job.wait(on_update=line)
-    with Progress(TextColumn("{task.fields[state]:<12}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("loss {task.fields[loss]}  tok/s {task.fields[tps]}"), TimeElapsedColumn(),
-                  console=out, transient=False) as progress:
-        task = progress.add_task("job", total=None, state="PENDING", loss="-", tps="-")
-
-        def update(st: JobStatus) -> None:
-            progress.update(task, completed=st.step, total=st.total_steps, state=st.state.value,
-                            loss=_fmt(st.loss, ".4f"), tps=_fmt(st.tokens_per_s, ",.0f"))
-
-        return job.wait(on_update=update)
 
 
 def _print_final(st: JobStatus) -> None:
@@ -203,17 +179,34 @@ def list_jobs(as_json: bool = typer.Option(False, "--json", help="Machine-readab
 
 @app.command()
 def logs(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
-         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends.")) -> None:
+         follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends, with progress."),
+         as_json: bool = typer.Option(False, "--json", help="With --follow: progress as JSON Lines.")) -> None:
     """Print a job's worker output, each line prefixed with its host."""
     try:
         job = Client().job(job_id)
     except JobNotFoundError as e:
         _fail(str(e))
     if follow:
-        for line in job.follow_logs():
-            print(line, flush=True)
+        lines = job.follow_logs(poll_s=0.0)  # each next() reads what arrived since the last
+
+        def drain(progress) -> None:
+            for line in _available(lines):
+                (progress.console if progress else out).print(line, markup=False, highlight=False)
+
+        watch(job, out, mode="json" if as_json else "auto", on_poll=drain)
+        drain(None)
     else:
         sys.stdout.write(job.logs())
+
+
+def _available(lines) -> list[str]:
+    """The log lines `follow_logs` has now, without waiting for more."""
+    out_lines = []
+    for line in lines:
+        if line is None:
+            break
+        out_lines.append(line)
+    return out_lines
 
 
 @app.command()

@@ -95,8 +95,12 @@ class Job:
         path = self._client.home.job_dir(self.id) / "job.log"
         return path.read_text() if path.exists() else ""
 
-    def follow_logs(self, *, poll_s: float = 0.5) -> Iterator[str]:
-        """Yield log lines as they arrive, until the job ends."""
+    def follow_logs(self, *, poll_s: float = 0.5) -> Iterator[str | None]:
+        """Yield log lines as they arrive, until the job ends.
+
+        With ``poll_s=0`` it yields None whenever it has nothing new instead of sleeping,
+        so a caller can interleave other work (a progress display).
+        """
         path = self._client.home.job_dir(self.id) / "job.log"
         pos = 0
         while True:
@@ -109,7 +113,10 @@ class Job:
                 yield from chunk.splitlines()
             if ended:
                 return
-            time.sleep(poll_s)
+            if poll_s:
+                time.sleep(poll_s)
+            else:
+                yield None
 
     def cancel(self) -> None:
         self._client.cancel(self.id)

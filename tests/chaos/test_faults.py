@@ -18,6 +18,7 @@ import ray
 
 from orchestrator import JobSpec, JobState
 from orchestrator.cluster import kill_host
+from orchestrator.goodput import goodput
 from tests.chaos.fake_metadata import FakeMetadataServer
 from tests.conftest import assert_losses_close
 
@@ -101,6 +102,12 @@ def test_a_host_vanishes(client, tmp_path, reference):
     assert d.at - killed_at < 10, f"detected after {d.at - killed_at:.1f} s"
     lost = kinds(job, "lost_work")[0].data
     assert lost["steps"] == lost["from_step"] - lost["to_step"] >= 0
+    # Goodput accounting saw it: restore and lost work counted, productive time as undisturbed.
+    g = goodput(client.store, job.id)
+    assert g.restore_s > 0 and g.lost_steps == lost["steps"] and g.preemptions == 1
+    assert g.lost_work_s == pytest.approx(lost["seconds"], rel=1e-6, abs=1e-6)
+    assert g.productive_s == pytest.approx(reference["productive_s"], rel=0.10)
+    assert sum(g.seconds().values()) == pytest.approx(g.wall_s, rel=0.01)
 
 
 def test_kill_during_an_async_save(client, tmp_path, reference):
