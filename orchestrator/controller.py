@@ -68,6 +68,8 @@ class _Run:
     disrupted_step: int | None = None  # steps complete when it happened
     resumed: bool = True
     resize_to: str | None = None  # accelerator to move to once the current step is checkpointed
+    resize_tier: str | None = None
+    next_decision: float = 0.0  # monotonic time of the next autoscaling decision
 
 
 class Controller:
@@ -127,25 +129,27 @@ class Controller:
             except IllegalTransitionError:
                 pass
 
-    def resize(self, job_id: str, accelerator: str, reason: str = "requested by the user") -> None:
+    def resize(self, job_id: str, accelerator: str, reason: str = "requested by the user",
+               tier: str | None = None) -> None:
         """Move a running job to another slice size: checkpoint at the current step, release,
         provision `accelerator`, restore resharded onto the new mesh. The global batch and the
         learning-rate schedule stay the same, so the loss curve continues."""
         job = self.store.job(job_id)
         raw = dict(job.spec)
         target = JobSpec.from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")},
-                                    "accelerator": accelerator})  # raises SpecError if the mesh cannot fit
+                                    "accelerator": accelerator, "tier": tier or raw["tier"]})  # SpecError if no fit
         with self._lock:
             run = self._runs.get(job_id)
         if run is None or job.state is not JobState.RUNNING:
             raise ValueError(f"job {job_id} is {job.state.value}; only a RUNNING job can be resized")
-        if target.accelerator == raw["accelerator"]:
+        if target.accelerator == raw["accelerator"] and target.tier.value == raw["tier"]:
             return
-        run.resize_to = target.accelerator
+        run.resize_to, run.resize_tier = target.accelerator, target.tier.value
         run.notice, run.notice_at = f"resize to {accelerator}: {reason}", time.monotonic()
-        self.store.add_event(job_id, "resize", f"resizing {raw['accelerator']} -> {accelerator}: {reason}",
-                             data={"from": raw["accelerator"], "to": accelerator, "reason": reason,
-                                   "step": run.last_step + 1})
+        self.store.add_event(job_id, "resize", f"resizing {raw['accelerator']} {raw['tier']} -> "
+                             f"{accelerator} {target.tier.value}: {reason}",
+                             data={"from": raw["accelerator"], "to": accelerator, "tier": target.tier.value,
+                                   "reason": reason, "step": run.last_step + 1})
 
     def inject_fault(self, kind: str, **kw) -> None:
         """Fault injection for tests and drills. Kinds:
@@ -280,7 +284,7 @@ class Controller:
         rec = job.spec["recovery"]
         k = outcome.kind
         if k is OutcomeKind.RESIZED:
-            raw = dict(job.spec, accelerator=run.resize_to)
+            raw = dict(job.spec, accelerator=run.resize_to, tier=run.resize_tier or job.spec["tier"])
             self.store.update_spec(job_id, raw)
             self._transition(job_id, JobState.RESIZING, outcome.reason, data={"to": run.resize_to})
             run.resize_to, run.disrupted_step, run.disrupted_at, run.resumed = None, run.last_step + 1, time.time(), False
@@ -329,6 +333,8 @@ class Controller:
         spec = self._spec(job_id)
         if job.cancel_requested or run.cancel.is_set():
             return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
+        if spec.autoscaling is not None:
+            spec = self._autoscale_before_provisioning(job_id, spec)
         self._transition(job_id, JobState.PROVISIONING, f"requesting {spec.accelerator} ({spec.tier.value})")
         t0 = time.monotonic()
         run.provider = self._provider_for(spec)
@@ -343,6 +349,7 @@ class Controller:
             generation = self.store.bump_generation(job_id)
             run.generation, run.started, run.last_step, run.notice = generation, False, -1, None
             run.accepting = True
+            run.next_decision = time.monotonic() + 30.0  # let it measure its speed first
             self._write_fence(job.spec, generation)
             self._transition(job_id, JobState.STARTING,
                              f"slice {run.slice.name} ready after {provision_s:.1f} s; starting generation "
@@ -351,6 +358,52 @@ class Controller:
             return outcome or self._watch(job_id, spec, run)
         finally:
             self._teardown(run)
+
+    def _spot_chips_available(self, spec: JobSpec) -> int:
+        """The largest spot slice we could get now, as far as we can tell before asking."""
+        allowed = [catalog.lookup(a) for a in spec.autoscaling.accelerators]
+        if spec.provider == "local":
+            allowed = [t for t in allowed if t.hosts <= self.provider.max_hosts]
+        return max((t.chips for t in allowed), default=0)
+
+    def _autoscale_before_provisioning(self, job_id: str, spec: JobSpec) -> JobSpec:
+        """Let the cost policy choose the slice type and tier of the next attempt."""
+        from orchestrator.autoscaler import decide_for
+
+        choice = decide_for(self.store, job_id, now=time.time(), current=None,
+                            spot_chips_available=self._spot_chips_available(spec))
+        if choice is None:
+            self.store.add_event(job_id, "autoscale", "the policy would wait for spot capacity; the local "
+                                 f"provider has it, so running {spec.accelerator} {spec.tier.value}")
+            return spec
+        d = choice.decision
+        self.store.add_event(job_id, "autoscale", f"run {choice.accelerator} {choice.tier}: {d.reason}",
+                             data={"accelerator": choice.accelerator, "tier": choice.tier,
+                                   "expected_cost_usd": d.expected_cost_usd, "reason": d.reason})
+        if (choice.accelerator, choice.tier) == (spec.accelerator, spec.tier.value):
+            return spec
+        raw = dict(self.store.job(job_id).spec, accelerator=choice.accelerator, tier=choice.tier)
+        self.store.update_spec(job_id, raw)
+        return self._spec(job_id)
+
+    def _autoscale_while_running(self, job_id: str, spec: JobSpec, run: _Run) -> None:
+        """Every decision interval: ask the policy whether the running job should move."""
+        from orchestrator.autoscaler import DECISION_INTERVAL_S, decide_for
+
+        now = time.monotonic()
+        if spec.autoscaling is None or not run.started or run.notice or now < run.next_decision:
+            return
+        run.next_decision = now + DECISION_INTERVAL_S
+        current = (spec.accelerator, spec.tier.value)
+        choice = decide_for(self.store, job_id, now=time.time(), current=current,
+                            spot_chips_available=self._spot_chips_available(spec))
+        if choice is None or (choice.accelerator, choice.tier) == current:
+            return
+        d = choice.decision
+        self.store.add_event(job_id, "autoscale", f"move to {choice.accelerator} {choice.tier}: {d.reason}",
+                             data={"accelerator": choice.accelerator, "tier": choice.tier,
+                                   "expected_cost_usd": d.expected_cost_usd, "reason": d.reason})
+        self.resize(job_id, choice.accelerator, f"cost policy: {d.reason}", tier=choice.tier)
 
     def _provision(self, job_id: str, spec: JobSpec, attempt: int, provider) -> Slice:
         """A ready slice, asking again (with backoff and jitter) while the failure is transient."""
@@ -457,6 +510,7 @@ class Controller:
                                    f"the {grace:.0f} s grace window")
             if run.started and time.monotonic() - run.last_progress > hang_limit:
                 return Outcome(OutcomeKind.INFRA_LOST, f"no progress for {hang_limit:.0f} s (hung)")
+            self._autoscale_while_running(job_id, spec, run)
             time.sleep(POLL_S)
 
     def _classify_failure(self, run: _Run, failure: dict) -> Outcome:

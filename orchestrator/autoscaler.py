@@ -1,0 +1,107 @@
+"""The running job's side of the cost policy: facts from the store in, a decision out.
+
+`decide_for(store, job_id, now=...)` builds a `policies.cost.Snapshot` from what the job
+has shown so far: its measured tokens/s on each slice type it ran on (the scaling model
+for the others), the preemptions it suffered (updating the policy's hazard prior), the
+restart costs it measured (provisioning, init, restore, compile), the money spent, and
+the tokens in its last committed checkpoint. The controller asks before each
+provisioning and every `DECISION_INTERVAL_S` while the job runs, and acts on the answer
+(records it as an `autoscale` event with the policy's reason, then provisions or
+resizes). Only jobs with an `autoscaling` section are autoscaled.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from orchestrator import catalog
+from orchestrator.goodput import billed_slices, goodput
+from orchestrator.planning import DEFAULT_FLOPS_PER_TOKEN, job_options
+from orchestrator.spec import JobSpec, LmWorkload
+from orchestrator.store import Store
+from policies.cost import CostPolicy, Decision, Option, RestartCost, SpotHazard, Snapshot
+from workers.model import ModelShape
+
+DECISION_INTERVAL_S = 60.0
+NO_DEADLINE_S = 30 * 24 * 3600.0  # a job without a deadline still gets a horizon
+
+
+@dataclass(frozen=True)
+class Choice:
+    accelerator: str
+    tier: str
+    decision: Decision
+
+
+def _flops_per_token(spec: JobSpec) -> float:
+    w = spec.workload
+    if not isinstance(w, LmWorkload):
+        return DEFAULT_FLOPS_PER_TOKEN
+    m = w.model
+    shape = ModelShape(m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size)
+    return 6 * shape.num_params() + 12 * m.n_layers * m.d_model * w.seq_len
+
+
+def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
+             spot_chips_available: int) -> Snapshot:
+    job = store.job(job_id)
+    spec = JobSpec.model_validate({k: v for k, v in job.spec.items() if not k.startswith("_")})
+    auto = spec.autoscaling
+    w = spec.workload
+    tokens_per_step = w.global_batch_size * w.seq_len if isinstance(w, LmWorkload) else 1
+    total = (w.steps or 1) * tokens_per_step
+    events = store.events(job_id)
+    steps = store.steps(job_id)
+
+    # Measured speed per slice type: the step times of the generations that ran on it.
+    type_of_generation = {}
+    for e in events:
+        if e.kind == "launched":
+            type_of_generation[e.data["generation"]] = next(
+                (s.data["accelerator"] for s in events if s.kind == "slice" and s.data["name"] == e.data["slice"]),
+                None)
+    measured: dict[str, float] = {}
+    for name in {v for v in type_of_generation.values() if v}:
+        times = [m.step_time_s for m in steps if m.step_time_s and type_of_generation.get(m.generation) == name]
+        if len(times) >= 3:
+            measured[name] = tokens_per_step / statistics.median(times)
+    options = job_options(auto.accelerators, [t.value for t in auto.tiers], flops_per_token=_flops_per_token(spec),
+                          measured_tokens_per_s=measured)
+
+    # Restart cost as measured (provisioning, init, restore, compile), the policy's defaults before that.
+    prov = [e.data["provision_s"] for e in events if e.to_state == "STARTING" and e.data]
+    init = [e.data["init_s"] for e in events if e.to_state == "RUNNING" and e.data and "init_s" in e.data]
+    rest = [e.data["restore_s"] + e.data["compile_s"] for e in events if e.kind == "restore"]
+    restart = RestartCost()
+    if prov and rest:
+        restart = RestartCost(provisioning_s=statistics.median(prov),
+                              startup_s=statistics.median(rest) + (statistics.median(init) if init else 0.0),
+                              checkpoint_interval_s=restart.checkpoint_interval_s)
+
+    # The hazard prior, updated by what this job saw on spot: host-hours held and preemptions.
+    g = goodput(store, job_id, now=now)
+    spot_host_hours = sum((b.end - b.start) / 3600 * catalog.lookup(b.accelerator).hosts
+                          for b in billed_slices(events, end=now) if b.tier == "spot")
+    hazard = SpotHazard().observe("spot", "default", host_hours=spot_host_hours, preemptions=g.preemptions)
+
+    done_steps = (steps[-1].step + 1) if steps else 0
+    committed = max([e.data["step"] for e in events if e.kind == "checkpoint"] + [0])
+    deadline = job.created_at + (spec.deadline.total_seconds() if spec.deadline else NO_DEADLINE_S)
+    holding = None
+    if current:
+        holding = next((o for o in options if o.name == current[0] and o.tier == current[1]), None)
+    return Snapshot(now_s=now, deadline_s=deadline, total_tokens=float(total),
+                    tokens_done=float(done_steps * tokens_per_step),
+                    tokens_committed=float(min(committed, done_steps) * tokens_per_step), options=options,
+                    spot_chips_available=spot_chips_available, current=holding, hazard=hazard, restart=restart,
+                    spent_usd=g.usd_total, budget_usd=spec.budget_usd, decision_interval_s=DECISION_INTERVAL_S)
+
+
+def decide_for(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None = None,
+               spot_chips_available: int) -> Choice | None:
+    """The policy's choice for the job now; None when it says to hold no slice (wait for spot)."""
+    decision = CostPolicy().decide(snapshot(store, job_id, now=now, current=current,
+                                            spot_chips_available=spot_chips_available))
+    o: Option | None = decision.option
+    return Choice(o.name, o.tier, decision) if o is not None else None
