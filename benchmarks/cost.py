@@ -40,19 +40,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.planning import job_options  # noqa: E402
 from policies.cost import CostPolicy  # noqa: E402
-from policies.simulator import (  # noqa: E402
-    FixedPolicy,
-    GreedyPolicy,
-    SimJob,
-    hindsight_optimum,
-    simulate,
-    zone_history,
-)
+from policies.simulator import FixedPolicy, GreedyPolicy, SimJob, hindsight_optimum, simulate  # noqa: E402
 from policies.traces import bundled_traces  # noqa: E402
 
 TOTAL_TOKENS = 20e9
 DEADLINE_OVER_ONDEMAND = 1.75
-POLICIES = ("policy", "policy_history", "ondemand", "spot_restart", "greedy", "optimum")
+POLICIES = ("policy", "ondemand", "spot_restart", "greedy", "optimum")
 RESULT_PATH = Path(__file__).parent / "results" / "cost.json"
 
 
@@ -79,11 +72,7 @@ def run_window(args: tuple[str, float]) -> dict[str, dict]:
     for name, policy in policies.items():
         run = simulate(policy, job, trace, start_s=start_s)
         out[name] = {"usd": run.cost_usd, "hours": run.hours, "deadline_met": run.deadline_met,
-                     "preemptions": run.preemptions}
-    history = zone_history(trace, start_s, sorted({o.chips for o in job.options}))
-    run = simulate(CostPolicy(), job, trace, start_s=start_s, availability=history)
-    out["policy_history"] = {"usd": run.cost_usd, "hours": run.hours, "deadline_met": run.deadline_met,
-                             "preemptions": run.preemptions}
+                     "preemptions": run.preemptions, "lost": run.tokens_lost / run.total_tokens}
     best = hindsight_optimum(job, trace, start_s=start_s)
     out["optimum"] = {"usd": best.lower_bound_usd, "schedule_usd": best.schedule_cost_usd,
                       "hours": best.schedule_finish_s / 3600, "deadline_met": best.feasible}
@@ -104,6 +93,8 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
                 "deadline_met": all(r["deadline_met"] for r in runs),
                 "windows_missed": sum(not r["deadline_met"] for r in runs),
             }
+            if policy != "optimum":  # tokens trained twice after preemptions, as a share of the job
+                row[policy]["lost_work_share"] = round(sum(r["lost"] for r in runs) / len(runs), 4)
         row["optimum"]["schedule_cost_per_btok"] = round(
             sum(w["optimum"]["schedule_usd"] for w in windows) / len(windows) * per_btok, 3)
         traces[name] = row

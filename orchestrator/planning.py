@@ -138,7 +138,7 @@ def render_plan(plan: JobPlan) -> Table:
     """A rich Table: one row per option and one for the policy, then the policy's moves as caption."""
     budget = "no budget" if plan.budget_usd is None else f"budget ${plan.budget_usd:,.0f}"
     table = Table(title=f"{plan.total_tokens / 1e9:g}B tokens, deadline {plan.deadline_hours:g} h, {budget} "
-                        f"(trace {plan.trace}, {plan.windows} windows)")
+                        f"(trace {plan.trace}, {plan.windows} windows)", min_width=120)
     for column in ("option", "expected cost", "$ / B tokens", "expected time", "deadline risk", "budget"):
         table.add_column(column, justify="left" if column == "option" else "right")
     for o in (*plan.options, plan.policy):

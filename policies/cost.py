@@ -16,27 +16,33 @@ The objective is the least expected cost to finish (equivalently, expected cost 
 token) subject to meeting the deadline. The decision rule, in `decide`:
 
 1. Safety net (hard). Holding no on-demand slice is allowed only while, if the spot
-   slice vanished at the next decision, the fastest on-demand slice could still finish
-   the committed remainder before the deadline with `safety_margin_s` to spare. When
-   that fails, the job runs the on-demand option that finishes in time at the least
-   cost (staying on its current one when that still finishes). This is Can't Be Late's
-   safety net, generalised to several sizes; it makes the deadline met whenever
+   slice vanished before the next decision, the fastest on-demand slice could still
+   finish the committed remainder before the deadline with `safety_margin_s` to spare.
+   When that fails, the job runs the on-demand option that finishes in time at the
+   least cost (staying on its current one when that still finishes). This is Can't Be
+   Late's safety net, generalised to several sizes; it makes the deadline met whenever
    on-demand could still meet it when the job arrived.
 2. Otherwise every action available now (run an obtainable spot size, run an
-   on-demand size, or hold nothing and wait for spot) is priced over a lookahead of
-   `lookahead_s`: its expected spend and progress during the lookahead (restart,
-   preemption and lost work included), plus the expected cost of finishing from there
-   under a fluid plan (`fluid_plan`): spot of one size whenever it is available (its
-   learned availability, hazard-discounted speed and price per token), and the cheapest
-   on-demand size that fills the shortfall within the remaining outage time. The
-   cheapest action wins; near-ties keep the current slice (no churn), then waiting.
+   on-demand size, or hold nothing and wait for spot) is priced as: its expected spend
+   and progress over `lookahead_s` (restart, preemption and lost work included), plus
+   the expected cost of finishing from there under a fluid plan (`fluid_plan`): spot of
+   one size whenever it can be had, at its hazard-discounted speed and price per
+   token, and the cheapest on-demand size that fills the shortfall in the remaining
+   outage time. Future spot time is uncertain, so the plan is priced in five scenarios
+   of it (mean +- standard deviations from the learned up/down period lengths) and
+   averaged: a plan's cost is convex in spot time, so the average prices the risk of a
+   long outage. The cheapest action wins; leaving the current slice must also pay the
+   startup of coming back to it (hysteresis), and near-ties keep the current slice,
+   then spend nothing.
 
 What this does that Can't Be Late's rules do not: it chooses the slice size (small spot
-slices are cheaper per token, large ones save scarce spot windows when the deadline is
-tight), it starts on-demand only when waiting would force a larger, dearer on-demand
-slice later (instead of tracking a uniform-progress line), and it goes back to spot
-whenever the safety net allows. Like Parcae it plans on predicted availability
-("liveput": speed x expected uptime), but it prices each move in dollars.
+slices are cheaper per token, large ones use scarce spot windows when the deadline is
+tight), it starts on-demand when the risk that waiting forces a larger, dearer
+on-demand slice later outweighs the chance that spot returns (instead of tracking a
+uniform-progress line), and it goes back to spot whenever the safety net allows. Like
+Parcae it plans on predicted availability ("liveput": speed x expected uptime), but it
+prices each move in dollars, and it learns the zone's uptime and outage distribution
+(so a zone whose spot lasts minutes is not worth a restart).
 """
 
 from __future__ import annotations
