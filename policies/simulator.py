@@ -303,7 +303,7 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0, re
     if not done:
         return Optimum(bound, math.nan, math.nan, True)
     cost, finish = min(done)
-    return Optimum(min(bound, cost), cost, finish, True)
+    return Optimum(min(bound, float(cost)), float(cost), float(finish), True)
 
 
 IDLE = -1

@@ -23,10 +23,10 @@ from policies.simulator import (
 from policies.traces import (
     FOUR_NODE_MAPPING,
     ONE_NODE_MAPPING,
+    TRACE_ROOT,
     SpotTrace,
     bundled_traces,
     constant_trace,
-    load_trace,
     markov_trace,
 )
 
@@ -62,7 +62,7 @@ def test_bundled_traces_load_with_attribution():
     assert len(traces) == 24
     assert all(t.gap_s > 0 and len(t.counts) > 1000 for t in traces)
     assert {t.nodes for t in traces} == {1, 4}
-    readme = (load_trace.__globals__["TRACE_ROOT"] / "README.md").read_text()
+    readme = (TRACE_ROOT / "README.md").read_text()
     assert "Can't Be Late" in readme and "skypilot-org/spot-traces" in readme
 
 
