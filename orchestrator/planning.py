@@ -128,23 +128,29 @@ def plan_job(
 
 
 def _prior_trace(deadline_hours: float, windows: int) -> SpotTrace:
-    """Without a user trace: a two-state trace with the policy's prior uptime and outages."""
+    """Without a user trace: a two-state trace with the policy's prior uptime and outages,
+    in which every size can be had while spot is up."""
     mean_up_h = 1 / (REFERENCE_HOSTS * PRIOR_HOST_HAZARD_PER_HOUR)
     return markov_trace(mean_up_h=mean_up_h, mean_down_h=PRIOR_OUTAGE_HOURS,
-                        hours=max(24 * 14, 2 * windows * deadline_hours), seed=0)
+                        hours=max(24 * 14, 2 * windows * deadline_hours), seed=0, nodes=4)
+
+
+def _usd(x: float) -> str:
+    return f"${x:,.2f}" if x < 100 else f"${x:,.0f}"
 
 
 def render_plan(plan: JobPlan) -> Table:
     """A rich Table: one row per option and one for the policy, then the policy's moves as caption."""
-    budget = "no budget" if plan.budget_usd is None else f"budget ${plan.budget_usd:,.0f}"
+    budget = "no budget" if plan.budget_usd is None else f"budget {_usd(plan.budget_usd)}"
     table = Table(title=f"{plan.total_tokens / 1e9:g}B tokens, deadline {plan.deadline_hours:g} h, {budget} "
-                        f"(trace {plan.trace}, {plan.windows} windows)", min_width=120)
-    for column in ("option", "expected cost", "$ / B tokens", "expected time", "deadline risk", "budget"):
-        table.add_column(column, justify="left" if column == "option" else "right")
+                        f"(trace {plan.trace}, {plan.windows} windows)")
+    table.add_column("option", no_wrap=True)
+    for column in ("cost", "$/Btok", "time", "miss risk", "budget"):
+        table.add_column(column, justify="right", no_wrap=True)
     for o in (*plan.options, plan.policy):
         table.add_row(
             o.label,
-            f"${o.expected_cost_usd:,.0f}",
+            _usd(o.expected_cost_usd),
             f"{o.expected_cost_usd / plan.total_tokens * 1e9:,.2f}",
             "unfinished" if o.expected_hours is None else f"{o.expected_hours:.1f} h",
             f"{o.deadline_miss_risk:.0%}",

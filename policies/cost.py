@@ -564,21 +564,25 @@ def _finish_cost(snap: Snapshot, d: Option, finish_s: float) -> float:
     return d.usd_per_hour / 3600 * (finish_s - unbilled)
 
 
+def _usd(x: float) -> str:
+    return f"${x:,.2f}" if abs(x) < 100 else f"${x:,.0f}"
+
+
 def _reason(snap: Snapshot, v: ActionValue) -> str:
-    o, plan = v.option, v.plan.describe()
+    o, plan, cost = v.option, v.plan.describe(), _usd(v.cost_usd)
     if o is None:
-        return f"wait for spot: expected ${v.cost_usd:,.0f} to finish with plan {plan}"
+        return f"wait for spot: expected {cost} to finish with plan {plan}"
     what = f"{o.tier} {o.name}"
     if o == snap.current:
-        return f"keep {what}: cheapest expected cost ${v.cost_usd:,.0f}, then {plan}"
+        return f"keep {what}: cheapest expected cost {cost}, then {plan}"
     if snap.current is not None:
-        return f"move from {snap.current.label} to {what}: expected ${v.cost_usd:,.0f}, then {plan}"
-    return f"run {what}: expected ${v.cost_usd:,.0f}, then {plan}"
+        return f"move from {snap.current.label} to {what}: expected {cost}, then {plan}"
+    return f"run {what}: expected {cost}, then {plan}"
 
 
 def _decision(snap: Snapshot, option: Option | None, reason: str, cost: float, finish_s: float) -> Decision:
     within = snap.budget_usd is None or snap.spent_usd + cost <= snap.budget_usd
     if not within:
-        reason += f" (over budget: ${snap.spent_usd + cost:,.0f} expected against ${snap.budget_usd:,.0f})"
+        reason += f" (over budget: {_usd(snap.spent_usd + cost)} expected against {_usd(snap.budget_usd)})"
     resize = snap.current is not None and option != snap.current
     return Decision(option, reason, cost, finish_s, resize, within)

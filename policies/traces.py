@@ -101,10 +101,12 @@ def constant_trace(count: int, *, gap_s: float = 600.0, ticks: int = 1000, nodes
 
 
 def markov_trace(
-    *, mean_up_h: float, mean_down_h: float, gap_s: float = 300.0, hours: float = 24 * 14, seed: int = 0
+    *, mean_up_h: float, mean_down_h: float, gap_s: float = 300.0, hours: float = 24 * 14, seed: int = 0,
+    nodes: int = 1,
 ) -> SpotTrace:
-    """A synthetic 1-node trace: a two-state Markov chain with the given mean up and down times.
+    """A synthetic trace: a two-state Markov chain with the given mean up and down times.
 
+    Up counts `nodes` (so with 4 nodes every size up to a v4-64 can be had), down 0.
     Used when a user plans without a trace of their own: the chain is parameterised by
     the policy's priors, so the plan reflects what the policy itself assumes.
     """
@@ -118,4 +120,4 @@ def markov_trace(
         counts.append(state)
         if u < (leave_up if state else leave_down):
             state = 1 - state
-    return SpotTrace(f"markov-up{mean_up_h:g}h-down{mean_down_h:g}h", gap_s, tuple(counts), 1)
+    return SpotTrace(f"markov-up{mean_up_h:g}h-down{mean_down_h:g}h", gap_s, tuple(c * nodes for c in counts), nodes)

@@ -189,5 +189,5 @@ def test_plan_job_and_render_plan():
     assert plan.policy.expected_cost_usd < on_demand.expected_cost_usd
     assert plan.policy_moves and plan.policy_moves[0].reason
     text = plan_text(plan)
-    assert "v4-32 on-demand" in text and "cost policy" in text and "deadline risk" in text
+    assert "v4-32 on-demand" in text and "cost policy" in text and "miss risk" in text
     assert render_plan(plan).row_count == 5
