@@ -139,13 +139,18 @@ def _ray_start(home: Home, args: list[str], log_path: Path) -> subprocess.Popen:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_path, "ab")
     try:
-        return subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.raynode", "start", "--block", "--disable-usage-stats",
-             "--node-ip-address=127.0.0.1", "--object-store-memory", str(128 * 1024 * 1024),
-             f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
-             f"--runtime-env-agent-port={free_port()}", *args],
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, start_new_session=True,
-        )
+        cmd = [sys.executable, "-m", "orchestrator.raynode", "start", "--block", "--disable-usage-stats",
+               "--node-ip-address=127.0.0.1", "--object-store-memory", str(128 * 1024 * 1024),
+               f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
+               f"--runtime-env-agent-port={free_port()}", *args]
+        # The node runs in a session of its own (its id is the returned pid) and is not our child:
+        # a shell starts it in the background and exits. Ray kills a worker's child processes
+        # when the worker dies, and the controller (a Ray worker) starts nodes: as its children,
+        # they would die with a restarting controller.
+        proc = subprocess.Popen(["/bin/sh", "-c", '"$@" &', "sh", *cmd], stdout=out, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        proc.wait(timeout=30)
+        return proc
     finally:
         out.close()
 
@@ -153,8 +158,8 @@ def _ray_start(home: Home, args: list[str], log_path: Path) -> subprocess.Popen:
 def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ClusterError(f"the Ray head exited with code {proc.returncode}; see {log_path}")
+        if not group_alive(proc.pid):
+            raise ClusterError(f"the Ray head exited; see {log_path}")
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
             return
