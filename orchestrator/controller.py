@@ -669,11 +669,13 @@ def _workload(raw_spec: dict, spec: JobSpec, devices: int, hosts: int) -> dict:
                      dims=ModelDims(m.d_model, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size),
                      global_batch_size=w.global_batch_size)
     cfg = TrainConfig(
-        model=ModelShape(m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size),
+        model=ModelShape(m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size,
+                         moe_experts=m.moe_experts, moe_top_k=m.moe_top_k, scan_layer=m.scan_layer),
         seq_len=w.seq_len, global_batch_size=w.global_batch_size, steps=w.steps, seed=w.seed,
         lr_peak=w.learning_rate.peak, lr_end=w.learning_rate.end, warmup_steps=w.learning_rate.warmup_steps,
         weight_decay=w.learning_rate.weight_decay, mesh_shape=plan.shape, checkpoint_dir=ckpt,
-        checkpoint_interval=spec.checkpoint.interval_steps, checkpoint_keep=spec.checkpoint.keep)
+        checkpoint_interval=spec.checkpoint.interval_steps, checkpoint_keep=spec.checkpoint.keep,
+        implementation=w.kernels)
     return {"type": "lm", "config": cfg.to_dict(), **common}
 
 

@@ -43,6 +43,9 @@ class ModelConfig(_Frozen):
     n_kv_heads: PositiveInt | None = None  # grouped-query attention; None means n_heads
     d_ff: PositiveInt = 512
     vocab_size: PositiveInt = 256
+    moe_experts: Annotated[int, Field(ge=0)] = 0  # > 0: a mixture-of-experts feed-forward
+    moe_top_k: PositiveInt = 2
+    scan_layer: bool = False  # add a gated linear-recurrence (state-space) mixer to every block
 
     @property
     def kv_heads(self) -> int:
@@ -84,6 +87,7 @@ class LmWorkload(_Frozen):
     learning_rate: Schedule = Schedule()
     seed: Annotated[int, Field(ge=0)] = 0
     mesh: MeshWishes = MeshWishes()
+    kernels: Literal["pallas", "xla"] | None = None  # None: chosen from the backend (Pallas on TPU)
 
 
 class EntrypointWorkload(_Frozen):
@@ -241,6 +245,8 @@ class JobSpec(_Frozen):
             return []
         m = w.model
         problems: list[tuple[str, str]] = []
+        if m.moe_experts and m.moe_top_k > m.moe_experts:
+            problems.append(("workload.model.moe_top_k", f"must be at most moe_experts={m.moe_experts}"))
         if m.d_model % m.n_heads:
             problems.append(("workload.model.n_heads", f"must divide d_model={m.d_model}, got {m.n_heads}"))
         elif m.n_heads % m.kv_heads:

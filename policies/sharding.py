@@ -33,6 +33,11 @@ PARAM_RULES: dict[str, tuple[str | None, ...]] = {
     "w_up": ("fsdp", "model"),  # [d_model, d_ff]
     "w_down": ("model", "fsdp"),  # [d_ff, d_model]
     "norm": (None,),  # [d_model]
+    "router": ("fsdp", None),  # [d_model, experts]
+    "moe_in": (None, "fsdp", "model"),  # [experts, d_model, d_ff]
+    "moe_out": (None, "model", "fsdp"),  # [experts, d_ff, d_model]
+    "scan_in": ("fsdp", "model"),  # [d_model, d_model]
+    "scan_out": ("model", "fsdp"),  # [d_model, d_model]
 }
 
 

@@ -40,6 +40,7 @@ def client(session_home):
 
 def run_reference(cfg, devices: int, tmp_path: Path) -> dict:
     """Per-step losses of `cfg` trained in one plain process with `devices` CPU devices."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cfg_file, out = tmp_path / "ref-config.json", tmp_path / "ref-out.json"
     cfg_file.write_text(json.dumps(dataclasses.replace(cfg, checkpoint_dir=None).to_dict()))
     subprocess.run([sys.executable, "-m", "workers.reference", "--config", str(cfg_file), "--devices", str(devices),

@@ -24,6 +24,9 @@ class ModelShape:
     n_kv_heads: int
     d_ff: int
     vocab_size: int
+    moe_experts: int = 0  # > 0: the feed-forward is a mixture of this many experts
+    moe_top_k: int = 2
+    scan_layer: bool = False  # a gated linear-recurrence (state-space) mixer in every block
 
     @property
     def head_dim(self) -> int:
@@ -32,14 +35,21 @@ class ModelShape:
     def num_params(self) -> int:
         d, f, v, hd = self.d_model, self.d_ff, self.vocab_size, self.head_dim
         attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
-        per_layer = attn + 2 * d * f + 2 * d
+        mlp = self.moe_experts * 2 * d * f + d * self.moe_experts if self.moe_experts else 2 * d * f
+        scan = 3 * d * d if self.scan_layer else 0
+        per_layer = attn + mlp + scan + 2 * d
         return 2 * v * d + self.n_layers * per_layer + d
 
 
 def param_roles(shape: ModelShape) -> dict:
     """The pytree of parameter roles (keys of `policies.sharding.PARAM_RULES`), stacked layers marked."""
-    layer = {"attn_norm": "norm", "wq": "wq", "wk": "wk", "wv": "wv", "wo": "wo",
-             "mlp_norm": "norm", "w_up": "w_up", "w_down": "w_down"}
+    layer = {"attn_norm": "norm", "wq": "wq", "wk": "wk", "wv": "wv", "wo": "wo", "mlp_norm": "norm"}
+    if shape.moe_experts:
+        layer.update(router="router", w_in="moe_in", w_out="moe_out")
+    else:
+        layer.update(w_up="w_up", w_down="w_down")
+    if shape.scan_layer:
+        layer.update(scan_norm="norm", scan_a="scan_in", scan_b="scan_in", scan_out="scan_out")
     return {"embed": "embed", "layers": {k: ("stacked", v) for k, v in layer.items()},
             "final_norm": "norm", "unembed": "unembed"}
 
@@ -52,31 +62,45 @@ def init_params(key: jax.Array, shape: ModelShape) -> dict:
     def dense(k, fan_in, *dims):
         return jax.random.normal(k, dims, jnp.float32) * (fan_in ** -0.5)
 
+    layers = {
+        "attn_norm": jnp.ones((L, d), jnp.float32),
+        "wq": dense(keys[1], d, L, d, shape.n_heads * hd),
+        "wk": dense(keys[2], d, L, d, shape.n_kv_heads * hd),
+        "wv": dense(keys[3], d, L, d, shape.n_kv_heads * hd),
+        "wo": dense(keys[4], d, L, shape.n_heads * hd, d) / (2 * L) ** 0.5,
+        "mlp_norm": jnp.ones((L, d), jnp.float32),
+    }
+    if shape.moe_experts:
+        e, extra = shape.moe_experts, jax.random.split(keys[5], 3)
+        layers.update(router=dense(extra[0], d, L, d, e), w_in=dense(extra[1], d, L, e, d, f),
+                      w_out=dense(extra[2], f, L, e, f, d) / (2 * L) ** 0.5)
+    else:
+        layers.update(w_up=dense(keys[5], d, L, d, f), w_down=dense(keys[6], f, L, f, d) / (2 * L) ** 0.5)
+    if shape.scan_layer:
+        extra = jax.random.split(jax.random.fold_in(key, 1), 3)
+        layers.update(scan_norm=jnp.ones((L, d), jnp.float32), scan_a=dense(extra[0], d, L, d, d),
+                      scan_b=dense(extra[1], d, L, d, d), scan_out=dense(extra[2], d, L, d, d) / (2 * L) ** 0.5)
     return {
         "embed": jax.random.normal(keys[0], (v, d), jnp.float32),
-        "layers": {
-            "attn_norm": jnp.ones((L, d), jnp.float32),
-            "wq": dense(keys[1], d, L, d, shape.n_heads * hd),
-            "wk": dense(keys[2], d, L, d, shape.n_kv_heads * hd),
-            "wv": dense(keys[3], d, L, d, shape.n_kv_heads * hd),
-            "wo": dense(keys[4], d, L, shape.n_heads * hd, d) / (2 * L) ** 0.5,
-            "mlp_norm": jnp.ones((L, d), jnp.float32),
-            "w_up": dense(keys[5], d, L, d, f),
-            "w_down": dense(keys[6], f, L, f, d) / (2 * L) ** 0.5,
-        },
+        "layers": layers,
         "final_norm": jnp.ones((d,), jnp.float32),
         "unembed": dense(keys[7], d, d, v),
     }
 
 
-def forward(params: dict, tokens: jax.Array, shape: ModelShape, *, implementation: str | None = None) -> jax.Array:
-    """Logits [batch, seq, vocab] for int32 tokens [batch, seq]."""
+MOE_AUX_WEIGHT = 0.01  # weight of the experts' load-balancing loss in the training loss
+
+
+def forward(params: dict, tokens: jax.Array, shape: ModelShape, *,
+            implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """Logits [batch, seq, vocab] for int32 tokens [batch, seq], and the MoE auxiliary loss (0 without MoE)."""
     b, s = tokens.shape
     hd = shape.head_dim
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     h = params["embed"][tokens]  # [batch, seq, d_model]
 
-    def block(h, p):
+    def block(carry, p):
+        h, aux = carry
         a = kernels.rms_norm(h, p["attn_norm"], implementation=implementation)
         q = (a @ p["wq"]).reshape(b, s, shape.n_heads, hd)
         k = (a @ p["wk"]).reshape(b, s, shape.n_kv_heads, hd)
@@ -85,19 +109,29 @@ def forward(params: dict, tokens: jax.Array, shape: ModelShape, *, implementatio
         k = kernels.apply_rope(k, positions, implementation=implementation)
         o = kernels.attention(q, k, v, causal=True, implementation=implementation)  # [b, s, heads, hd]
         h = h + o.reshape(b, s, shape.n_heads * hd) @ p["wo"]
+        if shape.scan_layer:  # gated linear recurrence over time: h_t = a_t * h_{t-1} + b_t
+            x = kernels.rms_norm(h, p["scan_norm"], implementation=implementation)
+            decay = jax.nn.sigmoid(x @ p["scan_a"])  # [b, s, d] in (0, 1)
+            states = kernels.linear_scan(decay, (1 - decay) * (x @ p["scan_b"]), implementation=implementation)
+            h = h + states @ p["scan_out"]
         m = kernels.rms_norm(h, p["mlp_norm"], implementation=implementation)
-        h = h + jax.nn.gelu(m @ p["w_up"]) @ p["w_down"]
-        return h, None
+        if shape.moe_experts:
+            y, layer_aux, _ = kernels.moe_ffn(m.reshape(b * s, -1), p["router"], p["w_in"], p["w_out"],
+                                              top_k=shape.moe_top_k, implementation=implementation)
+            h, aux = h + y.reshape(b, s, -1), aux + layer_aux
+        else:
+            h = h + jax.nn.gelu(m @ p["w_up"]) @ p["w_down"]
+        return (h, aux), None
 
-    h, _ = jax.lax.scan(block, h, params["layers"])
+    (h, aux), _ = jax.lax.scan(block, (h, jnp.float32(0.0)), params["layers"])
     h = kernels.rms_norm(h, params["final_norm"], implementation=implementation)
-    return h @ params["unembed"]
+    return h @ params["unembed"], aux / shape.n_layers
 
 
 def loss_fn(params: dict, batch: jax.Array, shape: ModelShape, *, implementation: str | None = None) -> jax.Array:
     """Mean next-byte cross-entropy of int32 tokens [batch, seq + 1]."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits = forward(params, inputs, shape, implementation=implementation)
+    logits, aux = forward(params, inputs, shape, implementation=implementation)
     logz = jax.nn.logsumexp(logits, axis=-1)
     gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - gold)
+    return jnp.mean(logz - gold) + MOE_AUX_WEIGHT * aux

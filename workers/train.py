@@ -145,9 +145,28 @@ class Trainer:
                             step, type(e).__name__, str(e)[:300])
                 unreadable.append(int(step))
                 continue
+            self._set_aside(unreadable)
             return state, Timings(restore_s=time.perf_counter() - t0, restored_step=int(step),
                                   unreadable=tuple(unreadable))
+        self._set_aside(unreadable)
         return self.init_state(), Timings(restore_s=time.perf_counter() - t0, unreadable=tuple(unreadable))
+
+    def _set_aside(self, steps: list[int]) -> None:
+        """Move unreadable checkpoints out of orbax's sight (kept for inspection), so the steps can be saved again."""
+        if not steps:
+            return
+        from etils import epath
+        from jax.experimental import multihost_utils
+
+        if jax.process_index() == 0:
+            root = epath.Path(self.cfg.checkpoint_dir)
+            for step in steps:
+                target = root / f"{step}.unreadable-{int(time.time())}"
+                (root / str(step)).rename(target)
+                log.warning("moved unreadable checkpoint %d aside to %s", step, target)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("checkpoints set aside")
+        self.manager.reload()
 
     def save(self, step: int, state: dict, *, force: bool = False) -> bool:
         """Start an async save of `state` after `step` complete steps; False when fenced off."""
