@@ -24,9 +24,12 @@ DTYPES = [pytest.param(jnp.float32, id="f32"), pytest.param(jnp.bfloat16, id="bf
 
 ATOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-3}
 
+# Inputs, conversions and comparisons run in NumPy: every eager JAX op would compile a
+# small XLA program per shape, which adds up to a large share of the suite's time.
 
-def _max_abs(a, b) -> float:
-    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+def _np_f32(x) -> np.ndarray:
+    return np.asarray(x).astype(np.float32)
 
 
 def assert_close(got, want_f32, want_same_dtype, *, dtype, what: str = "") -> None:
@@ -36,21 +39,31 @@ def assert_close(got, want_f32, want_same_dtype, *, dtype, what: str = "") -> No
     plain_leaves = treedef.flatten_up_to(want_same_dtype)
     for (path, g), w, r in zip(paths_and_got, want_leaves, plain_leaves):
         name = f"{what}{jax.tree_util.keystr(path)}"
+        g, w, r = _np_f32(g), _np_f32(w), _np_f32(r)
         assert g.shape == w.shape, f"{name}: shape {g.shape} != {w.shape}"
-        assert bool(jnp.all(jnp.isfinite(jnp.asarray(g, jnp.float32)))), f"{name}: non-finite values"
-        err, ref_err = _max_abs(g, w), _max_abs(r, w)
-        atol = ATOL[jnp.dtype(dtype)] * (1.0 + float(jnp.max(jnp.abs(jnp.asarray(w, jnp.float32)))))
+        assert np.isfinite(g).all(), f"{name}: non-finite values"
+        err, ref_err = float(np.abs(g - w).max(initial=0)), float(np.abs(r - w).max(initial=0))
+        atol = ATOL[jnp.dtype(dtype)] * (1.0 + float(np.abs(w).max(initial=0)))
         assert err <= 2 * ref_err + atol, (
             f"{name}: error {err:.3g} > 2 x plain-reference error {ref_err:.3g} + atol {atol:.2g}")
 
 
-def normal(key, shape, dtype, scale: float = 1.0) -> jax.Array:
-    """Random normal values already representable in ``dtype`` (cast back with ``.astype(f32)``)."""
-    return (scale * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+def normal(rng: np.random.Generator, shape, dtype, scale: float = 1.0, shift: float = 0.0) -> jax.Array:
+    """``shift + scale * N(0, 1)`` values, already representable in ``dtype``."""
+    values = (shift + scale * rng.standard_normal(shape)).astype(np.float32)
+    return jnp.asarray(values.astype(jnp.dtype(dtype)))
+
+
+def uniform(rng: np.random.Generator, shape, dtype, low: float, high: float) -> jax.Array:
+    return jnp.asarray(rng.uniform(low, high, shape).astype(np.float32).astype(jnp.dtype(dtype)))
 
 
 def as_f32(tree):
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+    """Floating leaves upcast to f32 (exactly: the values are the same)."""
+    def upcast(x):
+        return jnp.asarray(_np_f32(x)) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    return jax.tree.map(upcast, tree)
 
 
 def packed_segment_ids(rng: np.random.Generator, batch: int, seq: int, max_docs: int = 4) -> jax.Array:

@@ -41,7 +41,7 @@ class Case:
 
 CASES = {
     case.name: case for case in [
-        Case("causal_gqa2_segments_batch2", batch=2, heads=4, kv_heads=2, segments=True),
+        Case("causal_gqa2_segments_batch2", batch=2, kv_heads=1, segments=True),
         Case("window40_mqa_len192", q_len=192, kv_len=192, kv_heads=1, window=40),
         Case("bidirectional_window24_segments_len96", q_len=96, kv_len=96, causal=False, window=24,
              segments=True, blocks=BlockSizes(32, 32)),
@@ -53,12 +53,12 @@ SUITE = [pytest.param(case, jnp.float32, id=f"{name}-f32") for name, case in CAS
 
 
 def _inputs(case: Case, dtype, seed: int = 0):
-    keys = jax.random.split(jax.random.key(seed), 4)
-    q = normal(keys[0], (case.batch, case.q_len, case.heads, case.head_dim), dtype)
-    k = normal(keys[1], (case.batch, case.kv_len, case.kv_heads, case.head_dim), dtype)
-    v = normal(keys[2], (case.batch, case.kv_len, case.kv_heads, case.head_dim), dtype)
-    d_out = normal(keys[3], q.shape, dtype)
-    segment_ids = packed_segment_ids(np.random.default_rng(seed), case.batch, case.q_len) if case.segments else None
+    rng = np.random.default_rng(seed)
+    q = normal(rng, (case.batch, case.q_len, case.heads, case.head_dim), dtype)
+    k = normal(rng, (case.batch, case.kv_len, case.kv_heads, case.head_dim), dtype)
+    v = normal(rng, (case.batch, case.kv_len, case.kv_heads, case.head_dim), dtype)
+    d_out = normal(rng, q.shape, dtype)
+    segment_ids = packed_segment_ids(rng, case.batch, case.q_len) if case.segments else None
     return (q, k, v), d_out, segment_ids
 
 
@@ -86,7 +86,7 @@ def _references(case: Case, dtype):
     options = dict(causal=case.causal, window=case.window, segment_ids=segment_ids)
     reference = jax.jit(functools.partial(reference_attention, **options))
     want_f32 = _value_and_grads(reference, as_f32(qkv), as_f32(d_out))
-    want_same_dtype = _value_and_grads(reference, qkv, d_out)
+    want_same_dtype = want_f32 if dtype == jnp.float32 else _value_and_grads(reference, qkv, d_out)
     independent = None
     if case.jax_nn_supports:
         jax_nn = jax.jit(functools.partial(_jax_nn_attention, case=case, segment_ids=segment_ids))
@@ -118,16 +118,16 @@ def test_blocks_outside_the_band_are_never_computed(implementation):
     """
     case = Case("decode", q_len=64, kv_len=256, causal=True, window=48, blocks=BlockSizes(32, 64))
     (q, k, v), d_out, _ = _inputs(case, jnp.float32, seed=1)
-    unreachable = (jnp.arange(case.kv_len) < 128)[None, :, None, None]
-    poisoned = (q, jnp.where(unreachable, jnp.nan, k), jnp.where(unreachable, jnp.nan, v))
-    clean = (q, jnp.where(unreachable, 0.0, k), jnp.where(unreachable, 0.0, v))
+    unreachable = (np.arange(case.kv_len) < 128)[None, :, None, None]
+    poisoned = (q, *(jnp.asarray(np.where(unreachable, np.nan, x).astype(np.float32)) for x in (k, v)))
+    clean = (q, *(jnp.asarray(np.where(unreachable, 0.0, x).astype(np.float32)) for x in (k, v)))
     options = dict(causal=True, window=case.window)
     kernel = functools.partial(attention, implementation=implementation, block_sizes=case.blocks, **options)
 
     out, (dq, dk, dv) = _value_and_grads(kernel, poisoned, d_out)
     want = _value_and_grads(jax.jit(functools.partial(reference_attention, **options)), clean, d_out)
     assert_close((out, dq, dk, dv), (want[0], *want[1]), (want[0], *want[1]), dtype=jnp.float32)
-    assert float(jnp.abs(jnp.where(unreachable, dk, 0.0)).max()) == 0.0
+    assert not np.asarray(dk)[np.broadcast_to(unreachable, dk.shape)].any()
 
 
 # ------------------------------------------------------------------------- block skipping
@@ -191,15 +191,15 @@ def test_window_shrinks_the_pallas_grid():
 
 
 def test_chunked_memory_grows_linearly_with_sequence():
-    """Compiled temp memory of the XLA path (forward + backward): ~2x per doubling, the naive path ~4x."""
-    def temp_bytes(fn, seq):
+    """Compiled temp memory of the XLA path (forward + backward): ~2x per doubling; the naive forward's ~4x."""
+    def temp_bytes(attend, seq, grad: bool):
         x = jax.ShapeDtypeStruct((1, seq, 2, 32), jnp.float32)
-        grad = jax.jit(jax.grad(lambda q, k, v: fn(q, k, v).sum(), argnums=(0, 1, 2)))
-        return grad.lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
+        fn = jax.grad(lambda q, k, v: attend(q, k, v).sum(), argnums=(0, 1, 2)) if grad else attend
+        return jax.jit(fn).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes
 
     chunked = functools.partial(attention, implementation="xla", block_sizes=BlockSizes(256, 256))
-    chunked_growth = temp_bytes(chunked, 4096) / temp_bytes(chunked, 2048)
-    naive_growth = temp_bytes(reference_attention, 4096) / temp_bytes(reference_attention, 2048)
+    chunked_growth = temp_bytes(chunked, 4096, grad=True) / temp_bytes(chunked, 2048, grad=True)
+    naive_growth = temp_bytes(reference_attention, 4096, grad=False) / temp_bytes(reference_attention, 2048, grad=False)
     assert chunked_growth < 2.5
     assert naive_growth > 3.5
 

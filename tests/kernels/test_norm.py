@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kernel_checks import IMPLEMENTATIONS, as_f32, assert_close, normal
@@ -28,29 +29,40 @@ def _value_and_grads(fn, args, d_out):
 
 
 def _inputs(shape, dtype, centered: bool):
-    keys = jax.random.split(jax.random.key(0), 4)
-    x = normal(keys[0], shape, dtype, scale=2.0) + 0.5  # off-center rows exercise LayerNorm's mean
-    weight = 1.0 + normal(keys[1], shape[-1:], jnp.float32, scale=0.1)
-    bias = normal(keys[2], shape[-1:], jnp.float32, scale=0.1)
-    d_out = normal(keys[3], shape, dtype)
+    rng = np.random.default_rng(0)
+    x = normal(rng, shape, dtype, scale=2.0, shift=0.5)  # off-center rows exercise LayerNorm's mean
+    weight = normal(rng, shape[-1:], jnp.float32, scale=0.1, shift=1.0)
+    bias = normal(rng, shape[-1:], jnp.float32, scale=0.1)
+    d_out = normal(rng, shape, dtype)
     return ((x, weight, bias) if centered else (x, weight)), d_out
+
+
+def _reference(centered: bool):
+    if centered:
+        return jax.jit(functools.partial(reference_norm, eps=1e-5))
+    return jax.jit(lambda x, w: reference_norm(x, w, None, eps=1e-6))
+
+
+@functools.cache
+def _references(centered, dtype, shape):
+    """(f32 reference, same-dtype reference), computed once for all implementations."""
+    args, d_out = _inputs(shape, dtype, centered)
+    reference = _reference(centered)
+    want_f32 = _value_and_grads(reference, as_f32(args), as_f32(d_out))
+    return want_f32, want_f32 if dtype == jnp.float32 else _value_and_grads(reference, args, d_out)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("centered, dtype, shape, block_rows", CASES)
 def test_matches_reference(implementation, centered, dtype, shape, block_rows):
     args, d_out = _inputs(shape, dtype, centered)
-    blocks = NormBlockSizes(block_rows)
+    options = dict(implementation=implementation, block_sizes=NormBlockSizes(block_rows))
     if centered:
-        kernel = functools.partial(layer_norm, eps=1e-5, implementation=implementation, block_sizes=blocks)
-        reference = jax.jit(functools.partial(reference_norm, eps=1e-5))
+        kernel = functools.partial(layer_norm, eps=1e-5, **options)
     else:
-        kernel = functools.partial(rms_norm, eps=1e-6, implementation=implementation, block_sizes=blocks)
-        reference = jax.jit(lambda x, w: reference_norm(x, w, None, eps=1e-6))
+        kernel = functools.partial(rms_norm, eps=1e-6, **options)
     got = _value_and_grads(kernel, args, d_out)
-    want_f32 = _value_and_grads(reference, as_f32(args), as_f32(d_out))
-    want_same_dtype = _value_and_grads(reference, args, d_out)
-    assert_close(got, want_f32, want_same_dtype, dtype=dtype)
+    assert_close(got, *_references(centered, dtype, shape), dtype=dtype)
 
 
 def test_rows_that_do_not_tile_are_rejected():

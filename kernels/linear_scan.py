@@ -1,0 +1,242 @@
+"""Linear recurrence ``h_t = a_t * h_{t-1} + b_t`` (elementwise), the core of diagonal state-space layers.
+
+Both implementations cut time into chunks and carry the state across them:
+
+- Pallas: grid ``(batch, dim_blocks, time_blocks)`` with time innermost; each grid step
+  runs the recurrence sequentially over its ``block_time`` rows and leaves the state in
+  VMEM scratch for the next block. Sequential rows use one sublane of a TPU vreg; a
+  faster kernel would scan eight rows at a time in registers.
+- XLA: an associative scan inside each chunk (parallel, vectorized over chunks), then a
+  sequential scan over the chunk boundaries only, then a fix-up ``h += A * carry``.
+
+The backward pass is shared: with ``delta_t = dL/dh_t`` accumulated through the
+recurrence, ``delta_t = g_t + a_{t+1} * delta_{t+1}`` is the same recurrence run in
+reverse, and ``da_t = delta_t * h_{t-1}``, ``db_t = delta_t``, ``dh0 = a_0 * delta_0``. It
+saves ``a``, ``h0`` and the output ``h``: no per-step state beyond the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels import dispatch
+
+IMPLEMENTATIONS = (dispatch.PALLAS, dispatch.XLA)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanBlockSizes:
+    """Time steps per sequential block (Pallas) or associative chunk (XLA), and features per block."""
+
+    block_time: int = 256
+    block_dim: int = 512
+
+    def __post_init__(self):
+        for name in ("block_time", "block_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+    def fit(self, time: int, dim: int) -> ScanBlockSizes:
+        """Sizes clamped to the array, checked to tile it (the Pallas path)."""
+        fitted = ScanBlockSizes(min(self.block_time, time), min(self.block_dim, dim))
+        if time % fitted.block_time:
+            raise ValueError(f"{time=} is not a multiple of block_time={fitted.block_time}")
+        if dim % fitted.block_dim:
+            raise ValueError(f"{dim=} is not a multiple of block_dim={fitted.block_dim}")
+        if fitted.block_time % 8 and fitted.block_time != time:
+            raise ValueError(f"block_time={fitted.block_time} must be a multiple of 8 (or all of {time=})")
+        if fitted.block_dim % 128 and fitted.block_dim != dim:
+            raise ValueError(f"block_dim={fitted.block_dim} must be a multiple of 128 (or all of {dim=})")
+        return fitted
+
+
+def linear_scan(
+    a: jax.Array,
+    b: jax.Array,
+    *,
+    h0: jax.Array | None = None,
+    implementation: str | None = None,
+    block_sizes: ScanBlockSizes | None = None,
+) -> jax.Array:
+    """All states of ``h_t = a_t * h_{t-1} + b_t``, ``h_{-1} = h0``.
+
+    Args:
+      a: ``[batch, time, dim]`` decays (any float dtype; the state is carried in f32).
+      b: ``[batch, time, dim]`` inputs, same dtype as ``a``.
+      h0: ``[batch, dim]`` initial state, zeros when None.
+      implementation: ``"pallas"``, ``"xla"`` or None (from the backend, `kernels.dispatch`).
+      block_sizes: `ScanBlockSizes`; the XLA path pads time to a multiple of ``block_time``.
+
+    Returns:
+      ``h``: ``[batch, time, dim]`` in ``a.dtype``.
+
+    Sharding: batch and dim are independent; the Pallas path under ``jit`` needs
+    `kernels.sharded` with time unsharded.
+    """
+    if a.ndim != 3 or a.shape != b.shape:
+        raise ValueError(f"a and b must both be [batch, time, dim], got {a.shape=}, {b.shape=}")
+    batch, time, dim = a.shape
+    if h0 is not None and h0.shape != (batch, dim):
+        raise ValueError(f"h0 must be [batch, dim] = {(batch, dim)}, got {h0.shape}")
+    impl = dispatch.resolve(implementation, valid=IMPLEMENTATIONS)
+    blocks = block_sizes or ScanBlockSizes()
+    if impl == dispatch.PALLAS:
+        blocks = blocks.fit(time, dim)
+    h0 = jnp.zeros((batch, dim), a.dtype) if h0 is None else h0
+    return _scan_jit(a, b, h0, config=_Config(impl, blocks))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    implementation: str
+    blocks: ScanBlockSizes
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _scan_jit(a, b, h0, *, config: _Config):
+    return _scan(a, b, h0, config)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnames=("config",))
+def _scan(a, b, h0, config: _Config):
+    return _run(a, b, h0, config, reverse=False, out_dtype=a.dtype)[0]
+
+
+def _scan_forward(a, b, h0, config):
+    h, _ = _run(a, b, h0, config, reverse=False, out_dtype=a.dtype)
+    return h, (a, h0, h)
+
+
+def _scan_backward(config, residuals, dh):
+    a, h0, h = residuals
+    delta, dh0 = _run(a, dh, jnp.zeros_like(h0), config, reverse=True, out_dtype=jnp.float32)
+    h_prev = jnp.concatenate([h0[:, None], h[:, :-1]], axis=1).astype(jnp.float32)
+    return (delta * h_prev).astype(a.dtype), delta.astype(a.dtype), dh0.astype(h0.dtype)
+
+
+_scan.defvjp(_scan_forward, _scan_backward)
+
+
+def _run(a, b, h0, config: _Config, *, reverse: bool, out_dtype):
+    """The recurrence over time, forward or (``reverse``) in the backward's form; returns (h, final carry).
+
+    Forward: ``h_t = a_t * carry + b_t; carry = h_t``. Reverse, for t from last to first:
+    ``h_t = b_t + carry; carry = a_t * h_t``. Carries are f32 ``[batch, dim]``.
+    """
+    if config.implementation == dispatch.PALLAS:
+        return _pallas_scan(a, b, h0, config.blocks, reverse=reverse, out_dtype=out_dtype)
+    return _chunked_scan(a, b, h0, config.blocks.block_time, reverse=reverse, out_dtype=out_dtype)
+
+
+# --------------------------------------------------------------------------- Pallas path
+
+
+def _pallas_scan(a, b, h0, blocks: ScanBlockSizes, *, reverse: bool, out_dtype):
+    batch, time, dim = a.shape
+    bt, bd = blocks.block_time, blocks.block_dim
+    num_time_blocks = time // bt
+
+    def time_block(t):
+        return num_time_blocks - 1 - t if reverse else t
+
+    seq_spec = pl.BlockSpec((None, bt, bd), lambda i, j, t: (i, time_block(t), j))
+    state_spec = pl.BlockSpec((None, 1, bd), lambda i, j, t: (i, 0, j))
+    h, carry = pl.pallas_call(
+        functools.partial(_scan_kernel, reverse=reverse),
+        grid=(batch, dim // bd, num_time_blocks),
+        in_specs=[seq_spec, seq_spec, state_spec],
+        out_specs=[seq_spec, state_spec],
+        out_shape=[jax.ShapeDtypeStruct(a.shape, out_dtype), jax.ShapeDtypeStruct((batch, 1, dim), jnp.float32)],
+        scratch_shapes=[pltpu.VMEM((1, bd), jnp.float32)],
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=dispatch.pallas_interpret(),
+    )(a, b, h0[:, None, :])
+    return h, carry[:, 0]
+
+
+def _scan_kernel(a_ref, b_ref, h0_ref, h_ref, carry_out_ref, carry_ref, *, reverse):
+    # a_ref, b_ref, h_ref: [block_time, block_dim]; h0_ref, carry_out_ref, carry_ref: [1, block_dim]
+    @pl.when(pl.program_id(2) == 0)
+    def _init():
+        carry_ref[...] = h0_ref[...].astype(jnp.float32)
+
+    block_time = a_ref.shape[0]
+
+    def step(i, carry):
+        t = block_time - 1 - i if reverse else i
+        a_t = a_ref[pl.ds(t, 1), :].astype(jnp.float32)
+        b_t = b_ref[pl.ds(t, 1), :].astype(jnp.float32)
+        h_t = b_t + carry if reverse else a_t * carry + b_t
+        h_ref[pl.ds(t, 1), :] = h_t.astype(h_ref.dtype)
+        return a_t * h_t if reverse else h_t
+
+    carry_ref[...] = lax.fori_loop(0, block_time, step, carry_ref[...])
+
+    @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+    def _finish():
+        carry_out_ref[...] = carry_ref[...]
+
+
+# --------------------------------------------------------------------------- XLA path
+
+
+def _combine(earlier, later):
+    """Compose two affine maps ``h -> a h + b``, ``earlier`` applied first."""
+    a1, b1 = earlier
+    a2, b2 = later
+    return a1 * a2, a2 * b1 + b2
+
+
+def _chunked_scan(a, b, h0, chunk: int, *, reverse: bool, out_dtype):
+    a, b, h0 = a.astype(jnp.float32), b.astype(jnp.float32), h0.astype(jnp.float32)
+    if reverse:
+        # Run forward over reversed time, each step using the decay of its successor:
+        # h_t = b_t + a_{t+1} h_{t+1}; the first (last in time) step gets a = 1 so h0 enters as is.
+        a_first = a[:, :1]
+        a = jnp.concatenate([jnp.ones_like(a[:, :1]), jnp.flip(a, 1)[:, :-1]], axis=1)
+        b = jnp.flip(b, 1)
+    batch, time, dim = a.shape
+    chunk = min(chunk, time)
+    num_chunks = -(-time // chunk)
+    pad = ((0, 0), (0, num_chunks * chunk - time), (0, 0))
+    # Identity steps (a = 1, b = 0) at the end leave the state unchanged.
+    a = jnp.pad(a, pad, constant_values=1.0).reshape(batch, num_chunks, chunk, dim)
+    b = jnp.pad(b, pad).reshape(batch, num_chunks, chunk, dim)
+    decay, local = lax.associative_scan(_combine, (a, b), axis=2)  # each [batch, chunks, chunk, dim]
+
+    def carry_across(carry, chunk_end):
+        decay_end, local_end = chunk_end  # [batch, dim]
+        return decay_end * carry + local_end, carry
+
+    final, carry_in = lax.scan(carry_across, h0, (decay[:, :, -1].swapaxes(0, 1), local[:, :, -1].swapaxes(0, 1)))
+    h = local + decay * carry_in.swapaxes(0, 1)[:, :, None, :]
+    h = h.reshape(batch, num_chunks * chunk, dim)[:, :time]
+    if reverse:
+        h = jnp.flip(h, 1)
+        final = a_first[:, 0] * h[:, 0]
+    return h.astype(out_dtype), final
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def reference_linear_scan(a: jax.Array, b: jax.Array, h0: jax.Array | None = None) -> jax.Array:
+    """The recurrence as a plain sequential ``lax.scan`` over time, state in f32."""
+    batch, _, dim = a.shape
+    h0 = jnp.zeros((batch, dim), jnp.float32) if h0 is None else h0.astype(jnp.float32)
+
+    def step(h, ab):
+        a_t, b_t = ab
+        h = a_t.astype(jnp.float32) * h + b_t.astype(jnp.float32)
+        return h, h
+
+    _, hs = lax.scan(step, h0, (a.swapaxes(0, 1), b.swapaxes(0, 1)))
+    return hs.swapaxes(0, 1).astype(a.dtype)

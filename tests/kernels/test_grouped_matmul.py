@@ -1,0 +1,82 @@
+"""Grouped matmul: every implementation against the dense reference, with the MoE row layout."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernel_checks import IMPLEMENTATIONS, as_f32, assert_close, normal
+from kernels import GroupedMatmulBlockSizes, grouped_matmul
+from kernels.grouped_matmul import reference_grouped_matmul
+from kernels.moe import group_by_expert
+
+
+def _layout(num_choices: int, num_experts: int, block_rows: int, seed: int = 0):
+    """A layout for random choices that leave expert 2 idle (it still owns one, empty, tile)."""
+    rng = np.random.default_rng(seed)
+    experts = rng.choice([e for e in range(num_experts) if e != 2], size=(num_choices, 1))
+    return group_by_expert(jnp.asarray(experts, jnp.int32), num_experts, capacity=None, block_rows=block_rows)
+
+
+# (dtype, choices, experts, k, n, block_rows): padding tiles at the end, an idle expert, and
+# in f32 several k and n blocks (the contraction accumulated across grid steps).
+CASES = [
+    pytest.param(jnp.float32, 40, 4, 256, 256, GroupedMatmulBlockSizes(8, 128, 128), id="f32-k2n2blocks"),
+    pytest.param(jnp.bfloat16, 30, 5, 64, 128, GroupedMatmulBlockSizes(16, 64, 128), id="bf16"),
+]
+
+
+def _value_and_grads(fn, x, w, d_out):
+    out, vjp = jax.vjp(fn, x, w)
+    return out, vjp(d_out)
+
+
+def _inputs(dtype, num_choices, num_experts, k, n, block_rows):
+    layout = _layout(num_choices, num_experts, block_rows)
+    num_rows = layout.tile_expert.shape[0] * block_rows
+    rng = np.random.default_rng(0)
+    occupied = np.zeros(num_rows, bool)
+    occupied[np.asarray(layout.rows)] = True
+    x = normal(rng, (num_rows, k), dtype)
+    x = jnp.asarray(np.where(occupied[:, None], np.asarray(x), 0).astype(x.dtype))  # unused rows are 0, as in moe_ffn
+    w = normal(rng, (num_experts, k, n), dtype, scale=k ** -0.5)
+    d_out = normal(rng, (num_rows, n), dtype)
+    return layout, (x, w, d_out)
+
+
+@functools.cache
+def _references(dtype, num_choices, num_experts, k, n, block_rows):
+    """(f32 reference, same-dtype reference), computed once for all implementations."""
+    layout, (x, w, d_out) = _inputs(dtype, num_choices, num_experts, k, n, block_rows)
+    tile = np.arange(x.shape[0]) // block_rows
+    row_expert = np.where(tile < int(layout.num_tiles), np.asarray(layout.tile_expert)[tile], -1)  # -1: padding
+    reference = jax.jit(functools.partial(reference_grouped_matmul, row_expert=row_expert))
+    want_f32 = _value_and_grads(reference, *as_f32((x, w, d_out)))
+    return want_f32, want_f32 if dtype == jnp.float32 else _value_and_grads(reference, x, w, d_out)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype, num_choices, num_experts, k, n, blocks", CASES)
+def test_matches_reference(implementation, dtype, num_choices, num_experts, k, n, blocks):
+    layout, (x, w, d_out) = _inputs(dtype, num_choices, num_experts, k, n, blocks.block_rows)
+    assert int(layout.num_tiles) < layout.tile_expert.shape[0], "the case should have padding tiles"
+    kernel = functools.partial(grouped_matmul, tile_expert=layout.tile_expert, num_tiles=layout.num_tiles,
+                               implementation=implementation, block_sizes=blocks)
+    got = _value_and_grads(kernel, x, w, d_out)
+    assert_close(got, *_references(dtype, num_choices, num_experts, k, n, blocks.block_rows), dtype=dtype)
+    # The idle expert's weight gradient is written, as zeros (an unwritten block would be NaN here).
+    assert not np.asarray(got[1][1][2]).any()
+
+
+def test_blocks_that_do_not_tile_are_rejected():
+    layout = _layout(16, 4, 8)
+    x = jnp.zeros((layout.tile_expert.shape[0] * 8, 192))
+    with pytest.raises(ValueError, match="k=192 is not a multiple of block_k=128"):
+        grouped_matmul(x, jnp.zeros((4, 192, 64)), layout.tile_expert, layout.num_tiles, implementation="pallas",
+                       block_sizes=GroupedMatmulBlockSizes(8, 128, 64))
+    with pytest.raises(ValueError, match="block_rows=12 must be a multiple of 8"):
+        GroupedMatmulBlockSizes(block_rows=12)
