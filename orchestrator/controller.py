@@ -203,8 +203,11 @@ class Controller:
         while time.monotonic() < deadline and any(not self.store.job(j).state.terminal for j in runs):
             time.sleep(0.2)
         for provider in [self.provider, *self._gcp.values()]:
-            for s in provider.list():
-                provider.release(s.name)
+            try:
+                for s in provider.list():
+                    provider.release(s.name)
+            except Exception:  # one unreachable cloud must not keep the others' slices alive
+                log.exception("could not release the slices of provider %s", provider.name)
 
     def _provider_for(self, spec: JobSpec):
         if spec.provider == "local":

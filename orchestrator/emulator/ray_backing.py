@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from orchestrator import catalog, cluster
 from orchestrator.emulator.world import Hooks
@@ -27,16 +28,45 @@ class RayBackedNodes:
     def hooks(self) -> Hooks:
         return Hooks(on_node_ready=self.node_ready, on_node_gone=self.node_gone)
 
+    START_RETRIES = 3
+
     def node_ready(self, node_id: str, accelerator_type: str, worker_count: int, labels: dict[str, str]) -> None:
         t = catalog.lookup(accelerator_type)
-        pgids = [cluster.start_host_node(self.home, address=self.address,
-                                         resources=host_node_resources(t, node_id, w),
-                                         labels=host_node_labels(t, node_id, w),
-                                         log_path=self.home.root / "logs" / "emulator" / node_id / f"host-{w}.log")
-                 for w in range(worker_count)]
+
+        def start(w: int) -> int:
+            return cluster.start_host_node(self.home, address=self.address,
+                                           resources=host_node_resources(t, node_id, w),
+                                           labels=host_node_labels(t, node_id, w),
+                                           log_path=self.home.root / "logs" / "emulator" / node_id / f"host-{w}.log")
+
+        pgids = [start(w) for w in range(worker_count)]
         with self._lock:
             self._groups[node_id] = pgids
-        log.info("emulated node %s: %d hosts joined the Ray cluster", node_id, worker_count)
+        # A booting VM comes up; a local raylet on a busy machine can miss Ray's 30 s
+        # registration and exit. Start such a host again, as LocalProvider does.
+        tries = [0] * worker_count
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._groups.get(node_id) is not pgids:
+                    return  # gone meanwhile
+                dead = [w for w, g in enumerate(pgids) if not cluster.group_alive(g)]
+                for w in dead:
+                    if tries[w] < self.START_RETRIES:
+                        tries[w] += 1
+                        log.warning("emulated node %s: host %d exited while starting; again (%d)", node_id, w, tries[w])
+                        pgids[w] = start(w)
+            if not dead and self._joined(node_id) == worker_count:
+                log.info("emulated node %s: %d hosts joined the Ray cluster", node_id, worker_count)
+                return
+            time.sleep(1.0)
+
+    @staticmethod
+    def _joined(node_id: str) -> int:
+        import ray
+
+        return sum(1 for n in ray.nodes()
+                   if n.get("Alive") and (n.get("Labels") or {}).get("ray.io/tpu-slice-name") == node_id)
 
     def node_gone(self, node_id: str, reason: str) -> None:
         with self._lock:
