@@ -219,14 +219,18 @@ class Client:
         if info is None:
             self._release_recorded_slices()
             return False
-        self.connect()
         import ray
 
-        self._shutdown_controller()
-        ray.shutdown()
-        self._connected = False
-        self._release_recorded_slices()
-        cluster.stop_cluster(self.home)
+        try:
+            self.connect()
+            self._shutdown_controller()
+        except Exception:  # whatever the controller says, the cluster goes down
+            log.exception("the controller did not shut down cleanly; stopping the cluster anyway")
+        finally:
+            ray.shutdown()
+            self._connected = False
+            self._release_recorded_slices()
+            cluster.stop_cluster(self.home)
         return True
 
     def _release_recorded_slices(self) -> None:
