@@ -59,7 +59,8 @@ def validate(job_file: Path = typer.Argument(..., help="The job's YAML file.")) 
     """Check a job file; print the resolved spec."""
     spec = _load(job_file)
     t = spec.tpu_type
-    out.print(f"{job_file}: valid ({spec.accelerator}: {t.chips} chips on {t.hosts} hosts, {spec.tier.value})",
+    hosts = f"{t.hosts} host" + ("s" if t.hosts != 1 else "")
+    out.print(f"{job_file}: valid ({spec.accelerator}: {t.chips} chips on {hosts}, {spec.tier.value})",
               highlight=False)
 
 
