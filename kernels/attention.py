@@ -66,7 +66,7 @@ class BlockSizes:
         return fitted
 
 
-CHUNKED_BLOCK_SIZES = BlockSizes(block_q=512, block_kv=512)
+CHUNKED_BLOCK_SIZES = BlockSizes(block_q=256, block_kv=256)  # measured best of 128-1024 on CPU at 4k
 
 
 def attention(
@@ -227,8 +227,9 @@ def _column_coords(config: _FlashConfig, group: int) -> Callable[..., _Coords]:
 class _Specs:
     """BlockSpecs of every operand, all indexed through one ``coords`` function of the grid."""
 
-    def __init__(self, coords: Callable[..., _Coords], grid_rank: int, config: _FlashConfig, head_dim: int):
-        self.coords, self.grid_rank = coords, grid_rank
+    def __init__(self, coords: Callable[..., _Coords], grid_rank: int, reduction_axes: int, config: _FlashConfig,
+                 head_dim: int):
+        self.coords, self.grid_rank, self.reduction_axes = coords, grid_rank, reduction_axes
         bq, bk = config.blocks.block_q, config.blocks.block_kv
         self.q = self._spec((None, None, bq, head_dim), lambda c: (c.batch, c.head, c.q_block, 0))
         self.kv = self._spec((None, None, bk, head_dim), lambda c: (c.batch, c.kv_head, c.kv_block, 0))
@@ -252,7 +253,8 @@ def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape,
         bounds = tuple(x.reshape(-1) for x in (q_lo, q_hi, kv_lo, kv_hi))  # 1-D: SMEM pads 2-D arrays
         arrays += [ids[:, :, None], ids[:, None, :]]  # [batch, seq, 1], [batch, 1, seq]
         in_specs += [specs.q_segments, specs.kv_segments]
-    semantics = ("parallel",) * (len(grid) - 2) + ("arbitrary", "arbitrary")
+    # The trailing axes accumulate into one output block; the others are independent.
+    semantics = ("parallel",) * (len(grid) - specs.reduction_axes) + ("arbitrary",) * specs.reduction_axes
     body = functools.partial(kernel, config=config, specs=specs, num_inputs=len(operands),
                              has_segments=segment_ids is not None)
     return pl.pallas_call(
@@ -269,7 +271,7 @@ def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape,
 def _forward_call(q, k, v, segment_ids, config):
     batch, heads, q_len, head_dim = q.shape
     bq, bk = config.blocks.block_q, config.blocks.block_kv
-    specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, config, head_dim)
+    specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, 1, config, head_dim)
     grid = (batch, heads, q_len // bq, config.band.num_kv_steps(bq, bk))
     return _call(
         _forward_kernel, specs, grid, config, segment_ids,
@@ -284,7 +286,7 @@ def _forward_call(q, k, v, segment_ids, config):
 def _dq_call(q, k, v, segment_ids, d_out, lse, di, config):
     batch, heads, q_len, head_dim = q.shape
     bq, bk = config.blocks.block_q, config.blocks.block_kv
-    specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, config, head_dim)
+    specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, 1, config, head_dim)
     grid = (batch, heads, q_len // bq, config.band.num_kv_steps(bq, bk))
     return _call(
         _dq_kernel, specs, grid, config, segment_ids,
@@ -298,7 +300,7 @@ def _dkv_call(q, k, v, segment_ids, d_out, lse, di, config):
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = heads // kv_heads
     bq, bk = config.blocks.block_q, config.blocks.block_kv
-    specs = _Specs(_column_coords(config, group), 5, config, head_dim)
+    specs = _Specs(_column_coords(config, group), 5, 2, config, head_dim)
     grid = (batch, kv_heads, kv_len // bk, group, config.band.num_q_steps(bq, bk))
     return _call(
         _dkv_kernel, specs, grid, config, segment_ids,

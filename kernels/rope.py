@@ -74,21 +74,20 @@ def apply_rope(
         raise ValueError(f"{head_dim=} must be even")
     if positions.shape != (batch, seq_len):
         raise ValueError(f"positions must be [batch, seq] = {(batch, seq_len)}, got {positions.shape}")
-    impl = dispatch.resolve(implementation, valid=IMPLEMENTATIONS)
-    block_seq = (block_sizes or RopeBlockSizes()).fit(seq_len) if impl == dispatch.PALLAS else None
-    return _rope_jit(x, positions, config=_Config(float(base), block_seq))
+    if dispatch.resolve(implementation, valid=IMPLEMENTATIONS) == dispatch.XLA:
+        return reference_rope(x, positions, base=base)  # inlined in the caller's jit, where XLA fuses it
+    block_seq = (block_sizes or RopeBlockSizes()).fit(seq_len)
+    return _pallas_rope_jit(x, positions, config=_Config(float(base), block_seq))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
     base: float
-    block_seq: int | None  # None: the XLA reference
+    block_seq: int
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _rope_jit(x, positions, *, config: _Config):
-    if config.block_seq is None:
-        return reference_rope(x, positions, base=config.base)
+def _pallas_rope_jit(x, positions, *, config: _Config):
     return _pallas_rope(x, positions.astype(jnp.int32), config)
 
 
