@@ -480,7 +480,7 @@ class Controller:
                     kind = OutcomeKind.PREEMPTED if ev.kind is SliceEventKind.RECLAIMED else OutcomeKind.INFRA_LOST
                     return Outcome(kind, ev.reason)
             try:
-                results = ray.get([w.result.remote() for w in run.workers], timeout=2)
+                results = ray.get([w.result.remote() for w in run.workers], timeout=0.5)
             except ray.exceptions.RayActorError as e:
                 return Outcome(OutcomeKind.INFRA_LOST, f"a worker died ({type(e).__name__})")
             except ray.exceptions.GetTimeoutError:
