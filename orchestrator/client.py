@@ -87,6 +87,12 @@ class Job:
     def events(self) -> list[Event]:
         return self._client.store.events(self.id)
 
+    def goodput(self):
+        """Where the job's wall time and money went (`orchestrator.goodput.Goodput`); kept after it ends."""
+        from orchestrator.goodput import goodput
+
+        return goodput(self._client.store, self.id)
+
     def metrics(self) -> list[StepMetric]:
         """Per-step loss, tokens/s and step time (the newest generation's value for a recomputed step)."""
         return self._client.store.steps(self.id)
