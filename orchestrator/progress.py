@@ -74,13 +74,14 @@ def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0
                 on_poll(None)
         return st
     if not console.is_terminal:
-        every = None
+        every, printed = None, 0
         for st, new, usd, eta in _updates(job, poll_s):
             for e in new:
                 if e.kind in SHOWN or e.kind == "state":
                     console.print(_event_line(e), highlight=False)
             every = every or max(1, (st.total_steps or 10) // 10)
-            if st.step and (st.step % every == 0 or st.done):
+            if st.step > printed and (st.step // every > printed // every or st.done):
+                printed = st.step
                 console.print(f"step {st.step}/{st.total_steps or '?'}  loss {_fmt(st.loss, '.4f')}  "
                               f"tokens/s {_fmt(st.tokens_per_s, ',.0f')}  ${usd:,.2f}", highlight=False)
             if on_poll:
