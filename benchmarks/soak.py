@@ -36,7 +36,7 @@ def spec(name: str, steps: int, metadata_url: str) -> JobSpec:
     return JobSpec.from_dict({
         "name": name, "accelerator": "v4-16",
         "workload": {"type": "lm", "steps": steps, "global_batch_size": 16, "seq_len": 32,
-                     "model": {"d_model": 64, "n_layers": 1, "n_heads": 4, "d_ff": 128}},
+                     "model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "d_ff": 512}},
         "checkpoint": {"interval_steps": 5, "keep": 3},
         "recovery": {"max_preemptions": 10_000, "metadata_url": metadata_url}})
 
@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     rng = random.Random(args.seed)
-    steps = 3 * args.disruptions + 20
+    steps = 6 * args.disruptions + 20  # room for every disruption to land mid-run
     metadata = FakeMetadataServer()
     client = fresh_client()
     done_kinds: list[str] = []
@@ -83,9 +83,11 @@ def main() -> None:
                 wait_until(lambda: len([e for e in job.events() if e.kind == "disruption"]) > seen)
                 metadata.set("instance/preempted", "FALSE")
             else:
+                adopted = len([e for e in job.events() if e.kind == "adopted"])
                 ray.kill(client.controller(), no_restart=False)
                 done_kinds.append(kind)
-                wait_until(lambda: any(e.kind == "adopted" for e in job.events()[-50:]) or job.status().done)
+                wait_until(lambda: len([e for e in job.events() if e.kind in ("adopted", "restore")]) >
+                           adopted + n_restores or job.status().done)
                 print(f"disruption {i + 1}: {kind}", flush=True)
                 continue
             done_kinds.append(kind)
