@@ -43,16 +43,16 @@ REPO = Path(__file__).resolve().parents[1]
 if sys.path[0] == str(Path(__file__).resolve().parent):
     sys.path[0] = str(REPO)  # run as a script: `import kernels` must find the package, not this file
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import kernels  # noqa: E402
-from kernels import dispatch  # noqa: E402
-from kernels.linear_scan import reference_linear_scan  # noqa: E402
-from kernels.moe import reference_moe_ffn  # noqa: E402
-from kernels.norm import reference_norm  # noqa: E402
-from kernels.rope import reference_rope  # noqa: E402
+import kernels
+from kernels import dispatch
+from kernels.linear_scan import reference_linear_scan
+from kernels.moe import reference_moe_ffn
+from kernels.norm import reference_norm
+from kernels.rope import reference_rope
 
 RESULTS = REPO / "benchmarks" / "results" / "kernels.json"
 

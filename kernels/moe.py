@@ -110,7 +110,7 @@ def _moe_ffn(x, router_w, w_in, w_out, *, top_k, capacity, implementation, block
     # Repeating in f32 makes the backward sum a token's top_k gradients before rounding them.
     choices = jnp.repeat(x.astype(jnp.float32), top_k, axis=0).astype(x.dtype)
     x_rows = jnp.zeros((num_rows, d_model), x.dtype).at[layout.rows].set(choices, mode="drop")
-    matmul = dict(implementation=implementation, block_sizes=blocks)
+    matmul = {"implementation": implementation, "block_sizes": blocks}
     h = grouped_matmul(x_rows, w_in, layout.tile_expert, layout.num_tiles, **matmul)  # [num_rows, d_ff]
     h = jax.nn.gelu(h.astype(jnp.float32)).astype(x.dtype)
     y_rows = grouped_matmul(h, w_out, layout.tile_expert, layout.num_tiles, **matmul)  # [num_rows, d_model]

@@ -1,5 +1,8 @@
 """Shared pieces of the kernel test suites: the tolerance rule, inputs, implementations.
 
+(``tests/kernels`` has no ``__init__.py`` on purpose: as a package it would be named
+``kernels`` and shadow the package under test; pytest puts this directory on the path.)
+
 Tolerance rule: an implementation's error against the reference computed in f32 (on
 the same, already rounded inputs) may be at most twice the error of the plain reference
 computed in the inputs' own dtype, plus a small ``atol`` scaled by the result's size.

@@ -10,10 +10,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
+from kernel_checks import (
+    IMPLEMENTATIONS,
+    as_f32,
+    assert_close,
+    normal,
+    packed_segment_ids,
+)
 
-from kernel_checks import DTYPES, IMPLEMENTATIONS, as_f32, assert_close, normal, packed_segment_ids
 from kernels import BlockSizes, attention, reference_attention
 from kernels.attention_mask import MaskBand
+
+_BLOCKS = BlockSizes(32, 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +36,7 @@ class Case:
     causal: bool = True
     window: int | None = None
     segments: bool = False
-    blocks: BlockSizes = BlockSizes(32, 64)
+    blocks: BlockSizes = _BLOCKS
     # Keys [0, unreachable_keys) lie outside every query's band, in whole key blocks. The
     # implementations get them as NaN (touching their blocks at all would spread NaN), the
     # references as zeros.
@@ -99,7 +107,7 @@ def _jax_nn_attention(q, k, v, *, case: Case, segment_ids):
 def _references(case: Case, dtype):
     """(f32 reference, same-dtype reference, jax.nn's f32 result or None), shared by all implementations."""
     qkv, d_out, segment_ids = _inputs(case, dtype)
-    options = dict(causal=case.causal, window=case.window, segment_ids=segment_ids)
+    options = {"causal": case.causal, "window": case.window, "segment_ids": segment_ids}
     reference = jax.jit(functools.partial(reference_attention, **options))
     want_f32 = _value_and_grads(reference, as_f32(qkv), as_f32(d_out))
     want_same_dtype = want_f32 if dtype == jnp.float32 else _value_and_grads(reference, qkv, d_out)

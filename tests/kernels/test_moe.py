@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from kernel_checks import IMPLEMENTATIONS, as_f32, assert_close, normal
+
 from kernels import GroupedMatmulBlockSizes, moe_ffn
 from kernels.moe import group_by_expert, load_balancing_loss, reference_moe_ffn
 

@@ -8,18 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from kernel_checks import IMPLEMENTATIONS, as_f32, assert_close, normal
+
 from kernels import NormBlockSizes, layer_norm, rms_norm
 from kernels.norm import reference_norm
 
-# (norm, dtype, x shape, rows per block): each norm in both dtypes, over 3 blocks of 16 rows
-# and over 3 blocks of 8 rows of a feature size that is not a power of two.
+# (norm, dtype, x shape, rows per block): both norms (one kernel, two variants), both
+# dtypes, over 3 blocks of 16 rows and over 3 blocks of 8 rows of a feature size that is
+# not a power of two.
 CASES = [
     pytest.param(False, jnp.float32, (2, 24, 128), 16, id="rms-f32-48x128"),
-    pytest.param(False, jnp.bfloat16, (3, 8, 96), 8, id="rms-bf16-24x96"),
-    pytest.param(True, jnp.float32, (3, 8, 96), 8, id="layer-f32-24x96"),
-    pytest.param(True, jnp.bfloat16, (2, 24, 128), 16, id="layer-bf16-48x128"),
+    pytest.param(True, jnp.bfloat16, (3, 8, 96), 8, id="layer-bf16-24x96"),
 ]
 
 
@@ -56,7 +55,7 @@ def _references(centered, dtype, shape):
 @pytest.mark.parametrize("centered, dtype, shape, block_rows", CASES)
 def test_matches_reference(implementation, centered, dtype, shape, block_rows):
     args, d_out = _inputs(shape, dtype, centered)
-    options = dict(implementation=implementation, block_sizes=NormBlockSizes(block_rows))
+    options = {"implementation": implementation, "block_sizes": NormBlockSizes(block_rows)}
     if centered:
         kernel = functools.partial(layer_norm, eps=1e-5, **options)
     else:

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from kernel_checks import DTYPES, IMPLEMENTATIONS, as_f32, assert_close, normal
+
 from kernels import RopeBlockSizes, apply_rope
 from kernels.rope import reference_rope
 
