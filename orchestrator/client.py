@@ -240,11 +240,10 @@ class Client:
         return True
 
     def _release_recorded_slices(self) -> None:
+        from orchestrator.providers.local import release_recorded
+
         for rec in self.store.slices(live_only=True):
-            for pgid in rec["data"].get("pgids", []):
-                cluster.stop_group(pgid)
-            self.store.put_slice(rec["name"], rec["job_id"], rec["provider"], rec["accelerator"], rec["tier"],
-                                 "RELEASED", rec["data"])
+            release_recorded(self.store, rec)
 
     # -- jobs ------------------------------------------------------------------
 

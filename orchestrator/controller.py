@@ -33,7 +33,7 @@ from orchestrator import catalog, cluster
 from orchestrator.errors import IllegalTransitionError, ProvisioningError
 from orchestrator.outcomes import Outcome, OutcomeKind
 from orchestrator.providers.base import Host, Slice, SliceEventKind, SliceRequest
-from orchestrator.providers.local import LocalProvider
+from orchestrator.providers.local import LocalProvider, release_recorded
 from orchestrator.spec import EntrypointWorkload, JobSpec, LmWorkload
 from orchestrator.states import JobState, SliceState
 from orchestrator.store import Store
@@ -640,15 +640,12 @@ class Controller:
         return None
 
     def _release_record(self, rec: dict) -> None:
-        for pgid in rec["data"].get("pgids", []):
-            cluster.stop_group(pgid)
+        release_recorded(self.store, rec)
         if rec["provider"] == "gcp":  # delete the cloud resources, not only our record of them
             try:
                 self._provider_for(self._spec(rec["job_id"])).release(rec["name"])
             except Exception:  # `orchestrator gc` finds it later; say so now
                 log.exception("could not release gcp slice %s; run `orchestrator gc`", rec["name"])
-        self.store.put_slice(rec["name"], rec["job_id"], rec["provider"], rec["accelerator"], rec["tier"],
-                             SliceState.RELEASED.value, rec["data"])
 
 
 def _worker_name(slice_name: str, generation: int, rank: int) -> str:

@@ -167,3 +167,11 @@ class LocalProvider:
                         break
             events, self._events = self._events, []
         return events
+
+
+def release_recorded(store, rec: dict) -> None:
+    """Stop the hosts of a slice known only from the store (an earlier controller's), and record it released."""
+    for pgid in rec["data"].get("pgids", []):
+        cluster.stop_group(pgid)
+    store.put_slice(rec["name"], rec["job_id"], rec["provider"], rec["accelerator"], rec["tier"],
+                    SliceState.RELEASED.value, rec["data"])
