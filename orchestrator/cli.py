@@ -212,7 +212,7 @@ def _available(lines) -> list[str]:
 
 @app.command()
 def cancel(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")) -> None:
-    """Cancel a job: its workers stop and its slice is released."""
+    """Cancel a job: its hosts checkpoint the current step and stop, and its slice is released."""
     client = Client()
     try:
         client.cancel(job_id)

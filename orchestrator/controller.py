@@ -237,6 +237,31 @@ class Controller:
                                  f"(first step done: {p['step'] + 1})",
                                  data={"seconds": time.time() - run.disrupted_at, "step": p["step"] + 1})
 
+    def _record_missed(self, job_id: str, generation: int, history: list[dict]) -> int:
+        """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
+        known = {m.step for m in self.store.steps(job_id)}
+        missed = [h for h in history if h["step"] not in known]
+        for h in missed:
+            self.store.record_steps(job_id, generation, [(h["step"], h["loss"], h.get("tokens_per_s"),
+                                                          h.get("step_time_s"))], at=h.get("at"))
+        return len(missed)
+
+    def _catch_up(self, job_id: str, run: _Run, outcome: Outcome) -> None:
+        """Before a group is torn down, record the steps whose reports are still in flight.
+
+        Not after a host was lost: a dead host's worker may not answer, and recovery must not wait for it.
+        """
+        if not run.workers or not run.started or outcome.kind is OutcomeKind.INFRA_LOST:
+            return
+        try:
+            history = ray.get(run.workers[0].history.remote(), timeout=5)
+        except Exception as e:  # the worker went with its host after all: what is recorded is what there is
+            log.warning("job %s: no step history from worker 0 (%s)", job_id, type(e).__name__)
+            return
+        run.accepting = False
+        self._record_missed(job_id, run.generation, history)
+        run.last_step = max([run.last_step, *(h["step"] for h in history)])
+
     def _record_restore(self, job_id: str, run: _Run, p: dict) -> None:
         restored, unreadable = p.get("restored_step"), p.get("unreadable") or []
         what = f"restored step {restored}" if restored is not None else "started from scratch"
@@ -265,6 +290,7 @@ class Controller:
                 spec = self._spec(job_id)
                 try:
                     outcome = self._watch(job_id, spec, run)
+                    self._catch_up(job_id, run, outcome)
                 finally:
                     self._teardown(run)
                 self._after(job_id, run, outcome)
@@ -357,8 +383,9 @@ class Controller:
             self._transition(job_id, JobState.STARTING,
                              f"slice {run.slice.name} ready after {provision_s:.1f} s; starting generation "
                              f"{generation}", data={"provision_s": round(provision_s, 3), "slice": run.slice.name})
-            outcome = self._launch(job_id, job.spec, spec, run)
-            return outcome or self._watch(job_id, spec, run)
+            outcome = self._launch(job_id, job.spec, spec, run) or self._watch(job_id, spec, run)
+            self._catch_up(job_id, run, outcome)
+            return outcome
         finally:
             self._teardown(run)
 
@@ -502,6 +529,7 @@ class Controller:
                                                           "param_sums": results[0].get("param_sums")})
                     return Outcome(OutcomeKind.SUCCEEDED, "training finished")
             if run.cancel.is_set() or self.store.job(job_id).cancel_requested:
+                self._stop_for_cancel(run, stop_sent, grace)
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
             if run.notice is not None:
                 if not stop_sent:  # every host stops after the same step, with a committed checkpoint
@@ -514,6 +542,31 @@ class Controller:
             if run.started and time.monotonic() - run.last_progress > hang_limit:
                 return Outcome(OutcomeKind.INFRA_LOST, f"no progress for {hang_limit:.0f} s (hung)")
             self._autoscale_while_running(job_id, spec, run)
+            time.sleep(POLL_S)
+
+    def _stop_for_cancel(self, run: _Run, stop_sent: bool, grace: float) -> None:
+        """Stop every host after the same step with that step's checkpoint committed, as a notice would.
+
+        So a cancelled job loses nothing: resubmitted with the same checkpoint directory,
+        it goes on from the step it reached, and every step it ran is recorded. Hosts that
+        do not stop within the grace period are killed like any others.
+        """
+        if not run.started:
+            return
+        if not stop_sent:
+            if run.notice is None:  # the hosts' own "notice" reports are this stop, not a preemption
+                run.notice, run.notice_at = "cancelled by the user", time.monotonic()
+            for w in run.workers:
+                w.request_stop.remote("cancelled by the user")
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            try:
+                if all(ray.get([w.result.remote() for w in run.workers], timeout=1.0)):
+                    return
+            except ray.exceptions.GetTimeoutError:
+                pass
+            except ray.exceptions.RayActorError:  # a host went meanwhile: nothing more to wait for
+                return
             time.sleep(POLL_S)
 
     def _classify_failure(self, run: _Run, failure: dict) -> Outcome:
@@ -619,12 +672,9 @@ class Controller:
                 s = Slice(rec["name"], job.id, t, catalog.Tier(rec["tier"]), None, SliceState.READY,
                           tuple(Host(i, r) for i, r in enumerate(rec["data"]["hosts"])), "local")
                 self.provider.adopt(s, rec["data"]["pgids"])
-                known = {m.step for m in self.store.steps(job.id)}
-                missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"))
-                          for h in history if h["step"] not in known]
-                self.store.record_steps(job.id, job.generation, missed)
+                missed = self._record_missed(job.id, job.generation, history)
                 self.store.add_event(job.id, "adopted", f"the controller restarted and adopted the running "
-                                     f"generation {job.generation} ({len(missed)} missed steps recorded)")
+                                     f"generation {job.generation} ({missed} missed steps recorded)")
                 return _Run(generation=job.generation, provider=self.provider, slice=s, workers=workers, pg=pg,
                             started=True, adopted=True, accepting=True,
                             last_step=max((h["step"] for h in history), default=-1))

@@ -48,6 +48,15 @@ def run_reference(cfg, devices: int, tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def train_config(spec):
+    """The TrainConfig the controller hands a job's hosts."""
+    from orchestrator.controller import _workload
+    from workers.train import TrainConfig
+
+    t = spec.tpu_type
+    return TrainConfig.from_dict(_workload(spec.model_dump(mode="json"), spec, t.chips, t.hosts)["config"])
+
+
 def assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:
     assert len(actual) == len(expected), f"{len(actual)} steps, expected {len(expected)}"
     worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected))

@@ -158,7 +158,7 @@ class HostWorker:
 
         def on_step(r):
             report = {"step": r.step, "loss": r.loss, "tokens_per_s": r.tokens_per_s, "step_time_s": r.step_time_s}
-            self._history.append(report)
+            self._history.append({**report, "at": time.time()})
             if self.rank == 0 and ((r.step + 1) % every == 0 or r.step + 1 == cfg.steps):
                 log.info("step %d/%d loss %.4f (%.0f tokens/s)", r.step + 1, cfg.steps, r.loss, r.tokens_per_s)
             self._send("step", report)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -24,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from policies.sharding import AXES, BATCH_AXES, PARAM_RULES
-from workers import data
+from workers import data, runtime
 from workers.model import ModelShape, init_params, loss_fn, param_roles
 
 log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class Trainer:
             params = init_params(jax.random.key(self.cfg.seed), self.cfg.model)
             return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.int32(0)}
 
-        return jax.jit(init, out_shardings=self.state_shardings)()
+        return runtime.compile_cached(jax.jit(init, out_shardings=self.state_shardings).lower())()
 
     @property
     def manager(self) -> ocp.CheckpointManager | None:
@@ -198,7 +199,7 @@ class Trainer:
                                      sharding=self.batch_sharding)
         step = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                        out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
-        return step.lower(self.abstract_state, batch).compile()
+        return runtime.compile_cached(step.lower(self.abstract_state, batch))
 
     def batch(self, step: int) -> jax.Array:
         c = self.cfg
@@ -217,6 +218,7 @@ class Trainer:
         saved at the current step, the save committed, and the loop returns early.
         """
         c = self.cfg
+        threading.Thread(target=data.corpus, daemon=True).start()  # read it while restoring and compiling
         state, timings = self.restore_or_init()
         t0 = time.perf_counter()
         step_fn = self.compile()

@@ -14,8 +14,8 @@ from orchestrator import JobState
 from orchestrator.cluster import read_cluster
 from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.server import serve
-from tests.conftest import assert_losses_close, run_reference
-from tests.integration.test_local_jobs import tiny_spec, train_config
+from tests.conftest import assert_losses_close, run_reference, train_config
+from tests.integration.test_local_jobs import tiny_spec
 
 
 def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path):

@@ -7,8 +7,8 @@ import time
 import ray
 
 from orchestrator import JobState
-from tests.conftest import assert_losses_close, run_reference
-from tests.integration.test_local_jobs import tiny_spec, train_config
+from tests.conftest import assert_losses_close, run_reference, train_config
+from tests.integration.test_local_jobs import tiny_spec
 
 
 def wait_running_at(job, step: int) -> None:
