@@ -1,7 +1,8 @@
 """Recovery after a host dies on a 2-host local slice, and goodput under repeated host loss.
 
 For each kill (the host's whole process group, SIGKILL: a vanished VM) it measures the
-time to detect it, to provision a new slice, to bring up the runtime, to restore, to
+time to detect it, to tear the old group down (stop the surviving hosts, release the
+slice), to provision a new slice, to bring up the runtime, to restore, to
 compile, and from the death to the first step completed after the restore. Goodput is
 productive step time over wall time, for a run with a host killed every N steps and for
 the same run undisturbed, measured in the same session.
@@ -65,6 +66,7 @@ def main() -> None:
         resumed = [e for e in ev if e.kind == "resumed"]
         per_kill = {
             "detect_s": [d.at - k for d, k in zip(disruptions, kills)],
+            "teardown_s": [d.data.get("teardown_s", 0.0) for d in disruptions],
             "provision_s": [e.data["provision_s"] for e in starting],
             "init_s": [e.data["init_s"] for e in running],
             "restore_s": [e.data["restore_s"] for e in restores],

@@ -246,14 +246,22 @@ def stop_group(pgid: int, *, grace_s: float = 5.0, hard: bool = False) -> None:
 
     ``hard=True`` is a host vanishing: raylet, agents and workers get SIGKILL together.
     """
-    _signal_session(pgid, signal.SIGKILL if hard else signal.SIGTERM)
+    stop_groups([pgid], grace_s=grace_s, hard=hard)
+
+
+def stop_groups(pgids: list[int], *, grace_s: float = 5.0, hard: bool = False) -> None:
+    """`stop_group` for several nodes at once: all are signalled first, then waited for together."""
+    for pgid in pgids:
+        _signal_session(pgid, signal.SIGKILL if hard else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and group_alive(pgid):
-        _reap(pgid)
+    while time.monotonic() < deadline and any(group_alive(p) for p in pgids):
+        for pgid in pgids:
+            _reap(pgid)
         time.sleep(0.1)
-    if group_alive(pgid):
-        _signal_session(pgid, signal.SIGKILL)
-    _reap(pgid)
+    for pgid in pgids:
+        if group_alive(pgid):
+            _signal_session(pgid, signal.SIGKILL)
+        _reap(pgid)
 
 
 def kill_host(pgid: int) -> None:

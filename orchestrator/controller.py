@@ -320,10 +320,11 @@ class Controller:
             return
         if k not in (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVISION_FAILED):
             steps_done = run.last_step + 1
-            run.disrupted_at, run.disrupted_step, run.resumed = time.time(), steps_done, False
+            run.disrupted_at, run.disrupted_step, run.resumed = outcome.at, steps_done, False
             self.store.add_event(job_id, "disruption", f"{k.value}: {outcome.reason} (after step {steps_done})",
                                  data={"kind": k.value, "step": run.last_step, "reason": outcome.reason,
-                                       "generation": run.generation})
+                                       "generation": run.generation, "teardown_s": time.time() - outcome.at},
+                                 at=outcome.at)
         if k is OutcomeKind.SUCCEEDED:
             self._transition(job_id, JobState.SUCCEEDED, outcome.reason)
         elif k is OutcomeKind.CANCELLED:

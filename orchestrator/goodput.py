@@ -12,12 +12,15 @@ negative or to make time that did not exist.
 Categories, in seconds:
 
 - productive: `step_time_s` of every kept step row (a recomputed step keeps only its
-  newest row; a row that a later lost_work event says will be recomputed is not kept).
+  newest row; a row that a later lost_work event says will be recomputed is not kept),
+  except the warm-up of each launch's first step (below).
 - waiting_for_capacity: time in PENDING; time in PROVISIONING while the job's slice was
   WAITING (queued, no capacity); whole PROVISIONING attempts that ended in
   `provision_failed`; and the RECOVERING back-off that follows a `provision_failed`.
 - provisioning: the rest of PROVISIONING (from asking for a slice until it is ready).
-- runtime_init: time in STARTING (placing the workers, starting the distributed runtime).
+- runtime_init: time in STARTING (placing the workers, starting the distributed runtime),
+  and the warm-up of each launch's first step: what it took beyond the job's median
+  step time (the runtime's connections and first execution; 1-2 s on a 2-host slice).
 - restore: `restore_s` of restore events (reading a checkpoint, or initialising the
   parameters on a fresh start).
 - compile: `compile_s` of restore events.
@@ -55,7 +58,8 @@ CATEGORIES = ("productive", "waiting_for_capacity", "provisioning", "runtime_ini
 
 # The order in which measured work is carved out of an interval; the first ones are
 # measured most directly, so when measurements overlap the later ones are cut short.
-_CARVE_ORDER = ("waiting_for_capacity", "restore", "compile", "checkpoint_save", "productive", "lost_work")
+_CARVE_ORDER = ("waiting_for_capacity", "restore", "compile", "checkpoint_save", "runtime_init", "productive",
+                "lost_work")
 
 # The only state in which the job's workers are up: the controller enters RESIZING and
 # RECOVERING after it has stopped them, so work reported then is late news of the run before.
@@ -293,9 +297,17 @@ def _claims(intervals: list[StateInterval], events: list[Event], steps: list[Ste
         elif e.kind == "lost_work":
             claim(_previous_run(intervals, starts, e.at), "lost_work", d.get("seconds"))
     stale = _stale_ranges(events)
-    for s in steps:
-        if not any(s.step in steps_range and s.at < at for at, steps_range in stale):
-            claim(_work_interval(intervals, starts, s.at), "productive", s.step_time_s)
+    kept = [s for s in steps if not any(s.step in steps_range and s.at < at for at, steps_range in stale)]
+    times = sorted(s.step_time_s for s in kept if s.step_time_s)
+    median = times[len(times) // 2] if times else 0.0
+    first_step: dict[int, int] = {}  # rows are one per step; a launch's first step is its generation's lowest
+    for s in kept:
+        first_step[s.generation] = min(first_step.get(s.generation, s.step), s.step)
+    for s in kept:
+        i, dt = _work_interval(intervals, starts, s.at), s.step_time_s or 0.0
+        warm_up = max(0.0, dt - median) if first_step[s.generation] == s.step else 0.0
+        claim(i, "runtime_init", warm_up)
+        claim(i, "productive", dt - warm_up)
     return claims
 
 

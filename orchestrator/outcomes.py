@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 
 class OutcomeKind(str, enum.Enum):
@@ -22,6 +23,7 @@ class Outcome:
     reason: str
     traceback: str | None = None
     transient: bool = True  # for PROVISION_FAILED: may a retry (later, elsewhere) work?
+    at: float = field(default_factory=time.time)  # when the controller knew (before tearing the group down)
 
     @property
     def counts_as_preemption(self) -> bool:

@@ -12,8 +12,13 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import kernels
+from kernels import dispatch
+from kernels import moe as moe_routing
+from policies.sharding import BATCH_AXES
 
 
 @dataclass(frozen=True)
@@ -91,47 +96,81 @@ def init_params(key: jax.Array, shape: ModelShape) -> dict:
 MOE_AUX_WEIGHT = 0.01  # weight of the experts' load-balancing loss in the training loss
 
 
-def forward(params: dict, tokens: jax.Array, shape: ModelShape, *,
-            implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
-    """Logits [batch, seq, vocab] for int32 tokens [batch, seq], and the MoE auxiliary loss (0 without MoE)."""
+def _per_shard(mesh: Mesh | None, implementation: str | None) -> bool:
+    """Whether the kernels must run per device under `shard_map` on `mesh`.
+
+    A Pallas kernel is one opaque call to XLA's partitioner, which would gather its
+    sharded operands onto one device; on a mesh of more than one device each kernel
+    therefore runs on its device's shard (see `kernels.sharding`). The XLA and cuDNN
+    paths are partitioned by `jit` itself.
+    """
+    if mesh is None or mesh.size == 1:
+        return False
+    return dispatch.resolve(implementation, valid=(dispatch.PALLAS, dispatch.XLA, dispatch.CUDNN)) == dispatch.PALLAS
+
+
+def forward(params: dict, tokens: jax.Array, shape: ModelShape, *, implementation: str | None = None,
+            mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
+    """Logits [batch, seq, vocab] for int32 tokens [batch, seq], and the MoE auxiliary loss (0 without MoE).
+
+    `mesh` (axes data, fsdp, model) is the one the batch is sharded over: batch rows over
+    data and fsdp, heads over model. It is needed only to run Pallas kernels per shard.
+    """
     b, s = tokens.shape
     hd = shape.head_dim
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     h = params["embed"][tokens]  # [batch, seq, d_model]
+    impl, per_shard = implementation, _per_shard(mesh, implementation)
+
+    def on(fn, in_specs, out_specs):
+        return kernels.sharded(fn, mesh, in_specs=in_specs, out_specs=out_specs) if per_shard else fn
+
+    rows = BATCH_AXES
+    tok, heads, vec = P(rows, None, None), P(rows, None, "model", None), P(None)
+    norm = on(lambda x, w: kernels.rms_norm(x, w, implementation=impl), (tok, vec), tok)
+    rope = on(lambda x, pos: kernels.apply_rope(x, pos, implementation=impl), (heads, P(rows, None)), heads)
+    attend = on(lambda q, k, v: kernels.attention(q, k, v, causal=True, implementation=impl), (heads,) * 3, heads)
+    scan = on(lambda a, x: kernels.linear_scan(a, x, implementation=impl), (tok, tok), tok)
+
+    experts = on(lambda x, router, w_in, w_out: kernels.moe_ffn(x, router, w_in, w_out, top_k=shape.moe_top_k,
+                                                              implementation=impl)[0],
+                 (P(rows, None), P(), P(), P()), P(rows, None))
+
+    def moe(x, router, w_in, w_out):
+        """The experts' output, and the load-balancing loss over the whole batch (not a mean of per-shard ones)."""
+        _, chosen, probs = moe_routing.route(x, router, shape.moe_top_k)
+        return experts(x, router, w_in, w_out), moe_routing.load_balancing_loss(probs, chosen)
 
     def block(carry, p):
         h, aux = carry
-        a = kernels.rms_norm(h, p["attn_norm"], implementation=implementation)
+        a = norm(h, p["attn_norm"])
         q = (a @ p["wq"]).reshape(b, s, shape.n_heads, hd)
         k = (a @ p["wk"]).reshape(b, s, shape.n_kv_heads, hd)
         v = (a @ p["wv"]).reshape(b, s, shape.n_kv_heads, hd)
-        q = kernels.apply_rope(q, positions, implementation=implementation)
-        k = kernels.apply_rope(k, positions, implementation=implementation)
-        o = kernels.attention(q, k, v, causal=True, implementation=implementation)  # [b, s, heads, hd]
+        o = attend(rope(q, positions), rope(k, positions), v)  # [b, s, heads, hd]
         h = h + o.reshape(b, s, shape.n_heads * hd) @ p["wo"]
         if shape.scan_layer:  # gated linear recurrence over time: h_t = a_t * h_{t-1} + b_t
-            x = kernels.rms_norm(h, p["scan_norm"], implementation=implementation)
+            x = norm(h, p["scan_norm"])
             decay = jax.nn.sigmoid(x @ p["scan_a"])  # [b, s, d] in (0, 1)
-            states = kernels.linear_scan(decay, (1 - decay) * (x @ p["scan_b"]), implementation=implementation)
-            h = h + states @ p["scan_out"]
-        m = kernels.rms_norm(h, p["mlp_norm"], implementation=implementation)
+            h = h + scan(decay, (1 - decay) * (x @ p["scan_b"])) @ p["scan_out"]
+        m = norm(h, p["mlp_norm"])
         if shape.moe_experts:
-            y, layer_aux, _ = kernels.moe_ffn(m.reshape(b * s, -1), p["router"], p["w_in"], p["w_out"],
-                                              top_k=shape.moe_top_k, implementation=implementation)
+            y, layer_aux = moe(m.reshape(b * s, -1), p["router"], p["w_in"], p["w_out"])
             h, aux = h + y.reshape(b, s, -1), aux + layer_aux
         else:
             h = h + jax.nn.gelu(m @ p["w_up"]) @ p["w_down"]
         return (h, aux), None
 
     (h, aux), _ = jax.lax.scan(block, (h, jnp.float32(0.0)), params["layers"])
-    h = kernels.rms_norm(h, params["final_norm"], implementation=implementation)
+    h = norm(h, params["final_norm"])
     return h @ params["unembed"], aux / shape.n_layers
 
 
-def loss_fn(params: dict, batch: jax.Array, shape: ModelShape, *, implementation: str | None = None) -> jax.Array:
+def loss_fn(params: dict, batch: jax.Array, shape: ModelShape, *, implementation: str | None = None,
+            mesh: Mesh | None = None) -> jax.Array:
     """Mean next-byte cross-entropy of int32 tokens [batch, seq + 1]."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits, aux = forward(params, inputs, shape, implementation=implementation)
+    logits, aux = forward(params, inputs, shape, implementation=implementation, mesh=mesh)
     logz = jax.nn.logsumexp(logits, axis=-1)
     gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(logz - gold) + MOE_AUX_WEIGHT * aux

@@ -189,7 +189,7 @@ class Trainer:
 
     def _step(self, state: dict, batch: jax.Array) -> tuple[dict, jax.Array]:
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, self.cfg.model,
-                                                  implementation=self.cfg.implementation)
+                                                  implementation=self.cfg.implementation, mesh=self.mesh)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss

@@ -1,11 +1,12 @@
 """The trainer's model runs on the project's kernels: Pallas (TPU interpret mode) and XLA give the same training.
 
 Both runs train the same model, with a mixture-of-experts feed-forward and a
-linear-recurrence layer switched on, for a few steps in one process on one device
-(the Pallas kernels need `shard_map` on a multi-device mesh; here the point is the
-numerics). Tolerance: 2e-5 relative per step, f32 everywhere; the kernels compute the
-same sums in another order (blocked, online softmax), and the differences grow a
-little as the runs' parameters drift apart step by step.
+linear-recurrence layer switched on, for a few steps in one process: on one device,
+and with the Pallas kernels run per device under `shard_map` on a 2x2 mesh (batch
+rows over data, heads over model) against the unsharded XLA run. Tolerance: 2e-5
+relative per step, f32 everywhere; the kernels compute the same sums in another order
+(blocked, online softmax), and the differences grow a little as the runs' parameters
+drift apart step by step.
 """
 
 from __future__ import annotations
@@ -28,4 +29,38 @@ def test_pallas_and_xla_kernels_train_alike(tmp_path):
     pallas = run_reference(dataclasses.replace(CFG, implementation="pallas"), devices=1, tmp_path=tmp_path / "p")
     assert len(xla["losses"]) == 3
     assert xla["losses"][-1] < xla["losses"][0]
+    assert_losses_close(pallas["losses"], xla["losses"], rtol=2e-5)
+
+
+SHARDED = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, n_kv_heads=2), mesh_shape=(2, 1, 2))
+
+
+def _shard_maps(implementation: str) -> int:
+    """How many kernel calls of one training loss run per device under `shard_map` on a 2x1x2 mesh."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AbstractMesh
+
+    from policies.sharding import AXES
+    from workers.model import init_params, loss_fn
+
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), SHARDED.model))
+    batch = jax.ShapeDtypeStruct((SHARDED.global_batch_size, SHARDED.seq_len + 1), jnp.int32)
+    mesh = AbstractMesh(SHARDED.mesh_shape, AXES)
+    jaxpr = jax.make_jaxpr(lambda p, b: loss_fn(p, b, SHARDED.model, implementation=implementation, mesh=mesh))(
+        params, batch)
+    return str(jaxpr).count("shard_map[")
+
+
+def test_pallas_kernels_run_per_shard_on_a_multi_device_mesh():
+    # Per layer: 3 norms, 2 RoPE, attention, the scan, the experts; and the final norm.
+    assert _shard_maps("pallas") == 3 + 2 + 1 + 1 + 1 + 1
+    assert _shard_maps("xla") == 0  # XLA's partitioner handles the XLA paths itself
+
+
+def test_sharded_pallas_training_equals_unsharded_xla(tmp_path):
+    """4 processes' worth of devices (data 2 x model 2), each kernel on its shard: the same losses."""
+    xla = run_reference(dataclasses.replace(SHARDED, implementation="xla", mesh_shape=(1, 1, 1)), devices=1,
+                        tmp_path=tmp_path / "x")
+    pallas = run_reference(dataclasses.replace(SHARDED, implementation="pallas"), devices=4, tmp_path=tmp_path / "p")
     assert_losses_close(pallas["losses"], xla["losses"], rtol=2e-5)

@@ -264,3 +264,17 @@ def test_to_dict_is_json_and_the_table_names_every_category(store):
     for category in CATEGORIES:
         assert category.replace("_", " ") in text
     assert "goodput 27.3%" in text and "1 preemptions" in text and "1m 50s" in text
+
+
+def test_the_first_step_of_each_launch_pays_its_warm_up_to_runtime_init(store):
+    """Each launch's first step also sets up the runtime's connections: beyond the median step it is init."""
+    preempted_job(store)
+    slow = {0: 1, 8: 2}  # the first step of each generation, 2.5 s and 4.0 s slower than the others
+    for step, generation in slow.items():
+        row = next(m for m in store.steps("job-p") if m.step == step)
+        store.record_steps("job-p", generation, [(step, row.loss, row.tokens_per_s, STEP_S + 1.0 + 1.5 * generation)],
+                           at=row.at)
+    g = goodput(store, "job-p")
+    _assert_adds_up(g)
+    assert g.productive_s == pytest.approx(30.0)  # 20 kept steps at the median, as before
+    assert g.runtime_init_s == pytest.approx(16.0 + 2.5 + 4.0)
