@@ -15,6 +15,8 @@ Vocabulary, shared by every op in `kernels`:
 
 from __future__ import annotations
 
+import os
+
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
@@ -49,6 +51,21 @@ def resolve(implementation: str | None, *, valid: tuple[str, ...], gpu_default: 
     return implementation
 
 
+INTERPRET_ENV = "KERNELS_PALLAS_INTERPRET"
+
+
 def pallas_interpret() -> pltpu.InterpretParams | bool:
-    """The ``interpret=`` argument of ``pallas_call``: Mosaic on TPU, TPU interpret mode elsewhere."""
-    return False if backend() == "tpu" else pltpu.InterpretParams()
+    """The ``interpret=`` argument of ``pallas_call``: Mosaic on TPU, an interpreter elsewhere.
+
+    Off TPU the default is TPU interpret mode, which simulates the TPU's memories and
+    DMAs. With ``KERNELS_PALLAS_INTERPRET=generic`` it is Pallas's generic interpreter
+    instead, which lowers the kernel body to plain XLA ops: much faster, and it does not
+    run the devices of a mesh in lockstep (TPU interpret mode does, and under
+    ``shard_map`` on a CPU with fewer cores than devices it stalls for minutes).
+    """
+    if backend() == "tpu":
+        return False
+    mode = os.environ.get(INTERPRET_ENV, "tpu")
+    if mode not in ("tpu", "generic"):
+        raise ValueError(f"{INTERPRET_ENV}={mode!r}: expected 'tpu' or 'generic'")
+    return True if mode == "generic" else pltpu.InterpretParams()

@@ -38,13 +38,13 @@ def client(session_home):
     c.down()
 
 
-def run_reference(cfg, devices: int, tmp_path: Path) -> dict:
-    """Per-step losses of `cfg` trained in one plain process with `devices` CPU devices."""
+def run_reference(cfg, devices: int, tmp_path: Path, *, env: dict | None = None) -> dict:
+    """Per-step losses of `cfg` trained in one plain process with `devices` CPU devices (`env`: extra variables)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg_file, out = tmp_path / "ref-config.json", tmp_path / "ref-out.json"
     cfg_file.write_text(json.dumps(dataclasses.replace(cfg, checkpoint_dir=None).to_dict()))
     subprocess.run([sys.executable, "-m", "workers.reference", "--config", str(cfg_file), "--devices", str(devices),
-                    "--out", str(out)], check=True, cwd=REPO, timeout=600)
+                    "--out", str(out)], check=True, cwd=REPO, timeout=600, env={**os.environ, **(env or {})})
     return json.loads(out.read_text())
 
 

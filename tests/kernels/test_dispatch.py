@@ -71,3 +71,13 @@ def test_sharded_pallas_attention_runs_per_shard_on_a_mesh():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["error"] < 1e-5
     assert report["grad_spec"] == "P('data', None, 'model')"
+
+
+def test_the_interpreter_off_tpu_is_chosen_by_the_environment(monkeypatch):
+    monkeypatch.delenv(dispatch.INTERPRET_ENV, raising=False)
+    assert isinstance(dispatch.pallas_interpret(), pltpu.InterpretParams)
+    monkeypatch.setenv(dispatch.INTERPRET_ENV, "generic")
+    assert dispatch.pallas_interpret() is True
+    monkeypatch.setenv(dispatch.INTERPRET_ENV, "mosaic")
+    with pytest.raises(ValueError, match="KERNELS_PALLAS_INTERPRET='mosaic': expected 'tpu' or 'generic'"):
+        dispatch.pallas_interpret()
