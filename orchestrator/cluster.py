@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import secrets
 import signal
 import socket
@@ -124,10 +125,30 @@ def ensure_token(home: Home) -> None:
         f.write(secrets.token_hex(32))
 
 
+# Ports the tool hands to Ray processes come from below the kernel's ephemeral range
+# (32768-60999 on Linux) and above Ray's worker ports (10002-19999). A port is chosen
+# here but bound later by another process; an ephemeral one could meanwhile become the
+# local end of some outgoing connection (Ray's processes open many), and the raylet that
+# gets it dies with "Address already in use", a 30 s stall before it is started again.
+_PORT_RANGE = (20000, 32000)
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before by this process."""
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(*_PORT_RANGE)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise ClusterError(f"no free port on 127.0.0.1 in {_PORT_RANGE[0]}-{_PORT_RANGE[1]}")
 
 
 def _ray_start(home: Home, args: list[str], log_path: Path) -> subprocess.Popen:
@@ -142,7 +163,11 @@ def _ray_start(home: Home, args: list[str], log_path: Path) -> subprocess.Popen:
         cmd = [sys.executable, "-m", "orchestrator.raynode", "start", "--block", "--disable-usage-stats",
                "--node-ip-address=127.0.0.1", "--object-store-memory", str(128 * 1024 * 1024),
                f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
-               f"--runtime-env-agent-port={free_port()}", *args]
+               f"--runtime-env-agent-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+               # Workers bind a port the kernel assigns: every node's workers share Ray's default
+               # range on this one machine, and two nodes could hand out the same port.
+               "--min-worker-port=0", "--max-worker-port=0", *args]
         # The node runs in a session of its own (its id is the returned pid) and is not our child:
         # a shell starts it in the background and exits. Ray kills a worker's child processes
         # when the worker dies, and the controller (a Ray worker) starts nodes: as its children,

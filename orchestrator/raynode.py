@@ -6,6 +6,12 @@ interface. This entry point runs the unchanged `ray start` command with those tw
 checks relaxed for this process only: every node then binds to 127.0.0.1, which is
 what a cluster that lives on one machine should do. Used as
 ``python -m orchestrator.raynode start --block ...``.
+
+One more change for nodes that share a machine: Ray names a node's raylet and plasma
+sockets by taking the first unused `raylet`, `raylet.1`, ... in the session directory,
+and two nodes starting at the same moment take the same name; the second raylet then
+dies on "Address already in use" and the node stalls for 30 s before it is started
+again. Here the name carries this process's id, unique among running processes.
 """
 
 import os
@@ -13,11 +19,23 @@ import sys
 
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # children (raylet, workers) stay on loopback
 
+import ray._private.node as node  # noqa: E402
 import ray._private.ray_constants as ray_constants  # noqa: E402
 import ray._private.services as services  # noqa: E402
 
 ray_constants.ENABLE_RAY_CLUSTER = True  # allow `ray start --address` for worker nodes
 services.resolve_ip_for_localhost = lambda host: host
+
+_prepare_socket_file = node.Node._prepare_socket_file
+
+
+def _unique_socket_file(self, socket_path, default_prefix):
+    if socket_path is None:
+        socket_path = os.path.join(self._sockets_dir, f"{default_prefix}.{os.getpid()}")
+    return _prepare_socket_file(self, socket_path, default_prefix)
+
+
+node.Node._prepare_socket_file = _unique_socket_file
 
 from ray.scripts.scripts import main  # noqa: E402
 
