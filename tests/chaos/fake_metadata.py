@@ -44,8 +44,11 @@ class FakeMetadataServer:
                 self.send_response(200)
                 self.send_header("Content-Type", "application/text")
                 self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.end_headers()
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):  # the host went while it waited: as on GCE
+                    pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
