@@ -10,6 +10,7 @@ state directory, readable by its owner only.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -131,22 +132,22 @@ def ensure_token(home: Home) -> None:
 # local end of some outgoing connection (Ray's processes open many), and the raylet that
 # gets it dies with "Address already in use", a 30 s stall before it is started again.
 _PORT_RANGE = (20000, 32000)
-_handed_out: set[int] = set()
+_recently_handed_out: collections.deque[int] = collections.deque(maxlen=1024)  # not yet bound, maybe
 
 
 def free_port() -> int:
-    """A port free on 127.0.0.1 now, outside the ephemeral range, not handed out before by this process."""
+    """A port free on 127.0.0.1 now, outside the ephemeral range, not among the last ones this process handed out."""
     rng = random.SystemRandom()
     for _ in range(200):
         port = rng.randrange(*_PORT_RANGE)
-        if port in _handed_out:
+        if port in _recently_handed_out:
             continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-        _handed_out.add(port)
+        _recently_handed_out.append(port)
         return port
     raise ClusterError(f"no free port on 127.0.0.1 in {_PORT_RANGE[0]}-{_PORT_RANGE[1]}")
 
