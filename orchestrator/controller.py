@@ -240,10 +240,9 @@ class Controller:
     def _record_missed(self, job_id: str, generation: int, history: list[dict]) -> int:
         """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
         known = {m.step for m in self.store.steps(job_id)}
-        missed = [h for h in history if h["step"] not in known]
-        for h in missed:
-            self.store.record_steps(job_id, generation, [(h["step"], h["loss"], h.get("tokens_per_s"),
-                                                          h.get("step_time_s"))], at=h.get("at"))
+        missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"), h.get("at"))
+                  for h in history if h["step"] not in known]
+        self.store.record_steps(job_id, generation, missed)  # one transaction, each row at its own time
         return len(missed)
 
     def _catch_up(self, job_id: str, run: _Run, outcome: Outcome) -> None:

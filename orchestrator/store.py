@@ -247,16 +247,20 @@ class Store:
         return [Event(r["seq"], r["job_id"], r["at"], r["kind"], r["from_state"], r["to_state"], r["reason"],
                       json.loads(r["data"]) if r["data"] else None) for r in rows]
 
-    def record_steps(self, job_id: str, generation: int, rows: list[tuple[int, float, float | None, float | None]],
-                     *, at: float | None = None) -> None:
-        """Upsert (step, loss, tokens/s, step time) rows; a recomputed step keeps the newest generation's value."""
+    def record_steps(self, job_id: str, generation: int, rows: list[tuple], *, at: float | None = None) -> None:
+        """Upsert (step, loss, tokens/s, step time[, at]) rows; a recomputed step keeps the newest generation's value.
+
+        A row without its own time gets `at` (default now).
+        """
         now = time.time() if at is None else at
+        values = []
+        for row in rows:
+            step, loss, tps, dt, row_at = (*row, None)[:5]
+            values.append((job_id, step, generation, loss, tps, dt, now if row_at is None else row_at))
         with self._tx() as db:
             db.executemany(
                 "INSERT OR REPLACE INTO steps (job_id, step, generation, loss, tokens_per_s, step_time_s, at) "
-                "VALUES (?,?,?,?,?,?,?)",
-                [(job_id, s, generation, loss, tps, dt, now) for s, loss, tps, dt in rows],
-            )
+                "VALUES (?,?,?,?,?,?,?)", values)
 
     def steps(self, job_id: str) -> list[StepMetric]:
         rows = self._conn().execute(

@@ -52,10 +52,13 @@ def program_key(lowered: "jax.stages.Lowered") -> str:
     return h.hexdigest()
 
 
-def executable_path(lowered: "jax.stages.Lowered") -> "Path | None":
-    """Where `compile_cached` keeps the executable of `lowered` (None: no cache directory)."""
+def executable_path(lowered: "jax.stages.Lowered", key: str | None = None) -> "Path | None":
+    """Where `compile_cached` keeps the executable of `lowered` (None: no cache directory).
+
+    `key`: `program_key(lowered)` when the caller has it already (it hashes the whole program).
+    """
     root = jax.config.jax_compilation_cache_dir
-    return Path(root) / "executables" / f"{program_key(lowered)}.bin" if root else None
+    return Path(root) / "executables" / f"{key or program_key(lowered)}.bin" if root else None
 
 
 def compile_cached(lowered: "jax.stages.Lowered", *, share_timeout_s: float = 900.0) -> "jax.stages.Compiled":
@@ -79,7 +82,7 @@ def compile_cached(lowered: "jax.stages.Lowered", *, share_timeout_s: float = 90
     if jax.process_count() == 1 or client is None:  # one process: JAX's own persistent cache serves it
         return lowered.compile()
     key = program_key(lowered)
-    path = executable_path(lowered)
+    path = executable_path(lowered, key)
 
     def load(payload: bytes, where: str):
         try:
