@@ -54,6 +54,13 @@ class _LineBuffer(io.TextIOBase):
         return lines
 
 
+def _preload(module: str) -> None:
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # the training thread imports it again, and reports the error there
+        log.debug("preloading %s failed: %s", module, e)
+
+
 class HostWorker:
     def __init__(self, *, job_id: str, generation: int, rank: int, num_hosts: int, devices_per_host: int,
                  platform: str | None, compile_cache_dir: str | None, controller: tuple[str, str] | None):
@@ -73,6 +80,9 @@ class HostWorker:
         logging.getLogger().setLevel(logging.INFO)
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax narrates every save at INFO
         install_sigterm(self._on_notice)
+        # The trainer's imports (orbax, optax, the model) take about a second of CPU; do them
+        # while the controller is still gathering the other hosts, not after the runtime is up.
+        threading.Thread(target=_preload, args=("workers.train",), daemon=True, name="preload").start()
 
     # -- called by the controller -------------------------------------------------
 

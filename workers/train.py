@@ -121,7 +121,8 @@ class Trainer:
             params = init_params(jax.random.key(self.cfg.seed), self.cfg.model)
             return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.int32(0)}
 
-        return runtime.compile_cached(jax.jit(init, out_shardings=self.state_shardings).lower())()
+        lower = jax.jit(init, out_shardings=self.state_shardings).lower
+        return runtime.compile_keyed(self._program_id("init_state"), lower)()
 
     @property
     def manager(self) -> ocp.CheckpointManager | None:
@@ -195,11 +196,20 @@ class Trainer:
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss
 
     def compile(self):
-        batch = jax.ShapeDtypeStruct((self.cfg.global_batch_size, self.cfg.seq_len + 1), jnp.int32,
-                                     sharding=self.batch_sharding)
-        step = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
-                       out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
-        return runtime.compile_cached(step.lower(self.abstract_state, batch))
+        """The train step, compiled; after a restart, loaded without tracing it (`runtime.compile_keyed`)."""
+        def lower():
+            batch = jax.ShapeDtypeStruct((self.cfg.global_batch_size, self.cfg.seq_len + 1), jnp.int32,
+                                         sharding=self.batch_sharding)
+            step = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
+                           out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
+            return step.lower(self.abstract_state, batch)
+
+        return runtime.compile_keyed(self._program_id("train_step"), lower)
+
+    def _program_id(self, name: str) -> str:
+        """The program's key: everything in the config but where checkpoints go and how often."""
+        skip = ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep")
+        return runtime.program_id(name, {k: v for k, v in self.cfg.to_dict().items() if k not in skip})
 
     def batch(self, step: int) -> jax.Array:
         c = self.cfg

@@ -40,9 +40,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(cache) -> list[dict]:
+def run_pair(cache, *, per_host: bool = False) -> list[dict]:
+    """Two processes; `per_host`: each with a cache directory of its own, as TPU hosts' local disks."""
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), port, str(cache)], cwd=REPO,
+    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), port, str(cache / f"host{r}" if per_host else cache)],
+                              cwd=REPO,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
     out = []
     for p in procs:
@@ -72,3 +74,110 @@ def test_an_unreadable_executable_is_compiled_again(tmp_path):
     assert [r["value"] for r in again] == [expected] * 2
     assert stored.stat().st_size > 100  # compiled and written anew
     assert [(r["hit"], r["value"]) for r in run_pair(tmp_path / "cache")] == [(True, expected)] * 2
+
+
+KEYED_CHILD = r"""
+import json, sys
+from workers import runtime
+rank, port, cache, scale = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
+runtime.configure(platform="cpu", devices_per_host=2, compile_cache_dir=cache)
+runtime.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank, timeout_s=60)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
+row = NamedSharding(mesh, P("data"))
+from jax.experimental import multihost_utils
+traced = []
+
+def lower():
+    traced.append(1)
+    fn = jax.jit(lambda x: {"sum": (x * scale).sum(), "rows": x.sum(1)}, in_shardings=row)
+    return fn.lower(jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=row))
+
+compiled = runtime.compile_keyed(runtime.program_id("test", {"scale": scale}), lower)
+x = jax.make_array_from_callback((8, 3), row, lambda idx: np.arange(24, dtype=np.float32).reshape(8, 3)[idx])
+out = compiled(x)
+print(json.dumps({"rank": rank, "traced": len(traced), "value": float(out["sum"]),
+                  "rows": np.asarray(multihost_utils.process_allgather(out["rows"], tiled=True)).tolist()}))
+"""
+
+
+def run_keyed_pair(cache, scale: float, *, per_host: bool = False) -> list[dict]:
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", KEYED_CHILD, str(r), port,
+                               str(cache / f"host{r}" if per_host else cache), str(scale)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=240)
+        assert p.returncode == 0, stderr[-3000:]
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return sorted(out, key=lambda r: r["rank"])
+
+
+def test_a_kept_program_is_loaded_after_a_restart_without_tracing_it(tmp_path):
+    cache = tmp_path / "cache"
+    expected = {"value": float(sum(2.0 * v for v in range(24))), "rows": [float(3 * r * 3 + 3) for r in range(8)]}
+    first = run_keyed_pair(cache, 2.0)
+    assert [r["traced"] for r in first] == [1, 1]
+    kept = list((cache / "executables").glob("program-*.pkl"))
+    assert len(kept) == 1
+    second = run_keyed_pair(cache, 2.0)
+    assert [r["traced"] for r in second] == [0, 0]  # neither process traced the program again
+    for r in first + second:
+        assert {"value": r["value"], "rows": r["rows"]} == expected
+
+    other = run_keyed_pair(cache, 3.0)  # another config is another program: traced, and kept beside
+    assert [r["traced"] for r in other] == [1, 1]
+    assert [r["value"] for r in other] == [float(sum(3.0 * v for v in range(24)))] * 2
+    assert len(list((cache / "executables").glob("program-*.pkl"))) == 2
+
+
+def test_an_unreadable_kept_program_is_traced_again(tmp_path):
+    cache = tmp_path / "cache"
+    run_keyed_pair(cache, 2.0)
+    (kept,) = (cache / "executables").glob("program-*.pkl")
+    kept.write_bytes(b"truncated")
+    again = run_keyed_pair(cache, 2.0)
+    assert [r["traced"] for r in again] == [1, 1]
+    assert [r["value"] for r in again] == [float(sum(2.0 * v for v in range(24)))] * 2
+    assert kept.stat().st_size > 100  # kept anew
+    assert [r["traced"] for r in run_keyed_pair(cache, 2.0)] == [0, 0]
+
+
+def test_hosts_with_their_own_disks_get_the_kept_executable_from_process_0(tmp_path):
+    """Process 0 passes on the bytes it read: an executable loaded from disk cannot be
+    serialized again on CPU (its copy fails to run), so re-serializing would break process 1.
+    Both processes also name the kept program alike although their cache directories differ."""
+    expected = float(sum(2.0 * v for v in range(24)))
+    for _ in range(2):  # compiled, then loaded by process 0 alone
+        assert [r["value"] for r in run_pair(tmp_path / "plain", per_host=True)] == [expected] * 2
+    assert not (tmp_path / "plain" / "host1" / "executables").exists()  # process 1 never had it on disk
+    runs = [run_keyed_pair(tmp_path / "keyed", 2.0, per_host=True) for _ in range(2)]
+    assert [[r["traced"] for r in run] for run in runs] == [[1, 1], [0, 0]]  # process 1's copy came from process 0
+    assert [r["value"] for run in runs for r in run] == [expected] * 4
+
+
+def test_the_program_key_changes_with_what_shapes_the_program_and_nothing_else(monkeypatch):
+    import jax
+
+    from workers import runtime
+
+    base = runtime.program_id("step", {"d_model": 128})
+    assert runtime.program_id("step", {"d_model": 128}) == base
+    assert runtime.program_id("step", {"d_model": 256}) != base
+    assert runtime.program_id("init", {"d_model": 128}) != base
+    monkeypatch.setenv("KERNELS_PALLAS_INTERPRET", "generic")
+    assert runtime.program_id("step", {"d_model": 128}) != base
+    monkeypatch.delenv("KERNELS_PALLAS_INTERPRET")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    assert runtime.program_id("step", {"d_model": 128}) != base
+    monkeypatch.delenv("XLA_FLAGS")
+    with jax.default_matmul_precision("highest"):
+        assert runtime.program_id("step", {"d_model": 128}) != base
+    dir_before = jax.config.jax_compilation_cache_dir
+    try:  # where executables are kept is not part of the program
+        jax.config.update("jax_compilation_cache_dir", "/elsewhere")
+        assert runtime.program_id("step", {"d_model": 128}) == base
+    finally:
+        jax.config.update("jax_compilation_cache_dir", dir_before)
