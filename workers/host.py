@@ -48,6 +48,19 @@ class _LineBuffer(io.TextIOBase):
             self._lines.extend(full)
         return len(s)
 
+    def flush(self) -> None:
+        self._echo.flush()
+
+    def fileno(self) -> int:  # for code that writes to the descriptor itself (that output is not collected)
+        return self._echo.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self._echo, "encoding", None) or "utf-8"
+
+    def isatty(self) -> bool:
+        return False
+
     def drain(self) -> list[str]:
         with self._lock:
             lines, self._lines = self._lines, []
@@ -73,6 +86,7 @@ class HostWorker:
         self._history: list[dict] = []
         self._fence_file: str | None = None
         self._out = _LineBuffer(sys.stdout)
+        sys.stdout = self._out  # what the job's code prints reaches `orchestrator logs` (and still Ray's log file)
         runtime.configure(platform=platform, devices_per_host=devices_per_host, compile_cache_dir=compile_cache_dir)
         handler = logging.StreamHandler(self._out)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))

@@ -129,11 +129,12 @@ def test_kill_during_an_async_save(client, tmp_path, reference):
     ckpt = Path(spec.checkpoint.directory)
     job = client.submit(spec)
     wait_step(job, 5)
+    wait_for(lambda: (ckpt / str(INTERVAL)).exists(), 300, "the first committed checkpoint")
 
-    def partial_save():
+    def partial_save():  # one after the first, so that there is a committed step to go back to
         if not ckpt.exists():
             return None
-        tmp = [p for p in ckpt.iterdir() if ".orbax-checkpoint-tmp" in p.name]
+        tmp = [p for p in ckpt.iterdir() if ".orbax-checkpoint-tmp" in p.name and int(p.name.split(".")[0]) > INTERVAL]
         return tmp[0] if tmp else None
 
     partial = wait_for(partial_save, 300, "an in-flight save", poll_s=0.002)
@@ -202,6 +203,7 @@ def test_user_code_error_fails_after_the_budget(client, tmp_path):
     assert st.reason == ("the job's code failed 2 times (max_failures=1): host 0: ValueError: bad batch on host 0")
     assert "Traceback" in st.error and "user_code.py" in st.error
     assert len(kinds(job, "launched")) == 2 and st.preemptions == 0
+    assert "[host-0] host 0 read its first batch" in job.logs()  # the job's own prints reach its log
 
 
 def test_more_preemptions_than_the_budget(client, tmp_path):
