@@ -481,7 +481,7 @@ class Controller:
             .remote(job_id=job_id, generation=run.generation, rank=i, num_hosts=t.hosts,
                     devices_per_host=t.chips_per_host, platform="cpu",
                     compile_cache_dir=str(self.home.compile_cache),
-                    controller=(cluster.CONTROLLER_NAME, cluster.NAMESPACE))
+                    controller=(cluster.CONTROLLER_NAME, cluster.NAMESPACE), workload_type=spec.workload.type)
             for i in range(t.hosts)
         ]
         placed = ray.get([w.info.remote() for w in run.workers], timeout=timeout)
@@ -490,7 +490,10 @@ class Controller:
                                    "pids": [p["pid"] for p in placed], "generation": run.generation})
         coordinator = ray.get(run.workers[0].coordinator_address.remote(), timeout=120) if t.hosts > 1 else None
         workload = _workload(raw_spec, spec, t.chips, t.hosts)
-        ray.get([w.start.remote(coordinator, workload) for w in run.workers], timeout=120)
+        ray.get(run.workers[0].start.remote(coordinator, workload), timeout=120)
+        if coordinator is not None:  # the others join once host 0 listens (an early one waits out a backoff)
+            ray.get(run.workers[0].coordinator_listening.remote(coordinator, 10.0), timeout=30)
+        ray.get([w.start.remote(coordinator, workload) for w in run.workers[1:]], timeout=120)
         run.last_progress = time.monotonic()
         return None
 

@@ -12,16 +12,23 @@ from __future__ import annotations
 import functools
 import hashlib
 import sysconfig
+import threading
 from pathlib import Path
 
 import numpy as np
 
 CORPUS_BYTES = 4 * 1024 * 1024
+_corpus_lock = threading.Lock()  # threads that ask at once (a preload and the trainer) read it once
+
+
+def corpus() -> np.ndarray:
+    """The corpus as a uint8 array (about 4 MiB)."""
+    with _corpus_lock:
+        return _read_corpus()
 
 
 @functools.lru_cache(maxsize=1)
-def corpus() -> np.ndarray:
-    """The corpus as a uint8 array (about 4 MiB)."""
+def _read_corpus() -> np.ndarray:
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
     for path in sorted(root.rglob("*.py")):

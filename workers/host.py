@@ -67,16 +67,21 @@ class _LineBuffer(io.TextIOBase):
         return lines
 
 
-def _preload(module: str) -> None:
+def _preload_lm() -> None:
+    """What the built-in workload needs before its first step, none of which needs the runtime:
+    the trainer's imports (orbax, optax, the model) and the training corpus, about 1.5 s of
+    CPU together. Done while the controller still gathers the other hosts."""
     try:
-        importlib.import_module(module)
-    except Exception as e:  # the training thread imports it again, and reports the error there
-        log.debug("preloading %s failed: %s", module, e)
+        importlib.import_module("workers.train")
+        importlib.import_module("workers.data").corpus()
+    except Exception as e:  # the training thread does it again, and reports the error there
+        log.debug("preloading the trainer failed: %s", e)
 
 
 class HostWorker:
     def __init__(self, *, job_id: str, generation: int, rank: int, num_hosts: int, devices_per_host: int,
-                 platform: str | None, compile_cache_dir: str | None, controller: tuple[str, str] | None):
+                 platform: str | None, compile_cache_dir: str | None, controller: tuple[str, str] | None,
+                 workload_type: str | None = None):
         self.job_id, self.generation, self.rank, self.num_hosts = job_id, generation, rank, num_hosts
         self._controller_name = controller
         self._controller = None
@@ -94,9 +99,8 @@ class HostWorker:
         logging.getLogger().setLevel(logging.INFO)
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax narrates every save at INFO
         install_sigterm(self._on_notice)
-        # The trainer's imports (orbax, optax, the model) take about a second of CPU; do them
-        # while the controller is still gathering the other hosts, not after the runtime is up.
-        threading.Thread(target=_preload, args=("workers.train",), daemon=True, name="preload").start()
+        if workload_type == "lm":
+            threading.Thread(target=_preload_lm, daemon=True, name="preload").start()
 
     # -- called by the controller -------------------------------------------------
 
@@ -110,6 +114,22 @@ class HostWorker:
         with socket.socket() as s:
             s.bind((ip, 0))
             return f"{ip}:{s.getsockname()[1]}"
+
+    def coordinator_listening(self, address: str, timeout_s: float) -> bool:
+        """Whether the runtime's coordinator, which process 0's `start` brings up, accepts connections.
+
+        Another process that tries to join before it does backs off for up to a second
+        before trying again, so the controller starts the others once this says yes.
+        """
+        host, port = address.rsplit(":", 1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((host, int(port)), timeout=0.5).close()
+                return True
+            except OSError:
+                time.sleep(0.02)
+        return False
 
     def start(self, coordinator: str | None, workload: dict) -> None:
         """Begin training on a thread; poll `result()` for the end."""
