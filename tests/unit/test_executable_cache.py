@@ -40,12 +40,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(cache, *, per_host: bool = False) -> list[dict]:
-    """Two processes; `per_host`: each with a cache directory of its own, as TPU hosts' local disks."""
+def run_pair(cache, *, per_host: bool = False, child: str = CHILD, extra: tuple[str, ...] = ()) -> list[dict]:
+    """Two processes running `child`; `per_host`: each with a cache directory of its own, as TPU hosts' local disks."""
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, str(r), port, str(cache / f"host{r}" if per_host else cache)],
-                              cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", child, str(r), port, str(cache / f"host{r}" if per_host else cache),
+                               *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=240)
@@ -103,16 +103,7 @@ print(json.dumps({"rank": rank, "traced": len(traced), "value": float(out["sum"]
 
 
 def run_keyed_pair(cache, scale: float, *, per_host: bool = False) -> list[dict]:
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", KEYED_CHILD, str(r), port,
-                               str(cache / f"host{r}" if per_host else cache), str(scale)], cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
-    out = []
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=240)
-        assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
-    return sorted(out, key=lambda r: r["rank"])
+    return run_pair(cache, per_host=per_host, child=KEYED_CHILD, extra=(str(scale),))
 
 
 def test_a_kept_program_is_loaded_after_a_restart_without_tracing_it(tmp_path):
