@@ -108,11 +108,7 @@ def _compile_shared(lowered: "jax.stages.Lowered", share_timeout_s: float) -> "t
     path = executable_path(lowered, key)
 
     def load(payload: bytes, where: str):
-        try:
-            return serialize_executable.deserialize_and_load(payload, lowered.in_tree, lowered.out_tree)
-        except Exception as e:  # truncated, or from another build
-            log.warning("the executable from %s is unusable (%s: %s); compiling", where, type(e).__name__, e)
-            return None
+        return _deserialize(payload, lowered.in_tree, lowered.out_tree, where)
 
     if shared and jax.process_index() != 0:
         if path is not None and path.exists() and (compiled := load(path.read_bytes(), path.name)) is not None:
@@ -139,6 +135,17 @@ def _compile_shared(lowered: "jax.stages.Lowered", share_timeout_s: float) -> "t
     if shared:  # loaded bytes are passed on as read: a deserialized executable cannot be serialized again
         client.key_value_set_bytes(f"executable/{key}", payload or b"", allow_overwrite=True)
     return compiled, payload
+
+
+def _deserialize(payload: bytes, in_tree, out_tree, where: str) -> "jax.stages.Compiled | None":
+    """The executable in `payload`, or None (with a warning) when it is unusable."""
+    from jax.experimental import serialize_executable
+
+    try:
+        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+    except Exception as e:  # truncated, or from another build
+        log.warning("the executable from %s is unusable (%s: %s); compiling it", where, type(e).__name__, e)
+        return None
 
 
 def _write_atomically(path: Path, data: bytes) -> None:
@@ -183,8 +190,8 @@ def program_id(name: str, config: dict) -> str:
     It covers everything else tracing depends on too: the source of the packages that
     build programs, the versions of JAX, jaxlib and optax, the JAX config values (but
     `_NOT_PROGRAM_FLAGS`), the compiler flags in the environment, and the runtime's
-    processes and devices. Any
-    change gives a new key (and a trace); a stale program is never loaded for a new one.
+    processes and devices. Any change gives a new key (and a trace); a stale program is
+    never loaded for a new one.
     """
     import jaxlib
     import optax
@@ -205,14 +212,12 @@ def _keyed_path(key: str) -> Path | None:
 
 
 def _load_keyed(blob: bytes, where: str) -> "jax.stages.Compiled | None":
-    from jax.experimental import serialize_executable
-
     try:
         payload, in_tree, out_tree = pickle.loads(blob)
-        return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-    except Exception as e:  # truncated, or from another build
-        log.warning("the program from %s is unusable (%s: %s); tracing it", where, type(e).__name__, e)
+    except Exception as e:  # truncated
+        log.warning("the program from %s is unreadable (%s: %s); tracing it", where, type(e).__name__, e)
         return None
+    return _deserialize(payload, in_tree, out_tree, where)
 
 
 def _store_keyed(path: Path | None, lowered: "jax.stages.Lowered", payload: bytes | None) -> None:
