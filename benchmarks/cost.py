@@ -49,17 +49,17 @@ POLICIES = ("policy", "ondemand", "spot_restart", "greedy", "optimum")
 RESULT_PATH = Path(__file__).parent / "results" / "cost.json"
 
 
-def benchmark_job() -> SimJob:
+def benchmark_job(deadline_over_ondemand: float = DEADLINE_OVER_ONDEMAND) -> SimJob:
     options = job_options(["v4-16", "v4-32", "v4-64"], ["spot", "on-demand"])
     ondemand = next(o for o in options if o.name == "v4-32" and o.tier == "on-demand")
-    return SimJob(TOTAL_TOKENS, DEADLINE_OVER_ONDEMAND * TOTAL_TOKENS / ondemand.tokens_per_s, options)
+    return SimJob(TOTAL_TOKENS, deadline_over_ondemand * TOTAL_TOKENS / ondemand.tokens_per_s, options)
 
 
-def run_window(args: tuple[str, float]) -> dict[str, dict]:
+def run_window(args: tuple[str, float, float]) -> dict[str, dict]:
     """Every policy on one trace window; returns {policy: {usd, hours, deadline_met}}."""
-    trace_name, start_s = args
+    trace_name, start_s, deadline_over_ondemand = args
     trace = next(t for t in bundled_traces() if t.name == trace_name)
-    job = benchmark_job()
+    job = benchmark_job(deadline_over_ondemand)
     od32 = next(o for o in job.options if o.name == "v4-32" and o.tier == "on-demand")
     spot32 = next(o for o in job.options if o.name == "v4-32" and o.tier == "spot")
     policies = {
@@ -125,23 +125,26 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--windows", type=int, default=4, help="start times per trace")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")
+    parser.add_argument("--deadline", type=float, default=DEADLINE_OVER_ONDEMAND,
+                        help="deadline as a multiple of the on-demand v4-32 duration")
     parser.add_argument("--out", type=Path, default=RESULT_PATH)
     args = parser.parse_args(argv)
 
-    job = benchmark_job()
-    tasks = [(t.name, i * t.duration_s / args.windows) for t in bundled_traces() for i in range(args.windows)]
+    job = benchmark_job(args.deadline)
+    tasks = [(t.name, i * t.duration_s / args.windows, args.deadline)
+             for t in bundled_traces() for i in range(args.windows)]
     began = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
         results = list(pool.map(run_window, tasks))
     trace_runs: dict[str, list[dict]] = {}
-    for (name, _), result in zip(tasks, results):
+    for (name, _, _), result in zip(tasks, results):
         trace_runs.setdefault(name, []).append(result)
     report = summarise(trace_runs)
     report["job"] = {
         "model": "dense decoder ~1B params (24 layers, d_model 2048, seq 2048)",
         "total_tokens": TOTAL_TOKENS,
         "deadline_hours": round(job.deadline_s / 3600, 2),
-        "deadline_over_ondemand_v4_32": DEADLINE_OVER_ONDEMAND,
+        "deadline_over_ondemand_v4_32": args.deadline,
         "options": {o.label: {"tokens_per_s": round(o.tokens_per_s), "usd_per_hour": round(o.usd_per_hour, 2)}
                     for o in job.options},
         "windows_per_trace": args.windows,

@@ -13,7 +13,7 @@ resizes). Only jobs with an `autoscaling` section are autoscaled.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from orchestrator import catalog
 from orchestrator.goodput import billed_slices, goodput
@@ -32,6 +32,7 @@ class Choice:
     accelerator: str
     tier: str
     decision: Decision
+    checkpoint_interval_steps: int | None = None  # how often the workers should save; None: the spec's
 
 
 def _flops_per_token(spec: JobSpec) -> float:
@@ -69,15 +70,21 @@ def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] 
     options = job_options(auto.accelerators, [t.value for t in auto.tiers], flops_per_token=_flops_per_token(spec),
                           measured_tokens_per_s=measured)
 
-    # Restart cost as measured (provisioning, init, restore, compile), the policy's defaults before that.
+    # Restart cost as measured (provisioning, init, restore, compile), the policy's defaults before that;
+    # the checkpoint interval of the spec (the longest) and the time a save blocks, once measured.
     prov = [e.data["provision_s"] for e in events if e.to_state == "STARTING" and e.data]
     init = [e.data["init_s"] for e in events if e.to_state == "RUNNING" and e.data and "init_s" in e.data]
     rest = [e.data["restore_s"] + e.data["compile_s"] for e in events if e.kind == "restore"]
+    saves = [e.data["blocking_s"] for e in events if e.kind == "checkpoint" and "blocking_s" in (e.data or {})]
     restart = RestartCost()
     if prov and rest:
-        restart = RestartCost(provisioning_s=statistics.median(prov),
-                              startup_s=statistics.median(rest) + (statistics.median(init) if init else 0.0),
-                              checkpoint_interval_s=restart.checkpoint_interval_s)
+        restart = replace(restart, provisioning_s=statistics.median(prov),
+                          startup_s=statistics.median(rest) + (statistics.median(init) if init else 0.0))
+    step_s = step_seconds(store, job_id)
+    if step_s:
+        restart = replace(restart, checkpoint_interval_s=spec.checkpoint.interval_steps * step_s)
+    if saves:
+        restart = replace(restart, save_s=statistics.median(saves))
 
     # The hazard prior, updated by what this job saw on spot: host-hours held and preemptions.
     g = goodput(store, job_id, now=now)
@@ -98,10 +105,38 @@ def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] 
                     spent_usd=g.usd_total, budget_usd=spec.budget_usd, decision_interval_s=DECISION_INTERVAL_S)
 
 
+def with_checkpoint_interval(spec: JobSpec, choice: Choice) -> JobSpec:
+    """The spec a launch uses: the policy's checkpoint interval, if it chose one (the stored
+    spec keeps the user's, which stays the longest)."""
+    every = choice.checkpoint_interval_steps
+    if not every or every == spec.checkpoint.interval_steps:
+        return spec
+    return spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"interval_steps": every})})
+
+
+def step_seconds(store: Store, job_id: str) -> float | None:
+    """The job's median step time over its last steps, once it has run a few."""
+    times = [m.step_time_s for m in store.steps(job_id)[-50:] if m.step_time_s]
+    return statistics.median(times) if len(times) >= 3 else None
+
+
 def decide_for(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None = None,
                spot_chips_available: int) -> Choice | None:
-    """The policy's choice for the job now; None when it says to hold no slice (wait for spot)."""
+    """The policy's choice for the job now; None when it says to hold no slice (wait for spot).
+
+    The policy's checkpoint interval comes back in steps (at the job's measured step
+    time), never longer than the spec's: the spec sets the longest interval, and spot
+    slices that are preempted often save more often.
+    """
     decision = CostPolicy().decide(snapshot(store, job_id, now=now, current=current,
                                             spot_chips_available=spot_chips_available))
     o: Option | None = decision.option
-    return Choice(o.name, o.tier, decision) if o is not None else None
+    if o is None:
+        return None
+    steps = None
+    step_s = step_seconds(store, job_id)
+    if step_s and decision.checkpoint_interval_s:
+        longest = JobSpec.model_validate(
+            {k: v for k, v in store.job(job_id).spec.items() if not k.startswith("_")}).checkpoint.interval_steps
+        steps = max(1, min(longest, round(decision.checkpoint_interval_s / step_s)))
+    return Choice(o.name, o.tier, decision, steps)

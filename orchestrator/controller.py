@@ -398,7 +398,7 @@ class Controller:
 
     def _autoscale_before_provisioning(self, job_id: str, spec: JobSpec) -> JobSpec:
         """Let the cost policy choose the slice type and tier of the next attempt."""
-        from orchestrator.autoscaler import decide_for
+        from orchestrator.autoscaler import decide_for, with_checkpoint_interval
 
         choice = decide_for(self.store, job_id, now=time.time(), current=None,
                             spot_chips_available=self._spot_chips_available(spec))
@@ -407,14 +407,17 @@ class Controller:
                                  f"provider has it, so running {spec.accelerator} {spec.tier.value}")
             return spec
         d = choice.decision
-        self.store.add_event(job_id, "autoscale", f"run {choice.accelerator} {choice.tier}: {d.reason}",
+        every = choice.checkpoint_interval_steps
+        saving = f"; checkpoint every {every} steps" if every else ""
+        self.store.add_event(job_id, "autoscale", f"run {choice.accelerator} {choice.tier}{saving}: {d.reason}",
                              data={"accelerator": choice.accelerator, "tier": choice.tier,
-                                   "expected_cost_usd": d.expected_cost_usd, "reason": d.reason})
-        if (choice.accelerator, choice.tier) == (spec.accelerator, spec.tier.value):
-            return spec
-        raw = dict(self.store.job(job_id).spec, accelerator=choice.accelerator, tier=choice.tier)
-        self.store.update_spec(job_id, raw)
-        return self._spec(job_id)
+                                   "expected_cost_usd": d.expected_cost_usd, "reason": d.reason,
+                                   "checkpoint_interval_steps": every})
+        if (choice.accelerator, choice.tier) != (spec.accelerator, spec.tier.value):
+            raw = dict(self.store.job(job_id).spec, accelerator=choice.accelerator, tier=choice.tier)
+            self.store.update_spec(job_id, raw)
+            spec = self._spec(job_id)
+        return with_checkpoint_interval(spec, choice)
 
     def _autoscale_while_running(self, job_id: str, spec: JobSpec, run: _Run) -> None:
         """Every decision interval: ask the policy whether the running job should move."""

@@ -115,7 +115,7 @@ Workload = Annotated[Union[LmWorkload, EntrypointWorkload], Field(discriminator=
 
 class CheckpointConfig(_Frozen):
     directory: str | None = None  # default: $ORCHESTRATOR_HOME/checkpoints/<job name>
-    interval_steps: PositiveInt = 20
+    interval_steps: PositiveInt = 20  # with autoscaling, the longest: spot slices preempted often save sooner
     keep: PositiveInt = 3
 
 

@@ -39,7 +39,10 @@ What this does that Can't Be Late's rules do not: it chooses the slice size (sma
 slices are cheaper per token, large ones use scarce spot windows when the deadline is
 tight), it starts on-demand when the risk that waiting forces a larger, dearer
 on-demand slice later outweighs the chance that spot returns (instead of tracking a
-uniform-progress line), and it goes back to spot whenever the safety net allows. Like
+uniform-progress line), it goes back to spot whenever the safety net allows, and it
+checkpoints each slice as often as its preemption rate makes worth the save (Young and
+Daly's interval: every few minutes where spot lasts minutes, the job's own interval on
+on-demand), counting the saves in every time and cost it estimates. Like
 Parcae it plans on predicted availability ("liveput": speed x expected uptime), but it
 prices each move in dollars, and it learns the zone's uptime and outage distribution
 (so a zone whose spot lasts minutes is not worth a restart).
@@ -59,7 +62,13 @@ RESERVED = "reserved"
 # to provision a slice; init + orbax restore + XLA compile of a ~1B model, a few minutes).
 DEFAULT_PROVISIONING_S = 120.0
 DEFAULT_STARTUP_S = 240.0
-DEFAULT_CHECKPOINT_INTERVAL_S = 600.0
+DEFAULT_CHECKPOINT_INTERVAL_S = 600.0  # the longest interval: what the job checkpoints at without preemptions
+# Training time one checkpoint costs: the blocking part of an async orbax save (the
+# state copied to host memory) plus the slowdown while it is written. An assumption
+# for a ~1B model (12 GB of parameters and Adam moments over 2-8 hosts) until a job
+# measures its own; the local cluster measures a fraction of a second for its small model.
+DEFAULT_SAVE_S = 5.0
+MIN_CHECKPOINT_INTERVAL_S = 60.0
 
 # Priors, before the job has seen its zone, chosen to agree with each other: spot stays
 # obtainable 4 h at a time and outages last 2 h, so it can be had 4 / (4 + 2) of the
@@ -119,15 +128,36 @@ class RestartCost:
 
     provisioning_s: float = DEFAULT_PROVISIONING_S  # request to slice ready; not billed
     startup_s: float = DEFAULT_STARTUP_S  # JAX init, restore, compile; billed, no progress
-    checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
+    checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S  # the longest; shorter on spot (below)
+    save_s: float = DEFAULT_SAVE_S  # training time one checkpoint costs
 
     @property
     def overhead_s(self) -> float:
         return self.provisioning_s + self.startup_s
 
-    @property
-    def expected_lost_work_s(self) -> float:
-        return self.checkpoint_interval_s / 2  # a preemption lands uniformly between checkpoints
+    def interval_s(self, hazard_per_hour: float) -> float:
+        """How often to checkpoint a slice preempted `hazard_per_hour` times an hour.
+
+        Young and Daly's first-order optimum sqrt(2 x save cost x mean time between
+        preemptions) balances the time spent saving (save_s / interval) against the work
+        lost at a preemption (half an interval on average), kept between
+        `MIN_CHECKPOINT_INTERVAL_S` and the job's own interval.
+        """
+        if hazard_per_hour <= 0:
+            return self.checkpoint_interval_s
+        best = math.sqrt(2 * self.save_s * 3600 / hazard_per_hour)
+        return min(max(best, MIN_CHECKPOINT_INTERVAL_S), self.checkpoint_interval_s)
+
+    def train_s(self, tokens: float, tokens_per_s: float, hazard_per_hour: float = 0.0) -> float:
+        """Time to train `tokens` without a preemption: the training plus the saves on the way."""
+        run_s = tokens / tokens_per_s
+        saves = max(math.ceil(run_s / self.interval_s(hazard_per_hour) - 1e-9) - 1, 0)  # none at the end
+        return run_s + self.save_s * saves
+
+    def lost_fraction(self, hazard_per_hour: float) -> float:
+        """Share of a slice's time lost to restarts, lost work and saves at that hazard."""
+        interval, per_s = self.interval_s(hazard_per_hour), hazard_per_hour / 3600
+        return per_s * (self.overhead_s + interval / 2) + self.save_s / interval
 
 
 @dataclass(frozen=True)
@@ -340,6 +370,7 @@ class Decision:
     expected_finish_s: float  # expected completion time, same clock as Snapshot.now_s
     resize: bool = False  # replaces a slice the job holds
     within_budget: bool = True
+    checkpoint_interval_s: float | None = None  # how often to checkpoint on `option`
 
 
 def slice_hazard_per_hour(option: Option, snap: Snapshot) -> float:
@@ -386,14 +417,15 @@ def outlook(snap: Snapshot) -> Outlook:
     """The snapshot's options with their expected economics.
 
     Each preemption (slice hazard per hour) costs a restart and half a checkpoint
-    interval of work, and provisioning is the only part of that which is not billed.
+    interval of work, and provisioning is the only part of that which is not billed;
+    the checkpoints themselves cost `RestartCost.save_s` each.
     """
     r, spot = snap.restart, []
     for o in (o for o in snap.options if o.preemptible):
-        per_s = slice_hazard_per_hour(o, snap) / 3600
-        productive = max(0.05, 1 - per_s * (r.overhead_s + r.expected_lost_work_s))
-        billed = max(0.05, 1 - per_s * r.provisioning_s)
-        spot.append(SpotOutlook(o, per_s * 3600, o.usd_per_token * billed / productive, o.tokens_per_s * productive,
+        hazard = slice_hazard_per_hour(o, snap)
+        productive = max(0.05, 1 - r.lost_fraction(hazard))
+        billed = max(0.05, 1 - hazard / 3600 * r.provisioning_s)
+        spot.append(SpotOutlook(o, hazard, o.usd_per_token * billed / productive, o.tokens_per_s * productive,
                                 snap.availability.fraction(o.zone, o.chips),
                                 snap.availability.spread_h(o.zone, o.chips)))
     on_demand = tuple(sorted((o for o in snap.options if not o.preemptible), key=lambda o: o.usd_per_token))
@@ -429,7 +461,7 @@ def fluid_plan(view: Outlook, horizon_s: float, tokens: float, sigmas: float = 0
         if rest <= 0:
             plan = Plan(spot.option, None, tokens, 0.0, spot_cost, horizon_s * tokens / (spot.tokens_per_up_s * up_s), True)
         else:
-            window_s = horizon_s - up_s - restart.overhead_s
+            window_s = (horizon_s - up_s - restart.overhead_s) * (1 - restart.save_s / restart.checkpoint_interval_s)
             fit = next((d for d in view.on_demand if d.tokens_per_s * window_s >= rest), None)
             if fit is not None:
                 cost = spot_cost + rest * fit.usd_per_token + start_usd(fit)
@@ -470,18 +502,21 @@ def value_of(action: Option | None, snap: Snapshot, view: Outlook, lookahead_s: 
     overhead_s = snap.current_ready_in_s if action == snap.current else r.overhead_s
     billed_overhead_s = min(overhead_s, r.startup_s)  # startup is the billed tail of a restart
     run_s = max(lookahead_s - overhead_s, 0.0)
-    per_s = next((s.hazard_per_hour for s in view.spot if s.option == action), 0.0) / 3600
+    hazard = next((s.hazard_per_hour for s in view.spot if s.option == action), 0.0)
+    interval, per_s = r.interval_s(hazard), hazard / 3600
     if per_s > 0:  # expected running time before a preemption, and work lost at one
         alive_s = (1 - math.exp(-per_s * run_s)) / per_s
-        lost_s = (1 - math.exp(-per_s * run_s)) * r.expected_lost_work_s
+        lost_s = (1 - math.exp(-per_s * run_s)) * interval / 2
     else:
         alive_s, lost_s = run_s, 0.0
-    tokens = max(action.tokens_per_s * (alive_s - lost_s), 0.0)
+    tokens = max(action.tokens_per_s * (alive_s * (1 - r.save_s / interval) - lost_s), 0.0)
     usd_per_s = action.usd_per_hour / 3600
     if tokens >= remaining:  # finishes inside the lookahead
-        used_s = remaining / action.tokens_per_s
-        done = Plan(None, None, 0.0, 0.0, 0.0, 0.0, True)
-        return ActionValue(action, usd_per_s * (billed_overhead_s + used_s), done, overhead_s + used_s)
+        used_s = r.train_s(remaining, action.tokens_per_s, hazard)
+        late = overhead_s + used_s > horizon_s  # a miss, however small: as if no token were in time
+        penalty = remaining * view.penalty_per_token if late else 0.0
+        done = Plan(None, None, 0.0, 0.0, 0.0, 0.0, not late)
+        return ActionValue(action, usd_per_s * (billed_overhead_s + used_s) + penalty, done, overhead_s + used_s)
     cost, plan = expected_plan_cost(view, horizon_s - lookahead_s, remaining - tokens, action)
     return ActionValue(action, usd_per_s * (billed_overhead_s + alive_s) + cost, plan, lookahead_s)
 
@@ -508,11 +543,12 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
 
     def od_finish_s(d: Option) -> float:  # from now, if the job moves to (or stays on) d
         overhead = snap.current_ready_in_s if d == snap.current else snap.restart.overhead_s
-        return overhead + live_left / d.tokens_per_s
+        return overhead + snap.restart.train_s(live_left, d.tokens_per_s)
 
     if on_demand:
         fastest = max(on_demand, key=lambda o: o.tokens_per_s)
-        fallback_s = snap.decision_interval_s + snap.restart.overhead_s + committed_left / fastest.tokens_per_s
+        fallback_s = (snap.decision_interval_s + snap.restart.overhead_s
+                      + snap.restart.train_s(committed_left, fastest.tokens_per_s))
         slack_s = horizon_s - fallback_s - safety_margin_s
         if slack_s < 0:
             return _safety_net(snap, on_demand, od_finish_s, horizon_s, slack_s)
@@ -585,4 +621,7 @@ def _decision(snap: Snapshot, option: Option | None, reason: str, cost: float, f
     if not within:
         reason += f" (over budget: {_usd(snap.spent_usd + cost)} expected against {_usd(snap.budget_usd)})"
     resize = snap.current is not None and option != snap.current
-    return Decision(option, reason, cost, finish_s, resize, within)
+    interval = None
+    if option is not None:
+        interval = snap.restart.interval_s(slice_hazard_per_hour(option, snap))
+    return Decision(option, reason, cost, finish_s, resize, within, interval)

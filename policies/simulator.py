@@ -9,9 +9,13 @@ The simulated world (one job, one zone):
 - Spot capacity comes from the trace (see `policies.traces`); on-demand is always there.
 - A new slice spends `provisioning_s` (not billed), then `startup_s` (billed, no
   progress), both rounded up to whole steps, then trains at its `tokens_per_s`.
+- A slice checkpoints after every interval of training: the decision's
+  `checkpoint_interval_s` (the policy's choice for that slice), or
+  `RestartCost.checkpoint_interval_s` for a policy that does not choose. Each save
+  costs `RestartCost.save_s` of billed time without progress.
 - A spot slice whose size exceeds the capacity at a step is preempted there: the
-  work since its last checkpoint (one every `checkpoint_interval_s` of training) is
-  lost. The 30 s preemption notice is not used (orbax may not finish a save in it).
+  work since its last checkpoint is lost. The 30 s preemption notice is not used
+  (orbax may not finish a save in it).
 - A slice the policy gives up voluntarily is checkpointed first, so nothing is lost.
 - Billing stops the moment the last token is trained.
 
@@ -108,6 +112,7 @@ def quantized_restart(restart: RestartCost, step_s: float) -> RestartCost:
         math.ceil(restart.provisioning_s / step_s - 1e-9) * step_s,
         math.ceil(restart.startup_s / step_s - 1e-9) * step_s,
         restart.checkpoint_interval_s,
+        restart.save_s,
     )
 
 
@@ -135,7 +140,8 @@ def simulate(
     held: Option | None = None
     overhead_steps = 0  # steps left before the held slice trains
     done = committed = trained = lost = cost = 0.0
-    since_checkpoint_s = 0.0
+    since_checkpoint_s = saving_s = 0.0  # training since the last save; save time still to pay
+    interval_s = restart.checkpoint_interval_s
     preemptions = slices_started = 0
     billed: dict[str, float] = {}
     decisions: list[DecisionRecord] = []
@@ -154,7 +160,7 @@ def simulate(
                 hazard = hazard.observe(held.tier, held.zone, host_hours=0.0, preemptions=1)
                 lost += done - committed
                 done = committed
-            held, since_checkpoint_s = None, 0.0
+            held, since_checkpoint_s, saving_s = None, 0.0, 0.0
         if i > 0 and not (changed or preempted or now >= next_decision_s - 1e-9):
             unobserved_s += dt
         else:  # a decision point: learn from what happened since the last one, then ask
@@ -171,10 +177,12 @@ def simulate(
             target = decision.option
             if target is not None and target.preemptible and target.chips > cap:
                 target = None  # asked for spot that cannot be had: nothing starts
+            if target is not None:
+                interval_s = decision.checkpoint_interval_s or restart.checkpoint_interval_s
             if target != held:
                 decisions.append(DecisionRecord(now, target.label if target else "wait", decision.reason))
                 committed = done  # a planned stop checkpoints first
-                since_checkpoint_s = 0.0
+                since_checkpoint_s = saving_s = 0.0
                 held = target
                 if held is not None:
                     slices_started += 1
@@ -191,22 +199,26 @@ def simulate(
                     exposure[key] = exposure.get(key, 0.0) + held.hosts * dt / 3600
             overhead_steps -= 1
             continue
-        run_s = min(dt, (job.total_tokens - done) / held.tokens_per_s)
+        pause_s = min(saving_s, dt)  # a save under way: billed, no progress
+        saving_s -= pause_s
+        train_s = min(dt - pause_s, (job.total_tokens - done) / held.tokens_per_s)
+        run_s = pause_s + train_s
         cost += usd_per_s * run_s
         billed[held.label] = billed.get(held.label, 0.0) + run_s
         if held.preemptible:
             key = (held.tier, held.zone)
             exposure[key] = exposure.get(key, 0.0) + held.hosts * run_s / 3600
-        done += held.tokens_per_s * run_s
-        trained += held.tokens_per_s * run_s
+        done += held.tokens_per_s * train_s
+        trained += held.tokens_per_s * train_s
         if run_s < dt or done >= job.total_tokens:
             done = committed = job.total_tokens  # the final checkpoint
             finish_s = now + run_s
             break
-        since_checkpoint_s += run_s
-        if since_checkpoint_s >= restart.checkpoint_interval_s:
-            since_checkpoint_s %= restart.checkpoint_interval_s
+        since_checkpoint_s += train_s
+        if since_checkpoint_s >= interval_s:  # a save at the interval's end (at most one a step)
+            since_checkpoint_s %= interval_s
             committed = done - held.tokens_per_s * since_checkpoint_s
+            saving_s += restart.save_s
 
     return Run(policy.name, trace.name, start_s, job.total_tokens, job.deadline_s, cost, finish_s,
                trained, lost, preemptions, slices_started, billed, tuple(decisions))

@@ -108,6 +108,28 @@ def test_safety_net_switches_to_ondemand_when_slack_is_gone():
     assert d.option == OD32 and not d.resize and "safety net" in d.reason
 
 
+def test_no_choice_that_finishes_late_however_little():
+    # 20 min left, no spot, no slice held. On-demand v4-16 is the cheapest per token but
+    # would finish 2 s after the deadline (restart, training, and the saves on the way);
+    # the policy must pay for a faster slice instead (this once missed a deadline by 1.6 s).
+    train_s = 20 * 60 - RESTART.overhead_s + 2.0
+    tokens = OD16.tokens_per_s * (train_s - RESTART.save_s * 1)  # one save after 600 s of training
+    assert RESTART.train_s(tokens, OD16.tokens_per_s) == pytest.approx(train_s)
+    snap = snapshot(hours_left=20 / 60, tokens_left=tokens, capacity=0, decision_interval_s=60.0)
+    d = decide(snap, safety_margin_s=0.0)  # no margin: only the finishing check stands in the way
+    assert d.option is not None and d.option != OD16 and not d.option.preemptible
+
+
+def test_policy_checkpoints_more_often_where_preemptions_are_frequent():
+    stormy = SpotHazard().observe(SPOT, "default", host_hours=10, preemptions=40)
+    calm = decide(snapshot(hours_left=200, tokens_left=5e9, capacity=32))
+    busy = decide(snapshot(hours_left=200, tokens_left=5e9, capacity=32, hazard=stormy))
+    assert calm.option.preemptible and busy.option.preemptible
+    assert busy.checkpoint_interval_s < calm.checkpoint_interval_s <= RESTART.checkpoint_interval_s
+    on_demand = decide(snapshot(hours_left=2, tokens_left=OD64.tokens_per_s * 1.5 * HOUR, capacity=0))
+    assert not on_demand.option.preemptible and on_demand.checkpoint_interval_s == RESTART.checkpoint_interval_s
+
+
 def test_bigger_spot_slice_becoming_available_can_trigger_a_resize():
     # Far behind schedule on spot v4-16 with a v4-64 on offer: move up.
     left = 16e9

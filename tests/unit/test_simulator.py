@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -84,7 +85,8 @@ def test_no_preemptions_costs_exactly_spot_price_times_time():
     trace = constant_trace(1, gap_s=300, ticks=200)
     run = simulate(FixedPolicy(SPOT32), job, trace)
     restart = quantized_restart(RestartCost(), step_seconds(trace))
-    train_s = job.total_tokens / SPOT32.tokens_per_s
+    train_s = restart.train_s(job.total_tokens, SPOT32.tokens_per_s)
+    assert train_s == job.total_tokens / SPOT32.tokens_per_s + 17 * restart.save_s  # 3 h: a save every 10 min
     assert run.preemptions == 0 and run.tokens_lost == 0
     assert run.finish_s == pytest.approx(restart.overhead_s + train_s)
     billed_s = restart.startup_s + train_s  # provisioning is not billed
@@ -106,25 +108,48 @@ def test_work_is_conserved(trace, make_policy):
 
 def test_preemption_loses_the_work_since_the_last_checkpoint():
     # spot for 35 minutes, gone for an hour, then back: 6 min of overhead, 29 min of
-    # training with checkpoints at 10 and 20 min, so 9 min are lost and trained again.
+    # running with checkpoints after 10 and 20 min of training (each pausing it for
+    # save_s), so the last 9 min less two saves are lost and trained again.
     trace = trace_of([1] * 7 + [0] * 12 + [1] * 200, gap_s=300)
     job = small_job(ondemand_hours=1, slack=10)
     run = simulate(FixedPolicy(SPOT32), job, trace)
     restart = quantized_restart(RestartCost(), step_seconds(trace))
-    trained_s = 35 * 60 - restart.overhead_s
-    lost_s = trained_s % restart.checkpoint_interval_s
+    trained_s = 35 * 60 - restart.overhead_s - 2 * restart.save_s
+    lost_s = trained_s - 2 * restart.checkpoint_interval_s
     assert run.preemptions == 1 and run.slices_started == 2
     assert run.tokens_lost == pytest.approx(SPOT32.tokens_per_s * lost_s)
     second_start = (35 + 60) * 60
-    left_s = (job.total_tokens - SPOT32.tokens_per_s * (trained_s - lost_s)) / SPOT32.tokens_per_s
+    left_s = restart.train_s(job.total_tokens - SPOT32.tokens_per_s * (trained_s - lost_s), SPOT32.tokens_per_s)
     assert run.finish_s == pytest.approx(second_start + restart.overhead_s + left_s)
+
+
+def test_the_decisions_checkpoint_interval_is_used():
+    # The same preemption as above, under a policy that checkpoints every 2 minutes:
+    # less work is lost, and each save pauses training for save_s.
+    @dataclasses.dataclass(frozen=True)
+    class Often:
+        name: str = "often"
+
+        def decide(self, snap):
+            d = FixedPolicy(SPOT32).decide(snap)
+            return dataclasses.replace(d, checkpoint_interval_s=120.0)
+
+    trace = trace_of([1] * 7 + [0] * 12 + [1] * 200, gap_s=300)
+    job = small_job(ondemand_hours=1, slack=10)
+    restart = quantized_restart(RestartCost(), step_seconds(trace))
+    run = simulate(Often(), job, trace)
+    slice_s = 35 * 60 - restart.overhead_s  # 29 min: trains 120 s, saves 5 s, ...
+    saves = int(slice_s // (120 + restart.save_s))
+    trained_s = slice_s - saves * restart.save_s
+    assert run.tokens_lost == pytest.approx(SPOT32.tokens_per_s * (trained_s - saves * 120))
+    assert run.tokens_lost < simulate(FixedPolicy(SPOT32), job, trace).tokens_lost / 4  # 115 s against 530 s
 
 
 def test_ondemand_baseline_is_deterministic():
     job = small_job()
     run = simulate(FixedPolicy(OD32), job, SYNTHETIC[0])
     restart = quantized_restart(RestartCost(), step_seconds(SYNTHETIC[0]))
-    train_s = job.total_tokens / OD32.tokens_per_s
+    train_s = restart.train_s(job.total_tokens, OD32.tokens_per_s)
     assert run.cost_usd == pytest.approx(OD32.usd_per_hour * (restart.startup_s + train_s) / 3600)
     assert run.deadline_met
 

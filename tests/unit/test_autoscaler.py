@@ -1,0 +1,87 @@
+"""The running job's side of the cost policy, over a job history written through the real store."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.autoscaler import Choice, decide_for, snapshot, step_seconds, with_checkpoint_interval
+from orchestrator.spec import JobSpec
+from orchestrator.states import JobState
+from orchestrator.store import Store
+from policies.cost import DEFAULT_SAVE_S, RestartCost
+
+T0 = 1_700_000_000.0
+STEP_S = 2.0
+INTERVAL_STEPS = 300  # the spec's interval: 600 s at 2 s a step
+
+
+def _job(store: Store, preemptions: int, *, saves: list[float]) -> str:
+    spec = JobSpec.from_dict({
+        "name": "auto", "accelerator": "v4-16", "tier": "spot",
+        "workload": {"type": "lm", "steps": 20_000, "global_batch_size": 16, "seq_len": 32,
+                     "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "vocab_size": 256}},
+        "checkpoint": {"interval_steps": INTERVAL_STEPS, "directory": "/tmp/ckpt-auto"},
+        "autoscaling": {"accelerators": ["v4-16", "v4-32"], "tiers": ["spot", "on-demand"]},
+        "deadline": "P3D",
+    })
+    store.create_job("auto", "auto", spec.model_dump(mode="json"), at=T0)
+    store.transition("auto", JobState.PROVISIONING, "requesting v4-16 (spot)", at=T0)
+    store.add_event("auto", "slice", "slice s1 READY", {"name": "s1", "accelerator": "v4-16", "chips": 8,
+                                                         "tier": "spot", "state": "READY"}, at=T0 + 60)
+    store.transition("auto", JobState.STARTING, "ready", data={"provision_s": 60.0, "slice": "s1"}, at=T0 + 60)
+    store.add_event("auto", "launched", "2 workers", {"slice": "s1", "nodes": ["a", "b"], "generation": 1},
+                    at=T0 + 61)
+    store.transition("auto", JobState.RUNNING, "joined", data={"init_s": 5.0, "generation": 1}, at=T0 + 70)
+    store.add_event("auto", "restore", "fresh", {"restore_s": 10.0, "compile_s": 20.0, "restored_step": None},
+                    at=T0 + 100)
+    store.record_steps("auto", 1, [(k, 3.0, 1000.0, STEP_S) for k in range(10)], at=T0 + 120)
+    for i, blocking in enumerate(saves):
+        store.add_event("auto", "checkpoint", "saved", {"step": 5 + i, "blocking_s": blocking}, at=T0 + 121 + i)
+    for i in range(preemptions):
+        store.add_event("auto", "disruption", "preempted", {"kind": "preempted"}, at=T0 + 130 + i)
+    return "auto"
+
+
+def test_restart_cost_and_save_time_come_from_the_job(tmp_path):
+    store = Store(tmp_path / "db.sqlite")
+    job_id = _job(store, 0, saves=[0.5, 0.7, 9.0])
+    assert step_seconds(store, job_id) == STEP_S
+    snap = snapshot(store, job_id, now=T0 + 200, current=("v4-16", "spot"), spot_chips_available=8)
+    assert snap.restart.provisioning_s == 60.0
+    assert snap.restart.startup_s == pytest.approx(35.0)  # init 5 + restore 10 + compile 20
+    assert snap.restart.save_s == 0.7  # the median of what the saves blocked
+    assert snap.restart.checkpoint_interval_s == INTERVAL_STEPS * STEP_S
+
+
+def test_checkpoint_interval_shrinks_with_the_hazard_and_never_exceeds_the_spec(tmp_path):
+    calm, stormy = Store(tmp_path / "calm.sqlite"), Store(tmp_path / "stormy.sqlite")
+    every = {}
+    for name, store, preemptions in (("calm", calm, 0), ("stormy", stormy, 40)):
+        job_id = _job(store, preemptions, saves=[DEFAULT_SAVE_S] * 3)
+        choice = decide_for(store, job_id, now=T0 + 200, current=("v4-16", "spot"), spot_chips_available=16)
+        assert choice is not None and choice.checkpoint_interval_steps is not None
+        assert 1 <= choice.checkpoint_interval_steps <= INTERVAL_STEPS
+        every[name] = choice.checkpoint_interval_steps
+        if choice.tier == "spot":  # the steps are the policy's seconds at the measured step time
+            assert choice.checkpoint_interval_steps == round(choice.decision.checkpoint_interval_s / STEP_S)
+    assert every["stormy"] < every["calm"]
+    # The launch uses the policy's interval; the stored spec keeps the user's.
+    spec = JobSpec.model_validate({k: v for k, v in stormy.job("auto").spec.items() if not k.startswith("_")})
+    launched = with_checkpoint_interval(spec, Choice("v4-16", "spot", choice.decision, every["stormy"]))
+    assert launched.checkpoint.interval_steps == every["stormy"] and spec.checkpoint.interval_steps == INTERVAL_STEPS
+    assert launched.checkpoint.directory == spec.checkpoint.directory
+    assert with_checkpoint_interval(spec, Choice("v4-16", "spot", choice.decision, None)) is spec
+
+
+def test_young_daly_interval():
+    r = RestartCost(checkpoint_interval_s=3600, save_s=10)
+    assert r.interval_s(0.0) == 3600  # never preempted: the job's own interval
+    assert r.interval_s(2.0) == pytest.approx((2 * 10 * 1800) ** 0.5)  # sqrt(2 x save x mean time between)
+    assert r.interval_s(1e4) == 60  # never below a minute
+    # the chosen interval is the cheapest: time lost to saves and lost work is least there
+    best = r.lost_fraction(2.0)
+    for other in (60, 120, 400, 1200):
+        lost = 2.0 / 3600 * (r.overhead_s + other / 2) + r.save_s / other
+        assert best <= lost + 1e-12
+    assert r.train_s(3600 * 100, 100, 0.0) == 3600  # one interval of training: no save on the way
+    assert r.train_s(3600 * 100 * 2.5, 100, 0.0) == 2.5 * 3600 + 2 * 10
