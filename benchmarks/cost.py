@@ -1,6 +1,6 @@
 """Cost of the cost-aware policy against the baselines and the hindsight optimum, on every trace.
 
-    python benchmarks/cost.py [--windows N] [--jobs N] [--out PATH]
+    python benchmarks/cost.py [--windows N] [--jobs N] [--deadline X] [--sweep X,Y] [--out PATH]
 
 The job (fixed before looking at any result, and the same on every trace):
 
@@ -12,14 +12,20 @@ The job (fixed before looking at any result, and the same on every trace):
 - deadline 1.75x the on-demand v4-32 duration (20.7 h -> 36.0 h): a v4-16 alone
   could not make it, so the policy must trade size against tier;
 - restart figures: the defaults of `policies.cost.RestartCost` (120 s provisioning,
-  240 s startup, a checkpoint every 600 s).
+  240 s startup, a checkpoint at least every 600 s, each save costing 5 s).
 
 Each trace (see policies/traces/README.md: AWS GPU traces standing in for one TPU
 slice family in one zone) is replayed from `--windows` start times spread evenly over
 it. Policies: `policy` (policies.cost.CostPolicy, online, priors only), `ondemand`
 (fixed on-demand v4-32), `spot_restart` (fixed spot v4-32, waits and restarts),
 `greedy` (spot v4-32, on-demand v4-32 to the end once slack runs out) and `optimum`
-(the clairvoyant lower bound of policies.simulator.hindsight_optimum).
+(the clairvoyant lower bound of policies.simulator.hindsight_optimum). One more row,
+`policy_notice`, is the same policy in a world where every preemption notice leaves
+time to commit a checkpoint (`RestartCost.saves_on_notice`): an assumption, shown
+beside the headline figures, never in them.
+
+`by_deadline` repeats the summary at other deadlines (`--sweep`, default 1.25x, 2.5x
+and 3.5x): how much a looser deadline saves, for the policy and for the optimum.
 
 Per trace and policy: `cost_per_btok` and `hours` are means over the windows, and
 `deadline_met` is true only if every window met it. The optimum's `cost_per_btok`
@@ -39,13 +45,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.planning import job_options  # noqa: E402
-from policies.cost import CostPolicy  # noqa: E402
+from policies.cost import CostPolicy, RestartCost  # noqa: E402
 from policies.simulator import FixedPolicy, GreedyPolicy, SimJob, hindsight_optimum, simulate  # noqa: E402
 from policies.traces import bundled_traces  # noqa: E402
 
 TOTAL_TOKENS = 20e9
 DEADLINE_OVER_ONDEMAND = 1.75
-POLICIES = ("policy", "ondemand", "spot_restart", "greedy", "optimum")
+POLICIES = ("policy", "ondemand", "spot_restart", "greedy", "optimum", "policy_notice")
+SWEEP = (1.25, 2.5, 3.5)  # other deadlines, as multiples of the on-demand v4-32 duration
 RESULT_PATH = Path(__file__).parent / "results" / "cost.json"
 
 
@@ -63,14 +70,15 @@ def run_window(args: tuple[str, float, float]) -> dict[str, dict]:
     od32 = next(o for o in job.options if o.name == "v4-32" and o.tier == "on-demand")
     spot32 = next(o for o in job.options if o.name == "v4-32" and o.tier == "spot")
     policies = {
-        "policy": CostPolicy(),
-        "ondemand": FixedPolicy(od32, "ondemand"),
-        "spot_restart": FixedPolicy(spot32, "spot_restart"),
-        "greedy": GreedyPolicy(spot32, od32),
+        "policy": (CostPolicy(), RestartCost()),
+        "ondemand": (FixedPolicy(od32, "ondemand"), RestartCost()),
+        "spot_restart": (FixedPolicy(spot32, "spot_restart"), RestartCost()),
+        "greedy": (GreedyPolicy(spot32, od32), RestartCost()),
+        "policy_notice": (CostPolicy(name="policy_notice"), RestartCost(saves_on_notice=True)),
     }
     out = {}
-    for name, policy in policies.items():
-        run = simulate(policy, job, trace, start_s=start_s)
+    for name, (policy, restart) in policies.items():
+        run = simulate(policy, job, trace, start_s=start_s, restart=restart)
         out[name] = {"usd": run.cost_usd, "hours": run.hours, "deadline_met": run.deadline_met,
                      "preemptions": run.preemptions, "lost": run.tokens_lost / run.total_tokens}
     best = hindsight_optimum(job, trace, start_s=start_s)
@@ -121,25 +129,36 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
     return {"traces": traces, "summary": summary}
 
 
+def run_all(pool: ProcessPoolExecutor, deadline_over_ondemand: float, windows: int) -> dict[str, list[dict]]:
+    """Every policy on every window of every trace: {trace: [one result per window]}."""
+    tasks = [(t.name, i * t.duration_s / windows, deadline_over_ondemand)
+             for t in bundled_traces() for i in range(windows)]
+    trace_runs: dict[str, list[dict]] = {}
+    for (name, _, _), result in zip(tasks, pool.map(run_window, tasks)):
+        trace_runs.setdefault(name, []).append(result)
+    return trace_runs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--windows", type=int, default=4, help="start times per trace")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes")
     parser.add_argument("--deadline", type=float, default=DEADLINE_OVER_ONDEMAND,
                         help="deadline as a multiple of the on-demand v4-32 duration")
+    parser.add_argument("--sweep", type=lambda v: [float(x) for x in v.split(",") if x], default=list(SWEEP),
+                        help="other deadlines to summarise, comma-separated ('' for none)")
     parser.add_argument("--out", type=Path, default=RESULT_PATH)
     args = parser.parse_args(argv)
 
     job = benchmark_job(args.deadline)
-    tasks = [(t.name, i * t.duration_s / args.windows, args.deadline)
-             for t in bundled_traces() for i in range(args.windows)]
     began = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
-        results = list(pool.map(run_window, tasks))
-    trace_runs: dict[str, list[dict]] = {}
-    for (name, _, _), result in zip(tasks, results):
-        trace_runs.setdefault(name, []).append(result)
-    report = summarise(trace_runs)
+        report = summarise(run_all(pool, args.deadline, args.windows))
+        sweep = [d for d in args.sweep if d != args.deadline]
+        report["by_deadline"] = {str(args.deadline): report["summary"]}
+        for d in sweep:
+            print(f"deadline {d}x ...", flush=True)
+            report["by_deadline"][str(d)] = summarise(run_all(pool, d, args.windows))["summary"]
     report["job"] = {
         "model": "dense decoder ~1B params (24 layers, d_model 2048, seq 2048)",
         "total_tokens": TOTAL_TOKENS,

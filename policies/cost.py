@@ -130,6 +130,10 @@ class RestartCost:
     startup_s: float = DEFAULT_STARTUP_S  # JAX init, restore, compile; billed, no progress
     checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S  # the longest; shorter on spot (below)
     save_s: float = DEFAULT_SAVE_S  # training time one checkpoint costs
+    # Whether a preemption notice (GCE gives about 30 s) leaves time to commit a checkpoint,
+    # so that a preemption loses no work. Off by default: whether a big state commits that
+    # fast from every host of a slice is not known here.
+    saves_on_notice: bool = False
 
     @property
     def overhead_s(self) -> float:
@@ -143,7 +147,7 @@ class RestartCost:
         lost at a preemption (half an interval on average), kept between
         `MIN_CHECKPOINT_INTERVAL_S` and the job's own interval.
         """
-        if hazard_per_hour <= 0:
+        if hazard_per_hour <= 0 or self.saves_on_notice:
             return self.checkpoint_interval_s
         best = math.sqrt(2 * self.save_s * 3600 / hazard_per_hour)
         return min(max(best, MIN_CHECKPOINT_INTERVAL_S), self.checkpoint_interval_s)
@@ -157,7 +161,11 @@ class RestartCost:
     def lost_fraction(self, hazard_per_hour: float) -> float:
         """Share of a slice's time lost to restarts, lost work and saves at that hazard."""
         interval, per_s = self.interval_s(hazard_per_hour), hazard_per_hour / 3600
-        return per_s * (self.overhead_s + interval / 2) + self.save_s / interval
+        return per_s * (self.overhead_s + self.lost_per_preemption_s(interval)) + self.save_s / interval
+
+    def lost_per_preemption_s(self, interval_s: float) -> float:
+        """Work a preemption loses on average: half an interval, or none if the notice is used."""
+        return 0.0 if self.saves_on_notice else interval_s / 2
 
 
 @dataclass(frozen=True)
@@ -506,7 +514,7 @@ def value_of(action: Option | None, snap: Snapshot, view: Outlook, lookahead_s: 
     interval, per_s = r.interval_s(hazard), hazard / 3600
     if per_s > 0:  # expected running time before a preemption, and work lost at one
         alive_s = (1 - math.exp(-per_s * run_s)) / per_s
-        lost_s = (1 - math.exp(-per_s * run_s)) * interval / 2
+        lost_s = (1 - math.exp(-per_s * run_s)) * r.lost_per_preemption_s(interval)
     else:
         alive_s, lost_s = run_s, 0.0
     tokens = max(action.tokens_per_s * (alive_s * (1 - r.save_s / interval) - lost_s), 0.0)

@@ -14,8 +14,8 @@ The simulated world (one job, one zone):
   `RestartCost.checkpoint_interval_s` for a policy that does not choose. Each save
   costs `RestartCost.save_s` of billed time without progress.
 - A spot slice whose size exceeds the capacity at a step is preempted there: the
-  work since its last checkpoint is lost. The 30 s preemption notice is not used
-  (orbax may not finish a save in it).
+  work since its last checkpoint is lost, unless `RestartCost.saves_on_notice` says
+  the preemption notice leaves time for a save (off by default).
 - A slice the policy gives up voluntarily is checkpointed first, so nothing is lost.
 - Billing stops the moment the last token is trained.
 
@@ -113,6 +113,7 @@ def quantized_restart(restart: RestartCost, step_s: float) -> RestartCost:
         math.ceil(restart.startup_s / step_s - 1e-9) * step_s,
         restart.checkpoint_interval_s,
         restart.save_s,
+        restart.saves_on_notice,
     )
 
 
@@ -158,6 +159,8 @@ def simulate(
             if overhead_steps <= startup_steps:  # billed, so the slice existed: a preemption
                 preemptions += 1
                 hazard = hazard.observe(held.tier, held.zone, host_hours=0.0, preemptions=1)
+                if restart.saves_on_notice:
+                    committed = done
                 lost += done - committed
                 done = committed
             held, since_checkpoint_s, saving_s = None, 0.0, 0.0
