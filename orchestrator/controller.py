@@ -202,7 +202,11 @@ class Controller:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and any(not self.store.job(j).state.terminal for j in runs):
             time.sleep(0.2)
-        for provider in [self.provider, *self._gcp.values()]:
+        # A cloud is asked only while the store says one of our slices may live there: a
+        # cloud endpoint that is gone would otherwise hold shutdown for its whole retry budget.
+        # (`orchestrator gc` looks for slices the store never heard of.)
+        clouds = {rec["provider"] for rec in self.store.slices(live_only=True)}
+        for provider in [self.provider, *(p for p in self._gcp.values() if p.name in clouds)]:
             try:
                 for s in provider.list():
                     provider.release(s.name)
