@@ -255,7 +255,8 @@ class GreedyPolicy:
 
     def decide(self, snap: Snapshot) -> Decision:
         left = snap.total_tokens - snap.tokens_committed
-        fallback_s = snap.decision_interval_s + snap.restart.overhead_s + left / self.on_demand.tokens_per_s
+        fallback_s = (snap.decision_interval_s + snap.restart.overhead_s
+                      + snap.restart.train_s(left, self.on_demand.tokens_per_s))
         if snap.current == self.on_demand or snap.deadline_s - snap.now_s - fallback_s < self.safety_margin_s:
             return Decision(self.on_demand, "slack exhausted: on-demand to the end", math.nan, math.nan)
         if self.spot.chips <= snap.spot_chips_available:
