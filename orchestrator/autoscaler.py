@@ -2,9 +2,10 @@
 
 `decide_for(store, job_id, now=...)` builds a `policies.cost.Snapshot` from what the job
 has shown so far: its measured tokens/s on each slice type it ran on (the scaling model
-for the others), the preemptions it suffered (updating the policy's hazard prior), the
-restart costs it measured (provisioning, init, restore, compile), the money spent, and
-the tokens in its last committed checkpoint. The controller asks before each
+for the others), the preemptions it suffered (updating the policy's hazard prior), what
+its spot slices showed of the zone's capacity (time waiting for it, time up), the restart
+costs it measured (provisioning, init, restore, compile, the time a save blocks), the
+money spent, and the tokens in its last committed checkpoint. The controller asks before each
 provisioning and every `DECISION_INTERVAL_S` while the job runs, and acts on the answer
 (records it as an `autoscale` event with the policy's reason, then provisions or
 resizes). Only jobs with an `autoscaling` section are autoscaled.
@@ -19,8 +20,8 @@ from orchestrator import catalog
 from orchestrator.goodput import billed_slices, goodput
 from orchestrator.planning import DEFAULT_FLOPS_PER_TOKEN, job_options
 from orchestrator.spec import JobSpec, LmWorkload
-from orchestrator.store import Store
-from policies.cost import CostPolicy, Decision, Option, RestartCost, SpotHazard, Snapshot
+from orchestrator.store import Event, Store
+from policies.cost import CostPolicy, Decision, Option, RestartCost, SpotAvailability, SpotHazard, Snapshot
 from workers.model import ModelShape
 
 DECISION_INTERVAL_S = 60.0
@@ -92,6 +93,8 @@ def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] 
                           for b in billed_slices(events, end=now) if b.tier == "spot")
     hazard = SpotHazard().observe("spot", "default", host_hours=spot_host_hours, preemptions=g.preemptions)
 
+    availability = spot_availability(events, now=now, sizes=sorted({o.chips for o in options if o.preemptible}))
+
     done_steps = (steps[-1].step + 1) if steps else 0
     committed = max([e.data["step"] for e in events if e.kind == "checkpoint"] + [0])
     deadline = job.created_at + (spec.deadline.total_seconds() if spec.deadline else NO_DEADLINE_S)
@@ -101,8 +104,33 @@ def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] 
     return Snapshot(now_s=now, deadline_s=deadline, total_tokens=float(total),
                     tokens_done=float(done_steps * tokens_per_step),
                     tokens_committed=float(min(committed, done_steps) * tokens_per_step), options=options,
-                    spot_chips_available=spot_chips_available, current=holding, hazard=hazard, restart=restart,
+                    spot_chips_available=spot_chips_available, current=holding, hazard=hazard,
+                    availability=availability, restart=restart,
                     spent_usd=g.usd_total, budget_usd=spec.budget_usd, decision_interval_s=DECISION_INTERVAL_S)
+
+
+def spot_availability(events: list[Event], *, now: float, sizes: list[int]) -> SpotAvailability:
+    """What the job's own spot slices showed of the zone's capacity, on top of the policy's prior.
+
+    A spot slice waiting for capacity (or under a preemption notice) says that its size,
+    and every larger one, could not be had then; a spot slice that is up says that its
+    size, and every smaller one, could. Nothing is known of the time between slices.
+    """
+    by_name: dict[str, list[Event]] = {}
+    for e in events:
+        if e.kind == "slice" and e.data and e.data.get("tier") == "spot" and e.data.get("chips"):
+            by_name.setdefault(e.data["name"], []).append(e)
+    seen = []  # (start, end, chips, could be had)
+    for evs in by_name.values():
+        for e, after in zip(evs, [*evs[1:], None]):
+            state, end = e.data.get("state"), (after.at if after is not None else now)
+            if state in ("WAITING", "PREEMPTING", "READY") and end > e.at:
+                seen.append((e.at, end, int(e.data["chips"]), state == "READY"))
+    availability = SpotAvailability()
+    for start, end, chips, up in sorted(seen):
+        which = [c for c in sizes if (c <= chips if up else c >= chips)]
+        availability = availability.observe("default", which, chips if up else 0, end - start)
+    return availability
 
 
 def with_checkpoint_interval(spec: JobSpec, choice: Choice) -> JobSpec:

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.autoscaler import Choice, decide_for, snapshot, step_seconds, with_checkpoint_interval
+from orchestrator.autoscaler import (
+    Choice,
+    decide_for,
+    snapshot,
+    spot_availability,
+    step_seconds,
+    with_checkpoint_interval,
+)
 from orchestrator.spec import JobSpec
 from orchestrator.states import JobState
 from orchestrator.store import Store
@@ -51,6 +58,9 @@ def test_restart_cost_and_save_time_come_from_the_job(tmp_path):
     assert snap.restart.startup_s == pytest.approx(35.0)  # init 5 + restore 10 + compile 20
     assert snap.restart.save_s == 0.7  # the median of what the saves blocked
     assert snap.restart.checkpoint_interval_s == INTERVAL_STEPS * STEP_S
+    # Its spot v4-16 (8 chips) has been up since T0 + 60: the policy sees that capacity.
+    assert snap.availability.fraction("default", 8) > snap.availability.prior_fraction
+    assert snap.availability.counts[("default", 8)].observed_h == pytest.approx(140 / 3600)
 
 
 def test_checkpoint_interval_shrinks_with_the_hazard_and_never_exceeds_the_spec(tmp_path):
@@ -85,3 +95,28 @@ def test_young_daly_interval():
         assert best <= lost + 1e-12
     assert r.train_s(3600 * 100, 100, 0.0) == 3600  # one interval of training: no save on the way
     assert r.train_s(3600 * 100 * 2.5, 100, 0.0) == 2.5 * 3600 + 2 * 10
+
+
+def test_spot_capacity_is_learned_from_the_jobs_own_slices(tmp_path):
+    store = Store(tmp_path / "db.sqlite")
+    store.create_job("j", "j", {}, at=T0)
+
+    def slice_event(at, name, chips, state, tier="spot"):
+        store.add_event("j", "slice", f"{name} {state}", {"name": name, "chips": chips, "tier": tier, "state": state},
+                        at=at)
+
+    hour = 3600.0
+    slice_event(T0, "a", 16, "REQUESTED")
+    slice_event(T0, "a", 16, "WAITING")  # 3 h without a 16-chip spot slice
+    slice_event(T0 + 3 * hour, "a", 16, "READY")  # then 1 h up
+    slice_event(T0 + 4 * hour, "a", 16, "PREEMPTING")
+    slice_event(T0 + 4 * hour + 30, "a", 16, "GONE")
+    slice_event(T0 + 5 * hour, "b", 8, "READY", tier="on-demand")  # on-demand says nothing of spot
+    seen = spot_availability(store.events("j"), now=T0 + 6 * hour, sizes=[8, 16, 32])
+    prior = seen.prior_fraction
+    # 16 chips: 1 h up of 4 h seen; 32 chips: never up while 16 waited; 8 chips: up for that hour
+    assert seen.fraction("default", 16) < prior and seen.fraction("default", 32) < seen.fraction("default", 16)
+    assert seen.fraction("default", 8) > prior
+    up_h, _ = seen.uptime_h("default", 16)
+    assert up_h < seen.prior_uptime_h  # one period of 1 h seen, against the prior's 4 h
+    assert spot_availability([], now=T0, sizes=[8, 16, 32]).fraction("default", 16) == prior
