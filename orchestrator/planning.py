@@ -148,10 +148,11 @@ def render_plan(plan: JobPlan) -> Table:
     for column in ("cost", "$/Btok", "time", "miss risk", "budget"):
         table.add_column(column, justify="right", no_wrap=True)
     for o in (*plan.options, plan.policy):
+        finished = o.expected_hours is not None  # else the cost is only what was spent before giving up
         table.add_row(
             o.label,
-            _usd(o.expected_cost_usd),
-            f"{o.expected_cost_usd / plan.total_tokens * 1e9:,.2f}",
+            _usd(o.expected_cost_usd) if finished else "-",
+            f"{o.expected_cost_usd / plan.total_tokens * 1e9:,.2f}" if finished else "-",
             "unfinished" if o.expected_hours is None else f"{o.expected_hours:.1f} h",
             f"{o.deadline_miss_risk:.0%}",
             "ok" if o.within_budget else "over",

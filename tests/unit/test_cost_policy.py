@@ -213,3 +213,15 @@ def test_plan_job_and_render_plan():
     text = plan_text(plan)
     assert "v4-32 on-demand" in text and "cost policy" in text and "miss risk" in text
     assert render_plan(plan).row_count == 5
+
+
+def test_plan_shows_no_cost_for_an_option_that_never_finishes(tmp_path):
+    # A zone whose spot capacity never reaches 32 chips: v4-64 spot never starts.
+    trace = tmp_path / "trace.json"
+    trace.write_text('{"metadata": {"gap_seconds": 600}, "data": [1, 1, 0, 1, 1, 1, 0, 0, 1, 1]}')
+    plan = plan_job(tpu_types=["v4-32", "v4-64"], tiers=["spot", "on-demand"], total_tokens=2e9,
+                    deadline_hours=6, trace_path=trace, windows=2)
+    never = next(o for o in plan.options if o.label == "v4-64 spot")
+    assert never.expected_hours is None and never.deadline_miss_risk == 1
+    row = next(line for line in plan_text(plan).splitlines() if "v4-64 spot" in line)
+    assert "unfinished" in row and "$" not in row
