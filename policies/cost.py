@@ -27,8 +27,9 @@ token) subject to meeting the deadline. The decision rule, in `decide`:
    and progress over `lookahead_s` (restart, preemption and lost work included), plus
    the expected cost of finishing from there under a fluid plan (`fluid_plan`): spot of
    one size whenever it can be had, at its hazard-discounted speed and price per
-   token, and the cheapest on-demand size that fills the shortfall in the remaining
-   outage time. Future spot time is uncertain, so the plan is priced in five scenarios
+   token, and the cheapest on-demand mix (one size, or a cheap slow one and a fast
+   one) that fills the shortfall in the remaining outage time. Future spot time is
+   uncertain, so the plan is priced in five scenarios
    of it (mean +- standard deviations from the learned up/down period lengths) and
    averaged: a plan's cost is convex in spot time, so the average prices the risk of a
    long outage. The cheapest action wins; leaving the current slice must also pay the
@@ -357,13 +358,18 @@ class Plan:
     cost_usd: float
     finish_after_s: float
     feasible: bool
+    on_demand_second: Option | None = None  # a faster size for part of the on-demand tokens
+    on_demand_second_tokens: float = 0.0
 
     def describe(self) -> str:
         parts = []
         if self.spot and self.spot_tokens > 0:
             parts.append(f"spot {self.spot.name} for {self.spot_tokens / 1e9:.2f}B tokens")
-        if self.on_demand and self.on_demand_tokens > 0:
-            parts.append(f"on-demand {self.on_demand.name} for {self.on_demand_tokens / 1e9:.2f}B")
+        first = self.on_demand_tokens - self.on_demand_second_tokens
+        if self.on_demand and first > 0:
+            parts.append(f"on-demand {self.on_demand.name} for {first / 1e9:.2f}B")
+        if self.on_demand_second and self.on_demand_second_tokens > 0:
+            parts.append(f"on-demand {self.on_demand_second.name} for {self.on_demand_second_tokens / 1e9:.2f}B")
         text = " + ".join(parts) or "nothing left to train"
         return text if self.feasible else text + " (cannot fit before the deadline)"
 
@@ -446,11 +452,13 @@ def fluid_plan(view: Outlook, horizon_s: float, tokens: float, sigmas: float = 0
     """Cheapest way to train `tokens` within `horizon_s`, treating the future as a fluid.
 
     Each spot size is used whenever it can be had, for `SpotOutlook.up_s` (`sigmas`
-    away from the mean); what it cannot cover goes to the cheapest on-demand size fast
-    enough to fit in the rest of the horizon. Each slice the plan uses costs one
-    startup unless the job is `holding` it already (later restarts after preemptions
-    are in the spot price per token); without that, starting later would always look
-    cheaper than starting now. A plan that cannot fit is kept but priced with a steep
+    away from the mean); what it cannot cover goes to on-demand in the rest of the
+    horizon: the cheapest size fast enough alone, or a cheaper, slower size for as long
+    as the time allows and a faster one for the rest, whichever costs less (a single
+    size that just fits would overpay for speed on every token). Each slice the plan
+    uses costs one startup unless the job is `holding` it already (later restarts after
+    preemptions are in the spot price per token); without that, starting later would
+    always look cheaper than starting now. A plan that cannot fit is kept but priced with a steep
     penalty, so that the policy moves away from it smoothly.
     """
     if tokens <= 0:
@@ -470,10 +478,11 @@ def fluid_plan(view: Outlook, horizon_s: float, tokens: float, sigmas: float = 0
             plan = Plan(spot.option, None, tokens, 0.0, spot_cost, horizon_s * tokens / (spot.tokens_per_up_s * up_s), True)
         else:
             window_s = (horizon_s - up_s - restart.overhead_s) * (1 - restart.save_s / restart.checkpoint_interval_s)
-            fit = next((d for d in view.on_demand if d.tokens_per_s * window_s >= rest), None)
-            if fit is not None:
-                cost = spot_cost + rest * fit.usd_per_token + start_usd(fit)
-                plan = Plan(spot and spot.option, fit, spot_tokens, rest, cost, horizon_s, True)
+            fill = _on_demand_fill(view, rest, window_s, start_usd)
+            if fill is not None:
+                cost, fit, second, second_tokens = fill
+                plan = Plan(spot and spot.option, fit, spot_tokens, rest, spot_cost + cost, horizon_s, True,
+                            second, second_tokens)
             else:
                 d = max(view.on_demand, key=lambda o: o.tokens_per_s) if view.on_demand else None
                 short = rest - (d.tokens_per_s * max(window_s, 0.0) if d else 0.0)
@@ -482,6 +491,32 @@ def fluid_plan(view: Outlook, horizon_s: float, tokens: float, sigmas: float = 0
                 plan = Plan(spot and spot.option, d, spot_tokens, rest, cost, finish, False)
         if best is None or plan.cost_usd < best.cost_usd:
             best = plan
+    return best
+
+
+def _on_demand_fill(view: Outlook, tokens: float, window_s: float, start_usd) -> tuple | None:
+    """Cheapest on-demand way to train `tokens` within `window_s`: one size, or a cheaper
+    (slower) size for as long as the window allows and a faster one for the rest (one
+    more restart). Returns (cost, first size, second size or None, tokens on the second),
+    or None if even the fastest size cannot fit."""
+    best = None
+    for d in view.on_demand:
+        if d.tokens_per_s * window_s >= tokens:
+            cost = tokens * d.usd_per_token + start_usd(d)
+            if best is None or cost < best[0]:
+                best = (cost, d, None, 0.0)
+    pair_window_s = window_s - view.restart.overhead_s
+    for a in view.on_demand:
+        for b in view.on_demand:
+            if not (a.usd_per_token < b.usd_per_token and a.tokens_per_s < b.tokens_per_s):
+                continue
+            # as much on `a` as the window allows when `b` trains the rest
+            on_a = (pair_window_s - tokens / b.tokens_per_s) / (1 / a.tokens_per_s - 1 / b.tokens_per_s)
+            if not 0 < on_a < tokens:
+                continue
+            cost = on_a * a.usd_per_token + (tokens - on_a) * b.usd_per_token + start_usd(a) + start_usd(b)
+            if best is None or cost < best[0]:
+                best = (cost, a, b, tokens - on_a)
     return best
 
 

@@ -22,6 +22,8 @@ from policies.cost import (
     SpotHazard,
     decide,
     estimate_tokens_per_s,
+    fluid_plan,
+    outlook,
 )
 from policies.simulator import SimJob, simulate
 from policies.traces import SpotTrace, markov_trace
@@ -118,6 +120,21 @@ def test_no_choice_that_finishes_late_however_little():
     snap = snapshot(hours_left=20 / 60, tokens_left=tokens, capacity=0, decision_interval_s=60.0)
     d = decide(snap, safety_margin_s=0.0)  # no margin: only the finishing check stands in the way
     assert d.option is not None and d.option != OD16 and not d.option.preemptible
+
+
+def test_plan_mixes_a_cheap_slow_on_demand_size_with_a_fast_one():
+    # 10 h of v4-16 on-demand work in 8 h: v4-16 alone is too slow, v4-32 alone overpays.
+    tokens = OD16.tokens_per_s * 10 * HOUR
+    view = outlook(snapshot(hours_left=8, tokens_left=tokens, capacity=0, options=(OD16, OD32)))
+    plan = fluid_plan(view, 8 * HOUR, tokens)
+    assert plan.feasible and plan.on_demand == OD16 and plan.on_demand_second == OD32
+    on_16 = tokens - plan.on_demand_second_tokens
+    # the time left after the first restart, less the saves, less the second restart
+    window_s = (8 * HOUR - RESTART.overhead_s) * (1 - RESTART.save_s / RESTART.checkpoint_interval_s) - RESTART.overhead_s
+    assert on_16 / OD16.tokens_per_s + plan.on_demand_second_tokens / OD32.tokens_per_s == pytest.approx(window_s)
+    all_32 = tokens * OD32.usd_per_token + OD32.usd_per_hour * RESTART.startup_s / HOUR
+    assert plan.cost_usd < all_32
+    assert "on-demand v4-16 for" in plan.describe() and "on-demand v4-32 for" in plan.describe()
 
 
 def test_policy_checkpoints_more_often_where_preemptions_are_frequent():
