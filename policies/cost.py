@@ -54,6 +54,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 SPOT = "spot"
 ON_DEMAND = "on-demand"
@@ -114,7 +115,7 @@ class Option:
     def preemptible(self) -> bool:
         return self.tier == SPOT
 
-    @property
+    @cached_property
     def usd_per_token(self) -> float:
         return self.usd_per_hour / 3600 / self.tokens_per_s
 
@@ -422,6 +423,7 @@ class Outlook:
 
     spot: tuple[SpotOutlook, ...]
     on_demand: tuple[Option, ...]  # cheapest per token first
+    on_demand_pairs: tuple[tuple[Option, Option], ...]  # (cheaper and slower, faster) pairs to mix
     fastest_tokens_per_s: float
     penalty_per_token: float
     restart: RestartCost
@@ -443,7 +445,9 @@ def outlook(snap: Snapshot) -> Outlook:
                                 snap.availability.fraction(o.zone, o.chips),
                                 snap.availability.spread_h(o.zone, o.chips)))
     on_demand = tuple(sorted((o for o in snap.options if not o.preemptible), key=lambda o: o.usd_per_token))
-    return Outlook(tuple(spot), on_demand, max(o.tokens_per_s for o in snap.options),
+    pairs = tuple((a, b) for a in on_demand for b in on_demand
+                  if a.usd_per_token < b.usd_per_token and a.tokens_per_s < b.tokens_per_s)
+    return Outlook(tuple(spot), on_demand, pairs, max(o.tokens_per_s for o in snap.options),
                    INFEASIBLE_PENALTY * max(o.usd_per_token for o in snap.options), r)
 
 
@@ -506,17 +510,13 @@ def _on_demand_fill(view: Outlook, tokens: float, window_s: float, start_usd) ->
             if best is None or cost < best[0]:
                 best = (cost, d, None, 0.0)
     pair_window_s = window_s - view.restart.overhead_s
-    for a in view.on_demand:
-        for b in view.on_demand:
-            if not (a.usd_per_token < b.usd_per_token and a.tokens_per_s < b.tokens_per_s):
-                continue
-            # as much on `a` as the window allows when `b` trains the rest
-            on_a = (pair_window_s - tokens / b.tokens_per_s) / (1 / a.tokens_per_s - 1 / b.tokens_per_s)
-            if not 0 < on_a < tokens:
-                continue
-            cost = on_a * a.usd_per_token + (tokens - on_a) * b.usd_per_token + start_usd(a) + start_usd(b)
-            if best is None or cost < best[0]:
-                best = (cost, a, b, tokens - on_a)
+    for a, b in view.on_demand_pairs:  # as much on `a` as the window allows when `b` trains the rest
+        on_a = (pair_window_s - tokens / b.tokens_per_s) / (1 / a.tokens_per_s - 1 / b.tokens_per_s)
+        if not 0 < on_a < tokens:
+            continue
+        cost = on_a * a.usd_per_token + (tokens - on_a) * b.usd_per_token + start_usd(a) + start_usd(b)
+        if best is None or cost < best[0]:
+            best = (cost, a, b, tokens - on_a)
     return best
 
 
