@@ -531,7 +531,7 @@ class ActionValue:
     option: Option | None
     cost_usd: float  # expected spend to completion if the job takes this action now
     plan: Plan  # the fluid plan after the lookahead
-    elapsed_s: float  # time the action covers (less than the lookahead if the job finishes)
+    elapsed_s: float  # expected time the action covers before the plan takes over (less if it finishes or is preempted)
 
 
 def value_of(action: Option | None, snap: Snapshot, view: Outlook, lookahead_s: float) -> ActionValue:
@@ -560,8 +560,10 @@ def value_of(action: Option | None, snap: Snapshot, view: Outlook, lookahead_s: 
         penalty = remaining * view.penalty_per_token if late else 0.0
         done = Plan(None, None, 0.0, 0.0, 0.0, 0.0, not late)
         return ActionValue(action, usd_per_s * (billed_overhead_s + used_s) + penalty, done, overhead_s + used_s)
-    cost, plan = expected_plan_cost(view, horizon_s - lookahead_s, remaining - tokens, action)
-    return ActionValue(action, usd_per_s * (billed_overhead_s + alive_s) + cost, plan, lookahead_s)
+    # A preempted slice hands over to the plan when it dies, not at the end of the lookahead.
+    elapsed_s = overhead_s + alive_s
+    cost, plan = expected_plan_cost(view, horizon_s - elapsed_s, remaining - tokens, action)
+    return ActionValue(action, usd_per_s * (billed_overhead_s + alive_s) + cost, plan, elapsed_s)
 
 
 @dataclass(frozen=True)
