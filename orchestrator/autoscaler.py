@@ -20,7 +20,7 @@ from orchestrator import catalog
 from orchestrator.goodput import billed_slices, goodput
 from orchestrator.planning import DEFAULT_FLOPS_PER_TOKEN, job_options
 from orchestrator.spec import JobSpec, LmWorkload
-from orchestrator.store import Event, Store
+from orchestrator.store import Event, StepMetric, Store
 from policies.cost import CostPolicy, Decision, Option, RestartCost, SpotAvailability, SpotHazard, Snapshot
 from workers.model import ModelShape
 
@@ -47,6 +47,12 @@ def _flops_per_token(spec: JobSpec) -> float:
 
 def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
              spot_chips_available: int) -> Snapshot:
+    return _snapshot(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available)[0]
+
+
+def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
+              spot_chips_available: int) -> tuple[Snapshot, JobSpec, float | None]:
+    """The snapshot, with the job's spec and its median step time (None before a few steps)."""
     job = store.job(job_id)
     spec = JobSpec.model_validate({k: v for k, v in job.spec.items() if not k.startswith("_")})
     auto = spec.autoscaling
@@ -81,7 +87,7 @@ def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] 
     if prov and rest:
         restart = replace(restart, provisioning_s=statistics.median(prov),
                           startup_s=statistics.median(rest) + (statistics.median(init) if init else 0.0))
-    step_s = step_seconds(store, job_id)
+    step_s = step_seconds(steps)
     if step_s:
         restart = replace(restart, checkpoint_interval_s=spec.checkpoint.interval_steps * step_s)
     if saves:
@@ -101,12 +107,13 @@ def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] 
     holding = None
     if current:
         holding = next((o for o in options if o.name == current[0] and o.tier == current[1]), None)
-    return Snapshot(now_s=now, deadline_s=deadline, total_tokens=float(total),
+    snap = Snapshot(now_s=now, deadline_s=deadline, total_tokens=float(total),
                     tokens_done=float(done_steps * tokens_per_step),
                     tokens_committed=float(min(committed, done_steps) * tokens_per_step), options=options,
                     spot_chips_available=spot_chips_available, current=holding, hazard=hazard,
                     availability=availability, restart=restart,
                     spent_usd=g.usd_total, budget_usd=spec.budget_usd, decision_interval_s=DECISION_INTERVAL_S)
+    return snap, spec, step_s
 
 
 def spot_availability(events: list[Event], *, now: float, sizes: list[int]) -> SpotAvailability:
@@ -142,9 +149,9 @@ def with_checkpoint_interval(spec: JobSpec, choice: Choice) -> JobSpec:
     return spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"interval_steps": every})})
 
 
-def step_seconds(store: Store, job_id: str) -> float | None:
-    """The job's median step time over its last steps, once it has run a few."""
-    times = [m.step_time_s for m in store.steps(job_id)[-50:] if m.step_time_s]
+def step_seconds(steps: list[StepMetric]) -> float | None:
+    """The median step time over the job's last steps, once it has run a few."""
+    times = [m.step_time_s for m in steps[-50:] if m.step_time_s]
     return statistics.median(times) if len(times) >= 3 else None
 
 
@@ -156,15 +163,12 @@ def decide_for(store: Store, job_id: str, *, now: float, current: tuple[str, str
     time), never longer than the spec's: the spec sets the longest interval, and spot
     slices that are preempted often save more often.
     """
-    decision = CostPolicy().decide(snapshot(store, job_id, now=now, current=current,
-                                            spot_chips_available=spot_chips_available))
+    snap, spec, step_s = _snapshot(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available)
+    decision = CostPolicy().decide(snap)
     o: Option | None = decision.option
     if o is None:
         return None
     steps = None
-    step_s = step_seconds(store, job_id)
     if step_s and decision.checkpoint_interval_s:
-        longest = JobSpec.model_validate(
-            {k: v for k, v in store.job(job_id).spec.items() if not k.startswith("_")}).checkpoint.interval_steps
-        steps = max(1, min(longest, round(decision.checkpoint_interval_s / step_s)))
+        steps = max(1, min(spec.checkpoint.interval_steps, round(decision.checkpoint_interval_s / step_s)))
     return Choice(o.name, o.tier, decision, steps)

@@ -52,7 +52,7 @@ def _job(store: Store, preemptions: int, *, saves: list[float]) -> str:
 def test_restart_cost_and_save_time_come_from_the_job(tmp_path):
     store = Store(tmp_path / "db.sqlite")
     job_id = _job(store, 0, saves=[0.5, 0.7, 9.0])
-    assert step_seconds(store, job_id) == STEP_S
+    assert step_seconds(store.steps(job_id)) == STEP_S
     snap = snapshot(store, job_id, now=T0 + 200, current=("v4-16", "spot"), spot_chips_available=8)
     assert snap.restart.provisioning_s == 60.0
     assert snap.restart.startup_s == pytest.approx(35.0)  # init 5 + restore 10 + compile 20
