@@ -291,6 +291,7 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
     from orchestrator.planning import plan_job, render_plan
     from orchestrator.spec import AutoscalingConfig, LmWorkload
+    from policies.traces import TraceError
     from workers.model import ModelShape
 
     spec = _load(job_file)
@@ -306,9 +307,12 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     m = w.model
     shape = ModelShape(m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size)
     flops_per_token = 6 * shape.num_params() + 12 * m.n_layers * m.d_model * w.seq_len
-    result = plan_job(tpu_types=auto.accelerators, tiers=[t.value for t in auto.tiers],
-                      total_tokens=float(w.steps * w.global_batch_size * w.seq_len), deadline_hours=hours,
-                      budget_usd=spec.budget_usd, trace_path=trace, flops_per_token=flops_per_token)
+    try:
+        result = plan_job(tpu_types=auto.accelerators, tiers=[t.value for t in auto.tiers],
+                          total_tokens=float(w.steps * w.global_batch_size * w.seq_len), deadline_hours=hours,
+                          budget_usd=spec.budget_usd, trace_path=trace, flops_per_token=flops_per_token)
+    except TraceError as e:
+        _fail(str(e))
     out.print(render_plan(result))
 
 

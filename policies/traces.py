@@ -15,12 +15,13 @@ is the only place in ``policies`` that reads files.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
 
 import numpy as np
+from pydantic import BaseModel, Field, NonNegativeInt, PositiveFloat, ValidationError
 
 TRACE_ROOT = Path(__file__).parent / "traces"
 
@@ -73,6 +74,19 @@ class SpotTrace:
 _NODES_RE = re.compile(r"(\d+)-node")
 
 
+class TraceError(ValueError):
+    """A trace file that cannot be read as a trace; the message names the file and the field."""
+
+
+class _TraceMetadata(BaseModel):
+    gap_seconds: PositiveFloat
+
+
+class _TraceFile(BaseModel):
+    metadata: _TraceMetadata
+    data: Annotated[list[NonNegativeInt], Field(min_length=1)]
+
+
 def load_trace(path: str | Path, *, name: str | None = None) -> SpotTrace:
     """Read one trace file (``{"metadata": {"gap_seconds": G}, "data": [...]}``).
 
@@ -80,13 +94,17 @@ def load_trace(path: str | Path, *, name: str | None = None) -> SpotTrace:
     count in the data (a trace that never exceeds 1 is a 1-node trace).
     """
     path = Path(path)
-    raw = json.loads(path.read_text())
-    counts = tuple(int(c) for c in raw["data"])
-    if not counts:
-        raise ValueError(f"{path}: trace has no data")
+    try:
+        raw = _TraceFile.model_validate_json(path.read_bytes())
+    except OSError as e:
+        raise TraceError(f"{path}: cannot read it ({e.strerror})") from None
+    except ValidationError as e:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'file'}: {err['msg']}" for err in e.errors())
+        raise TraceError(f"{path}: not a spot trace ({problems})") from None
+    counts = tuple(raw.data)
     match = _NODES_RE.search(path.as_posix())
     nodes = int(match.group(1)) if match else max(1, max(counts))
-    return SpotTrace(name or path.stem, float(raw["metadata"]["gap_seconds"]), counts, nodes)
+    return SpotTrace(name or path.stem, raw.metadata.gap_seconds, counts, nodes)
 
 
 def bundled_traces() -> list[SpotTrace]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -10,6 +11,8 @@ from typer.testing import CliRunner
 from orchestrator.cli import app
 from orchestrator.store import Store
 from orchestrator.states import JobState
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture
@@ -73,3 +76,17 @@ def test_status_exit_codes_follow_the_job(home):
     assert run("status", "nope").exit_code == 2
     listed = json.loads(run("list", "--json").output)
     assert {j["id"]: j["state"] for j in listed} == {"good-1": "SUCCEEDED", "bad-1": "FAILED"}
+
+
+@pytest.mark.parametrize("content, says", [
+    ("not json", "Invalid JSON"),
+    ('{"metadata": {}, "data": [1, 0]}', "metadata.gap_seconds"),
+    ('{"metadata": {"gap_seconds": 60}, "data": [1, -1]}', "data.1"),
+    ('{"metadata": {"gap_seconds": 60}, "data": []}', "data"),
+])
+def test_plan_with_a_bad_trace_names_the_file_and_field_and_exits_2(tmp_path, home, content, says):
+    trace = tmp_path / "trace.json"
+    trace.write_text(content)
+    r = run("plan", str(EXAMPLES / "plan-1b.yaml"), "--trace", str(trace))
+    assert r.exit_code == 2, r.output
+    assert str(trace) in r.output and says in r.output and "Traceback" not in r.output
