@@ -99,7 +99,9 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
                           for b in billed_slices(events, end=now) if b.tier == "spot")
     hazard = SpotHazard().observe("spot", "default", host_hours=spot_host_hours, preemptions=g.preemptions)
 
-    availability = spot_availability(events, now=now, sizes=sorted({o.chips for o in options if o.preemptible}))
+    spot = [o for o in options if o.preemptible]
+    availability = spot_availability(events, now=now, sizes=sorted({o.chips for o in spot}),
+                                     zone=spot[0].zone if spot else "default")
 
     done_steps = (steps[-1].step + 1) if steps else 0
     committed = max([e.data["step"] for e in events if e.kind == "checkpoint"] + [0])
@@ -116,7 +118,8 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
     return snap, spec, step_s
 
 
-def spot_availability(events: list[Event], *, now: float, sizes: list[int]) -> SpotAvailability:
+def spot_availability(events: list[Event], *, now: float, sizes: list[int],
+                      zone: str = "default") -> SpotAvailability:
     """What the job's own spot slices showed of the zone's capacity, on top of the policy's prior.
 
     A spot slice waiting for capacity (or under a preemption notice) says that its size,
@@ -136,7 +139,7 @@ def spot_availability(events: list[Event], *, now: float, sizes: list[int]) -> S
     availability = SpotAvailability()
     for start, end, chips, up in sorted(seen):
         which = [c for c in sizes if (c <= chips if up else c >= chips)]
-        availability = availability.observe("default", which, chips if up else 0, end - start)
+        availability = availability.observe(zone, which, chips if up else 0, end - start)
     return availability
 
 

@@ -462,8 +462,8 @@ def fluid_plan(view: Outlook, horizon_s: float, tokens: float, sigmas: float = 0
     size that just fits would overpay for speed on every token). Each slice the plan
     uses costs one startup unless the job is `holding` it already (later restarts after
     preemptions are in the spot price per token); without that, starting later would
-    always look cheaper than starting now. A plan that cannot fit is kept but priced with a steep
-    penalty, so that the policy moves away from it smoothly.
+    always look cheaper than starting now. A plan that cannot fit is kept but priced
+    with a steep penalty, so that the policy moves away from it smoothly.
     """
     if tokens <= 0:
         return Plan(None, None, 0.0, 0.0, 0.0, 0.0, True)
