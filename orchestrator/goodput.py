@@ -93,6 +93,7 @@ class Goodput:
     failures: int  # attempts that failed on our side (the job's code, or no slice could be had)
     restarts: int  # launches of the workers after the first
     lost_steps: int  # steps computed again after a restore
+    productive_steps: int  # the steps whose time counts as productive: each step once, however often it ran
 
     @property
     def wall_s(self) -> float:
@@ -162,7 +163,7 @@ def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric]
     """`goodput` over rows already read (a pure function: the same rows give the same answer)."""
     intervals = state_intervals(job, events, now=now)
     start, end = intervals[0].start, intervals[-1].end
-    claims = _claims(intervals, events, steps)
+    claims, kept = _claims(intervals, events, steps)
     spent = dict.fromkeys(CATEGORIES, 0.0)
     for i, iv in enumerate(intervals):
         left = iv.end - iv.start
@@ -185,6 +186,7 @@ def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric]
         failures=sum(k in _FAILURE_OUTCOMES for k in kinds),
         restarts=max(0, launches - 1),
         lost_steps=sum(int((e.data or {}).get("steps") or 0) for e in events if e.kind == "lost_work"),
+        productive_steps=len({s.step for s in kept}),
     )
 
 
@@ -244,7 +246,7 @@ def summary_line(g: Goodput) -> str:
     by = ", ".join(f"{a} {t} ${usd:,.2f}" for (a, t), usd in sorted(g.usd_by.items()))
     return (f"goodput {g.goodput_fraction:.1%}; cost ${g.usd_total:,.2f}" + (f" ({by})" if by else "")
             + f"; {g.preemptions} preemptions, {g.failures} failures, {g.restarts} restarts, "
-            f"{g.lost_steps} steps recomputed")
+            f"{g.productive_steps} steps kept, {g.lost_steps} recomputed")
 
 
 def format_duration(seconds: float) -> str:
@@ -274,8 +276,9 @@ def state_intervals(job: JobRecord, events: list[Event], *, now: float) -> list[
             for i, (e, s, t) in enumerate(zip(changes, starts, ends))]
 
 
-def _claims(intervals: list[StateInterval], events: list[Event], steps: list[StepMetric]) -> dict[int, list]:
-    """Measured work as {interval index: [(category, seconds), ...]}."""
+def _claims(intervals: list[StateInterval], events: list[Event],
+            steps: list[StepMetric]) -> tuple[dict[int, list], list[StepMetric]]:
+    """Measured work as {interval index: [(category, seconds), ...]}, and the step rows kept as productive."""
     claims: dict[int, list] = {}
 
     def claim(i: int, category: str, seconds) -> None:
@@ -308,7 +311,7 @@ def _claims(intervals: list[StateInterval], events: list[Event], steps: list[Ste
         warm_up = max(0.0, dt - median) if first_step[s.generation] == s.step else 0.0
         claim(i, "runtime_init", warm_up)
         claim(i, "productive", dt - warm_up)
-    return claims
+    return claims, kept
 
 
 def _work_interval(intervals: list[StateInterval], starts: list[float], t: float) -> int:

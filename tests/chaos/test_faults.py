@@ -116,12 +116,15 @@ def test_a_host_vanishes(client, tmp_path, reference, undisturbed):
     lost = kinds(job, "lost_work")[0].data
     assert lost["steps"] == lost["from_step"] - lost["to_step"] >= 0
     # Goodput accounting saw it: restore and lost work counted, categories adding up to the wall time,
-    # and the productive time that of the undisturbed run: the same steps, done once each.
+    # and productive time made of the same steps as the undisturbed run's, each counted once. (Not the
+    # same seconds: step times on this shared machine vary by more than 10% from one run to the next.)
     g = goodput(client.store, job.id)
     assert g.restore_s > 0 and g.lost_steps == lost["steps"] and g.preemptions == 1
     assert (g.lost_work_s > 0) == (lost["steps"] > 0) and g.lost_work_s <= lost["seconds"] + 1e-6
     assert sum(g.seconds().values()) == pytest.approx(g.wall_s, rel=0.01)
-    assert g.productive_s == pytest.approx(undisturbed.productive_s, rel=0.10), (g.seconds(), undisturbed.seconds())
+    assert g.productive_steps == undisturbed.productive_steps == STEPS
+    step_s = [m.step_time_s for m in client.store.steps(job.id)]
+    assert g.productive_s <= sum(step_s) and g.productive_s >= sum(step_s) - g.runtime_init_s
 
 
 def test_kill_during_an_async_save(client, tmp_path, reference):

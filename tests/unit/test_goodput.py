@@ -114,7 +114,7 @@ def test_preempted_job_splits_into_the_expected_categories(store):
         "productive": 30.0, "waiting_for_capacity": 15.0, "provisioning": 20.0, "runtime_init": 16.0,
         "compile": 5.0, "restore": 3.0, "checkpoint_save": 1.0, "lost_work": 3.0, "idle": 17.0})
     assert g.goodput_fraction == pytest.approx(30.0 / 110.0)
-    assert (g.preemptions, g.failures, g.restarts, g.lost_steps) == (1, 0, 1, 2)
+    assert (g.preemptions, g.failures, g.restarts, g.lost_steps, g.productive_steps) == (1, 0, 1, 2, 20)
     assert g.finished
 
 
@@ -250,6 +250,7 @@ def test_rows_awaiting_recomputation_are_not_productive(store):
     g = goodput(mid, "job-m", now=T0 + 86)
     _assert_adds_up(g)
     assert g.productive_s == pytest.approx(8 * STEP_S)  # steps 8 and 9 of the first run are not kept
+    assert g.productive_steps == 8
     assert g.lost_work_s == pytest.approx(g_end.lost_work_s) == pytest.approx(3.0)
 
 
