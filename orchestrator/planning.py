@@ -79,7 +79,7 @@ class Outlook:
     expected_cost_usd: float
     expected_hours: float | None  # mean over the windows that finished
     deadline_miss_risk: float  # fraction of windows that missed the deadline
-    within_budget: bool
+    within_budget: bool | None  # None when no window finished: the cost of an unfinished job says nothing
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def plan_job(
         cost = sum(r.cost_usd for r in runs) / len(runs)
         hours = [r.hours for r in runs if r.hours is not None]
         miss = sum(not r.deadline_met for r in runs) / len(runs)
-        within = budget_usd is None or cost <= budget_usd
+        within = None if not hours else budget_usd is None or cost <= budget_usd
         return Outlook(label, cost, sum(hours) / len(hours) if hours else None, miss, within), runs
 
     fixed = tuple(outlook(o.label, FixedPolicy(o, o.label))[0] for o in options)
@@ -155,7 +155,7 @@ def render_plan(plan: JobPlan) -> Table:
             f"{o.expected_cost_usd / plan.total_tokens * 1e9:,.2f}" if finished else "-",
             "unfinished" if o.expected_hours is None else f"{o.expected_hours:.1f} h",
             f"{o.deadline_miss_risk:.0%}",
-            "ok" if o.within_budget else "over",
+            "-" if o.within_budget is None else "ok" if o.within_budget else "over",
             style="bold" if o is plan.policy else None,
         )
     moves = [f"{m.at_s / 3600:6.2f} h  {m.option}: {m.reason}" for m in plan.policy_moves[:12]]

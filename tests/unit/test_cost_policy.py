@@ -232,13 +232,14 @@ def test_plan_job_and_render_plan():
     assert render_plan(plan).row_count == 5
 
 
-def test_plan_shows_no_cost_for_an_option_that_never_finishes(tmp_path):
+def test_plan_shows_no_cost_or_budget_verdict_for_an_option_that_never_finishes(tmp_path):
     # A zone whose spot capacity never reaches 32 chips: v4-64 spot never starts.
     trace = tmp_path / "trace.json"
     trace.write_text('{"metadata": {"gap_seconds": 600}, "data": [1, 1, 0, 1, 1, 1, 0, 0, 1, 1]}')
     plan = plan_job(tpu_types=["v4-32", "v4-64"], tiers=["spot", "on-demand"], total_tokens=2e9,
-                    deadline_hours=6, trace_path=trace, windows=2)
+                    deadline_hours=6, budget_usd=1e6, trace_path=trace, windows=2)
     never = next(o for o in plan.options if o.label == "v4-64 spot")
-    assert never.expected_hours is None and never.deadline_miss_risk == 1
+    assert never.expected_hours is None and never.deadline_miss_risk == 1 and never.within_budget is None
     row = next(line for line in plan_text(plan).splitlines() if "v4-64 spot" in line)
-    assert "unfinished" in row and "$" not in row
+    assert "unfinished" in row and "$" not in row and "ok" not in row
+    assert next(o for o in plan.options if o.label == "v4-32 on-demand").within_budget is True
