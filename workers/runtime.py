@@ -237,8 +237,10 @@ def compile_keyed(key: str, lower: Callable[[], "jax.stages.Lowered"], *,
     """`compile_cached(lower())`, without even tracing when the program `key` was kept before.
 
     `key` comes from `program_id`. On a multi-process runtime process 0 decides for all
-    (the processes must agree on one executable): it loads the kept program and hands
-    it to the others through the key-value store, or tells them to trace and compile.
+    (the processes must agree on one executable): it loads the kept program and tells the
+    others its digest, or tells them to trace and compile. A process that keeps the same
+    bytes loads its own; process 0 sends its bytes through the key-value store only when
+    some process says it lacks them (an executable of a real model is hundreds of MB).
     """
     from jax._src import distributed
 
@@ -251,19 +253,36 @@ def compile_keyed(key: str, lower: Callable[[], "jax.stages.Lowered"], *,
         if compiled is None and blob:
             path.unlink(missing_ok=True)
         if shared:
-            if compiled is not None:  # the bytes first, then the word that they are there
-                client.key_value_set_bytes(f"program-bytes/{key}", blob, allow_overwrite=True)
             digest = hashlib.sha256(blob).hexdigest() if compiled is not None else _TRACE
             client.key_value_set(f"program/{key}", digest, allow_overwrite=True)
+            if compiled is not None and _someone_lacks(client, key, share_timeout_s):
+                client.key_value_set_bytes(f"program-bytes/{key}", blob, allow_overwrite=True)
         return compiled or _trace_and_compile(path, lower, share_timeout_s)
+    need = f"program-need/{key}/{jax.process_index()}"
     try:
         digest = client.blocking_key_value_get(f"program/{key}", int(share_timeout_s * 1000))
     except Exception as e:  # process 0 never answered: make our own
         log.warning("no word from process 0 on program %s (%s); compiling", key[:12], type(e).__name__)
+        client.key_value_set(need, "no", allow_overwrite=True)
         return lower().compile()
     if digest == _TRACE:  # process 0 traces and compiles, and shares the executable as compile_cached does
         return compile_cached(lower(), share_timeout_s=share_timeout_s)
     if blob and hashlib.sha256(blob).hexdigest() == digest and (compiled := _load_keyed(blob, path.name)):
+        client.key_value_set(need, "no", allow_overwrite=True)
         return compiled  # this host keeps the same program: nothing to transfer
+    client.key_value_set(need, "yes", allow_overwrite=True)
     sent = client.blocking_key_value_get_bytes(f"program-bytes/{key}", int(share_timeout_s * 1000))
     return _load_keyed(sent, "process 0") or lower().compile()
+
+
+def _someone_lacks(client, key: str, share_timeout_s: float) -> bool:
+    """Whether some process other than 0 needs process 0's bytes of program `key` (or did not say)."""
+    for i in range(1, jax.process_count()):
+        try:
+            if client.blocking_key_value_get(f"program-need/{key}/{i}", int(share_timeout_s * 1000)) != "no":
+                return True
+        except Exception as e:  # no answer: send them, a process that waits for them gets them
+            log.warning("process %d did not say whether it keeps program %s (%s); sending it",
+                        i, key[:12], type(e).__name__)
+            return True
+    return False

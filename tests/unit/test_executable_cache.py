@@ -94,11 +94,18 @@ def lower():
     fn = jax.jit(lambda x: {"sum": (x * scale).sum(), "rows": x.sum(1)}, in_shardings=row)
     return fn.lower(jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=row))
 
-compiled = runtime.compile_keyed(runtime.program_id("test", {"scale": scale}), lower)
+key = runtime.program_id("test", {"scale": scale})
+compiled = runtime.compile_keyed(key, lower)
 x = jax.make_array_from_callback((8, 3), row, lambda idx: np.arange(24, dtype=np.float32).reshape(8, 3)[idx])
 out = compiled(x)
-print(json.dumps({"rank": rank, "traced": len(traced), "value": float(out["sum"]),
-                  "rows": np.asarray(multihost_utils.process_allgather(out["rows"], tiled=True)).tolist()}))
+rows = np.asarray(multihost_utils.process_allgather(out["rows"], tiled=True)).tolist()
+from jax._src import distributed
+try:  # whether process 0 sent its bytes of the program through the key-value store
+    distributed.global_state.client.key_value_try_get_bytes(f"program-bytes/{key}")
+    sent = True
+except Exception:
+    sent = False
+print(json.dumps({"rank": rank, "traced": len(traced), "value": float(out["sum"]), "rows": rows, "sent": sent}))
 """
 
 
@@ -115,6 +122,7 @@ def test_a_kept_program_is_loaded_after_a_restart_without_tracing_it(tmp_path):
     assert len(kept) == 1
     second = run_keyed_pair(cache, 2.0)
     assert [r["traced"] for r in second] == [0, 0]  # neither process traced the program again
+    assert [r["sent"] for r in first + second] == [False] * 4  # both hosts keep it: no bytes go between them
     for r in first + second:
         assert {"value": r["value"], "rows": r["rows"]} == expected
 
@@ -146,6 +154,7 @@ def test_hosts_with_their_own_disks_get_the_kept_executable_from_process_0(tmp_p
     assert not (tmp_path / "plain" / "host1" / "executables").exists()  # process 1 never had it on disk
     runs = [run_keyed_pair(tmp_path / "keyed", 2.0, per_host=True) for _ in range(2)]
     assert [[r["traced"] for r in run] for run in runs] == [[1, 1], [0, 0]]  # process 1's copy came from process 0
+    assert [r["sent"] for r in runs[1]] == [True, True]  # because process 1 asked for it
     assert [r["value"] for run in runs for r in run] == [expected] * 4
 
 
