@@ -3,7 +3,8 @@
 `decide_for(store, job_id, now=...)` builds a `policies.cost.Snapshot` from what the job
 has shown so far: its measured tokens/s on each slice type it ran on (the scaling model
 for the others), the preemptions it suffered (updating the policy's hazard prior), what
-its spot slices showed of the zone's capacity (time waiting for it, time up), the restart
+its spot slices showed of the zone's capacity (time waiting for it, time up; a refusal in
+the last `REFUSAL_HOLDS_S` counts as no capacity of that size now), the restart
 costs it measured (provisioning, init, restore, compile, the time a save blocks), the
 money spent, and the tokens in its last committed checkpoint. The controller asks before each
 provisioning and every `DECISION_INTERVAL_S` while the job runs, and acts on the answer
@@ -25,6 +26,7 @@ from policies.cost import CostPolicy, Decision, Option, RestartCost, SpotAvailab
 from workers.model import ModelShape
 
 DECISION_INTERVAL_S = 60.0
+REFUSAL_HOLDS_S = 600.0  # spot capacity the zone refused this recently is taken to be missing still
 NO_DEADLINE_S = 30 * 24 * 3600.0  # a job without a deadline still gets a horizon
 
 
@@ -100,8 +102,9 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
     hazard = SpotHazard().observe("spot", "default", host_hours=spot_host_hours, preemptions=g.preemptions)
 
     spot = [o for o in options if o.preemptible]
-    availability = spot_availability(events, now=now, sizes=sorted({o.chips for o in spot}),
-                                     zone=spot[0].zone if spot else "default")
+    spot_sizes = sorted({o.chips for o in spot})
+    availability = spot_availability(events, now=now, sizes=spot_sizes, zone=spot[0].zone if spot else "default")
+    spot_chips_available = spot_chips_now(events, now=now, largest=spot_chips_available, sizes=spot_sizes)
 
     done_steps = (steps[-1].step + 1) if steps else 0
     committed = max([e.data["step"] for e in events if e.kind == "checkpoint"] + [0])
@@ -126,21 +129,47 @@ def spot_availability(events: list[Event], *, now: float, sizes: list[int],
     and every larger one, could not be had then; a spot slice that is up says that its
     size, and every smaller one, could. Nothing is known of the time between slices.
     """
-    by_name: dict[str, list[Event]] = {}
-    for e in events:
-        if e.kind == "slice" and e.data and e.data.get("tier") == "spot" and e.data.get("chips"):
-            by_name.setdefault(e.data["name"], []).append(e)
-    seen = []  # (start, end, chips, could be had)
-    for evs in by_name.values():
-        for e, after in zip(evs, [*evs[1:], None]):
-            state, end = e.data.get("state"), (after.at if after is not None else now)
-            if state in ("WAITING", "PREEMPTING", "READY") and end > e.at:
-                seen.append((e.at, end, int(e.data["chips"]), state == "READY"))
     availability = SpotAvailability()
-    for start, end, chips, up in sorted(seen):
+    for start, end, chips, up in _spot_observations(events, now):
         which = [c for c in sizes if (c <= chips if up else c >= chips)]
         availability = availability.observe(zone, which, chips if up else 0, end - start)
     return availability
+
+
+def spot_chips_now(events: list[Event], *, now: float, largest: int, sizes: list[int],
+                   recent_s: float = REFUSAL_HOLDS_S) -> int:
+    """The largest spot slice worth asking for now: `largest` (what the provider allows), less
+    what the zone refused the job in the last `recent_s`.
+
+    A spot slice of the job that waited for capacity, or was reclaimed, that recently says
+    its size (and every larger one) cannot be had now; a spot slice up since then says its
+    size can. Without this, every decision would assume all of spot is there again, and a
+    job would queue for the same missing slice until its start timeout, decision after
+    decision. Returns 0 when no allowed size is left.
+    """
+    cap = largest
+    for _, end, chips, up in sorted(_spot_observations(events, now), key=lambda o: o[1]):
+        if end < now - recent_s:
+            continue
+        cap = max(cap, chips) if up else min(cap, chips - 1)
+    cap = min(cap, largest)
+    return max((c for c in sizes if c <= cap), default=0)
+
+
+def _spot_observations(events: list[Event], now: float) -> list[tuple[float, float, int, bool]]:
+    """(start, end, chips, could be had) of each stretch a spot slice of the job spent waiting
+    for capacity or under a preemption notice (False), or up (True), oldest first."""
+    by_name: dict[str, list[Event]] = {}
+    for e in events:
+        if e.kind == "slice" and e.data and e.data.get("tier") == "spot" and e.data.get("chips") and e.at <= now:
+            by_name.setdefault(e.data["name"], []).append(e)
+    seen = []
+    for evs in by_name.values():
+        for e, after in zip(evs, [*evs[1:], None]):
+            state, end = e.data.get("state"), (min(after.at, now) if after is not None else now)
+            if state in ("WAITING", "PREEMPTING", "READY") and end > e.at:
+                seen.append((e.at, end, int(e.data["chips"]), state == "READY"))
+    return sorted(seen)
 
 
 def with_checkpoint_interval(spec: JobSpec, choice: Choice) -> JobSpec:

@@ -394,7 +394,7 @@ class Controller:
             self._teardown(run)
 
     def _spot_chips_available(self, spec: JobSpec) -> int:
-        """The largest spot slice we could get now, as far as we can tell before asking."""
+        """The largest spot slice the job may ask for (the autoscaler takes off what the zone refused it lately)."""
         allowed = [catalog.lookup(a) for a in spec.autoscaling.accelerators]
         if spec.provider == "local":
             allowed = [t for t in allowed if t.hosts <= self.provider.max_hosts]
@@ -407,8 +407,9 @@ class Controller:
         choice = decide_for(self.store, job_id, now=time.time(), current=None,
                             spot_chips_available=self._spot_chips_available(spec))
         if choice is None:
-            self.store.add_event(job_id, "autoscale", "the policy would wait for spot capacity; the local "
-                                 f"provider has it, so running {spec.accelerator} {spec.tier.value}")
+            self.store.add_event(job_id, "autoscale", "the policy would wait for spot capacity; asking for "
+                                 f"{spec.accelerator} {spec.tier.value} as the spec says (a queued request waits "
+                                 "for capacity)")
             return spec
         d = choice.decision
         every = choice.checkpoint_interval_steps

@@ -9,12 +9,14 @@ from orchestrator.autoscaler import (
     decide_for,
     snapshot,
     spot_availability,
+    spot_chips_now,
     step_seconds,
     with_checkpoint_interval,
 )
 from orchestrator.spec import JobSpec
 from orchestrator.states import JobState
 from orchestrator.store import Store
+from orchestrator.autoscaler import REFUSAL_HOLDS_S
 from policies.cost import DEFAULT_SAVE_S, RestartCost
 
 T0 = 1_700_000_000.0
@@ -120,3 +122,31 @@ def test_spot_capacity_is_learned_from_the_jobs_own_slices(tmp_path):
     up_h, _ = seen.uptime_h("default", 16)
     assert up_h < seen.prior_uptime_h  # one period of 1 h seen, against the prior's 4 h
     assert spot_availability([], now=T0, sizes=[8, 16, 32]).fraction("default", 16) == prior
+
+
+def test_spot_capacity_the_zone_refused_lately_is_not_counted_on(tmp_path):
+    store = Store(tmp_path / "db.sqlite")
+    job_id = _job(store, 0, saves=[DEFAULT_SAVE_S] * 3)  # its v4-16 spot slice (8 chips) is up since T0 + 60
+
+    def refused(at, name, chips):  # a spot slice that waited in the queue for 5 min, then was let go
+        for dt, state in ((0, "REQUESTED"), (1, "WAITING"), (300, "RELEASED")):
+            store.add_event(job_id, "slice", f"{name} {state}", {"name": name, "accelerator": "v4-32", "chips": chips,
+                                                                 "tier": "spot", "state": state}, at=at + dt)
+
+    refused(T0 + 1000, "big", 16)
+    gone = T0 + 1300  # when the refused slice was let go
+
+    def now_chips(now):
+        return snapshot(store, job_id, now=now, current=("v4-16", "spot"), spot_chips_available=16).spot_chips_available
+
+    assert now_chips(T0 + 900) == 16  # before the refusal: all the provider allows
+    assert now_chips(gone + 60) == 8  # v4-32 spot was refused a minute ago; v4-16 spot is up
+    assert now_chips(gone + REFUSAL_HOLDS_S + 1) == 16  # long enough ago: worth asking again
+    # Nothing of any allowed size left: a refusal of the smallest one, with no spot slice up since.
+    events = [e for e in store.events(job_id) if not (e.kind == "slice" and e.data["name"] == "s1")]
+    assert spot_chips_now(events, now=gone + 60, largest=16, sizes=[8, 16]) == 8  # 8 chips were not refused
+    refused(T0 + 1100, "small", 8)
+    events = [e for e in store.events(job_id) if not (e.kind == "slice" and e.data["name"] == "s1")]
+    assert spot_chips_now(events, now=gone + 200, largest=16, sizes=[8, 16]) == 0
+    # A spot slice up since a refusal says its size can be had, whatever was refused before.
+    assert spot_chips_now(store.events(job_id), now=gone + 200, largest=16, sizes=[8, 16]) == 8
