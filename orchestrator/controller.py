@@ -21,7 +21,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
@@ -226,7 +226,8 @@ class Controller:
                 self._gcp[key] = GcpTpuProvider(
                     g.project, g.zones, endpoint=g.endpoint, node_service_account=g.service_account,
                     reservation=g.reservation,
-                    worker_setup=WorkerSetup(g.head_address or self.address, ray_token_secret=g.ray_token_secret))
+                    worker_setup=WorkerSetup(g.head_address or self.address, ray_token_secret=g.ray_token_secret),
+                    on_change=lambda s: self._save_slice(s, []))
             return self._gcp[key]
 
     # -- what workers report ----------------------------------------------------------
@@ -454,12 +455,8 @@ class Controller:
                 ready = provider.wait_ready(name, timeout_s=spec.recovery.start_timeout_s)
             except ProvisioningError:
                 provider.release(name)  # idempotent; frees whatever part of the slice started
-                if provider is not self.provider:
-                    self._record_slice(job_id, name, spec, SliceState.RELEASED, provider.name)
                 raise
-            if provider is not self.provider:  # the local provider records its slices itself
-                self._save_slice(ready, [])
-            return ready
+            return ready  # both providers record each state of their slices through `_save_slice`
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential_jitter(initial=1, max=20),
@@ -613,8 +610,6 @@ class Controller:
             run.pg = None
         if run.slice is not None:
             run.provider.release(run.slice.name)
-            if run.provider is not self.provider:
-                self._save_slice(replace(run.slice, state=SliceState.RELEASED), [])
             run.slice = None
 
     # -- bookkeeping -----------------------------------------------------------------
@@ -643,9 +638,6 @@ class Controller:
                                    "usd_per_hour": s.tpu_type.usd_per_hour(s.tier)})
         self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
                              {"pgids": pgids, "hosts": [h.resource for h in s.hosts]})
-
-    def _record_slice(self, job_id: str, name: str, spec: JobSpec, state: SliceState, provider: str) -> None:
-        self._save_slice(Slice(name, job_id, spec.tpu_type, spec.tier, spec.zone, state, (), provider), [])
 
     def _reconcile(self) -> None:
         """After a restart: adopt each job's running worker group, or clean up and relaunch."""

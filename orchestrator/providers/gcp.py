@@ -187,6 +187,11 @@ class GcpTpuProvider:
     worker_setup: how hosts join the Ray cluster (the head's address...); needed by `request`.
     reservation: for Tier.RESERVED, a reservation name, or zone -> name.
     join_check: whether hosts have joined; default `ray_join_check`.
+    on_change: called with the slice each time one of ours changes state (requested,
+        waiting in the queue for capacity, provisioning, ready, preempting, gone,
+        released), as the local provider does; the controller records it, which is how a
+        job learns what the zone gave it and when it was billed. Never called under the
+        provider's lock; an exception in it is logged, not raised.
     """
 
     name = "gcp"
@@ -196,7 +201,8 @@ class GcpTpuProvider:
                  worker_setup: WorkerSetup | None = None, reservation: str | Mapping[str, str] | None = None,
                  runtime_versions: Mapping[str, str] | None = None, zone_fallthrough: bool = True,
                  retry: RetryPolicy = RetryPolicy(), polling: Polling = Polling(),
-                 join_check: JoinCheck | None = None, sleep: Callable[[float], None] = time.sleep):
+                 join_check: JoinCheck | None = None, sleep: Callable[[float], None] = time.sleep,
+                 on_change: Callable[[Slice], None] | None = None):
         if not zones:
             raise ValueError("GcpTpuProvider needs at least one zone")
         self.project, self.zones = project, tuple(zones)
@@ -206,6 +212,7 @@ class GcpTpuProvider:
         self._fallthrough, self._retry, self._poll = zone_fallthrough, retry, polling
         self._join_check = join_check or ray_join_check
         self._sleep = sleep
+        self._on_change = on_change
         self._client = tpu_v2.TpuClient(
             credentials=_credentials(credentials, impersonate, endpoint), transport="rest",
             client_options=ClientOptions(api_endpoint=endpoint) if endpoint else None,
@@ -229,6 +236,7 @@ class GcpTpuProvider:
             self._tracked[req.name] = t
         log.info("job %s: requested %s %s slice %s in %s/%s", req.job_id, req.tier.value, req.tpu_type.name,
                  req.name, self.project, t.zone)
+        self._changed(None, t)
         return self._slice(t)
 
     def wait_ready(self, name: str, *, timeout_s: float) -> Slice:
@@ -369,7 +377,9 @@ class GcpTpuProvider:
             cur = self._tracked[name]
             if cur.released or cur.zone != t.zone:  # released, or moved on, while we looked
                 return cur
+            before = cur.state
             cur = self._tracked[name] = self._judge(cur, seen)
+        self._changed(before, cur)
         if cur.state is not SliceState.PROVISIONING or seen.qr != "ACTIVE" or seen.node != "READY":
             return cur
         hosts = tuple(self._join_check(self._slice(cur)))
@@ -384,7 +394,17 @@ class GcpTpuProvider:
                 cur, hosts=tuple(merged[w] for w in sorted(merged)), state=SliceState.READY if ready else cur.state)
         if ready:
             log.info("job %s: slice %s ready in %s/%s", cur.req.job_id, name, self.project, cur.zone)
+            self._changed(SliceState.PROVISIONING, cur)
         return cur
+
+    def _changed(self, before: SliceState | None, t: _Tracked) -> None:
+        """Tell `on_change` of a new state (call without the lock)."""
+        if self._on_change is None or t.state is before:
+            return
+        try:
+            self._on_change(self._slice(t))
+        except Exception:  # the record of a change must not break following the slice
+            log.exception("on_change failed for slice %s (%s)", t.req.name, t.state.value)
 
     def _look(self, t: _Tracked) -> _Seen:
         qr_name = f"{self._parent(t.zone)}/queuedResources/{t.req.name}"
@@ -460,6 +480,7 @@ class GcpTpuProvider:
         with self._lock:
             self._tracked[t.req.name] = moved
         self._create(moved)
+        self._changed(t.state, moved)
 
     # -- creating and deleting ----------------------------------------------------------
 
@@ -546,6 +567,7 @@ class GcpTpuProvider:
             with self._lock:
                 self._tracked[name] = t  # not released after all: a later release() tries again
             raise
+        self._changed(t.state, replace(t, released=True, state=SliceState.RELEASED))
 
     def _teardown_quietly(self, name: str, why: str) -> None:
         try:

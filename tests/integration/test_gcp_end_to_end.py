@@ -37,6 +37,14 @@ def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path):
         disruption = [e for e in job.events() if e.kind == "disruption"]
         assert len(disruption) == 1 and disruption[0].data["kind"] == "preempted", disruption
         assert st.preemptions == 1
+        # The provider told the controller each state of both slices: the reclaimed one's end, the second's start.
+        states = {}
+        for e in job.events():
+            if e.kind == "slice":
+                states.setdefault(e.data["name"], []).append(e.data["state"])
+        first, second = states.values()
+        assert first[0] == "REQUESTED" and "READY" in first and first[-1] in ("GONE", "RELEASED"), first
+        assert second[0] == "REQUESTED" and second[-2:] == ["READY", "RELEASED"], second
         ref = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)
         assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
         deadline = time.monotonic() + 60

@@ -141,7 +141,9 @@ def test_is_a_slice_provider(provider):
     assert isinstance(provider, SliceProvider)
 
 
-def test_create_poll_to_ready_then_release(emulator, provider):
+def test_create_poll_to_ready_then_release(emulator, joined):
+    changes = []
+    provider = make_provider(emulator, joined, on_change=changes.append)
     s = provider.request(req())
     assert s.state is SliceState.REQUESTED and s.zone == ZONE_A and s.provider == "gcp"
 
@@ -164,6 +166,11 @@ def test_create_poll_to_ready_then_release(emulator, provider):
     provider.release("s1")  # idempotent
     deletes = emulator.requests("queuedResources.delete")
     assert len(deletes) == 1 and deletes[0].status == 200
+    # Every change of state was told, once each, in order (the queue's WAITING may be too brief to see).
+    states = [c.state for c in changes]
+    assert states[0] is SliceState.REQUESTED and states[-2:] == [SliceState.READY, SliceState.RELEASED]
+    assert SliceState.PROVISIONING in states and all(a is not b for a, b in zip(states, states[1:]))
+    assert {(c.name, c.job_id, c.tier) for c in changes} == {("s1", "job-1", Tier.SPOT)}
 
 
 @pytest.mark.parametrize(
@@ -273,13 +280,16 @@ def test_no_capacity_anywhere_is_a_transient_error_and_leaves_nothing(emulator, 
 
 
 def test_still_queued_at_the_callers_deadline_is_no_capacity(emulator, joined):
-    p = make_provider(emulator, joined, polling=Polling(poll_s=0.02, capacity_wait_s=600))
+    changes = []
+    p = make_provider(emulator, joined, polling=Polling(poll_s=0.02, capacity_wait_s=600), on_change=changes.append)
     emulator.stockout(ZONE_A)
     p.request(req(zone=ZONE_A))
     with pytest.raises(NoCapacityError, match=ZONE_A):
         p.wait_ready("s1", timeout_s=0.3)
     assert [e.kind for e in p.poll_events()] == [SliceEventKind.NO_CAPACITY]
     wait_for(lambda: qr_of(emulator, "s1") is None, what="queued resource deleted")
+    # The wait in the queue was told: it is how a job learns the zone had no spot capacity.
+    assert [c.state for c in changes] == [SliceState.REQUESTED, SliceState.WAITING, SliceState.RELEASED]
 
 
 def test_without_fallthrough_the_policy_gets_the_zone(emulator, joined):
