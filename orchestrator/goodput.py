@@ -35,7 +35,10 @@ began by t: the workers of the latest launch did it.
 
 Money: each slice is billed its `usd_per_hour` (as recorded in its slice events, else
 the catalog's list price) from its REQUESTED event to its GONE or RELEASED event, or
-to the end of wall time if neither was recorded.
+to the end of wall time if neither was recorded. A slice that waited in the provider's
+queue for capacity (WAITING) is billed from the first event after that wait, and not at
+all if it never got past it: nothing is allocated to a queued request while it waits
+(Cloud TPU's queued-resources documentation).
 """
 
 from __future__ import annotations
@@ -216,7 +219,13 @@ def billed_slices(events: list[Event], *, end: float) -> list[BilledSlice]:
     out = []
     for name, evs in by_name.items():
         first = next((e for e in evs if e.data.get("state") == "REQUESTED"), evs[0])
-        last = next((e for e in evs if e.data.get("state") in _BILLING_ENDS), None)
+        waited = [i for i, e in enumerate(evs) if e.data.get("state") == "WAITING"]
+        if waited:  # billed from when capacity came (after the last wait: a zone fall-through waits again)
+            first = next((e for e in evs[waited[-1]:] if e.data.get("state") not in ("WAITING", *_BILLING_ENDS)),
+                         None)
+            if first is None:  # let go while still queued: never allocated, never billed
+                continue
+        last = next((e for e in evs if e.data.get("state") in _BILLING_ENDS and e.at >= first.at), None)
         accelerator, tier = str(first.data.get("accelerator", "?")), str(first.data.get("tier", "?"))
         price = next((e.data["usd_per_hour"] for e in evs if e.data.get("usd_per_hour") is not None), None)
         chips = next((e.data["chips"] for e in evs if e.data.get("chips") is not None), None)

@@ -121,7 +121,8 @@ def test_preempted_job_splits_into_the_expected_categories(store):
 def test_preempted_job_pays_each_slice_at_its_own_price(store):
     g = goodput(store, preempted_job(store))
     spot, on_demand = lookup("v4-8").usd_per_hour("spot"), lookup("v4-8").usd_per_hour("on-demand")
-    assert g.usd_by == pytest.approx({("v4-8", "spot"): spot * 58 / 3600, ("v4-8", "on-demand"): on_demand * 46 / 3600})
+    # The spot slice waited 10 s in the queue (not billed) and was up 47 s; the on-demand one never waited.
+    assert g.usd_by == pytest.approx({("v4-8", "spot"): spot * 47 / 3600, ("v4-8", "on-demand"): on_demand * 46 / 3600})
     assert g.usd_total == pytest.approx(sum(g.usd_by.values()))
 
 
@@ -279,3 +280,18 @@ def test_the_first_step_of_each_launch_pays_its_warm_up_to_runtime_init(store):
     _assert_adds_up(g)
     assert g.productive_s == pytest.approx(30.0)  # 20 kept steps at the median, as before
     assert g.runtime_init_s == pytest.approx(16.0 + 2.5 + 4.0)
+
+
+def test_a_slice_is_not_billed_while_it_waits_in_the_queue(store):
+    """Billed from when capacity came; a request let go while still queued costs nothing."""
+    job = "job-q"
+    store.create_job(job, "q", {}, at=T0)
+    store.transition(job, J.PROVISIONING, "requesting", at=T0)
+    for at, state in ((T0, "REQUESTED"), (T0 + 1, "WAITING"), (T0 + 600, "RELEASED")):  # never got capacity
+        _slice(store, job, at, "q1", state, "v4-16")
+    for at, state in ((T0 + 600, "REQUESTED"), (T0 + 601, "WAITING"), (T0 + 900, "PROVISIONING"),
+                      (T0 + 960, "READY"), (T0 + 4500, "RELEASED")):
+        _slice(store, job, at, "q2", state, "v4-8")
+    store.transition(job, J.FAILED, "gave up", at=T0 + 4500)
+    g = goodput(store, job)
+    assert g.usd_by == pytest.approx({("v4-8", "spot"): lookup("v4-8").usd_per_hour("spot") * 3600 / 3600})

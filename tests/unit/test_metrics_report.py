@@ -59,7 +59,7 @@ def test_scrape_carries_the_jobs_values_under_prometheus_names(metrics):
     assert sum(_value(metrics, "orchestrator_job_time_seconds", job_id="job-p", category=c)
                for c in CATEGORIES) == pytest.approx(110.0)
     spot = _value(metrics, "orchestrator_job_cost_dollars_total", job_id="job-p", accelerator="v4-8", tier="spot")
-    assert spot == pytest.approx(lookup("v4-8").usd_per_hour("spot") * 58 / 3600)
+    assert spot == pytest.approx(lookup("v4-8").usd_per_hour("spot") * 47 / 3600)  # billed once out of the queue
     assert _value(metrics, "orchestrator_job_preemptions_total", job_id="job-p") == 1
     assert _value(metrics, "orchestrator_job_restarts_total", job_id="job-p") == 1
 
@@ -106,7 +106,8 @@ def test_report_series_holds_what_the_picture_shows(store):
     assert s.loss[-1] == pytest.approx(5.0 / 20)
     assert [(m.kind, m.label) for m in s.markers] == [("preemption", "preempted"), ("restore", "restored step 8")]
     assert [(sl.accelerator, sl.tier, sl.chips) for sl in s.slices] == [("v4-8", "spot", 4), ("v4-8", "on-demand", 4)]
-    assert list(zip(s.chips_at, s.chips)) == [(T0, 0), (T0 + 5, 4), (T0 + 63, 0), (T0 + 64, 4), (T0 + 110, 0)]
+    # The spot slice holds its chips once out of the queue (T0 + 16), the on-demand one from its request.
+    assert list(zip(s.chips_at, s.chips)) == [(T0, 0), (T0 + 16, 4), (T0 + 63, 0), (T0 + 64, 4), (T0 + 110, 0)]
     assert s.cost_usd[0] == 0 and s.cost_usd[-1] == pytest.approx(s.goodput.usd_total)
     assert list(s.cost_usd) == sorted(s.cost_usd)
 
