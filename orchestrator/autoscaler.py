@@ -22,11 +22,19 @@ from orchestrator.goodput import billed_slices, goodput
 from orchestrator.planning import DEFAULT_FLOPS_PER_TOKEN, job_options
 from orchestrator.spec import JobSpec, LmWorkload
 from orchestrator.store import Event, StepMetric, Store
-from policies.cost import CostPolicy, Decision, Option, RestartCost, SpotAvailability, SpotHazard, Snapshot
+from policies.cost import (
+    REFUSAL_HOLDS_S,
+    CostPolicy,
+    Decision,
+    Option,
+    RestartCost,
+    Snapshot,
+    SpotAvailability,
+    SpotHazard,
+)
 from workers.model import ModelShape
 
 DECISION_INTERVAL_S = 60.0
-REFUSAL_HOLDS_S = 600.0  # spot capacity the zone refused this recently is taken to be missing still
 NO_DEADLINE_S = 30 * 24 * 3600.0  # a job without a deadline still gets a horizon
 
 

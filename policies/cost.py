@@ -84,6 +84,7 @@ PRIOR_AVAILABLE_FRACTION = PRIOR_UPTIME_HOURS / (PRIOR_UPTIME_HOURS + PRIOR_OUTA
 PRIOR_AVAILABILITY_HOURS = 6.0
 
 SAFETY_MARGIN_S = 600.0  # spare time the safety net keeps, against slow provisioning
+REFUSAL_HOLDS_S = 600.0  # spot capacity the zone refused a job this recently is taken to be missing still
 LOOKAHEAD_S = 3600.0  # long enough to amortise a restart, short against a day-long job
 # Future spot time is uncertain: plans are priced in five scenarios (5-point Gauss-
 # Hermite nodes of a normal, in standard deviations, with their weights) and averaged.

@@ -18,6 +18,15 @@ The simulated world (one job, one zone):
   the preemption notice leaves time for a save (off by default).
 - A slice the policy gives up voluntarily is checkpointed first, so nothing is lost.
 - Billing stops the moment the last token is trained.
+- What the policy knows of spot capacity (`knowledge`): "trace" (the default, the
+  benchmark's headline) shows it the zone's capacity at every step and asks it again
+  whenever that changes, as a scheduler with a capacity feed would. "own" shows it only
+  what the job's own spot slices show, as the product's autoscaler sees it: a spot slice
+  up says its size can be had, a request left queued for `queue_timeout_s` or a
+  preemption says it cannot (for `REFUSAL_HOLDS_S`), and otherwise every allowed size
+  is assumed to be there. A spot request the zone cannot fill waits in the queue (not
+  billed, no decisions meanwhile, as the controller waits on the provider) until
+  capacity comes or the timeout refuses it; the slice it replaces was released first.
 
 `hindsight_optimum` is the lower bound: a dynamic programme over the same steps that
 knows the whole trace, and so also knows when each preemption comes and loses no work
@@ -33,6 +42,7 @@ from typing import Protocol
 import numpy as np
 
 from policies.cost import (
+    REFUSAL_HOLDS_S,
     SAFETY_MARGIN_S,
     SPOT,
     Decision,
@@ -46,6 +56,7 @@ from policies.traces import SpotTrace
 
 MAX_STEP_S = 60.0
 DECISION_INTERVAL_S = 300.0  # how often the policy is asked when nothing happens
+QUEUE_TIMEOUT_S = 300.0  # knowledge "own": how long a spot request waits in the queue (the spec's start timeout)
 MAX_DEADLINES_SIMULATED = 20  # a run still unfinished after 20 deadlines is reported unfinished
 
 
@@ -128,8 +139,13 @@ def simulate(
     availability: SpotAvailability = SpotAvailability(),
     zone: str = "default",
     decision_interval_s: float = DECISION_INTERVAL_S,
+    knowledge: str = "trace",
+    queue_timeout_s: float = QUEUE_TIMEOUT_S,
 ) -> Run:
     """Run `job` under `policy` from `start_s` into `trace`; see the module docstring for the rules."""
+    if knowledge not in ("trace", "own"):
+        raise ValueError(f"knowledge must be 'trace' or 'own', not {knowledge!r}")
+    own = knowledge == "own"
     dt = step_seconds(trace)
     restart = quantized_restart(restart, dt)
     prov_steps = round(restart.provisioning_s / dt)
@@ -150,12 +166,43 @@ def simulate(
     next_decision_s = 0.0
     unobserved_s = 0.0  # time at the previous capacity not yet fed to the availability estimate
     exposure: dict[tuple[str, str], float] = {}  # spot host-hours not yet fed to the hazard estimate
+    queued: Option | None = None  # knowledge "own": a spot request waiting in the zone's queue
+    queued_at = queued_interval_s = 0.0
+    refusals: list[tuple[float, int]] = []  # (when, chips): spot the zone refused the job
+    shown: tuple[tuple[int, ...], int] | None = None  # what the job's own slices show: (sizes, capacity)
+    shown_s = 0.0  # for how long, not yet fed to the availability estimate
+
+    def own_view() -> tuple[tuple[int, ...], int] | None:
+        if held is not None and held.preemptible:
+            return tuple(c for c in spot_sizes if c <= held.chips), held.chips
+        if queued is not None:
+            return tuple(c for c in spot_sizes if c >= queued.chips), 0
+        return None
 
     for i in range(max_steps):
         now, cap = i * dt, int(capacity[i])
-        changed = i > 0 and cap != capacity[i - 1]
+        if own and i > 0:  # the state of the step before lasted through it
+            view = own_view()
+            if view != shown:
+                if shown is not None and shown[0]:
+                    availability = availability.observe(zone, shown[0], shown[1], shown_s)
+                shown, shown_s = view, 0.0
+            shown_s += dt
+        changed = i > 0 and cap != capacity[i - 1] and not own  # a capacity feed shows every change
         preempted = held is not None and held.preemptible and cap < held.chips
+        expired = False
+        if queued is not None:
+            if cap >= queued.chips:  # capacity came: the slice provisions
+                held, queued = queued, None
+                slices_started += 1
+                overhead_steps = prov_steps + startup_steps
+                interval_s = queued_interval_s
+            elif now - queued_at >= queue_timeout_s:
+                refusals.append((now, queued.chips))
+                queued, expired = None, True
         if preempted:
+            if own:
+                refusals.append((now, held.chips))
             if overhead_steps <= startup_steps:  # billed, so the slice existed: a preemption
                 preemptions += 1
                 hazard = hazard.observe(held.tier, held.zone, host_hours=0.0, preemptions=1)
@@ -164,21 +211,27 @@ def simulate(
                 lost += done - committed
                 done = committed
             held, since_checkpoint_s, saving_s = None, 0.0, 0.0
-        if i > 0 and not (changed or preempted or now >= next_decision_s - 1e-9):
+        if queued is not None or (i > 0 and not (changed or preempted or expired or now >= next_decision_s - 1e-9)):
             unobserved_s += dt
         else:  # a decision point: learn from what happened since the last one, then ask
-            if i > 0:  # capacity was constant since the last decision point (a change is one)
+            if own:
+                if shown is not None and shown[0] and shown_s > 0:
+                    availability = availability.observe(zone, shown[0], shown[1], shown_s)
+                shown_s = 0.0
+            elif i > 0:  # capacity was constant since the last decision point (a change is one)
                 availability = availability.observe(zone, spot_sizes, int(capacity[i - 1]), unobserved_s + dt)
             for (tier, spot_zone), host_hours in exposure.items():
                 hazard = hazard.observe(tier, spot_zone, host_hours=host_hours)
             unobserved_s, exposure = 0.0, {}
             ready_in = overhead_steps * dt if held is not None else 0.0
-            snap = Snapshot(now, job.deadline_s, job.total_tokens, done, committed, job.options, cap, held,
+            seen_cap = _spot_chips_seen(spot_sizes, refusals, held, now) if own else cap
+            snap = Snapshot(now, job.deadline_s, job.total_tokens, done, committed, job.options, seen_cap, held,
                             ready_in, hazard, availability, restart, cost, job.budget_usd, decision_interval_s)
             decision = policy.decide(snap)
             next_decision_s = now + decision_interval_s
             target = decision.option
-            if target is not None and target.preemptible and target.chips > cap:
+            queue = own and target is not None and target.preemptible and target.chips > cap
+            if target is not None and target.preemptible and target.chips > cap and not own:
                 target = None  # asked for spot that cannot be had: nothing starts
             if target is not None:
                 interval_s = decision.checkpoint_interval_s or restart.checkpoint_interval_s
@@ -187,7 +240,9 @@ def simulate(
                 committed = done  # a planned stop checkpoints first
                 since_checkpoint_s = saving_s = 0.0
                 held = target
-                if held is not None:
+                if queue:  # the request waits in the zone's queue; the old slice is gone already
+                    held, queued, queued_at, queued_interval_s = None, target, now, interval_s
+                elif held is not None:
                     slices_started += 1
                     overhead_steps = prov_steps + startup_steps
         if held is None:
@@ -225,6 +280,20 @@ def simulate(
 
     return Run(policy.name, trace.name, start_s, job.total_tokens, job.deadline_s, cost, finish_s,
                trained, lost, preemptions, slices_started, billed, tuple(decisions))
+
+
+def _spot_chips_seen(spot_sizes: list[int], refusals: list[tuple[float, int]], held: Option | None,
+                     now: float) -> int:
+    """The largest spot size the job believes it can get now, from its own slices alone:
+    every size, less those the zone refused it within `REFUSAL_HOLDS_S`, and at least the
+    size it holds (as `orchestrator.autoscaler.spot_chips_now`)."""
+    known = max(spot_sizes, default=0)
+    for at, chips in refusals:
+        if at >= now - REFUSAL_HOLDS_S:
+            known = min(known, chips - 1)
+    if held is not None and held.preemptible:
+        known = max(known, held.chips)
+    return max((c for c in spot_sizes if c <= known), default=0)
 
 
 # --- Baselines ------------------------------------------------------------------------

@@ -16,8 +16,7 @@ from orchestrator.autoscaler import (
 from orchestrator.spec import JobSpec
 from orchestrator.states import JobState
 from orchestrator.store import Store
-from orchestrator.autoscaler import REFUSAL_HOLDS_S
-from policies.cost import DEFAULT_SAVE_S, RestartCost
+from policies.cost import DEFAULT_SAVE_S, REFUSAL_HOLDS_S, RestartCost
 
 T0 = 1_700_000_000.0
 STEP_S = 2.0

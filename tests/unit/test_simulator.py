@@ -264,3 +264,32 @@ def _assert_consistent(dp: _DualProgramme, held: np.ndarray) -> None:
                 assert previous != IDLE and previous // (k + 1) == c
                 assert previous % (k + 1) in ((j + 1,) if j > 0 else (0, 1))
         previous = state
+
+
+def test_knowledge_of_its_own_slices_only_queues_and_learns_refusals():
+    """With knowledge "own" the policy is not shown the zone's capacity: it assumes spot is
+    there until a request waits out the queue's timeout, then sees that size refused."""
+    @dataclasses.dataclass
+    class AlwaysSpot:
+        name: str = "always spot"
+        seen: list = dataclasses.field(default_factory=list)
+
+        def decide(self, snap):
+            self.seen.append((snap.now_s, snap.spot_chips_available))
+            return FixedPolicy(SPOT32).decide(dataclasses.replace(snap, spot_chips_available=SPOT32.chips))
+
+    trace = trace_of([0] * 12 + [1] * 200, gap_s=300)  # no spot for the first hour
+    job = small_job(ondemand_hours=1, slack=10, options=(SPOT32, OD32))
+    knows, learns = AlwaysSpot(), AlwaysSpot()
+    fed = simulate(knows, job, trace)
+    own = simulate(learns, job, trace, knowledge="own", queue_timeout_s=900.0)
+    assert knows.seen[0] == (0.0, 0)  # a capacity feed shows none at once
+    # Its own slices show nothing at first: spot is assumed there, and the request queues. After
+    # 15 min in the queue it is refused, and the next decisions see that size missing.
+    assert learns.seen[0] == (0.0, SPOT32.chips) and learns.seen[1] == (900.0, 0)
+    assert [t for t, _ in learns.seen[:5]] == [0.0, 900.0, 1800.0, 2700.0, 3600.0]  # no decisions while queued
+    # Queued time is not billed; the slice starts when capacity comes, as with the feed.
+    assert own.cost_usd == pytest.approx(fed.cost_usd) and own.finish_s == pytest.approx(fed.finish_s)
+    assert own.slices_started == fed.slices_started == 1
+    with pytest.raises(ValueError, match="knowledge"):
+        simulate(knows, job, trace, knowledge="oracle")
