@@ -24,6 +24,13 @@ it. Policies: `policy` (policies.cost.CostPolicy, online, priors only), `ondeman
 time to commit a checkpoint (`RestartCost.saves_on_notice`): an assumption, shown
 beside the headline figures, never in them.
 
+The headline policy sees the zone's spot capacity at every step (a capacity feed).
+`policy_own` knows only what the job's own spot slices show, as the product's
+autoscaler does today: a spot request the zone cannot fill waits in the queue until a
+5-minute timeout, and the slice it replaces was released first (`simulate(knowledge=
+"own")`). `policy_own_beside` is the same with the request queued beside the running
+slice (make-before-break, `release_first=False`), which the controller does not do yet.
+
 `by_deadline` repeats the summary at other deadlines (`--sweep`, default 1.25x, 2.5x
 and 3.5x): how much a looser deadline saves, for the policy and for the optimum.
 
@@ -51,7 +58,8 @@ from policies.traces import bundled_traces  # noqa: E402
 
 TOTAL_TOKENS = 20e9
 DEADLINE_OVER_ONDEMAND = 1.75
-POLICIES = ("policy", "ondemand", "spot_restart", "greedy", "optimum", "policy_notice")
+POLICIES = ("policy", "ondemand", "spot_restart", "greedy", "optimum", "policy_notice", "policy_own",
+            "policy_own_beside")
 SWEEP = (1.25, 2.5, 3.5)  # other deadlines, as multiples of the on-demand v4-32 duration
 RESULT_PATH = Path(__file__).parent / "results" / "cost.json"
 
@@ -75,10 +83,14 @@ def run_window(args: tuple[str, float, float]) -> dict[str, dict]:
         "spot_restart": (FixedPolicy(spot32, "spot_restart"), RestartCost()),
         "greedy": (GreedyPolicy(spot32, od32), RestartCost()),
         "policy_notice": (CostPolicy(name="policy_notice"), RestartCost(saves_on_notice=True)),
+        "policy_own": (CostPolicy(name="policy_own"), RestartCost()),
+        "policy_own_beside": (CostPolicy(name="policy_own_beside"), RestartCost()),
     }
+    knowledge = {"policy_own": {"knowledge": "own"},
+                 "policy_own_beside": {"knowledge": "own", "release_first": False}}
     out = {}
     for name, (policy, restart) in policies.items():
-        run = simulate(policy, job, trace, start_s=start_s, restart=restart)
+        run = simulate(policy, job, trace, start_s=start_s, restart=restart, **knowledge.get(name, {}))
         out[name] = {"usd": run.cost_usd, "hours": run.hours, "deadline_met": run.deadline_met,
                      "preemptions": run.preemptions, "lost": run.tokens_lost / run.total_tokens}
     best = hindsight_optimum(job, trace, start_s=start_s)

@@ -26,7 +26,10 @@ The simulated world (one job, one zone):
   preemption says it cannot (for `REFUSAL_HOLDS_S`), and otherwise every allowed size
   is assumed to be there. A spot request the zone cannot fill waits in the queue (not
   billed, no decisions meanwhile, as the controller waits on the provider) until
-  capacity comes or the timeout refuses it; the slice it replaces was released first.
+  capacity comes or the timeout refuses it. With `release_first` (what the
+  controller's resize does today) the slice it replaces was released first; without,
+  that slice trains on while the request waits and is left when the request is filled
+  (make-before-break, which queued resources allow: a waiting request costs nothing).
 
 `hindsight_optimum` is the lower bound: a dynamic programme over the same steps that
 knows the whole trace, and so also knows when each preemption comes and loses no work
@@ -141,6 +144,7 @@ def simulate(
     decision_interval_s: float = DECISION_INTERVAL_S,
     knowledge: str = "trace",
     queue_timeout_s: float = QUEUE_TIMEOUT_S,
+    release_first: bool = True,
 ) -> Run:
     """Run `job` under `policy` from `start_s` into `trace`; see the module docstring for the rules."""
     if knowledge not in ("trace", "own"):
@@ -193,6 +197,9 @@ def simulate(
         expired = False
         if queued is not None:
             if cap >= queued.chips:  # capacity came: the slice provisions
+                if held is not None:  # queued beside a running slice: a planned stop checkpoints first
+                    committed, since_checkpoint_s, saving_s = done, 0.0, 0.0
+                    decisions.append(DecisionRecord(now, queued.label, "queued spot request filled"))
                 held, queued = queued, None
                 slices_started += 1
                 overhead_steps = prov_steps + startup_steps
@@ -235,7 +242,9 @@ def simulate(
                 target = None  # asked for spot that cannot be had: nothing starts
             if target is not None:
                 interval_s = decision.checkpoint_interval_s or restart.checkpoint_interval_s
-            if target != held:
+            if queue and held is not None and not release_first:  # keep running until the queue fills
+                queued, queued_at, queued_interval_s = target, now, interval_s
+            elif target != held:
                 decisions.append(DecisionRecord(now, target.label if target else "wait", decision.reason))
                 committed = done  # a planned stop checkpoints first
                 since_checkpoint_s = saving_s = 0.0

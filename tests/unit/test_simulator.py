@@ -293,3 +293,26 @@ def test_knowledge_of_its_own_slices_only_queues_and_learns_refusals():
     assert own.slices_started == fed.slices_started == 1
     with pytest.raises(ValueError, match="knowledge"):
         simulate(knows, job, trace, knowledge="oracle")
+
+
+def test_a_spot_request_queued_beside_the_running_slice_keeps_the_job_training():
+    """release_first=False: the on-demand slice trains on while the spot request waits in
+    the queue, and the job moves when the queue fills; release_first=True (the product's
+    resize today) gives the on-demand slice up first and idles while the request waits."""
+    @dataclasses.dataclass(frozen=True)
+    class OnDemandThenSpot:
+        name: str = "on-demand, then spot"
+
+        def decide(self, snap):
+            target = OD32 if snap.now_s == 0 else SPOT32
+            return FixedPolicy(target).decide(dataclasses.replace(snap, spot_chips_available=SPOT32.chips))
+
+    trace = trace_of([0] * 12 + [1] * 200, gap_s=300)  # spot comes after an hour
+    job = small_job(ondemand_hours=2, slack=10, options=(SPOT32, OD32))
+    first = simulate(OnDemandThenSpot(), job, trace, knowledge="own", queue_timeout_s=900.0)
+    beside = simulate(OnDemandThenSpot(), job, trace, knowledge="own", queue_timeout_s=900.0, release_first=False)
+    assert first.billed_s[OD32.label] < 600 < 3000 < beside.billed_s[OD32.label]
+    assert beside.finish_s < first.finish_s
+    assert [d.option for d in beside.decisions] == [OD32.label, SPOT32.label]  # one move, when the queue filled
+    assert beside.decisions[1].at_s == pytest.approx(3600.0)
+    assert beside.tokens_lost == 0 and beside.slices_started == 2
