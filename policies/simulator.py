@@ -240,20 +240,22 @@ def simulate(
             queue = own and target is not None and target.preemptible and target.chips > cap
             if target is not None and target.preemptible and target.chips > cap and not own:
                 target = None  # asked for spot that cannot be had: nothing starts
-            if target is not None:
-                interval_s = decision.checkpoint_interval_s or restart.checkpoint_interval_s
+            every_s = decision.checkpoint_interval_s or restart.checkpoint_interval_s  # for the target
             if queue and held is not None and not release_first:  # keep running until the queue fills
-                queued, queued_at, queued_interval_s = target, now, interval_s
+                queued, queued_at, queued_interval_s = target, now, every_s
             elif target != held:
                 decisions.append(DecisionRecord(now, target.label if target else "wait", decision.reason))
                 committed = done  # a planned stop checkpoints first
                 since_checkpoint_s = saving_s = 0.0
                 held = target
                 if queue:  # the request waits in the zone's queue; the old slice is gone already
-                    held, queued, queued_at, queued_interval_s = None, target, now, interval_s
+                    held, queued, queued_at, queued_interval_s = None, target, now, every_s
                 elif held is not None:
                     slices_started += 1
                     overhead_steps = prov_steps + startup_steps
+                    interval_s = every_s
+            elif target is not None:  # the same slice, perhaps saving at another interval
+                interval_s = every_s
         if held is None:
             continue
         usd_per_s = held.usd_per_hour / 3600
