@@ -31,6 +31,7 @@ from policies.cost import (
     Snapshot,
     SpotAvailability,
     SpotHazard,
+    spot_chips_known,
 )
 from workers.model import ModelShape
 
@@ -155,13 +156,8 @@ def spot_chips_now(events: list[Event], *, now: float, largest: int, sizes: list
     job would queue for the same missing slice until its start timeout, decision after
     decision. Returns 0 when no allowed size is left.
     """
-    cap = largest
-    for _, end, chips, up in sorted(_spot_observations(events, now), key=lambda o: o[1]):
-        if end < now - recent_s:
-            continue
-        cap = max(cap, chips) if up else min(cap, chips - 1)
-    cap = min(cap, largest)
-    return max((c for c in sizes if c <= cap), default=0)
+    seen = [(end, chips, up) for _, end, chips, up in _spot_observations(events, now)]
+    return spot_chips_known(sizes, largest=largest, seen=seen, now=now, hold_s=recent_s)
 
 
 def _spot_observations(events: list[Event], now: float) -> list[tuple[float, float, int, bool]]:

@@ -52,7 +52,7 @@ prices each move in dollars, and it learns the zone's uptime and outage distribu
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -241,6 +241,22 @@ class SpotHazard:
         c = self.counts.get((tier, zone), HazardCounts())
         new = HazardCounts(c.preemptions + preemptions, c.host_hours + host_hours)
         return replace(self, counts={**self.counts, (tier, zone): new})
+
+
+def spot_chips_known(sizes: Sequence[int], *, largest: int, seen: Iterable[tuple[float, int, bool]], now: float,
+                     hold_s: float = REFUSAL_HOLDS_S) -> int:
+    """The largest spot size a job without a capacity feed should count on now.
+
+    `seen`: (when, chips, could be had) of what the job's own spot slices showed. Starting
+    from `largest` (what it may ask for), in time order, a refusal within `hold_s` rules out
+    its size and every larger one, and a slice up since says its size can be had.
+    Returns 0 when no size in `sizes` is left.
+    """
+    cap = largest
+    for at, chips, up in sorted(seen):
+        if at >= now - hold_s:
+            cap = max(cap, chips) if up else min(cap, chips - 1)
+    return max((c for c in sizes if c <= min(cap, largest)), default=0)
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,6 @@ from typing import Protocol
 import numpy as np
 
 from policies.cost import (
-    REFUSAL_HOLDS_S,
     SAFETY_MARGIN_S,
     SPOT,
     Decision,
@@ -54,6 +53,7 @@ from policies.cost import (
     Snapshot,
     SpotAvailability,
     SpotHazard,
+    spot_chips_known,
 )
 from policies.traces import SpotTrace
 
@@ -231,7 +231,12 @@ def simulate(
                 hazard = hazard.observe(tier, spot_zone, host_hours=host_hours)
             unobserved_s, exposure = 0.0, {}
             ready_in = overhead_steps * dt if held is not None else 0.0
-            seen_cap = _spot_chips_seen(spot_sizes, refusals, held, now) if own else cap
+            seen_cap = cap
+            if own:  # as `orchestrator.autoscaler.spot_chips_now` sees it from the job's slice events
+                seen = [(at, chips, False) for at, chips in refusals]
+                if held is not None and held.preemptible:
+                    seen.append((now, held.chips, True))
+                seen_cap = spot_chips_known(spot_sizes, largest=max(spot_sizes, default=0), seen=seen, now=now)
             snap = Snapshot(now, job.deadline_s, job.total_tokens, done, committed, job.options, seen_cap, held,
                             ready_in, hazard, availability, restart, cost, job.budget_usd, decision_interval_s)
             decision = policy.decide(snap)
@@ -291,20 +296,6 @@ def simulate(
 
     return Run(policy.name, trace.name, start_s, job.total_tokens, job.deadline_s, cost, finish_s,
                trained, lost, preemptions, slices_started, billed, tuple(decisions))
-
-
-def _spot_chips_seen(spot_sizes: list[int], refusals: list[tuple[float, int]], held: Option | None,
-                     now: float) -> int:
-    """The largest spot size the job believes it can get now, from its own slices alone:
-    every size, less those the zone refused it within `REFUSAL_HOLDS_S`, and at least the
-    size it holds (as `orchestrator.autoscaler.spot_chips_now`)."""
-    known = max(spot_sizes, default=0)
-    for at, chips in refusals:
-        if at >= now - REFUSAL_HOLDS_S:
-            known = min(known, chips - 1)
-    if held is not None and held.preemptible:
-        known = max(known, held.chips)
-    return max((c for c in spot_sizes if c <= known), default=0)
 
 
 # --- Baselines ------------------------------------------------------------------------
