@@ -131,9 +131,15 @@ class HostWorker:
                 time.sleep(0.02)
         return False
 
-    def start(self, coordinator: str | None, workload: dict) -> None:
-        """Begin training on a thread; poll `result()` for the end."""
-        threading.Thread(target=self._main, args=(coordinator, workload), daemon=True, name="train").start()
+    def start(self, coordinator: str | None, workload: dict, share_key: bytes | None = None) -> None:
+        """Begin training on a thread; poll `result()` for the end.
+
+        `share_key`: this launch's key for the bytes hosts hand each other through the
+        runtime's coordinator (`runtime.initialize`); it comes over Ray's authenticated
+        channel and is never logged.
+        """
+        threading.Thread(target=self._main, args=(coordinator, workload, share_key), daemon=True,
+                         name="train").start()
 
     def result(self) -> dict | None:
         """None while training; then {"outcome": "succeeded"|"stopped"|"failed", ...}."""
@@ -149,14 +155,15 @@ class HostWorker:
 
     # -- the training thread -------------------------------------------------------
 
-    def _main(self, coordinator: str | None, workload: dict) -> None:
+    def _main(self, coordinator: str | None, workload: dict, share_key: bytes | None) -> None:
         t0 = time.perf_counter()
         watcher = None
         try:
             self._fence_file = workload.get("fence_file")
             if workload.get("metadata_url"):
                 watcher = MetadataWatcher(workload["metadata_url"], self._notice, self._on_notice)
-            runtime.initialize(coordinator_address=coordinator, num_processes=self.num_hosts, process_id=self.rank)
+            runtime.initialize(coordinator_address=coordinator, num_processes=self.num_hosts, process_id=self.rank,
+                               host_address=ray.util.get_node_ip_address(), share_key=share_key)
             self._send("ready", {"init_s": time.perf_counter() - t0})
             if workload["type"] == "lm":
                 result = self._run_lm(workload)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import json
 import logging
 import os
@@ -35,14 +36,84 @@ def configure(*, platform: str | None, devices_per_host: int, compile_cache_dir:
 
 
 def initialize(*, coordinator_address: str | None, num_processes: int, process_id: int,
-               timeout_s: int = 120) -> None:
-    """Join the multi-host runtime; a single host needs no handshake."""
+               host_address: str | None = None, share_key: bytes | None = None, timeout_s: int = 120) -> None:
+    """Join the multi-host runtime; a single host needs no handshake.
+
+    Nothing listens beyond the cluster's own address: process 0 serves the runtime's
+    coordinator (an unauthenticated gRPC key-value store) on `coordinator_address` itself,
+    not on every interface as JAX does by default, and the CPU collectives (gloo) listen on
+    `host_address` (this host's address in the cluster; default: the coordinator's host,
+    right when every process runs on one machine). `share_key` authenticates the bytes
+    hosts hand each other through that store (`_seal`); without it none are accepted.
+    """
+    global _share_key
     for key in [k for k in os.environ if k.startswith("MEGASCALE_")]:
         del os.environ[key]  # stale values from an earlier slice make initialize() hang
+    _share_key = share_key
     if num_processes == 1:
         return
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
-                               process_id=process_id, initialization_timeout=timeout_s)
+                               process_id=process_id, initialization_timeout=timeout_s,
+                               coordinator_bind_address=coordinator_address)
+    if jax.config.jax_cpu_collectives_implementation == "gloo":
+        _pin_gloo(host_address or coordinator_address.rsplit(":", 1)[0])
+
+
+def _pin_gloo(host: str) -> None:
+    """CPU collectives over gloo that listen on `host` only.
+
+    Left to JAX, gloo listens on whatever address the machine's hostname resolves to,
+    which can be a public interface. JAX makes the CPU backend with collectives passed
+    in when given them, so the backend is registered again, before its first use, with
+    collectives of our own.
+    """
+    from jax._src import distributed, xla_bridge
+    from jax._src.lib import _jax
+
+    collectives = _jax.make_gloo_tcp_collectives(distributed_client=distributed.global_state.client,
+                                                 hostname=host.strip("[]"))
+    xla_bridge.register_backend_factory("cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives),
+                                        priority=0, fail_quietly=False)
+
+
+# -- Bytes between hosts -----------------------------------------------------------------
+#
+# Executables go from process 0 to the others through the coordinator's key-value store,
+# and loading one unpickles it: whoever can write to that store could run code on every
+# host. So every blob is sealed with an HMAC over its name and bytes, under a key the
+# controller hands each launch over Ray's authenticated channel, and a blob that does not
+# open is refused (the host compiles for itself). A process with no key takes no bytes.
+
+_share_key: bytes | None = None
+_MAC_BYTES = 32
+
+
+def _seal(name: str, payload: bytes) -> bytes:
+    return _mac(name, payload) + payload
+
+
+def _mac(name: str, payload: bytes) -> bytes:
+    assert _share_key is not None
+    return hmac.new(_share_key, name.encode() + b"\0" + payload, hashlib.sha256).digest()
+
+
+def _open(name: str, sealed: bytes) -> bytes | None:
+    """The payload of `sealed`, or None (with a warning) when its seal is not ours."""
+    mac, payload = sealed[:_MAC_BYTES], sealed[_MAC_BYTES:]
+    if _share_key is None or len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, _mac(name, payload)):
+        log.warning("refused %s from the coordination store: its seal does not match this launch's key", name)
+        return None
+    return payload
+
+
+def _publish(client, name: str, payload: bytes) -> None:
+    if _share_key is not None:
+        client.key_value_set_bytes(name, _seal(name, payload), allow_overwrite=True)
+
+
+def _receive(client, name: str, timeout_s: float) -> bytes | None:
+    """The bytes process 0 published as `name` (waiting up to `timeout_s`), or None: none, or not authentic."""
+    return _open(name, client.blocking_key_value_get_bytes(name, int(timeout_s * 1000)))
 
 
 def program_key(lowered: "jax.stages.Lowered") -> str:
@@ -113,8 +184,10 @@ def _compile_shared(lowered: "jax.stages.Lowered", share_timeout_s: float) -> "t
     if shared and jax.process_index() != 0:
         if path is not None and path.exists() and (compiled := load(path.read_bytes(), path.name)) is not None:
             return compiled, None
+        if _share_key is None:  # nothing from the store is trusted without a key: compile here
+            return lowered.compile(), None
         try:
-            payload = client.blocking_key_value_get_bytes(f"executable/{key}", int(share_timeout_s * 1000))
+            payload = _receive(client, f"executable/{key}", share_timeout_s)
         except Exception as e:  # process 0 never published it: compile here rather than wait forever
             log.warning("no executable from process 0 (%s); compiling", type(e).__name__)
             return lowered.compile(), None
@@ -133,7 +206,7 @@ def _compile_shared(lowered: "jax.stages.Lowered", share_timeout_s: float) -> "t
         if payload is not None and path is not None:
             _write_atomically(path, payload)
     if shared:  # loaded bytes are passed on as read: a deserialized executable cannot be serialized again
-        client.key_value_set_bytes(f"executable/{key}", payload or b"", allow_overwrite=True)
+        _publish(client, f"executable/{key}", payload or b"")
     return compiled, payload
 
 
@@ -256,7 +329,7 @@ def compile_keyed(key: str, lower: Callable[[], "jax.stages.Lowered"], *,
             digest = hashlib.sha256(blob).hexdigest() if compiled is not None else _TRACE
             client.key_value_set(f"program/{key}", digest, allow_overwrite=True)
             if compiled is not None and _someone_lacks(client, key, share_timeout_s):
-                client.key_value_set_bytes(f"program-bytes/{key}", blob, allow_overwrite=True)
+                _publish(client, f"program-bytes/{key}", blob)
         return compiled or _trace_and_compile(path, lower, share_timeout_s)
     need = f"program-need/{key}/{jax.process_index()}"
     try:
@@ -270,9 +343,12 @@ def compile_keyed(key: str, lower: Callable[[], "jax.stages.Lowered"], *,
     if blob and hashlib.sha256(blob).hexdigest() == digest and (compiled := _load_keyed(blob, path.name)):
         client.key_value_set(need, "no", allow_overwrite=True)
         return compiled  # this host keeps the same program: nothing to transfer
+    if _share_key is None:  # it could not tell process 0's bytes from forged ones: make its own
+        client.key_value_set(need, "no", allow_overwrite=True)
+        return lower().compile()
     client.key_value_set(need, "yes", allow_overwrite=True)
-    sent = client.blocking_key_value_get_bytes(f"program-bytes/{key}", int(share_timeout_s * 1000))
-    return _load_keyed(sent, "process 0") or lower().compile()
+    sent = _receive(client, f"program-bytes/{key}", share_timeout_s)
+    return (_load_keyed(sent, "process 0") if sent else None) or lower().compile()
 
 
 def _someone_lacks(client, key: str, share_timeout_s: float) -> bool:

@@ -21,15 +21,17 @@ from tests.integration.test_local_jobs import tiny_spec
 
 
 def _our_processes(client) -> list[psutil.Process]:
-    groups = {read_cluster(client.home).pgid}
+    """Every process of the cluster's nodes: each node is a session of its own (its id is the
+    recorded one), and Ray puts each worker in a process group of its own inside it."""
+    sessions = {read_cluster(client.home).pgid}
     for rec in client.store.slices(live_only=True):
-        groups.update(rec["data"]["pgids"])
+        sessions.update(rec["data"]["pgids"])
     procs = []
     for p in psutil.process_iter():
         try:
-            if os.getpgid(p.pid) in groups:
+            if os.getsid(p.pid) in sessions:
                 procs.append(p)
-        except (ProcessLookupError, psutil.Error):
+        except (ProcessLookupError, PermissionError, psutil.Error):
             pass
     return procs
 
@@ -43,11 +45,16 @@ def test_everything_listens_on_loopback_only(client, tmp_path):
     for p in _our_processes(client):
         try:
             conns = p.net_connections(kind="inet")
+            name = " ".join(p.cmdline()) or p.name()
         except psutil.Error:
             continue
-        listening += [(p.name(), c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+        listening += [(name, c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
     job.cancel()
     assert len(listening) >= 10, listening  # GCS, raylets, agents, dashboard, workers...
+    # The 2-host job's workers are among them: host 0 serves the JAX runtime's coordinator,
+    # and every host listens for its peers' collectives (gloo).
+    worker_ports = [x for x in listening if "HostWorker" in x[0]]
+    assert len(worker_ports) >= 3, listening
     exposed = [x for x in listening
                if not ipaddress.ip_address(x[1].removeprefix("::ffff:")).is_loopback]
     assert exposed == [], f"listening beyond loopback: {exposed}"

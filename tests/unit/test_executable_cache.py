@@ -8,6 +8,8 @@ second time both load it from the cache, and every copy computes the same result
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -15,11 +17,12 @@ import sys
 from tests.conftest import REPO
 
 CHILD = r"""
-import json, sys
+import json, os, sys
 from workers import runtime
 rank, port, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 runtime.configure(platform="cpu", devices_per_host=2, compile_cache_dir=cache)
-runtime.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank, timeout_s=60)
+runtime.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank, timeout_s=60,
+                   share_key=bytes.fromhex(os.environ["SHARE_KEY"]))
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
@@ -40,17 +43,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_pair(cache, *, per_host: bool = False, child: str = CHILD, extra: tuple[str, ...] = ()) -> list[dict]:
-    """Two processes running `child`; `per_host`: each with a cache directory of its own, as TPU hosts' local disks."""
+def run_pair(cache, *, per_host: bool = False, child: str = CHILD, extra: tuple[str, ...] = (),
+             keys: tuple[str, str] | None = None) -> list[dict]:
+    """Two processes running `child`; `per_host`: each with a cache directory of its own, as TPU hosts' local disks.
+
+    `keys`: each process's share key (hex); default one fresh key for both, as a launch hands them.
+    """
     port = str(free_port())
+    keys = keys or (secrets.token_hex(32),) * 2
     procs = [subprocess.Popen([sys.executable, "-c", child, str(r), port, str(cache / f"host{r}" if per_host else cache),
-                               *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "SHARE_KEY": keys[r]})
              for r in range(2)]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=240)
         assert p.returncode == 0, stderr[-3000:]
-        out.append(json.loads(stdout.strip().splitlines()[-1]))
+        out.append({**json.loads(stdout.strip().splitlines()[-1]), "refused": "refused executable/" in stderr})
     return sorted(out, key=lambda r: r["rank"])
 
 
@@ -77,11 +86,12 @@ def test_an_unreadable_executable_is_compiled_again(tmp_path):
 
 
 KEYED_CHILD = r"""
-import json, sys
+import json, os, sys
 from workers import runtime
 rank, port, cache, scale = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
 runtime.configure(platform="cpu", devices_per_host=2, compile_cache_dir=cache)
-runtime.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank, timeout_s=60)
+runtime.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank, timeout_s=60,
+                   share_key=bytes.fromhex(os.environ["SHARE_KEY"]))
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
@@ -181,3 +191,74 @@ def test_the_program_key_changes_with_what_shapes_the_program_and_nothing_else(m
         assert runtime.program_id("step", {"d_model": 128}) == base
     finally:
         jax.config.update("jax_compilation_cache_dir", dir_before)
+
+
+FORGING_CHILD = r"""
+import hashlib, hmac, json, os, pickle, sys
+from workers import runtime
+rank, port, cache, marker = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+runtime.configure(platform="cpu", devices_per_host=2, compile_cache_dir=cache)
+runtime.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank, timeout_s=60,
+                   share_key=bytes.fromhex(os.environ["SHARE_KEY"]))
+import jax, jax.numpy as jnp, numpy as np
+from jax._src import distributed
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
+row = NamedSharding(mesh, P("data"))
+fn = jax.jit(lambda x: (x * 2.0).sum(), in_shardings=row, out_shardings=NamedSharding(mesh, P()))
+lowered = fn.lower(jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=row))
+
+
+class Payload:  # what an intruder would put in the store: unpickling it creates the marker file
+    def __reduce__(self):
+        return (open, (marker, "w"))
+
+
+if rank == 0:  # stands in for anyone who can reach the coordinator's port but lacks this launch's key
+    name = f"executable/{runtime.program_key(lowered)}"
+    evil = pickle.dumps(Payload())
+    guessed = hmac.new(b"a guessed key", name.encode() + b"\0" + evil, hashlib.sha256).digest()
+    distributed.global_state.client.key_value_set_bytes(name, guessed + evil, allow_overwrite=True)
+    compiled = lowered.compile()
+else:
+    compiled = runtime.compile_cached(lowered, share_timeout_s=60)
+x = jax.make_array_from_callback((8, 3), row, lambda idx: np.arange(24, dtype=np.float32).reshape(8, 3)[idx])
+print(json.dumps({"rank": rank, "value": float(compiled(x))}))
+"""
+
+
+def test_a_forged_executable_in_the_coordination_store_is_refused(tmp_path):
+    """Hosts load executables that process 0 publishes through the runtime's key-value
+    store, and loading unpickles: bytes not sealed with the launch's key must never be
+    loaded. The host refuses them and compiles the program itself."""
+    marker = tmp_path / "unpickled"
+    out = run_pair(tmp_path / "cache", per_host=True, child=FORGING_CHILD, extra=(str(marker),))
+    assert not marker.exists(), "a forged pickle from the coordination store was loaded"
+    assert [r["refused"] for r in out] == [False, True]
+    assert [r["value"] for r in out] == [float(sum(2.0 * v for v in range(24)))] * 2
+
+
+def test_bytes_sealed_under_another_launchs_key_are_refused(tmp_path):
+    """A host of one launch takes nothing another launch (another key) published: it compiles for itself."""
+    expected = float(sum(2.0 * v for v in range(24)))
+    out = run_pair(tmp_path / "cache", per_host=True, keys=(secrets.token_hex(32), secrets.token_hex(32)))
+    assert [r["value"] for r in out] == [expected] * 2
+    assert [r["refused"] for r in out] == [False, True]  # process 1 compiled on its own
+    same = run_pair(tmp_path / "cache2", per_host=True)  # the same key: taken, as usual
+    assert [(r["refused"], r["value"]) for r in same] == [(False, expected)] * 2
+
+
+def test_a_seal_opens_only_with_its_key_name_and_bytes():
+    from workers import runtime
+
+    runtime._share_key = b"k" * 32
+    try:
+        sealed = runtime._seal("executable/abc", b"payload")
+        assert runtime._open("executable/abc", sealed) == b"payload"
+        assert runtime._open("executable/other", sealed) is None  # replayed under another name
+        assert runtime._open("executable/abc", sealed[:-1] + b"X") is None  # bytes changed
+        assert runtime._open("executable/abc", b"short") is None
+        runtime._share_key = b"j" * 32
+        assert runtime._open("executable/abc", sealed) is None  # another launch's key
+    finally:
+        runtime._share_key = None
