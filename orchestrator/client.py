@@ -150,6 +150,9 @@ class Client:
             if info is None:
                 info = cluster.start_head(self.home, owner="submit")
                 self._owns_cluster = True
+            elif not cluster.answers(info):  # Ray's driver would retry a dead head for minutes
+                raise ClusterError(f"the cluster at {info.address} (state in {self.home.root}) does not answer; "
+                                   "`orchestrator down` stops what is left of it")
             address = info.address
         else:
             address = self.address
@@ -220,16 +223,25 @@ class Client:
             pass
 
     def down(self) -> bool:
-        """Cancel active jobs, release every slice, stop the embedded cluster. False if none ran."""
+        """Cancel active jobs, release every slice, stop the embedded cluster. False if none ran.
+
+        Only processes that are this cluster's nodes are stopped (`cluster.session_is_ours`);
+        a recorded id that another program holds now is left alone and logged. A head that
+        does not answer is stopped without asking its controller first.
+        """
         info = cluster.read_cluster(self.home)
         if info is None:
             self._release_recorded_slices()
+            (self.home.root / "metrics.json").unlink(missing_ok=True)
             return False
         import ray
 
         try:
-            self.connect()
-            self._shutdown_controller()
+            if cluster.answers(info):
+                self.connect()
+                self._shutdown_controller()
+            else:
+                log.warning("the cluster at %s does not answer; stopping its processes", info.address)
         except Exception:  # whatever the controller says, the cluster goes down
             log.exception("the controller did not shut down cleanly; stopping the cluster anyway")
         finally:
@@ -237,13 +249,15 @@ class Client:
             self._connected = False
             self._release_recorded_slices()
             cluster.stop_cluster(self.home)
+        (self.home.root / "metrics.json").unlink(missing_ok=True)  # its server went with the controller
         return True
 
-    def _release_recorded_slices(self) -> None:
+    def _release_recorded_slices(self) -> list[int]:
+        """Stop the hosts of every slice the store says is live; returns the ids left alone (not ours)."""
         from orchestrator.providers.local import release_recorded
 
-        for rec in self.store.slices(live_only=True):
-            release_recorded(self.store, rec)
+        return [pgid for rec in self.store.slices(live_only=True)
+                for pgid in release_recorded(self.home, self.store, rec)]
 
     # -- jobs ------------------------------------------------------------------
 

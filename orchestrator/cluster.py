@@ -11,6 +11,8 @@ state directory, readable by its owner only.
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -154,7 +156,7 @@ def free_port() -> int:
 
 def _ray_start(home: Home, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     ensure_token(home)
-    env = {**os.environ, **ray_env(home), **(env or {})}
+    env = {**os.environ, **ray_env(home), **(env or {}), _MARK_ENV: node_mark(home)}
     for key in list(env):  # a fresh environment: nothing left over from an earlier slice
         if key.startswith(("MEGASCALE_", "TPU_", "JAX_COORDINATOR")):
             del env[key]
@@ -204,7 +206,7 @@ def start_head(home: Home, *, num_cpus: int = 2, owner: str = "up", timeout_s: f
     try:
         _wait_port(port, proc, timeout_s, log_path)
     except ClusterError:
-        stop_group(proc.pid)
+        stop_group(home, proc.pid)
         raise
     info = ClusterInfo(f"127.0.0.1:{port}", proc.pid, dash, time.time(), owner)
     home.cluster_file.write_text(json.dumps(asdict(info)))
@@ -213,15 +215,30 @@ def start_head(home: Home, *, num_cpus: int = 2, owner: str = "up", timeout_s: f
 
 
 def read_cluster(home: Home) -> ClusterInfo | None:
-    """The running cluster recorded in `home`, or None (a stale record is removed)."""
+    """The running cluster recorded in `home`, or None.
+
+    A stale record (its head's processes gone, or its process id now another program's)
+    is removed at once; it is never retried or signalled.
+    """
     try:
         info = ClusterInfo(**json.loads(home.cluster_file.read_text()))
     except (FileNotFoundError, json.JSONDecodeError, TypeError):
         return None
-    if not group_alive(info.pgid):
+    if not session_is_ours(home, info.pgid):
+        log.info("removing the stale cluster record %s (its head is gone)", home.cluster_file)
         home.cluster_file.unlink(missing_ok=True)
         return None
     return info
+
+
+def answers(info: ClusterInfo, timeout_s: float = 2.0) -> bool:
+    """Whether the head's GCS accepts connections (a driver would retry a dead one for minutes)."""
+    host, port = info.address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 def start_host_node(home: Home, *, address: str, resources: dict[str, float], labels: dict[str, str],
@@ -268,6 +285,35 @@ def group_alive(pgid: int) -> bool:
     return bool(_session(pgid))
 
 
+# A process id written down earlier (in state.db or cluster.json) may belong to another
+# program by now: after a crash or a reboot the kernel hands the number out again. So a
+# recorded session is ours only while one of its processes carries this home's node mark
+# in its environment: every node this tool starts gets it (the raylet, its agents and its
+# workers inherit it), nothing else does, and a process cannot take it on later. The mark
+# is derived from the cluster's token, so another state directory's nodes differ too.
+_MARK_ENV = "ORCHESTRATOR_NODE_MARK"
+
+
+def node_mark(home: Home) -> str:
+    """The mark in the environment of every node process `home`'s cluster starts (not a secret)."""
+    ensure_token(home)
+    return hmac.new(home.token_file.read_bytes().strip(), b"orchestrator node", hashlib.sha256).hexdigest()[:32]
+
+
+def _carries(pid: int, entry: bytes) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return entry in f.read().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return False
+
+
+def session_is_ours(home: Home, sid: int) -> bool:
+    """Whether session `sid` is alive and is a node of `home`'s cluster (see `node_mark`)."""
+    entry = f"{_MARK_ENV}={node_mark(home)}".encode()
+    return any(_carries(pid, entry) for pid in _session(sid))
+
+
 def _signal_session(sid: int, sig: int) -> None:
     for pid in _session(sid):
         try:
@@ -276,31 +322,48 @@ def _signal_session(sid: int, sig: int) -> None:
             pass
 
 
-def stop_group(pgid: int, *, grace_s: float = 5.0, hard: bool = False) -> None:
+def stop_group(home: Home, pgid: int, *, grace_s: float = 5.0, hard: bool = False) -> list[int]:
     """Stop every process of a node (its session): SIGTERM, then SIGKILL after `grace_s` (or at once).
 
     ``hard=True`` is a host vanishing: raylet, agents and workers get SIGKILL together.
+    Returns the ids left alone, as `stop_groups` does.
     """
-    stop_groups([pgid], grace_s=grace_s, hard=hard)
+    return stop_groups(home, [pgid], grace_s=grace_s, hard=hard)
 
 
-def stop_groups(pgids: list[int], *, grace_s: float = 5.0, hard: bool = False) -> None:
-    """`stop_group` for several nodes at once: all are signalled first, then waited for together."""
+def stop_groups(home: Home, pgids: list[int], *, grace_s: float = 5.0, hard: bool = False) -> list[int]:
+    """`stop_group` for several nodes at once: all are signalled first, then waited for together.
+
+    Only sessions that are `home`'s nodes are signalled (`session_is_ours`); a recorded id
+    whose processes are another program's now is left alone, logged, and returned.
+    """
+    ours, foreign = [], []
     for pgid in pgids:
+        if session_is_ours(home, pgid):
+            ours.append(pgid)
+        elif group_alive(pgid):
+            foreign.append(pgid)
+    for pgid in foreign:
+        log.warning("left process group %d alone: it is recorded as a node of ours, but its processes do not "
+                    "carry this cluster's node mark (the id was reused by another program)", pgid)
+    for pgid in ours:
         _signal_session(pgid, signal.SIGKILL if hard else signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(group_alive(p) for p in pgids):
-        for pgid in pgids:
+    while time.monotonic() < deadline and any(group_alive(p) for p in ours):
+        for pgid in ours:
             _reap(pgid)
         time.sleep(0.1)
-    for pgid in pgids:
+    for pgid in ours:
         if group_alive(pgid):
             _signal_session(pgid, signal.SIGKILL)
         _reap(pgid)
+    return foreign
 
 
-def kill_host(pgid: int) -> None:
-    """A host vanishing: every process of the node, SIGKILL, at once."""
+def kill_host(home: Home, pgid: int) -> None:
+    """A host vanishing: every process of the node, SIGKILL, at once (fault injection; ours only)."""
+    if not session_is_ours(home, pgid):
+        raise ClusterError(f"process group {pgid} is not a node of the cluster in {home.root}")
     _signal_session(pgid, signal.SIGKILL)
 
 
@@ -316,6 +379,6 @@ def stop_cluster(home: Home) -> bool:
     info = read_cluster(home)
     if info is None:
         return False
-    stop_group(info.pgid, grace_s=10.0)
+    stop_group(home, info.pgid, grace_s=10.0)
     home.cluster_file.unlink(missing_ok=True)
     return True

@@ -495,10 +495,11 @@ class Controller:
                                    "pids": [p["pid"] for p in placed], "generation": run.generation})
         coordinator = ray.get(run.workers[0].coordinator_address.remote(), timeout=120) if t.hosts > 1 else None
         workload = _workload(raw_spec, spec, t.chips, t.hosts)
-        ray.get(run.workers[0].start.remote(coordinator, workload), timeout=120)
+        share_key = secrets.token_bytes(32)  # seals what hosts hand each other through the coordinator
+        ray.get(run.workers[0].start.remote(coordinator, workload, share_key), timeout=120)
         if coordinator is not None:  # the others join once host 0 listens (an early one waits out a backoff)
             ray.get(run.workers[0].coordinator_listening.remote(coordinator, 10.0), timeout=30)
-        ray.get([w.start.remote(coordinator, workload) for w in run.workers[1:]], timeout=120)
+        ray.get([w.start.remote(coordinator, workload, share_key) for w in run.workers[1:]], timeout=120)
         run.last_progress = time.monotonic()
         return None
 
@@ -693,7 +694,7 @@ class Controller:
         return None
 
     def _release_record(self, rec: dict) -> None:
-        release_recorded(self.store, rec)
+        release_recorded(self.home, self.store, rec)
         if rec["provider"] == "gcp":  # delete the cloud resources, not only our record of them
             try:
                 self._provider_for(self._spec(rec["job_id"])).release(rec["name"])

@@ -72,7 +72,7 @@ class RayBackedNodes:
         with self._lock:
             pgids = self._groups.pop(node_id, [])
         for pgid in pgids:
-            cluster.stop_group(pgid, hard=(reason == "preempted"))
+            cluster.stop_group(self.home, pgid, hard=(reason == "preempted"))
 
     def close(self) -> None:
         for node_id in list(self._groups):

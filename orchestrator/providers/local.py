@@ -145,7 +145,7 @@ class LocalProvider:
         with self._lock:
             s = self._slices.get(name)
             pgids = self._pgids.get(name, [])
-        cluster.stop_groups(pgids, grace_s=5.0)  # every host at once, not one grace period after another
+        cluster.stop_groups(self.home, pgids, grace_s=5.0)  # every host at once, not one grace period after another
         if s is not None and s.state is not SliceState.RELEASED:
             with self._lock:
                 self._set(s, SliceState.RELEASED)
@@ -153,7 +153,7 @@ class LocalProvider:
 
     def kill_host(self, name: str, worker_id: int) -> None:
         """Make one host vanish at once, as a preempted VM does (for fault injection)."""
-        cluster.stop_group(self._pgids[name][worker_id], hard=True, grace_s=2.0)
+        cluster.stop_group(self.home, self._pgids[name][worker_id], hard=True, grace_s=2.0)
 
     def poll_events(self) -> list[SliceEvent]:
         with self._lock:
@@ -170,8 +170,12 @@ class LocalProvider:
         return events
 
 
-def release_recorded(store, rec: dict) -> None:
-    """Stop the hosts of a slice known only from the store (an earlier controller's), and record it released."""
-    cluster.stop_groups(rec["data"].get("pgids", []))
+def release_recorded(home: cluster.Home, store, rec: dict) -> list[int]:
+    """Stop the hosts of a slice known only from the store (an earlier controller's), and record it released.
+
+    Returns the recorded process ids left alone because they are another program's now.
+    """
+    foreign = cluster.stop_groups(home, rec["data"].get("pgids", []))
     store.put_slice(rec["name"], rec["job_id"], rec["provider"], rec["accelerator"], rec["tier"],
                     SliceState.RELEASED.value, rec["data"])
+    return foreign

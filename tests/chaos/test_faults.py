@@ -108,7 +108,7 @@ def test_a_host_vanishes(client, tmp_path, reference, undisturbed):
     job = client.submit(chaos_spec("lose-host", tmp_path))
     wait_step(job, 10)
     killed_at = time.time()
-    kill_host(host_pgids(client, job)[1])  # the raylet, its agents and the worker, at once
+    kill_host(client.home, host_pgids(client, job)[1])  # the raylet, its agents and the worker, at once
     assert_same_model(job, reference)
     d = kinds(job, "disruption")[0]
     assert d.data["kind"] == "infra_lost" and "host 1" in d.reason
@@ -142,7 +142,7 @@ def test_kill_during_an_async_save(client, tmp_path, reference):
 
     partial = wait_for(partial_save, 300, "an in-flight save", poll_s=0.002)
     for pgid in host_pgids(client, job):
-        kill_host(pgid)
+        kill_host(client.home, pgid)
     partial_step = int(partial.name.split(".")[0])
     assert not (ckpt / str(partial_step)).exists(), "the save finished before the kill; cannot test a partial save"
     assert_same_model(job, reference)
@@ -186,7 +186,7 @@ def test_corrupt_latest_checkpoint_falls_back(client, tmp_path, reference):
     job = client.submit(spec)
     wait_step(job, 10)
     wait_for(lambda: (ckpt / "8").exists(), 60, "checkpoint 8")
-    kill_host(host_pgids(client, job)[0])
+    kill_host(client.home, host_pgids(client, job)[0])
     for f in (ckpt / "8").rglob("*"):
         if f.is_file():
             f.write_bytes(b"\0garbage")
@@ -214,7 +214,7 @@ def test_more_preemptions_than_the_budget(client, tmp_path):
     for _ in range(2):
         wait_step(job, job.status().step + 2)
         seen = len(kinds(job, "disruption"))
-        kill_host(host_pgids(client, job)[1])
+        kill_host(client.home, host_pgids(client, job)[1])
         wait_for(lambda: len(kinds(job, "disruption")) > seen, 60, "the disruption to be seen")
     st = job.wait(timeout_s=300)
     assert st.state is JobState.FAILED

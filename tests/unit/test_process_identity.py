@@ -1,0 +1,121 @@
+"""Process ids written down earlier are signalled only while they are still ours.
+
+After a crash or a reboot the ids in state.db and cluster.json can belong to other
+programs. These tests record ids of unrelated processes of the test's own (each in a
+session of its own, as the tool's nodes are) and check that the real `orchestrator
+down` leaves them alive, while a process that carries the cluster's node mark, as every
+node the tool starts does, is stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchestrator import cluster
+from orchestrator.store import Store
+from tests.conftest import REPO
+
+
+@pytest.fixture
+def home(tmp_path):
+    return cluster.Home(tmp_path / "home").ensure()
+
+
+def _sleeper(env: dict | None = None) -> subprocess.Popen:
+    """A process in a session of its own (its pid is its session id, like a recorded node's)."""
+    return subprocess.Popen(["sleep", "300"], start_new_session=True, env={**os.environ, **(env or {})})
+
+
+def _alive(proc: subprocess.Popen) -> bool:
+    return proc.poll() is None
+
+
+def _down(home: cluster.Home) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ORCHESTRATOR_HOME": str(home.root), "RAY_AUTH_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", "orchestrator", "down"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _record_slice(home: cluster.Home, pgid: int) -> None:
+    Store(home.db).put_slice("job-1-1", "job-1", "local", "v4-8", "spot", "READY",
+                             {"pgids": [pgid], "hosts": ["slice-job-1-1-w0"]})
+
+
+def test_down_leaves_a_recorded_slice_alone_when_its_pgid_is_another_programs(home):
+    stranger = _sleeper()
+    try:
+        _record_slice(home, stranger.pid)
+        r = _down(home)
+        assert r.returncode == 0, r.stderr
+        assert "no cluster was running" in r.stdout
+        assert f"left process group {stranger.pid} alone" in r.stderr
+        time.sleep(0.3)
+        assert _alive(stranger)
+        assert [s["state"] for s in Store(home.db).slices()] == ["RELEASED"]  # the record is settled all the same
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_stale_cluster_record_is_dropped_at_once_and_its_pgid_left_alone(home):
+    stranger = _sleeper()
+    try:
+        home.cluster_file.write_text(json.dumps(
+            {"address": "127.0.0.1:1", "pgid": stranger.pid, "dashboard_port": 1, "started_at": 0.0}))
+        (home.root / "metrics.json").write_text(json.dumps({"url": "http://127.0.0.1:1/metrics"}))
+        r = _down(home)  # before: retried the dead address for over 200 s, then killed this session
+        assert r.returncode == 0, r.stderr
+        assert "no cluster was running" in r.stdout
+        assert not home.cluster_file.exists()
+        assert not (home.root / "metrics.json").exists()  # no stale metrics address either
+        time.sleep(0.3)
+        assert _alive(stranger)
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_session_that_carries_the_node_mark_is_ours_and_is_stopped(home):
+    ours = _sleeper({cluster._MARK_ENV: cluster.node_mark(home)})
+    stranger = _sleeper()
+    other_home = cluster.Home(home.root.parent / "other").ensure()
+    theirs = _sleeper({cluster._MARK_ENV: cluster.node_mark(other_home)})  # another state directory's node
+    try:
+        assert cluster.session_is_ours(home, ours.pid)
+        assert not cluster.session_is_ours(home, stranger.pid)
+        assert not cluster.session_is_ours(home, theirs.pid)
+        left = cluster.stop_groups(home, [ours.pid, stranger.pid, theirs.pid], grace_s=5.0)
+        assert sorted(left) == sorted([stranger.pid, theirs.pid])
+        assert ours.wait(timeout=10) is not None
+        assert _alive(stranger) and _alive(theirs)
+        with pytest.raises(cluster.ClusterError, match="not a node"):
+            cluster.kill_host(home, stranger.pid)
+        assert _alive(stranger)
+    finally:
+        for p in (ours, stranger, theirs):
+            p.kill()
+            p.wait()
+
+
+def test_the_mark_is_not_in_the_drivers_own_environment(home):
+    """Drivers (`apply_ray_env` puts `ray_env` in their environment), and so whatever a user's
+    shell or a test starts beside them, never carry it: only node processes do."""
+    assert cluster._MARK_ENV not in cluster.ray_env(home)
+    assert cluster._MARK_ENV not in os.environ
+
+
+def test_a_head_that_does_not_answer_is_told_apart_from_one_that_does(home):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        listening = cluster.ClusterInfo(f"127.0.0.1:{s.getsockname()[1]}", 0, 0, 0.0)
+        assert cluster.answers(listening)
+    assert not cluster.answers(cluster.ClusterInfo("127.0.0.1:1", 0, 0, 0.0), timeout_s=1.0)
