@@ -20,6 +20,7 @@ import random
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -120,12 +121,43 @@ def apply_ray_env(home: Home) -> None:
 
 
 def ensure_token(home: Home) -> None:
+    """Make the cluster's token if there is none; refuse a state directory or token others can touch."""
     home.ensure()
+    check_private(home)
     if home.token_file.exists():
         return
-    fd = os.open(home.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(home.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32))
+
+
+def check_private(home: Home) -> None:
+    """The state directory holds the cluster's token and the job store: only its owner may change it.
+
+    Refused (ClusterError): a directory of another user or writable by others, and a token
+    file that is a link, another user's, or readable by others (whoever read it controls the
+    cluster: make a new one by removing it). A directory others may only read gets a warning.
+    """
+    st = os.stat(home.root)
+    if st.st_uid != os.getuid():
+        raise ClusterError(f"the state directory {home.root} belongs to another user (uid {st.st_uid})")
+    if st.st_mode & 0o022:
+        raise ClusterError(f"the state directory {home.root} is writable by others (mode {st.st_mode & 0o777:o}); "
+                           f"run: chmod 700 {home.root}")
+    if st.st_mode & 0o077 and not getattr(check_private, "_warned", False):
+        check_private._warned = True  # once per process
+        log.warning("the state directory %s can be read by others (mode %o); chmod 700 keeps job logs private",
+                    home.root, st.st_mode & 0o777)
+    try:
+        tok = os.lstat(home.token_file)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(tok.st_mode) or not stat.S_ISREG(tok.st_mode):
+        raise ClusterError(f"{home.token_file} is not a regular file; remove it and a new token is made")
+    if tok.st_uid != os.getuid() or tok.st_mode & 0o077:
+        raise ClusterError(f"{home.token_file} can be read by others (mode {tok.st_mode & 0o777:o}): whoever read "
+                           "it can control the cluster. Remove it (stop the cluster first: a new token is made "
+                           f"at the next start), or if you trust everyone who could read it: chmod 600 {home.token_file}")
 
 
 # Ports the tool hands to Ray processes come from below the kernel's ephemeral range

@@ -119,3 +119,40 @@ def test_a_head_that_does_not_answer_is_told_apart_from_one_that_does(home):
         listening = cluster.ClusterInfo(f"127.0.0.1:{s.getsockname()[1]}", 0, 0, 0.0)
         assert cluster.answers(listening)
     assert not cluster.answers(cluster.ClusterInfo("127.0.0.1:1", 0, 0, 0.0), timeout_s=1.0)
+
+
+def _orchestrator(home_root, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ORCHESTRATOR_HOME": str(home_root), "RAY_AUTH_MODE": "disabled"}
+    return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_token_others_can_read_is_refused_with_a_way_out(home):
+    cluster.ensure_token(home)
+    home.token_file.chmod(0o644)
+    r = _orchestrator(home.root, "up")
+    assert r.returncode == 1
+    assert "can be read by others (mode 644)" in r.stderr and "Traceback" not in r.stderr
+    assert not home.cluster_file.exists()  # nothing was started
+    home.token_file.chmod(0o600)
+    cluster.check_private(home)  # mended: accepted
+
+
+def test_a_token_that_is_a_link_is_refused(home, tmp_path):
+    target = tmp_path / "elsewhere"
+    target.write_text("x" * 64)
+    target.chmod(0o600)
+    home.token_file.symlink_to(target)
+    with pytest.raises(cluster.ClusterError, match="not a regular file"):
+        cluster.ensure_token(home)
+
+
+def test_a_state_directory_others_can_write_is_refused(home):
+    home.root.chmod(0o777)
+    try:
+        r = _orchestrator(home.root, "up")
+        assert r.returncode == 1
+        assert "writable by others" in r.stderr and f"chmod 700 {home.root}" in r.stderr
+        assert not home.cluster_file.exists() and not home.token_file.exists()
+    finally:
+        home.root.chmod(0o700)
