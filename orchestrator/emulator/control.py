@@ -1,7 +1,10 @@
 """The control API over HTTP, for tests and tools in another process than the emulator.
 
 Same methods as the in-process `Emulator` handle; errors come back as `ControlError`
-with the emulator's message.
+with the emulator's message. Every call needs the emulator's control token
+(``emu.control_token``, or the ``control token:`` line `orchestrator emulator` prints);
+``emu.control()`` gives a client that has it. Without it each call fails with
+``ControlError(401, ...)``.
 """
 
 from __future__ import annotations
@@ -19,9 +22,13 @@ class ControlError(Exception):
 
 
 class ControlClient:
-    def __init__(self, url: str, *, timeout_s: float = 10.0):
+    def __init__(self, url: str, *, token: str | None = None, timeout_s: float = 10.0):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self._token = token  # private, and out of any repr: it is a credential
+
+    def __repr__(self) -> str:
+        return f"ControlClient({self.url!r}, token={'<set>' if self._token else None})"
 
     def fail(self, method: str, kind: str, *, count: int = 1, zone: str | None = None) -> None:
         self._post("fail", {"method": method, "kind": kind, "count": count, "zone": zone})
@@ -57,11 +64,19 @@ class ControlClient:
 
     def _call(self, verb: str, what: str, args: dict[str, Any] | None) -> dict[str, Any]:
         data = json.dumps(args).encode() if args is not None else None
-        req = urllib.request.Request(f"{self.url}/_emulator/{what}", data=data, method=verb,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self._token is not None:
+            headers["Authorization"] = f"Bearer {self._token}"
+        req = urllib.request.Request(f"{self.url}/_emulator/{what}", data=data, method=verb, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return json.loads(resp.read() or b"{}")
         except urllib.error.HTTPError as e:
-            body = json.loads(e.read() or b"{}")
-            raise ControlError(e.code, body.get("error", {}).get("message", str(e))) from None
+            raise ControlError(e.code, _error_message(e)) from None
+
+
+def _error_message(e: urllib.error.HTTPError) -> str:
+    try:
+        return json.loads(e.read() or b"{}")["error"]["message"]
+    except (ValueError, KeyError, TypeError):  # not the emulator's JSON error body
+        return str(e)

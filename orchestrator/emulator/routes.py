@@ -10,7 +10,11 @@ API paths (as ``google.cloud.tpu_v2``'s REST transport sends them):
     DELETE /v2/projects/P/locations/Z/nodes/N
     GET    /v2/projects/P/locations/Z/operations/OP
 
-Control paths (JSON in, JSON out; see ``ControlClient`` for the same over Python):
+Control paths (JSON in, JSON out; see ``ControlClient`` for the same over Python). Each
+needs the emulator's control token, ``Authorization: Bearer <token>`` (else 401, and
+nothing changes), and each POST a JSON body sent as ``application/json`` (else 415):
+a browser page can send a text/plain POST to 127.0.0.1 without asking first, never an
+application/json one.
 
     GET  /_emulator/state             resources, operations and the fault plan
     GET  /_emulator/requests          every API request served: method, zone, status
@@ -28,6 +32,7 @@ it carried an Authorization header.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -107,6 +112,7 @@ class Handler(BaseHTTPRequestHandler):
         method, zone = "control", ""
         try:
             if url.path.startswith("/_emulator/"):
+                self._check_control_request(verb)
                 status, payload = 200, self._control(verb, url.path.removeprefix("/_emulator/"), body)
             else:
                 match = _API_RE.match(url.path)
@@ -128,6 +134,8 @@ class Handler(BaseHTTPRequestHandler):
         self.emulator._record(RequestRecord(method, verb, url.path, zone, status, authorized, time.time()))
         data = json.dumps(payload).encode()
         self.send_response(status)
+        if status == 401:
+            self.send_header("WWW-Authenticate", 'Bearer realm="tpu-emulator control"')
         self.send_header("Content-Type", "application/json; charset=UTF-8")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -161,6 +169,22 @@ class Handler(BaseHTTPRequestHandler):
         raise AssertionError(f"unrouted method {method}")
 
     # -- the control API ----------------------------------------------------------------
+
+    def _check_control_request(self, verb: str) -> None:
+        """Refuse a control request without the token, or a POST whose body is not JSON."""
+        scheme, _, given = (self.headers.get("Authorization") or "").partition(" ")
+        # Bytes, so that any header value compares (compare_digest refuses non-ASCII str);
+        # headers arrive decoded as latin-1, which encodes back losslessly.
+        expected = self.emulator.control_token.encode()
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("latin-1", "replace"), expected):
+            raise ApiError(401, "UNAUTHENTICATED",
+                           "the control API needs the emulator's control token (Authorization: Bearer <token>); "
+                           "`orchestrator emulator` prints it at start", "CONTROL_TOKEN_INVALID")
+        sent = self.headers.get("Content-Type")
+        if verb == "POST" and (sent is None or self.headers.get_content_type() != "application/json"):
+            raise ApiError(415, "INVALID_ARGUMENT",
+                           f"control requests send their JSON as application/json, not {sent or 'without a type'}",
+                           "BAD_CONTENT_TYPE")
 
     def _control(self, verb: str, what: str, body: str) -> Any:
         emu = self.emulator

@@ -3,17 +3,22 @@
     emu = serve(time_scale=0.01)          # started, on a free port of 127.0.0.1
     client = emu.client()                 # a real tpu_v2.TpuClient pointed at it
     emu.stockout("us-central2-b")         # inject faults from Python...
-    ControlClient(emu.url).reclaim("s1")  # ...or over HTTP from another process
+    emu.control().reclaim("s1")           # ...or over HTTP (a ControlClient with the token)
     emu.stop()
 
-The server only binds loopback addresses: it has no authentication, and a fake cloud
-reachable from the network is a hazard, not a feature.
+The server only binds loopback addresses: a fake cloud reachable from the network is a
+hazard, not a feature. The TPU API paths take anonymous calls, as the real client sends
+them in tests. The control API under `/_emulator/` requires the emulator's control
+token (``Authorization: Bearer <token>``): loopback alone does not keep out a web page
+in a local browser, which can send a simple cross-origin POST without a preflight.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
+import re
+import secrets
 import socket
 import threading
 from collections import deque
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
 from typing import Any
 
+from orchestrator.emulator.control import ControlClient
 from orchestrator.emulator.faults import Faults
 from orchestrator.emulator.machines import Timings
 from orchestrator.emulator.routes import Handler, RequestRecord
@@ -29,6 +35,9 @@ from orchestrator.emulator.world import Hooks, World
 log = logging.getLogger(__name__)
 
 DEFAULT_TIME_SCALE = 0.05  # a two-minute provisioning takes 6 s
+
+# What an HTTP header can carry as a bearer token: visible ASCII, no spaces.
+_TOKEN_RE = re.compile(r"[\x21-\x7e]{16,}")
 
 
 @dataclass(frozen=True)
@@ -39,6 +48,8 @@ class EmulatorConfig:
     seed: int = 0  # seeds the random transient errors
     zones: tuple[str, ...] | None = None  # None: every zone exists; else others answer 404
     hooks: Hooks = field(default_factory=Hooks)
+    # The control API's bearer token; None: a random one at start. Kept out of repr.
+    control_token: str | None = field(default=None, repr=False)
 
 
 class _Server(ThreadingHTTPServer):
@@ -56,6 +67,7 @@ class Emulator:
     def __init__(self, config: EmulatorConfig | None = None):
         self.config = config or EmulatorConfig()
         _require_loopback(self.config.host)
+        self.control_token = _control_token(self.config.control_token)
         self.faults = Faults(seed=self.config.seed)
         self.world = World(timings=self.config.timings, faults=self.faults, hooks=self.config.hooks,
                            zones=self.config.zones)
@@ -112,6 +124,10 @@ class Emulator:
             client_options=ClientOptions(api_endpoint=self.url),
         )
 
+    def control(self, *, timeout_s: float = 10.0) -> ControlClient:
+        """A `ControlClient` for this emulator's control API, with its token."""
+        return ControlClient(self.url, token=self.control_token, timeout_s=timeout_s)
+
     # -- control ------------------------------------------------------------------------
 
     def fail(self, method: str, kind: str, *, count: int = 1, zone: str | None = None) -> None:
@@ -166,11 +182,16 @@ def serve(
     seed: int = 0,
     zones: tuple[str, ...] | None = None,
     hooks: Hooks | None = None,
+    control_token: str | None = None,
 ) -> Emulator:
-    """Start an emulator and return its handle; call ``stop()`` (or use it in ``with``)."""
+    """Start an emulator and return its handle; call ``stop()`` (or use it in ``with``).
+
+    `control_token` is the control API's bearer token; by default a random one, read
+    back as ``emu.control_token``."""
     if timings is None:
         timings = Timings(scale=time_scale)
-    config = EmulatorConfig(host=host, port=port, timings=timings, seed=seed, zones=zones, hooks=hooks or Hooks())
+    config = EmulatorConfig(host=host, port=port, timings=timings, seed=seed, zones=zones, hooks=hooks or Hooks(),
+                            control_token=control_token)
     return Emulator(config).start()
 
 
@@ -181,3 +202,12 @@ def _require_loopback(host: str) -> None:
         raise ValueError(f"cannot resolve emulator host {host!r}: {e}") from None
     if not addr.is_loopback:
         raise ValueError(f"the emulator binds loopback addresses only (127.0.0.1), not {host!r}")
+
+
+def _control_token(given: str | None) -> str:
+    if given is None:
+        return secrets.token_urlsafe(32)
+    if not _TOKEN_RE.fullmatch(given):
+        # The value itself stays out of the message: it may be a real secret mistyped.
+        raise ValueError("a control token is at least 16 visible ASCII characters, without spaces")
+    return given

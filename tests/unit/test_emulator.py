@@ -23,7 +23,8 @@ from google.cloud import tpu_v2
 from google.longrunning import operations_pb2
 from google.protobuf import json_format
 
-from orchestrator.emulator import ControlClient, ControlError, Hooks, emulator_fixture, running_emulator, serve
+from orchestrator.emulator import (ControlClient, ControlError, Emulator, Hooks, emulator_fixture, running_emulator,
+                                   serve)
 from orchestrator.emulator import machines as m
 
 pytestmark = pytest.mark.timeout(60)
@@ -66,9 +67,10 @@ def wait_state(client, name: str, state, timeout_s: float = 5.0):
     raise AssertionError(f"{name} never reached {state.name}; last {qr.state.state.name}")
 
 
-def http(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, dict]:
+def http(url: str, method: str = "GET", body: dict | None = None, **headers: str) -> tuple[int, dict]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **headers})
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, json.loads(r.read())
@@ -336,7 +338,7 @@ def test_serves_loopback_only():
 
 
 def test_control_api_over_http(emulator):
-    control = ControlClient(emulator.url)
+    control = emulator.control()
     client = emulator.client()
     control.stockout(ZONE)
     create(client)
@@ -360,15 +362,58 @@ def test_control_api_over_http(emulator):
         control.reclaim("no-such-slice")
 
 
-def test_main_serves_until_interrupted():
+def test_control_api_without_the_token_is_refused_and_changes_nothing(emulator):
+    client = emulator.client()
+    create(client)
+    wait_state(client, QR_NAME, QRState.ACTIVE)
+    for control in (ControlClient(emulator.url), ControlClient(emulator.url, token="not-the-token-0123456789")):
+        for call in (lambda: control.reclaim("q1"), lambda: control.stockout(ZONE), control.state, control.requests):
+            with pytest.raises(ControlError) as e:
+                call()
+            assert e.value.status == 401 and "control token" in str(e.value)
+    status, body = http(f"{emulator.url}/_emulator/terminate", "POST", {"name": "q1"}, Authorization="Bearer ")
+    assert status == 401 and body["error"]["status"] == "UNAUTHENTICATED"
+    state = emulator.control().state()  # the world as it was: no stockout, the slice still ACTIVE
+    assert state["faults"]["stockouts"] == []
+    assert [q["state"]["state"] for q in state["queuedResources"]] == ["ACTIVE"]
+    assert [n["state"] for n in state["nodes"]] == ["READY"]
+
+
+def test_control_post_must_be_json(emulator):
+    # What a browser page could send without a preflight, were the token known.
+    status, body = http(f"{emulator.url}/_emulator/stockout", "POST", {"zone": ZONE},
+                        Authorization=f"Bearer {emulator.control_token}", **{"Content-Type": "text/plain"})
+    assert status == 415 and "application/json" in body["error"]["message"]
+    assert emulator.control().state()["faults"]["stockouts"] == []
+
+
+def test_a_given_control_token_is_used_a_weak_one_refused():
+    token = "a-given-token-0123456789"
+    with running_emulator(time_scale=0.002, control_token=token) as emu:
+        assert emu.control_token == token
+        assert token not in repr(emu.config) and token not in repr(emu.control())
+        ControlClient(emu.url, token=token).stockout(ZONE)
+        assert emu.state()["faults"]["stockouts"][0]["zone"] == ZONE
+    with pytest.raises(ValueError, match="16 visible ASCII"):
+        serve(control_token="short")
+    a, b = Emulator(), Emulator()  # not started: the token is made with the handle
+    assert len(a.control_token) >= 32 and a.control_token != b.control_token
+
+
+def test_main_serves_until_interrupted_and_prints_its_token(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.emulator", "--port", "0", "--log-level", "WARNING"],
-                            stdout=subprocess.PIPE, text=True, env=env)
+    token_file = tmp_path / "token"
+    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.emulator", "--port", "0", "--log-level", "WARNING",
+                             "--control-token-file", str(token_file)], stdout=subprocess.PIPE, text=True, env=env)
     try:
-        line = proc.stdout.readline()
-        url = next(w for w in line.split() if w.startswith("http"))
+        url = next(w for w in proc.stdout.readline().split() if w.startswith("http"))
         assert url.startswith("http://127.0.0.1:")
-        assert ControlClient(url).state()["queuedResources"] == []
+        label, _, token = proc.stdout.readline().strip().partition(": ")
+        assert label == "control token" and token
+        assert ControlClient(url, token=token).state()["queuedResources"] == []
+        with pytest.raises(ControlError, match="401"):
+            ControlClient(url).state()
+        assert token_file.read_text() == token + "\n" and (token_file.stat().st_mode & 0o777) == 0o600
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=20) == 0
     finally:
