@@ -14,7 +14,9 @@ Control paths (JSON in, JSON out; see ``ControlClient`` for the same over Python
 needs the emulator's control token, ``Authorization: Bearer <token>`` (else 401, and
 nothing changes), and each POST a JSON body sent as ``application/json`` (else 415):
 a browser page can send a text/plain POST to 127.0.0.1 without asking first, never an
-application/json one.
+application/json one. The API paths take no token (the real client calls them with
+anonymous credentials), so a request there that carries an ``Origin`` header, which
+browsers send and the TPU client never does, is refused with 403.
 
     GET  /_emulator/state             resources, operations and the fault plan
     GET  /_emulator/requests          every API request served: method, zone, status
@@ -115,6 +117,8 @@ class Handler(BaseHTTPRequestHandler):
                 self._check_control_request(verb)
                 status, payload = 200, self._control(verb, url.path.removeprefix("/_emulator/"), body)
             else:
+                if self.headers.get("Origin") is not None:  # only browsers send it; the TPU client never does
+                    raise ApiError(403, "PERMISSION_DENIED", "cross-origin requests to the emulated TPU API are refused")
                 match = _API_RE.match(url.path)
                 key = (verb, match["coll"], match["id"] is not None) if match else None
                 if match is None or key not in _METHODS:

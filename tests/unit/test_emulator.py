@@ -430,3 +430,16 @@ def test_request_log_keeps_no_header_values(emulator, caplog):
     (rec,) = emulator.requests("nodes.list")
     assert rec.authorized and "s3cr3t-xyz" not in repr(rec)
     assert "s3cr3t-xyz" not in caplog.text
+
+
+def test_the_api_refuses_what_a_browser_page_sends(emulator):
+    """The API paths take no token, as the real client calls them anonymously; a request that
+    carries an Origin header (browsers send one, the TPU client never does) is refused."""
+    body = {"tpu": {"nodeSpec": [{"parent": PARENT, "nodeId": "n1", "node": {"acceleratorType": "v4-8",
+                                                                              "runtimeVersion": "v2"}}]}}
+    url = f"{emulator.url}/v2/{PARENT}/queuedResources?queuedResourceId=from-a-page"
+    status, _ = http(url, "POST", body, Origin="http://evil.example")
+    assert status == 403
+    assert emulator.client().list_queued_resources(parent=PARENT).queued_resources == []
+    status, _ = http(url, "POST", body)  # the same request from a program: served
+    assert status == 200
