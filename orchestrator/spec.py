@@ -3,8 +3,12 @@
 A job file looks like ``examples/tiny-lm.yaml``. Every model here is frozen and rejects
 unknown keys; `JobSpec.from_yaml` turns every problem (missing file, bad YAML, unknown
 key, wrong type, unknown accelerator, a mesh that does not divide the slice's devices,
-an unsafe name) into one `SpecError` that names the file, the field path and what is
-allowed.
+an unsafe name, a number out of range) into one `SpecError` that names the file, the field
+path and what is allowed.
+
+Numbers are bounded by what the code can run (int32 steps and token indices, a uint32
+PRNG seed) or, where nothing breaks, by far more than any real job needs, so a typo
+(an extra zero or three) is an error rather than a job that fails hours later.
 """
 
 from __future__ import annotations
@@ -22,29 +26,40 @@ from orchestrator.catalog import Tier
 from orchestrator.errors import SpecError, UnknownAcceleratorError
 from policies.sharding import MeshError, ModelDims, plan_mesh
 
-NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?$")
+# Both are matched whole (`fullmatch`): with `match`, `$` also accepts a trailing newline.
+NAME_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?")
 NAME_RULE = "1 to 40 lowercase letters, digits and dashes, starting and ending with a letter or digit"
-ENTRYPOINT_RE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+ENTRYPOINT_RE = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+MAX_STEPS = 10**9  # the step counter is an int32 on the device (2**31 - 1); 10**9 is years of training
+MAX_TOKENS_PER_STEP = 2**31  # a step's batch is indexed with int32: global_batch_size * (seq_len + 1) below this
+MAX_COUNT = 10**6  # retry budgets: a million is "never give up" without overflowing anything
+MAX_TIMEOUT_S = 30 * 24 * 3600.0  # 30 days: far longer than any wait worth making
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
-PositiveInt = Annotated[int, Field(gt=0)]
+Steps = Annotated[int, Field(gt=0, le=MAX_STEPS)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
+Timeout = Annotated[float, Field(gt=0, le=MAX_TIMEOUT_S)]
+# Model sizes: several times the largest published models', small enough that every shape
+# product stays far inside int64. Layers, heads, experts: the largest models use 128 to 256.
+Few = Annotated[int, Field(gt=0, le=1024)]
 
 
 class ModelConfig(_Frozen):
     """A decoder-only transformer over bytes (vocabulary 256 covers every byte)."""
 
-    d_model: PositiveInt = 128
-    n_layers: PositiveInt = 2
-    n_heads: PositiveInt = 4
-    n_kv_heads: PositiveInt | None = None  # grouped-query attention; None means n_heads
-    d_ff: PositiveInt = 512
-    vocab_size: PositiveInt = 256
-    moe_experts: Annotated[int, Field(ge=0)] = 0  # > 0: a mixture-of-experts feed-forward
-    moe_top_k: PositiveInt = 2
+    d_model: Annotated[int, Field(gt=0, le=2**16)] = 128  # largest models: about 2**14
+    n_layers: Few = 2
+    n_heads: Few = 4
+    n_kv_heads: Few | None = None  # grouped-query attention; None means n_heads
+    d_ff: Annotated[int, Field(gt=0, le=2**18)] = 512  # largest models: about 2**16
+    vocab_size: Annotated[int, Field(gt=0, le=2**20)] = 256  # largest tokenizers: about 2**18
+    moe_experts: Annotated[int, Field(ge=0, le=1024)] = 0  # > 0: a mixture-of-experts feed-forward
+    moe_top_k: Few = 2  # at most moe_experts (checked with the other fields)
     scan_layer: bool = False  # add a gated linear-recurrence (state-space) mixer to every block
 
     @property
@@ -57,7 +72,7 @@ class Schedule(_Frozen):
 
     peak: Annotated[float, Field(gt=0)] = 3e-3
     end: Annotated[float, Field(ge=0)] = 3e-4
-    warmup_steps: Annotated[int, Field(ge=0)] = 10
+    warmup_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 10
     weight_decay: Annotated[float, Field(ge=0)] = 0.01
 
 
@@ -81,11 +96,12 @@ class LmWorkload(_Frozen):
 
     type: Literal["lm"] = "lm"
     model: ModelConfig = ModelConfig()
-    seq_len: PositiveInt = 128
-    global_batch_size: PositiveInt = 16
-    steps: PositiveInt = 100
+    # Each bounded alone, and their product by MAX_TOKENS_PER_STEP (checked with the other fields).
+    seq_len: Annotated[int, Field(gt=0, le=2**17)] = 128  # 131072 tokens of context
+    global_batch_size: Annotated[int, Field(gt=0, le=2**20)] = 16
+    steps: Steps = 100
     learning_rate: Schedule = Schedule()
-    seed: Annotated[int, Field(ge=0)] = 0
+    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0  # JAX's PRNG key takes a uint32 seed
     mesh: MeshWishes = MeshWishes()
     kernels: Literal["pallas", "xla"] | None = None  # None: chosen from the backend (Pallas on TPU)
 
@@ -100,12 +116,12 @@ class EntrypointWorkload(_Frozen):
     type: Literal["entrypoint"]
     entrypoint: str
     args: dict[str, Any] = Field(default_factory=dict)
-    steps: PositiveInt | None = None  # for progress display only
+    steps: Steps | None = None  # for progress display only
 
     @field_validator("entrypoint")
     @classmethod
     def _entrypoint_form(cls, v: str) -> str:
-        if not ENTRYPOINT_RE.match(v):
+        if not ENTRYPOINT_RE.fullmatch(v):
             raise ValueError("must look like 'package.module:function'")
         return v
 
@@ -114,17 +130,33 @@ Workload = Annotated[Union[LmWorkload, EntrypointWorkload], Field(discriminator=
 
 
 class CheckpointConfig(_Frozen):
-    directory: str | None = None  # default: $ORCHESTRATOR_HOME/checkpoints/<job name>
-    interval_steps: PositiveInt = 20  # with autoscaling, the longest: spot slices preempted often save sooner
-    keep: PositiveInt = 3
+    # An absolute path; in a job file a relative one is taken from the file's folder (not from
+    # where the command runs). None: $ORCHESTRATOR_HOME/checkpoints/<job name>.
+    directory: str | None = None
+    interval_steps: Steps = 20  # with autoscaling, the longest: spot slices preempted often save sooner
+    keep: Annotated[int, Field(gt=0, le=1000)] = 3  # each checkpoint is a full copy of the model and optimizer
+
+    @field_validator("directory")
+    @classmethod
+    def _absolute_path(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if not v.strip():
+            raise ValueError("must not be empty; leave it out for the default")
+        if any(c in v for c in "\0\n\r"):
+            raise ValueError(f"must not contain NUL or line breaks, got {v!r}")
+        if not Path(v).is_absolute():
+            raise ValueError(f"must be an absolute path, got {v!r} (in a job file, a relative path is taken "
+                             "from the file's folder)")
+        return v
 
 
 class RecoveryConfig(_Frozen):
-    max_preemptions: Annotated[int, Field(ge=0)] = 100
-    max_failures: Annotated[int, Field(ge=0)] = 2
-    heartbeat_timeout_s: Annotated[float, Field(gt=0)] = 120.0
-    grace_period_s: Annotated[float, Field(gt=0)] = 30.0
-    start_timeout_s: Annotated[float, Field(gt=0)] = 300.0  # for a slice's hosts to join and its workers to start
+    max_preemptions: Count = 100
+    max_failures: Count = 2
+    heartbeat_timeout_s: Timeout = 120.0
+    grace_period_s: Timeout = 30.0
+    start_timeout_s: Timeout = 300.0  # for a slice's hosts to join and its workers to start
     # Where hosts long-poll for preemption notices; None: the GCE metadata server on gcp, none locally.
     metadata_url: str | None = None
 
@@ -171,12 +203,23 @@ class JobSpec(_Frozen):
     autoscaling: AutoscalingConfig | None = None
     budget_usd: Annotated[float, Field(gt=0)] | None = None
     deadline: dt.timedelta | None = None  # from submission, e.g. "PT12H" or "12:00:00"
+    # The admission queue: a job waits QUEUED until there is capacity for it. Of the jobs
+    # waiting, a higher priority goes first (equal ones in submission order).
+    priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
+    queue_timeout: dt.timedelta | None = None  # waiting QUEUED longer than this ends the job FAILED; None: no limit
 
     @field_validator("name")
     @classmethod
     def _safe_name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError(f"{v!r} is not a valid job name: use {NAME_RULE}")
+        return v
+
+    @field_validator("deadline", "queue_timeout")
+    @classmethod
+    def _positive_duration(cls, v: dt.timedelta | None) -> dt.timedelta | None:
+        if v is not None and v <= dt.timedelta(0):
+            raise ValueError(f"must be a positive duration, e.g. 'PT12H' or '12:00:00', got {v}")
         return v
 
     @field_validator("accelerator")
@@ -213,14 +256,7 @@ class JobSpec(_Frozen):
                 where = f" at line {mark.line + 1}, column {mark.column + 1}"
             problem = getattr(e, "problem", None) or str(e)
             raise SpecError(source, [("", f"invalid YAML{where}: {problem}")]) from None
-        spec = cls.from_dict(data, source=source)
-        ckpt = spec.checkpoint.directory
-        if ckpt is not None and not Path(ckpt).is_absolute():
-            # Relative checkpoint paths are relative to the job file, not to wherever
-            # the command happens to run.
-            resolved = str((path.parent / ckpt).resolve())
-            spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"directory": resolved})})
-        return spec
+        return cls.from_dict(_resolve_checkpoint_dir(data, path.parent), source=source)
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<spec>") -> "JobSpec":
@@ -245,6 +281,12 @@ class JobSpec(_Frozen):
             return []
         m = w.model
         problems: list[tuple[str, str]] = []
+        tokens = w.global_batch_size * (w.seq_len + 1)  # inputs and the shifted targets
+        if tokens >= MAX_TOKENS_PER_STEP:
+            problems.append(("workload.global_batch_size",
+                             f"global_batch_size * (seq_len + 1) must be below 2**31 = {MAX_TOKENS_PER_STEP:,} "
+                             f"tokens a step (int32 indexing), got {w.global_batch_size} * {w.seq_len + 1} = "
+                             f"{tokens:,}"))
         if m.moe_experts and m.moe_top_k > m.moe_experts:
             problems.append(("workload.model.moe_top_k", f"must be at most moe_experts={m.moe_experts}"))
         if m.d_model % m.n_heads:
@@ -268,6 +310,15 @@ class JobSpec(_Frozen):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _resolve_checkpoint_dir(data: Any, folder: Path) -> Any:
+    """`data` with a relative checkpoint.directory taken from `folder` (the job file's), not the shell's."""
+    ckpt = data.get("checkpoint") if isinstance(data, dict) else None
+    directory = ckpt.get("directory") if isinstance(ckpt, dict) else None
+    if not isinstance(directory, str) or not directory.strip() or "\0" in directory or Path(directory).is_absolute():
+        return data  # nothing to resolve, or a value the validator refuses with its own message
+    return {**data, "checkpoint": {**ckpt, "directory": str((folder / directory).resolve())}}
 
 
 def _describe(err: dict) -> tuple[str, str]:

@@ -41,7 +41,7 @@ def problem(tmp_path: Path, text: str) -> str:
 CASES = {
     "unknown key": ("name: a\nbogus: 1\n",
                     "job.yaml: bogus: unknown key; allowed keys here: name, accelerator, tier, provider, zone, gcp, "
-                    "workload, checkpoint, recovery, autoscaling, budget_usd, deadline"),
+                    "workload, checkpoint, recovery, autoscaling, budget_usd, deadline, priority, queue_timeout"),
     "nested unknown key": ("name: a\nworkload: {type: lm, modle: {}}\n",
                            "job.yaml: workload.modle: unknown key; allowed keys here: type, model, seq_len, "
                            "global_batch_size, steps, learning_rate, seed, mesh, kernels"),
@@ -119,3 +119,124 @@ def test_gcp_provider_needs_its_section(tmp_path):
         "job.yaml: gcp: provider gcp needs a gcp section with at least project and zones")
     assert problem(tmp_path, "name: a\nprovider: gcp\ngcp: {project: p, zones: []}\n") == (
         "job.yaml: gcp.zones: List should have at least 1 item after validation, not 0")
+
+
+def problems_of(data: dict) -> list[tuple[str, str]]:
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_dict({"name": "a", **data})
+    return info.value.problems
+
+
+@pytest.mark.parametrize("data, expected", [
+    ({"name": "tiny\n"}, ("name", "'tiny\\n' is not a valid job name: use 1 to 40 lowercase letters, digits and "
+                                  "dashes, starting and ending with a letter or digit")),
+    ({"workload": {"type": "entrypoint", "entrypoint": "pkg.mod:main\n"}},
+     ("workload.entrypoint", "must look like 'package.module:function'")),
+], ids=["name", "entrypoint"])
+def test_patterns_match_the_whole_value(data, expected):
+    """`re.match` with `$` lets a trailing newline through; a job name ends up in paths and labels."""
+    assert problems_of(data) == [expected]
+
+
+ABSOLUTE_RULE = "(in a job file, a relative path is taken from the file's folder)"
+
+
+@pytest.mark.parametrize("directory, expected", [
+    ("", "must not be empty; leave it out for the default"),
+    ("   ", "must not be empty; leave it out for the default"),
+    ("ckpt", f"must be an absolute path, got 'ckpt' {ABSOLUTE_RULE}"),
+    ("./ckpt/../x", f"must be an absolute path, got './ckpt/../x' {ABSOLUTE_RULE}"),
+    ("/tmp/a\0b", "must not contain NUL or line breaks, got '/tmp/a\\x00b'"),
+    ("/tmp/a\nb", "must not contain NUL or line breaks, got '/tmp/a\\nb'"),
+])
+def test_checkpoint_directory_through_the_api(directory, expected):
+    assert problems_of({"checkpoint": {"directory": directory}}) == [("checkpoint.directory", expected)]
+
+
+def test_checkpoint_directory_in_a_file(tmp_path):
+    assert JobSpec.from_yaml(write(tmp_path, "name: a\ncheckpoint: {directory: /abs/ckpt}\n")).checkpoint.directory \
+        == "/abs/ckpt"
+    assert problem(tmp_path, "name: a\ncheckpoint: {directory: ''}\n") == (
+        "job.yaml: checkpoint.directory: must not be empty; leave it out for the default")
+    assert problem(tmp_path, 'name: a\ncheckpoint: {directory: "ck\\0pt"}\n') == (
+        "job.yaml: checkpoint.directory: must not contain NUL or line breaks, got 'ck\\x00pt'")
+
+
+LE, GE = "Input should be less than or equal to", "Input should be greater than or equal to"
+TOO_BIG = [  # (field path, a value just out of range, the message); the largest allowed ones pass below
+    ("workload.seed", 2**32, f"{LE} 4294967295"),
+    ("workload.steps", 10**9 + 1, f"{LE} 1000000000"),
+    ("workload.seq_len", 2**17 + 1, f"{LE} 131072"),
+    ("workload.global_batch_size", 2**20 + 1, f"{LE} 1048576"),
+    ("workload.learning_rate.warmup_steps", 10**9 + 1, f"{LE} 1000000000"),
+    ("workload.model.d_model", 2**16 + 1, f"{LE} 65536"),
+    ("workload.model.d_ff", 2**18 + 1, f"{LE} 262144"),
+    ("workload.model.n_layers", 1025, f"{LE} 1024"),
+    ("workload.model.n_heads", 1025, f"{LE} 1024"),
+    ("workload.model.n_kv_heads", 1025, f"{LE} 1024"),
+    ("workload.model.vocab_size", 2**20 + 1, f"{LE} 1048576"),
+    ("workload.model.moe_experts", 1025, f"{LE} 1024"),
+    ("checkpoint.interval_steps", 10**9 + 1, f"{LE} 1000000000"),
+    ("checkpoint.keep", 1001, f"{LE} 1000"),
+    ("recovery.max_preemptions", 10**6 + 1, f"{LE} 1000000"),
+    ("recovery.max_failures", 10**6 + 1, f"{LE} 1000000"),
+    ("recovery.heartbeat_timeout_s", 30 * 86400 + 1, f"{LE} 2592000"),
+    ("recovery.grace_period_s", 30 * 86400 + 1, f"{LE} 2592000"),
+    ("recovery.start_timeout_s", 30 * 86400 + 1, f"{LE} 2592000"),
+    ("priority", 1001, f"{LE} 1000"),
+    ("priority", -1001, f"{GE} -1000"),
+]
+
+
+def nested(path: str, value) -> dict:
+    """{"a": {"b": value}} for "a.b"; a workload also gets its type."""
+    *parents, last = path.split(".")
+    data: dict = {last: value}
+    for key in reversed(parents):
+        data = {key: data}
+    if "workload" in data:
+        data["workload"]["type"] = "lm"
+    return data
+
+
+@pytest.mark.parametrize("path, value, expected", TOO_BIG, ids=[f"{p}={v}" for p, v, _ in TOO_BIG])
+def test_numbers_out_of_range_name_the_field_and_the_bound(path, value, expected):
+    assert problems_of(nested(path, value)) == [(path, expected)]
+
+
+@pytest.mark.parametrize("path, value", [
+    ("workload.seed", 2**32 - 1), ("workload.steps", 10**9), ("checkpoint.keep", 1000),
+    ("recovery.max_preemptions", 10**6), ("recovery.start_timeout_s", 30 * 86400), ("priority", -1000),
+    ("priority", 1000), ("workload.model.vocab_size", 2**20),
+])
+def test_largest_values_allowed(path, value):
+    JobSpec.from_dict({"name": "a", **nested(path, value)})
+
+
+def test_tokens_a_step_must_fit_int32_indexing():
+    (path, msg), = problems_of({"workload": {"type": "lm", "seq_len": 2**17, "global_batch_size": 2**14}})
+    assert path == "workload.global_batch_size"
+    assert msg == ("global_batch_size * (seq_len + 1) must be below 2**31 = 2,147,483,648 tokens a step "
+                   "(int32 indexing), got 16384 * 131073 = 2,147,500,032")
+    JobSpec.from_dict({"name": "a", "workload": {"type": "lm", "seq_len": 2**17, "global_batch_size": 2**13}})
+
+
+def test_floats_must_be_finite():
+    assert problems_of({"budget_usd": float("inf"), "recovery": {"grace_period_s": float("nan")}}) == [
+        ("recovery.grace_period_s", "Input should be a finite number"),
+        ("budget_usd", "Input should be a finite number")]
+
+
+def test_queue_fields():
+    spec = JobSpec.from_dict({"name": "a"})
+    assert (spec.priority, spec.queue_timeout) == (0, None)
+    spec = JobSpec.from_dict({"name": "a", "priority": 5, "queue_timeout": "PT30M"})
+    assert (spec.priority, spec.queue_timeout.total_seconds()) == (5, 1800)
+    assert JobSpec.from_dict(spec.model_dump(mode="json")) == spec  # as the controller receives it
+
+
+@pytest.mark.parametrize("field", ["deadline", "queue_timeout"])
+@pytest.mark.parametrize("value, shown", [("PT0S", "0:00:00"), ("-PT1H", "-1 day, 23:00:00")])
+def test_durations_must_be_positive(field, value, shown):
+    assert problems_of({field: value}) == [
+        (field, f"must be a positive duration, e.g. 'PT12H' or '12:00:00', got {shown}")]
