@@ -1,7 +1,9 @@
 """The `orchestrator` command: a thin layer over `orchestrator.Client`.
 
 Exit codes: 0 the job succeeded (or the command did what it said), 1 the job failed
-or was cancelled, 2 a usage or validation error.
+or was cancelled, or the cluster failed; 2 a usage or validation error. An error the
+orchestrator raises on purpose (`OrchestratorError`) is shown as `error:` lines, one per
+problem, never as a traceback; any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -14,15 +16,30 @@ from typing import Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from typer.core import TyperGroup
 
 from orchestrator.client import Client, JobStatus
 from orchestrator.progress import watch
-from orchestrator.errors import ClusterError, JobNotFoundError, OrchestratorError, SpecError
+from orchestrator.errors import OrchestratorError, RequestError
 from orchestrator.spec import JobSpec, json_schema
 from orchestrator.states import JobState
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+
+class _Commands(TyperGroup):
+    """The command group; an `OrchestratorError` out of any command ends it with `error:` lines."""
+
+    def invoke(self, ctx: typer.Context):
+        try:
+            return super().invoke(ctx)
+        except OrchestratorError as e:
+            for line in str(e).splitlines() or [type(e).__name__]:
+                _print_error(line)
+            ctx.exit(EXIT_USAGE if isinstance(e, RequestError) else EXIT_JOB_FAILED)
+
+
+app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
                   help="Run JAX training jobs on (spot) Cloud TPU slices, or on a local Ray cluster.")
 out = Console(soft_wrap=True)
 err = Console(stderr=True, soft_wrap=True)
@@ -32,18 +49,13 @@ EXIT_OK, EXIT_JOB_FAILED, EXIT_USAGE = 0, 1, 2
 AddressOpt = typer.Option(None, "--address", help="Ray cluster address; default: the embedded local cluster.")
 
 
+def _print_error(line: str) -> None:
+    err.print(f"[red]error:[/red] {escape(line)}", markup=True, highlight=False)
+
+
 def _fail(message: str, code: int = EXIT_USAGE) -> None:
-    err.print(f"[red]error:[/red] {message}", markup=True, highlight=False)
+    _print_error(message)
     raise typer.Exit(code)
-
-
-def _load(path: Path) -> JobSpec:
-    try:
-        return JobSpec.from_yaml(path)
-    except SpecError as e:
-        for line in str(e).splitlines():
-            err.print(f"[red]error:[/red] {line}", markup=True, highlight=False, soft_wrap=True)
-        raise typer.Exit(EXIT_USAGE)
 
 
 def _job_exit(st: JobStatus) -> int:
@@ -57,7 +69,7 @@ def _fmt(x: float | None, spec: str) -> str:
 @app.command()
 def validate(job_file: Path = typer.Argument(..., help="The job's YAML file.")) -> None:
     """Check a job file; print the resolved spec."""
-    spec = _load(job_file)
+    spec = JobSpec.from_yaml(job_file)
     t = spec.tpu_type
     hosts = f"{t.hosts} host" + ("s" if t.hosts != 1 else "")
     out.print(f"{job_file}: valid ({spec.accelerator}: {t.chips} chips on {hosts}, {spec.tier.value})",
@@ -77,13 +89,13 @@ def submit(job_file: Path = typer.Argument(..., help="The job's YAML file."),
            as_json: bool = typer.Option(False, "--json", help="Progress as JSON Lines, for scripts."),
            address: Optional[str] = AddressOpt) -> None:
     """Submit a job; wait for it with a progress display unless --detach."""
-    spec = _load(job_file)
+    spec = JobSpec.from_yaml(job_file)
     client = Client(address=address)
     try:
         job = client.submit(spec, workdir=job_file.parent)
-    except OrchestratorError as e:
+    except OrchestratorError:
         client.close()
-        _fail(str(e), EXIT_JOB_FAILED)
+        raise
     print(job.id, flush=True)
     if detach:
         client.close(stop_owned_cluster=False)
@@ -117,10 +129,7 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
     if job_id is None:
         _print_jobs(client.jobs(), as_json)
         return
-    try:
-        job = client.job(job_id)
-    except JobNotFoundError as e:
-        _fail(str(e))
+    job = client.job(job_id)
     st = job.status()
     if as_json:
         from orchestrator.goodput import goodput
@@ -183,10 +192,7 @@ def logs(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
          follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends, with progress."),
          as_json: bool = typer.Option(False, "--json", help="With --follow: progress as JSON Lines.")) -> None:
     """Print a job's worker output, each line prefixed with its host."""
-    try:
-        job = Client().job(job_id)
-    except JobNotFoundError as e:
-        _fail(str(e))
+    job = Client().job(job_id)
     if follow:
         lines = job.follow_logs(poll_s=0.0)  # each next() reads what arrived since the last
 
@@ -215,12 +221,11 @@ def cancel(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
     """Cancel a job: its hosts checkpoint the current step and stop, and its slice is released."""
     client = Client()
     try:
-        client.cancel(job_id)
-    except JobNotFoundError as e:
-        _fail(str(e))
+        job = client.job(job_id)
+        client.cancel(job.id)
     finally:
         client.close(stop_owned_cluster=False)
-    out.print(f"cancel requested for {client.job(job_id).id}", highlight=False)
+    out.print(f"cancel requested for {job.id}", highlight=False)
 
 
 @app.command()
@@ -228,16 +233,9 @@ def resize(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
            accelerator: str = typer.Argument(..., help="The slice type to move to, e.g. v4-32."),
            reason: str = typer.Option("requested by the user", help="Recorded in the job's events.")) -> None:
     """Move a running job to another slice size (checkpoint, new slice, resharded restore)."""
-    import ray
-
     client = Client()
     try:
-        job = client.job(job_id)
-        ray.get(client.controller().resize.remote(job.id, accelerator, reason), timeout=60)
-    except JobNotFoundError as e:
-        _fail(str(e))
-    except ray.exceptions.RayTaskError as e:
-        _fail(str(e.cause) if e.cause else str(e))
+        job = client.resize(job_id, accelerator, reason=reason)
     finally:
         client.close(stop_owned_cluster=False)
     out.print(f"resizing {job.id} to {accelerator}", highlight=False)
@@ -250,11 +248,7 @@ def report(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
     from orchestrator.report import write_report
 
     client = Client()
-    try:
-        job = client.job(job_id)
-        path = write_report(client.store, job.id, output)
-    except (JobNotFoundError, ValueError) as e:
-        _fail(str(e))
+    path = write_report(client.store, client.job(job_id).id, output)
     out.print(f"wrote {path}", highlight=False)
 
 
@@ -294,7 +288,7 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     from policies.traces import TraceError
     from workers.model import ModelShape
 
-    spec = _load(job_file)
+    spec = JobSpec.from_yaml(job_file)
     w = spec.workload
     if not isinstance(w, LmWorkload):
         _fail(f"{job_file}: plan needs the built-in lm workload (its token count and model size)")
@@ -320,10 +314,7 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
 def up() -> None:
     """Start the embedded local Ray cluster (127.0.0.1, token auth) and its controller."""
     client = Client()
-    try:
-        client.connect()
-    except ClusterError as e:
-        _fail(str(e), EXIT_JOB_FAILED)
+    client.connect()  # a ClusterError ends the command, exit 1
     import orchestrator.cluster as c
 
     info = c.read_cluster(client.home)
@@ -344,11 +335,7 @@ def down() -> None:
 
 
 def main() -> None:
-    try:
-        app()
-    except OrchestratorError as e:
-        err.print(f"[red]error:[/red] {e}", markup=True, highlight=False)
-        sys.exit(EXIT_JOB_FAILED)
+    app()  # errors become `error:` lines in _Commands.invoke
 
 
 if __name__ == "__main__":

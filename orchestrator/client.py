@@ -23,8 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from orchestrator import cluster
-from orchestrator.errors import ClusterError, JobNotFoundError
+from orchestrator import catalog, cluster
+from orchestrator.catalog import Tier
+from orchestrator.errors import ClusterError, JobNotFoundError, JobStateError, OrchestratorError, SpecError
 from orchestrator.spec import JobSpec
 from orchestrator.states import JobState
 from orchestrator.store import Event, JobRecord, StepMetric, Store
@@ -261,13 +262,34 @@ class Client:
 
     # -- jobs ------------------------------------------------------------------
 
-    def submit(self, spec: JobSpec, *, workdir: str | Path | None = None) -> Job:
-        """Hand a job to the controller; returns at once with its handle."""
+    def _ask(self, method: str, *args, timeout_s: float = 60):
+        """Call the controller's `method` and wait for its answer.
+
+        An `OrchestratorError` the controller raises is raised here as itself (not wrapped
+        in Ray's `RayTaskError`); a controller that died or does not answer is a
+        `ClusterError`. Any other error of the controller's stays a `RayTaskError`.
+        """
         import ray
 
         ctrl = self.controller()
-        job_id = ray.get(ctrl.submit.remote(spec.model_dump(mode="json"),
-                                            str(Path(workdir).resolve()) if workdir else None), timeout=60)
+        try:
+            return ray.get(getattr(ctrl, method).remote(*args), timeout=timeout_s)
+        except ray.exceptions.RayTaskError as e:
+            log.debug("controller.%s failed: %s", method, e)  # str(e) holds the remote traceback
+            if isinstance(e.cause, OrchestratorError):
+                raise e.cause from None
+            raise
+        except ray.exceptions.GetTimeoutError:
+            raise ClusterError(f"the controller did not answer {method} within {timeout_s:g} s") from None
+        except ray.exceptions.RayActorError as e:
+            raise ClusterError(f"the controller died during {method}: {e.error_msg}") from None
+
+    def submit(self, spec: JobSpec, *, workdir: str | Path | None = None) -> Job:
+        """Hand a job to the controller; returns at once with its handle.
+
+        Raises `SpecError` if the controller refuses the spec (with its `problems`).
+        """
+        job_id = self._ask("submit", spec.model_dump(mode="json"), str(Path(workdir).resolve()) if workdir else None)
         return Job(self, job_id)
 
     def job(self, job_id: str) -> Job:
@@ -281,9 +303,49 @@ class Client:
         job_id = self.store.find_job(job_id).id
         self.store.update_job(job_id, cancel_requested=1)  # seen by the controller even if Ray is unreachable
         if cluster.read_cluster(self.home) is not None or self.address is not None:
-            import ray
+            self._ask("cancel", job_id)
 
-            ray.get(self.controller().cancel.remote(job_id), timeout=60)
+    def resize(self, job_id: str, accelerator: str, *, reason: str = "requested by the user",
+               tier: Tier | str | None = None) -> Job:
+        """Move a RUNNING job to another slice type (and tier); returns once the controller accepted.
+
+        The job checkpoints its current step, releases its slice, gets one of `accelerator`
+        and restores resharded onto it; global batch and schedule stay the same.
+
+        Raises `JobNotFoundError`, `UnknownAcceleratorError` (checked here, before any
+        cluster is asked), `SpecError` (a bad tier, or the job does not fit the new slice),
+        and `JobStateError` if the job is not RUNNING.
+
+        Example::
+
+            client.resize("tiny-lm", "v4-32", reason="more chips are free")
+            client.resize("tiny-lm-3f2a1c", "v4-16", tier="on-demand")
+        """
+        import ray
+
+        job = self.store.find_job(job_id)
+        catalog.lookup(accelerator)
+        if tier is not None:
+            tier = _tier(tier).value
+        if job.state.terminal:  # final: no need to start or ask a cluster to say so
+            raise JobStateError(job.id, job.state.value, "resized", (JobState.RUNNING.value,))
+        try:
+            self._ask("resize", job.id, accelerator, reason, tier)
+        except ray.exceptions.RayTaskError as e:
+            if not isinstance(e.cause, ValueError):
+                raise
+            # The controller's way of saying the job is not RUNNING (until it raises JobStateError).
+            state = self.store.job(job.id).state.value
+            raise JobStateError(job.id, state, "resized", (JobState.RUNNING.value,)) from None
+        return Job(self, job.id)
+
+
+def _tier(value: Tier | str) -> Tier:
+    try:
+        return Tier(value)
+    except ValueError:
+        allowed = ", ".join(repr(t.value) for t in Tier)
+        raise SpecError("<resize>", [("tier", f"{value!r} is not a tier; use one of {allowed}")]) from None
 
 
 def _status(job: JobRecord, last: StepMetric | None) -> JobStatus:

@@ -1,13 +1,40 @@
-"""The orchestrator's exceptions: one base class, subclasses that carry their data."""
+"""The orchestrator's exceptions: one base class, subclasses that carry their data.
+
+Two families, which the CLI turns into exit codes: a `RequestError` means what was asked
+cannot be done as asked (a bad job file, an unknown job or accelerator, a job in the wrong
+state, an output path that cannot be written); fix the request and retry (exit 2). Every
+other `OrchestratorError` is the job or the cluster failing (exit 1).
+
+Every error survives pickling with its message and fields, so one raised inside the
+controller (a Ray actor) reaches the client as itself.
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 
 class OrchestratorError(Exception):
     """Base of every error this package raises on purpose."""
 
+    def __reduce__(self):
+        # Exception's own reduce calls `cls(*self.args)`, and `args` holds the formatted
+        # message, not the constructor's arguments: SpecError("x: y") cannot be rebuilt that
+        # way. Rebuild without __init__: the message is `args`, the fields are `__dict__`.
+        return _rebuild, (type(self), self.args), self.__dict__
 
-class SpecError(OrchestratorError):
+
+def _rebuild(cls: type[OrchestratorError], args: tuple) -> OrchestratorError:
+    error = cls.__new__(cls, *args)
+    error.args = args
+    return error
+
+
+class RequestError(OrchestratorError):
+    """What was asked cannot be done as asked; the request, not the system, has to change."""
+
+
+class SpecError(RequestError):
     """A job file or spec is invalid.
 
     `problems` holds one `(field_path, message)` pair per problem, so callers can
@@ -21,7 +48,7 @@ class SpecError(OrchestratorError):
         super().__init__("\n".join(lines))
 
 
-class UnknownAcceleratorError(OrchestratorError, ValueError):
+class UnknownAcceleratorError(RequestError, ValueError):
     """A TPU type name that is not in the catalog; the message lists the valid ones."""
 
     def __init__(self, name: str, valid: list[str]):
@@ -30,13 +57,29 @@ class UnknownAcceleratorError(OrchestratorError, ValueError):
         super().__init__(f"unknown accelerator {name!r}; valid types are: {', '.join(valid)}")
 
 
-class JobNotFoundError(OrchestratorError, KeyError):
+class JobNotFoundError(RequestError, KeyError):
     def __init__(self, job_id: str):
         self.job_id = job_id
         super().__init__(f"no job {job_id!r}")
 
     def __str__(self) -> str:  # KeyError quotes its message otherwise
         return self.args[0]
+
+
+class JobStateError(RequestError):
+    """An action the job's current state does not allow, e.g. resizing a job that is not RUNNING."""
+
+    def __init__(self, job_id: str, state: str, action: str, allowed: tuple[str, ...]):
+        self.job_id, self.state, self.action, self.allowed = job_id, state, action, allowed
+        super().__init__(f"job {job_id} is {state}; only a {' or '.join(allowed)} job can be {action}")
+
+
+class OutputFileError(RequestError, ValueError):
+    """A file the user asked us to write cannot be written there (wrong suffix, missing folder, a directory)."""
+
+    def __init__(self, path: str | Path, problem: str):
+        self.path, self.problem = str(path), problem
+        super().__init__(f"{path}: {problem}")
 
 
 class IllegalTransitionError(OrchestratorError):

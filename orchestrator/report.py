@@ -14,6 +14,8 @@ import datetime as dt
 import html
 import io
 import json
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +24,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import OutputFileError, RequestError
 from orchestrator.goodput import (CATEGORIES, BilledSlice, Goodput, StateInterval, billed_slices, compute_goodput,
                                   disruptions, format_duration, state_intervals, summary_line)
 from orchestrator.store import Event, Store
@@ -44,7 +46,7 @@ _DISRUPTION_MARKERS = {"preempted": ("preemption", "preempted"), "infra_lost": (
                      "app_failed": ("failure", "app failed")}
 
 
-class NoStepsError(OrchestratorError, ValueError):
+class NoStepsError(RequestError, ValueError):
     """A report was asked for a job that has not reported a single training step."""
 
     def __init__(self, job_id: str):
@@ -105,17 +107,61 @@ def report_series(store: Store, job_id: str, *, now: float | None = None) -> Rep
 
 
 def write_report(store: Store, job_id: str, path: Path | str, *, now: float | None = None) -> Path:
-    """Write job `job_id`'s report to `path`: a `.png` picture or a self-contained `.html` page."""
+    """Write job `job_id`'s report to `path`: a `.png` picture or a self-contained `.html` page.
+
+    The file appears whole or not at all (see `write_atomically`); `OutputFileError` if `path`
+    cannot be written, checked before the picture is drawn.
+    """
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
-        raise ValueError(f"cannot write a report as {path.name!r}: the name must end in {' or '.join(FORMATS)}")
+        raise OutputFileError(path, f"a report's file name must end in {' or '.join(FORMATS)}")
+    check_output_path(path)
     series = report_series(store, job_id, now=now)
     png = render_png(series)
     if path.suffix.lower() == ".png":
-        path.write_bytes(png)
+        write_atomically(path, png)
     else:
-        path.write_text(render_html(series, png, store.events(job_id)), encoding="utf-8")
+        write_atomically(path, render_html(series, png, store.events(job_id)).encode("utf-8"))
     return path
+
+
+def check_output_path(path: Path) -> None:
+    """Raise `OutputFileError` unless `path` names a regular file (new or not) in a folder that exists.
+
+    A symbolic link is refused: writing through it would overwrite whatever it points to.
+    """
+    if path.is_symlink():
+        raise OutputFileError(path, "is a symbolic link; give the path of a regular file (its target is left alone)")
+    if path.is_dir():
+        raise OutputFileError(path, "is a directory; give a file name, e.g. report.html")
+    if path.exists() and not path.is_file():
+        raise OutputFileError(path, "exists and is not a regular file")
+    if not path.parent.is_dir():
+        raise OutputFileError(path, f"the folder {path.parent} does not exist")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a new temporary file beside it, renamed over `path`.
+
+    A reader sees the old file or the whole new one, never half of it. The rename replaces
+    a link that appears at `path` meanwhile, never its target.
+    """
+    check_output_path(path)
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # O_EXCL, mode 600
+    except OSError as e:
+        raise OutputFileError(path, f"cannot create a file in {path.parent}: {e.strerror}") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), 0o644)  # a report is for sharing, as a file written with umask 022 would be
+        os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise OutputFileError(path, f"cannot write the file: {e.strerror}") from None
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def render_png(s: ReportSeries) -> bytes:

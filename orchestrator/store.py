@@ -215,11 +215,17 @@ class Store:
         return [j for j in out if not j.state.terminal] if active_only else out
 
     def find_job(self, prefix: str) -> JobRecord:
-        """A job by id or unique id prefix or unique name (the most recent job of that name)."""
+        """A job by id or unique id prefix or unique name (the most recent job of that name).
+
+        The prefix is matched character for character (`_` and `%` are no wildcards here).
+        """
+        if not prefix:
+            raise JobNotFoundError(prefix)
         db = self._conn()
         row = db.execute("SELECT * FROM jobs WHERE id=?", (prefix,)).fetchone()
         if row is None:
-            rows = db.execute("SELECT * FROM jobs WHERE id LIKE ? ORDER BY created_at", (prefix + "%",)).fetchall()
+            rows = db.execute("SELECT * FROM jobs WHERE substr(id, 1, ?) = ? ORDER BY created_at",
+                              (len(prefix), prefix)).fetchall()
             if len(rows) != 1:
                 rows = db.execute("SELECT * FROM jobs WHERE name=? ORDER BY created_at", (prefix,)).fetchall()
             if not rows:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,8 @@ from orchestrator.cli import app
 from orchestrator.store import Store
 from orchestrator.states import JobState
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples"
 
 
 @pytest.fixture
@@ -90,3 +94,137 @@ def test_plan_with_a_bad_trace_names_the_file_and_field_and_exits_2(tmp_path, ho
     r = run("plan", str(EXAMPLES / "plan-1b.yaml"), "--trace", str(trace))
     assert r.exit_code == 2, r.output
     assert str(trace) in r.output and says in r.output and "Traceback" not in r.output
+
+
+# -- errors: one `error:` line each, the right exit code, nothing left behind ---------------------
+
+
+def error_lines(r) -> list[str]:
+    assert "Traceback" not in r.output, r.output
+    return [line for line in r.stderr.splitlines() if line]
+
+
+def tiny_job(store: Store, job_id: str, *states: JobState) -> str:
+    store.create_job(job_id, job_id.rsplit("-", 1)[0], {"name": "tiny", "accelerator": "v4-8", "tier": "spot"})
+    for state in states:
+        store.transition(job_id, state, "test")
+    return job_id
+
+
+RUNNING = (JobState.PROVISIONING, JobState.STARTING, JobState.RUNNING)
+
+
+def test_resize_to_an_unknown_type_is_one_line_and_asks_no_cluster(home):
+    job = tiny_job(Store(home / "state.db"), "tiny-abc123", *RUNNING)
+    r = run("resize", job, "v9-999")
+    assert r.exit_code == 2
+    assert error_lines(r) == ["error: unknown accelerator 'v9-999'; valid types are: v4-8, v4-16, v4-32, v4-64, "
+                              "v4-128, v5litepod-1, v5litepod-4, v5litepod-8, v5litepod-16, v5litepod-32, "
+                              "v5litepod-64, v5p-8, v5p-16, v5p-32, v5p-64, v5p-128, v6e-1, v6e-4, v6e-8, v6e-16, "
+                              "v6e-32, v6e-64"]
+    assert not (home / "cluster.json").exists()  # no cluster was started to be asked
+    assert [e.kind for e in Store(home / "state.db").events(job)] == ["state"] * 4  # no resize recorded
+
+
+def test_resize_of_an_ended_or_unknown_job_is_one_line(home):
+    job = tiny_job(Store(home / "state.db"), "tiny-abc123", *RUNNING, JobState.SUCCEEDED)
+    r = run("resize", "tiny", "v4-16")
+    assert (r.exit_code, error_lines(r)) == (2, [f"error: job {job} is SUCCEEDED; only a RUNNING job can be resized"])
+    r = run("resize", "nope", "v4-16")
+    assert (r.exit_code, error_lines(r)) == (2, ["error: no job 'nope'"])
+    assert not (home / "cluster.json").exists()
+
+
+@pytest.mark.parametrize("command", [("status",), ("logs",), ("cancel",), ("report", "-o", "r.html")])
+def test_an_unknown_job_is_one_line_exit_2(home, command):
+    r = run(command[0], "nope", *command[1:])
+    assert (r.exit_code, error_lines(r)) == (2, ["error: no job 'nope'"])
+
+
+def test_job_prefixes_match_underscores_and_percent_literally(home):
+    store = Store(home / "state.db")
+    tiny_job(store, "tinyx2h-aaa111")
+    tiny_job(store, "tiny_2h-bbb222")
+    r = run("status", "tiny_2h", "--json")  # as a LIKE pattern, "_" also matched "tinyx2h-..."
+    assert r.exit_code == 0 and json.loads(r.stdout)["id"] == "tiny_2h-bbb222"
+    assert json.loads(run("status", "tinyx", "--json").stdout)["id"] == "tinyx2h-aaa111"
+    for pattern in ("tin_x", "tiny%", "%", "_"):
+        r = run("status", pattern)
+        assert (r.exit_code, error_lines(r)) == (2, [f"error: no job '{pattern}'"]), pattern
+
+
+def test_each_problem_of_a_job_file_is_its_own_error_line(tmp_path, home):
+    p = tmp_path / "job.yaml"
+    p.write_text("name: A\naccelerator: v9\nworkload: {type: lm, steps: 0, seed: 4294967296}\n")
+    r = run("validate", str(p))
+    assert r.exit_code == 2
+    lines = error_lines(r)
+    assert [line.split(": ")[:3] for line in lines] == [
+        ["error", str(p), field] for field in ("name", "accelerator", "workload.steps", "workload.seed")]
+    assert lines[3].endswith("workload.seed: Input should be less than or equal to 4294967295")
+
+
+def test_the_installed_command_prints_one_line_and_exits_2(home):
+    """Through `main()` in a real process, as a user runs it (not the test runner's invoke)."""
+    store = Store(home / "state.db")
+    tiny_job(store, "tiny-abc123", *RUNNING)
+    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resize", "tiny", "v9-999"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "ORCHESTRATOR_HOME": str(home)})
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("error: unknown accelerator 'v9-999'; valid types are: v4-8, ")
+    assert r.stderr.count("\n") == 1 and "\x1b[" not in r.stderr  # one line, no colour codes in a pipe
+
+
+# -- report -o -------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def reported_job(home) -> str:
+    from tests.unit.test_goodput import preempted_job
+
+    return preempted_job(Store(home / "state.db"), "job-p")
+
+
+def test_report_through_a_symlink_is_refused_and_its_target_untouched(tmp_path, reported_job):
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    link = tmp_path / "link.html"
+    link.symlink_to(target)
+    r = run("report", reported_job, "-o", str(link))
+    assert (r.exit_code, error_lines(r)) == (2, [f"error: {link}: is a symbolic link; give the path of a regular "
+                                                 "file (its target is left alone)"])
+    assert target.read_text() == "keep me" and link.is_symlink()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "link.html", "precious.txt"]
+
+
+def test_report_into_a_missing_folder_or_onto_a_directory_is_one_line(tmp_path, reported_job):
+    missing = tmp_path / "missing_dir" / "x.html"
+    r = run("report", reported_job, "-o", str(missing))
+    assert (r.exit_code, error_lines(r)) == (2, [f"error: {missing}: the folder {missing.parent} does not exist"])
+    assert not missing.parent.exists()
+    folder = tmp_path / "out.html"
+    folder.mkdir()
+    r = run("report", reported_job, "-o", str(folder))
+    assert (r.exit_code, error_lines(r)) == (2, [f"error: {folder}: is a directory; give a file name, "
+                                                 "e.g. report.html"])
+    assert list(folder.iterdir()) == []
+    r = run("report", reported_job, "-o", str(tmp_path))
+    assert (r.exit_code, error_lines(r)) == (2, [f"error: {tmp_path}: a report's file name must end in .png or "
+                                                 ".html"])
+
+
+def test_report_replaces_a_file_whole_and_leaves_no_temporary_file(tmp_path, reported_job):
+    out_file = tmp_path / "r.html"
+    out_file.write_text("old report")
+    r = run("report", reported_job, "-o", str(out_file))
+    assert r.exit_code == 0 and r.stdout == f"wrote {out_file}\n"
+    assert out_file.read_text().startswith("<!doctype html>") and out_file.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "r.html"]
+
+
+def test_report_of_a_job_without_steps_is_one_line(tmp_path, home):
+    job = tiny_job(Store(home / "state.db"), "tiny-abc123")
+    r = run("report", job, "-o", str(tmp_path / "r.png"))
+    assert (r.exit_code, error_lines(r)) == (2, [f"error: job '{job}' has no recorded steps yet; there is nothing "
+                                                 "to plot"])
+    assert not (tmp_path / "r.png").exists()
