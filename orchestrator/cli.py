@@ -140,7 +140,10 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
             data["events"] = [vars(e) for e in job.events()]
         print(json.dumps(data, indent=2, default=str))
     else:
-        out.print(f"[bold]{st.id}[/bold]  {st.state.value}  ({st.reason})", highlight=False)
+        where = f", position {st.queue_position} in the queue" if st.queue_position else ""
+        out.print(f"[bold]{st.id}[/bold]  {st.state.value}{where}  ({escape(st.reason)})", highlight=False)
+        if st.stalled:
+            out.print(f"  [yellow]{escape(st.stalled)}[/yellow]", highlight=False)
         out.print(f"  {st.accelerator} {st.tier}   step {st.step}/{st.total_steps or '?'}   "
                   f"loss {_fmt(st.loss, '.4f')}   tokens/s {_fmt(st.tokens_per_s, ',.0f')}   "
                   f"preemptions {st.preemptions}   failures {st.failures}", highlight=False)
@@ -176,9 +179,14 @@ def _print_jobs(jobs: list[JobStatus], as_json: bool) -> None:
         return
     table = Table("id", "state", "accelerator", "tier", "step", "loss", "created", box=None)
     for s in jobs:
-        table.add_row(s.id, s.state.value, s.accelerator, s.tier, f"{s.step}/{s.total_steps or '?'}",
+        state = s.state.value + (f" #{s.queue_position}" if s.queue_position else "")
+        table.add_row(s.id, state, s.accelerator, s.tier, f"{s.step}/{s.total_steps or '?'}",
                       _fmt(s.loss, ".4f"), dt.datetime.fromtimestamp(s.created_at).strftime("%Y-%m-%d %H:%M"))
     out.print(table)
+    stalled = [s for s in jobs if s.stalled]
+    if stalled:
+        out.print(f"[yellow]{len(stalled)} job(s) not ended, but {escape(stalled[0].stalled)}[/yellow]",
+                  highlight=False)
 
 
 @app.command("list")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -50,10 +50,23 @@ class JobStatus:
     error: str | None
     created_at: float
     updated_at: float
+    queue_position: int | None = None  # place in the admission queue while QUEUED (1 = next)
+    cluster: str | None = None  # for a job not yet ended: "up", "gone" (nothing runs it), "remote" (unknown here)
 
     @property
     def done(self) -> bool:
         return self.state.terminal
+
+    @property
+    def stalled(self) -> str | None:
+        """Why nothing moves this job although it has not ended (the local cluster is gone), or None."""
+        if self.done or self.cluster != "gone":
+            return None
+        return CLUSTER_GONE
+
+
+CLUSTER_GONE = ("the local cluster is not running (stopped or crashed), so nothing runs this job now; "
+                "`orchestrator up` starts it again and resumes the job from its last committed checkpoint")
 
 
 class Job:
@@ -69,7 +82,7 @@ class Job:
         return self._client.store.job(self.id)
 
     def status(self) -> JobStatus:
-        return _status(self.record(), self._client.store.last_step(self.id))
+        return self._client._status(self.record())
 
     def wait(self, *, timeout_s: float | None = None, poll_s: float = 0.5,
              on_update: Callable[[JobStatus], None] | None = None) -> JobStatus:
@@ -136,6 +149,7 @@ class Client:
         self.store = Store(self.home.db)
         self._connected = False
         self._owns_cluster = False
+        self._cluster_seen: tuple[float, str] = (-1e9, "gone")
 
     # -- cluster ---------------------------------------------------------------
 
@@ -297,7 +311,27 @@ class Client:
         return Job(self, self.store.find_job(job_id).id)
 
     def jobs(self) -> list[JobStatus]:
-        return [_status(j, self.store.last_step(j.id)) for j in self.store.jobs()]
+        return [self._status(j) for j in self.store.jobs()]
+
+    def cluster_state(self) -> str:
+        """"up" while the embedded cluster runs, "gone" when it does not, "remote" for a cluster at `address`.
+
+        Read from the state directory (a look at its processes), at most once a second.
+        """
+        if self.address is not None:
+            return "remote"
+        now = time.monotonic()
+        if now - self._cluster_seen[0] > 1.0:
+            self._cluster_seen = (now, "up" if cluster.read_cluster(self.home) is not None else "gone")
+        return self._cluster_seen[1]
+
+    def _status(self, job: JobRecord) -> JobStatus:
+        from orchestrator.queue import queue_position
+
+        st = _status(job, self.store.last_step(job.id))
+        if st.done:
+            return st
+        return replace(st, queue_position=queue_position(self.store, job), cluster=self.cluster_state())
 
     def cancel(self, job_id: str) -> None:
         job_id = self.store.find_job(job_id).id
@@ -321,22 +355,15 @@ class Client:
             client.resize("tiny-lm", "v4-32", reason="more chips are free")
             client.resize("tiny-lm-3f2a1c", "v4-16", tier="on-demand")
         """
-        import ray
-
         job = self.store.find_job(job_id)
         catalog.lookup(accelerator)
         if tier is not None:
             tier = _tier(tier).value
         if job.state.terminal:  # final: no need to start or ask a cluster to say so
             raise JobStateError(job.id, job.state.value, "resized", (JobState.RUNNING.value,))
-        try:
-            self._ask("resize", job.id, accelerator, reason, tier)
-        except ray.exceptions.RayTaskError as e:
-            if not isinstance(e.cause, ValueError):
-                raise
-            # The controller's way of saying the job is not RUNNING (until it raises JobStateError).
-            state = self.store.job(job.id).state.value
-            raise JobStateError(job.id, state, "resized", (JobState.RUNNING.value,)) from None
+        JobSpec.from_dict({**{k: v for k, v in job.spec.items() if not k.startswith("_")}, "accelerator": accelerator,
+                           "tier": tier or job.spec["tier"]}, source=f"resize of {job.id} to {accelerator}")
+        self._ask("resize", job.id, accelerator, reason, tier)  # JobStateError unless RUNNING
         return Job(self, job.id)
 
 
@@ -358,4 +385,4 @@ def _status(job: JobRecord, last: StepMetric | None) -> JobStatus:
         error=job.error, created_at=job.created_at, updated_at=job.updated_at)
 
 
-__all__ = ["Client", "Job", "JobStatus", "JobNotFoundError"]
+__all__ = ["CLUSTER_GONE", "Client", "Job", "JobStatus", "JobNotFoundError"]

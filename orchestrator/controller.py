@@ -30,10 +30,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import catalog, cluster
-from orchestrator.errors import IllegalTransitionError, ProvisioningError
+from orchestrator.errors import IllegalTransitionError, JobStateError, ProvisioningError
 from orchestrator.outcomes import Outcome, OutcomeKind
-from orchestrator.providers.base import Host, Slice, SliceEventKind, SliceRequest
+from orchestrator.providers.base import CapacityError, Host, Slice, SliceEventKind, SliceRequest
 from orchestrator.providers.local import LocalProvider, release_recorded
+from orchestrator.queue import AdmissionQueue
 from orchestrator.spec import EntrypointWorkload, JobSpec, LmWorkload
 from orchestrator.states import JobState, SliceState
 from orchestrator.store import Store
@@ -79,6 +80,7 @@ class Controller:
         self.store = Store(self.home.db)
         self.address = address
         self.provider = LocalProvider(self.home, address, max_hosts=max_hosts, on_change=self._save_slice)
+        self.queue = AdmissionQueue(self.store, self.provider)
         self._gcp: dict[tuple, object] = {}  # GcpTpuProvider by (project, zones, endpoint)
         self._runs: dict[str, _Run] = {}
         self._lock = threading.Lock()
@@ -136,12 +138,13 @@ class Controller:
         learning-rate schedule stay the same, so the loss curve continues."""
         job = self.store.job(job_id)
         raw = dict(job.spec)
-        target = JobSpec.from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")},
-                                    "accelerator": accelerator, "tier": tier or raw["tier"]})  # SpecError if no fit
         with self._lock:
             run = self._runs.get(job_id)
         if run is None or job.state is not JobState.RUNNING:
-            raise ValueError(f"job {job_id} is {job.state.value}; only a RUNNING job can be resized")
+            raise JobStateError(job_id, job.state.value, "resized", (JobState.RUNNING.value,))
+        target = JobSpec.from_dict({**{k: v for k, v in raw.items() if not k.startswith("_")},
+                                    "accelerator": accelerator, "tier": tier or raw["tier"]},
+                                   source=f"resize of {job_id} to {accelerator}")  # SpecError if it does not fit
         if target.accelerator == raw["accelerator"] and target.tier.value == raw["tier"]:
             return
         run.resize_to, run.resize_tier = target.accelerator, target.tier.value
@@ -150,6 +153,12 @@ class Controller:
                              f"{accelerator} {target.tier.value}: {reason}",
                              data={"from": raw["accelerator"], "to": accelerator, "tier": target.tier.value,
                                    "reason": reason, "step": run.last_step + 1})
+
+    def set_local_hosts(self, hosts: int) -> None:
+        """How many local "TPU hosts" may run at once on this machine (default 8); jobs beyond wait QUEUED."""
+        if hosts < 1:
+            raise ValueError(f"local hosts must be at least 1, got {hosts}")
+        self.provider.max_hosts = hosts
 
     def inject_fault(self, kind: str, **kw) -> None:
         """Fault injection for tests and drills. Kinds:
@@ -363,19 +372,27 @@ class Controller:
             run.cancel.wait(min(60.0, 2.0 ** self.store.job(job_id).failures))
 
     def _attempt(self, job_id: str, run: _Run) -> Outcome:
-        job = self.store.job(job_id)
-        spec = self._spec(job_id)
-        if job.cancel_requested or run.cancel.is_set():
-            return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
-        if spec.autoscaling is not None:
-            spec = self._autoscale_before_provisioning(job_id, spec)
-        self._transition(job_id, JobState.PROVISIONING, f"requesting {spec.accelerator} ({spec.tier.value})")
-        t0 = time.monotonic()
-        run.provider = self._provider_for(spec)
-        try:
-            run.slice = self._provision(job_id, spec, job.generation + 1, run.provider)
-        except ProvisioningError as e:
-            return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
+        refused, refusals = None, 0
+        while True:  # until a slice is ready: a request refused for capacity goes back to the queue
+            job = self.store.job(job_id)
+            spec = self._spec(job_id)
+            if job.cancel_requested or run.cancel.is_set():
+                return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
+            if spec.autoscaling is not None:
+                spec = self._autoscale_before_provisioning(job_id, spec)
+            ended = self.queue.wait_turn(job_id, spec, run.cancel, refused=refused, refusals=refusals)
+            if ended is not None:
+                return ended
+            self._transition(job_id, JobState.PROVISIONING, f"requesting {spec.accelerator} ({spec.tier.value})")
+            t0 = time.monotonic()
+            run.provider = self._provider_for(spec)
+            try:
+                run.slice = self._provision(job_id, spec, job.generation + 1, run.provider, round_=refusals)
+                break
+            except CapacityError as e:  # waiting never spends max_failures
+                refused, refusals = str(e), refusals + 1
+            except ProvisioningError as e:
+                return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
         provision_s = time.monotonic() - t0
         try:
             if run.cancel.is_set():
@@ -444,9 +461,14 @@ class Controller:
                                    "expected_cost_usd": d.expected_cost_usd, "reason": d.reason})
         self.resize(job_id, choice.accelerator, f"cost policy: {d.reason}", tier=choice.tier)
 
-    def _provision(self, job_id: str, spec: JobSpec, attempt: int, provider) -> Slice:
-        """A ready slice, asking again (with backoff and jitter) while the failure is transient."""
-        names = iter(f"{job_id}-{attempt}{suffix}" for suffix in ["", "b", "c", "d"])
+    def _provision(self, job_id: str, spec: JobSpec, attempt: int, provider, *, round_: int = 0) -> Slice:
+        """A ready slice, asking again (with backoff and jitter) while the failure is transient.
+
+        A refusal for capacity is not retried here: the queue waits for capacity. `round_`
+        counts those refusals, so every request has a name of its own.
+        """
+        stem = f"{job_id}-{attempt}" + (f"q{round_}" if round_ else "")
+        names = iter(f"{stem}{suffix}" for suffix in ["", "b", "c", "d"])
 
         def once() -> Slice:
             name = next(names)
@@ -460,7 +482,8 @@ class Controller:
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential_jitter(initial=1, max=20),
-            retry=tenacity.retry_if_exception(lambda e: isinstance(e, ProvisioningError) and e.transient),
+            retry=tenacity.retry_if_exception(
+                lambda e: isinstance(e, ProvisioningError) and e.transient and not isinstance(e, CapacityError)),
             reraise=True)
         return retrying(once)
 
@@ -647,7 +670,7 @@ class Controller:
             live.setdefault(rec["job_id"], []).append(rec)
         for job in self.store.jobs(active_only=True):
             run = self._try_adopt(job, live.pop(job.id, []))
-            if run is None and job.state is not JobState.PENDING:
+            if run is None and job.state not in (JobState.PENDING, JobState.QUEUED):
                 self._transition(job.id, JobState.RECOVERING, "the controller restarted; relaunching")
             self._start_thread(job.id, run or _Run())
         for recs in live.values():  # slices of jobs that are over

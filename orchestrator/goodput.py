@@ -14,7 +14,7 @@ Categories, in seconds:
 - productive: `step_time_s` of every kept step row (a recomputed step keeps only its
   newest row; a row that a later lost_work event says will be recomputed is not kept),
   except the warm-up of each launch's first step (below).
-- waiting_for_capacity: time in PENDING; time in PROVISIONING while the job's slice was
+- waiting_for_capacity: time in PENDING and QUEUED; time in PROVISIONING while the job's slice was
   WAITING (queued, no capacity); whole PROVISIONING attempts that ended in
   `provision_failed`; and the RECOVERING back-off that follows a `provision_failed`.
 - provisioning: the rest of PROVISIONING (from asking for a slice until it is ready).
@@ -67,7 +67,8 @@ _CARVE_ORDER = ("waiting_for_capacity", "restore", "compile", "checkpoint_save",
 # The only state in which the job's workers are up: the controller enters RESIZING and
 # RECOVERING after it has stopped them, so work reported then is late news of the run before.
 _WORK_STATES = ("RUNNING",)
-_BASE_CATEGORY = {"PENDING": "waiting_for_capacity", "PROVISIONING": "provisioning", "STARTING": "runtime_init"}
+_BASE_CATEGORY = {"PENDING": "waiting_for_capacity", "QUEUED": "waiting_for_capacity", "PROVISIONING": "provisioning",
+                  "STARTING": "runtime_init"}
 _PREEMPTION_OUTCOMES = ("preempted", "infra_lost")  # what the controller counts against max_preemptions
 _FAILURE_OUTCOMES = ("app_failed", "provision_failed")  # ... and against max_failures
 _BILLING_ENDS = ("GONE", "RELEASED")
@@ -149,7 +150,7 @@ class StateInterval:
 
     @property
     def base_category(self) -> str:
-        if self.state == "PROVISIONING" and self.exit_outcome == "provision_failed":
+        if self.state == "PROVISIONING" and self.exit_outcome in ("provision_failed", "no_capacity"):
             return "waiting_for_capacity"  # asked for a slice that did not come
         if self.state == "RECOVERING" and self.entry_outcome == "provision_failed":
             return "waiting_for_capacity"  # the back-off before asking again

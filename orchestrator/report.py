@@ -37,8 +37,8 @@ _MARKER_STYLE = {  # kind -> (colour, line style)
     "restore": ("#2ca02c", ":"),
     "resize": ("#9467bd", "-."),
 }
-_STATE_COLOUR = {"PENDING": "#bdbdbd", "PROVISIONING": "#9ecae1", "STARTING": "#3182bd", "RUNNING": "#2ca02c",
-                 "RECOVERING": "#d62728", "RESIZING": "#9467bd"}
+_STATE_COLOUR = {"PENDING": "#bdbdbd", "QUEUED": "#e0e0e0", "PROVISIONING": "#9ecae1", "STARTING": "#3182bd",
+                 "RUNNING": "#2ca02c", "RECOVERING": "#d62728", "RESIZING": "#9467bd"}
 _TIER_COLOUR = {"spot": "#ff9f1c", "on-demand": "#1f77b4", "reserved": "#2ca02c"}
 _CATEGORY_COLOUR = dict(zip(CATEGORIES, ["#2ca02c", "#bdbdbd", "#9ecae1", "#3182bd", "#9467bd", "#17becf",
                                          "#8c564b", "#d62728", "#eeeeee"]))

@@ -13,6 +13,7 @@ from orchestrator.errors import IllegalTransitionError
 
 class JobState(str, enum.Enum):
     PENDING = "PENDING"
+    QUEUED = "QUEUED"  # waits for hosts or capacity; never spends max_failures
     PROVISIONING = "PROVISIONING"
     STARTING = "STARTING"
     RUNNING = "RUNNING"
@@ -31,12 +32,13 @@ _JOB_TERMINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
 
 _J = JobState
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    _J.PENDING: frozenset({_J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
-    _J.PROVISIONING: frozenset({_J.STARTING, _J.RECOVERING, _J.FAILED, _J.CANCELLED}),
+    _J.PENDING: frozenset({_J.QUEUED, _J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
+    _J.QUEUED: frozenset({_J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
+    _J.PROVISIONING: frozenset({_J.QUEUED, _J.STARTING, _J.RECOVERING, _J.FAILED, _J.CANCELLED}),
     _J.STARTING: frozenset({_J.RUNNING, _J.RECOVERING, _J.SUCCEEDED, _J.FAILED, _J.CANCELLED}),
     _J.RUNNING: frozenset({_J.SUCCEEDED, _J.RECOVERING, _J.RESIZING, _J.FAILED, _J.CANCELLED}),
-    _J.RECOVERING: frozenset({_J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
-    _J.RESIZING: frozenset({_J.PROVISIONING, _J.RECOVERING, _J.FAILED, _J.CANCELLED}),
+    _J.RECOVERING: frozenset({_J.QUEUED, _J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
+    _J.RESIZING: frozenset({_J.QUEUED, _J.PROVISIONING, _J.RECOVERING, _J.FAILED, _J.CANCELLED}),
     _J.SUCCEEDED: frozenset(),
     _J.FAILED: frozenset(),
     _J.CANCELLED: frozenset(),

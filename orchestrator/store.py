@@ -196,7 +196,7 @@ class Store:
 
     @staticmethod
     def _field_sets(fields: dict[str, Any]) -> tuple[str, list[Any]]:
-        allowed = {"generation", "preemptions", "failures", "cancel_requested", "error", "result"}
+        allowed = {"generation", "preemptions", "failures", "cancel_requested", "error", "result", "reason"}
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"not job fields: {sorted(bad)}")

@@ -20,9 +20,18 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from orchestrator.catalog import Tier, TpuType
+from orchestrator.errors import ProvisioningError
 from orchestrator.states import SliceState
 
 SLICE_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,61}[a-z0-9]$")
+
+
+class CapacityError(ProvisioningError):
+    """The provider has no room for the slice now (its hosts are busy, a zone is out of
+    capacity): a fact about capacity, not a failure. The job waits in the queue and asks again."""
+
+    def __init__(self, message: str, *, slice_name: str | None = None):
+        super().__init__(message, slice_name=slice_name, transient=True)
 
 
 @dataclass(frozen=True)

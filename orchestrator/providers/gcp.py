@@ -43,7 +43,8 @@ from google.cloud import tpu_v2
 from orchestrator import catalog
 from orchestrator.catalog import Tier, TpuType
 from orchestrator.errors import ProvisioningError
-from orchestrator.providers.base import Host, Slice, SliceEvent, SliceEventKind, SliceRequest, host_resource
+from orchestrator.providers.base import (CapacityError, Host, Slice, SliceEvent, SliceEventKind, SliceRequest,
+                                         host_resource)
 from orchestrator.providers.startup import WorkerSetup, startup_script
 from orchestrator.states import SliceState
 
@@ -80,13 +81,13 @@ class CloudApiError(ProvisioningError):
         )
 
 
-class NoCapacityError(ProvisioningError):
+class NoCapacityError(CapacityError):
     """No zone allowed for the slice had capacity; the policy may try another size or later."""
 
     def __init__(self, slice_name: str, zones: Sequence[str], detail: str):
         self.zones = tuple(zones)
         super().__init__(f"slice {slice_name}: no capacity in zone(s) {', '.join(zones)}: {detail}",
-                         slice_name=slice_name, transient=True)
+                         slice_name=slice_name)
 
 
 @dataclass(frozen=True)

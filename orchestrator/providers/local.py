@@ -20,8 +20,8 @@ import ray
 
 from orchestrator import cluster
 from orchestrator.errors import ProvisioningError
-from orchestrator.providers.base import (Host, Slice, SliceEvent, SliceEventKind, SliceRequest, host_node_labels,
-                                         host_node_resources, host_resource)
+from orchestrator.providers.base import (CapacityError, Host, Slice, SliceEvent, SliceEventKind, SliceRequest,
+                                         host_node_labels, host_node_resources, host_resource)
 from orchestrator.states import SliceState, check_slice
 
 log = logging.getLogger(__name__)
@@ -67,10 +67,10 @@ class LocalProvider:
                     f"local provider: {t.name} needs {t.hosts} hosts but this machine is set up for at most "
                     f"{self.max_hosts}", slice_name=req.name, transient=False)
             if self.hosts_in_use() + t.hosts > self.max_hosts:
-                raise ProvisioningError(
+                raise CapacityError(
                     f"local provider: {t.name} needs {t.hosts} hosts but only "
                     f"{self.max_hosts - self.hosts_in_use()} of {self.max_hosts} are free on this machine",
-                    slice_name=req.name, transient=True)
+                    slice_name=req.name)
             hosts = tuple(Host(worker_id=i, resource=host_resource(req.name, i)) for i in range(t.hosts))
             s = Slice(req.name, req.job_id, t, req.tier, req.zone or "local", SliceState.REQUESTED, hosts, self.name)
             self._pgids[req.name] = []

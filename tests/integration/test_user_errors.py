@@ -91,6 +91,7 @@ def test_the_command_line_shows_one_line_for_each_refusal(client, session_home, 
     r = cli("resize", waiting, "v4-16", home=session_home)
     assert (r.returncode, r.stderr) == (2, f"error: job {waiting} is PENDING; only a RUNNING job can be resized\n")
     r = cli("resize", small, "v4-16", home=session_home)
-    assert (r.returncode, r.stderr) == (2, "error: <spec>: workload.global_batch_size: global_batch_size=4 is not "
-                                           "divisible by data*fsdp=8 (accelerator v4-16 has 8 devices)\n")
+    assert (r.returncode, r.stderr) == (2, f"error: resize of {small} to v4-16: workload.global_batch_size: "
+                                           "global_batch_size=4 is not divisible by data*fsdp=8 (accelerator "
+                                           "v4-16 has 8 devices)\n")
     assert client.store.job(waiting).state is JobState.PENDING and client.store.job(small).state is JobState.PENDING

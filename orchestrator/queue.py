@@ -1,0 +1,114 @@
+"""The admission queue: jobs wait here, QUEUED, until there are hosts (or capacity) for them.
+
+Local jobs share the machine's hosts and wait in one line (`policies.admission`: higher
+priority first, then the earlier submission; strict, so a large job is not passed over
+forever). A cloud job waits for the cloud: after a refusal (no capacity in its zones) it
+asks again after a jittered backoff. Waiting never spends `recovery.max_failures`; only
+`queue_timeout` (from the job file) ends it, as FAILED with the reason. The line is read
+from the store, so `status` shows a job's place without asking the controller.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+
+from orchestrator import catalog
+from orchestrator.errors import IllegalTransitionError
+from orchestrator.outcomes import Outcome, OutcomeKind
+from orchestrator.spec import JobSpec
+from orchestrator.states import JobState
+from orchestrator.store import JobRecord, Store
+from policies.admission import Waiting, admit, line, retry_after
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.5
+
+
+def _waiting(job: JobRecord) -> Waiting:
+    spec = job.spec
+    return Waiting(job.id, int(spec.get("priority") or 0), job.created_at, catalog.lookup(spec["accelerator"]).hosts)
+
+
+def queue_position(store: Store, job: JobRecord) -> int | None:
+    """The job's place in its line (1 = next), or None when it is not QUEUED."""
+    if job.state is not JobState.QUEUED:
+        return None
+    pool = job.spec.get("provider", "local")
+    same = [_waiting(j) for j in store.jobs(active_only=True)
+            if j.state is JobState.QUEUED and j.spec.get("provider", "local") == pool]
+    return next(i for i, w in enumerate(line(same), 1) if w.job_id == job.id)
+
+
+class AdmissionQueue:
+    def __init__(self, store: Store, local_provider):
+        self.store, self.local = store, local_provider
+        self._rng = random.Random()
+
+    def wait_turn(self, job_id: str, spec: JobSpec, cancel: threading.Event, *,
+                  refused: str | None = None, refusals: int = 0) -> Outcome | None:
+        """Block until `job_id` may ask for its slice (then None), or return the outcome that
+        ends its wait: cancelled, or waited past `queue_timeout`.
+
+        `refused`: the provider just refused the job's request for lack of capacity (the
+        `refusals`-th time in a row); the job enters the queue with that as the reason.
+        """
+        entered = None
+        if refused is not None:
+            entered = self._enter(job_id, f"no capacity: {refused}")
+            if spec.provider != "local":  # the cloud says when it has room only by being asked again
+                wait = retry_after(refusals, self._rng.random())
+                return self._sleep(job_id, spec, cancel, entered, wait, f"asking again in {wait:.0f} s")
+        while True:
+            if cancel.is_set() or self.store.job(job_id).cancel_requested:
+                return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
+            if spec.provider != "local":
+                return None  # a cloud job asks the cloud; only a refusal makes it wait
+            decision = self._decide(job_id, spec)
+            if decision.admit:
+                return None
+            if entered is None:
+                entered = self._enter(job_id, decision.reason)
+            elif self.store.job(job_id).reason != decision.reason:
+                self.store.update_job(job_id, reason=decision.reason)
+            if (ended := self._timed_out(spec, entered, decision.reason)) is not None:
+                return ended
+            cancel.wait(POLL_S)
+
+    def _decide(self, job_id: str, spec: JobSpec):
+        waiting = [_waiting(j) for j in self.store.jobs(active_only=True)
+                   if j.state is JobState.QUEUED and j.spec.get("provider", "local") == "local" and j.id != job_id]
+        me = Waiting(job_id, spec.priority, self.store.job(job_id).created_at, spec.tpu_type.hosts)
+        total = self.local.max_hosts
+        return admit([*waiting, me], job_id, free_hosts=total - self.local.hosts_in_use(), total_hosts=total)
+
+    def _enter(self, job_id: str, reason: str) -> float:
+        try:
+            self.store.transition(job_id, JobState.QUEUED, reason, data={"outcome": "no_capacity"})
+        except IllegalTransitionError:  # QUEUED already (a controller that restarted)
+            self.store.update_job(job_id, reason=reason)
+        log.info("job %s queued: %s", job_id, reason)
+        return time.monotonic()
+
+    def _sleep(self, job_id: str, spec: JobSpec, cancel: threading.Event, entered: float, seconds: float,
+               why: str) -> Outcome | None:
+        """Wait `seconds` in the queue (a cloud's backoff), still ending on cancel or `queue_timeout`."""
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            if cancel.is_set() or self.store.job(job_id).cancel_requested:
+                return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
+            if (ended := self._timed_out(spec, entered, why)) is not None:
+                return ended
+            cancel.wait(min(POLL_S, max(0.0, until - time.monotonic())))
+        return None
+
+    @staticmethod
+    def _timed_out(spec: JobSpec, entered: float, reason: str) -> Outcome | None:
+        limit = spec.queue_timeout.total_seconds() if spec.queue_timeout else None
+        if limit is None or time.monotonic() - entered < limit:
+            return None
+        return Outcome(OutcomeKind.PROVISION_FAILED, f"waited {limit:.0f} s in the queue (queue_timeout); "
+                       f"still {reason}", transient=False)

@@ -1,0 +1,51 @@
+"""The admission line: priority first, then submission time; strict, so big jobs are not starved."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies.admission import Waiting, admit, line
+
+A = Waiting("a", priority=0, submitted_at=1.0, hosts=2)
+B = Waiting("b", priority=0, submitted_at=2.0, hosts=1)
+URGENT = Waiting("urgent", priority=5, submitted_at=3.0, hosts=4)
+BIG = Waiting("big", priority=0, submitted_at=0.5, hosts=8)
+
+
+@pytest.mark.parametrize("waiting, job, free, expected", [
+    ([A], "a", 2, (True, 1)),                    # alone and it fits
+    ([A], "a", 1, (False, 1)),                   # alone, too few hosts: waits first in line
+    ([A, B], "b", 8, (False, 2)),                # hosts free, but a is ahead
+    ([A, B], "a", 8, (True, 1)),
+    ([A, B, URGENT], "urgent", 4, (True, 1)),     # a higher priority goes first, though submitted last
+    ([A, B, URGENT], "a", 8, (False, 2)),
+    ([BIG, B], "b", 4, (False, 2)),              # strict: b does not pass a big job that waits for hosts
+    ([BIG, B], "big", 4, (False, 1)),
+    ([BIG, B], "big", 8, (True, 1)),
+])
+def test_admission(waiting, job, free, expected):
+    d = admit(waiting, job, free_hosts=free, total_hosts=8)
+    assert (d.admit, d.position) == expected
+    assert d.reason
+
+
+def test_the_reason_says_why_and_what_is_free():
+    d = admit([BIG, B], "b", free_hosts=4, total_hosts=8)
+    assert d.reason == "position 2 in the queue, behind big (priority 0); 4 of 8 hosts free"
+    d = admit([BIG], "big", free_hosts=4, total_hosts=8)
+    assert "needs 8 hosts, 4 of 8 free" in d.reason
+
+
+def test_equal_keys_order_by_id_so_every_process_agrees():
+    x, y = Waiting("x", 0, 1.0, 1), Waiting("y", 0, 1.0, 1)
+    assert [w.job_id for w in line([y, x])] == ["x", "y"]
+
+
+@pytest.mark.parametrize("refusals, jitter, expected", [
+    (1, 0.0, 15.0), (2, 0.0, 30.0), (3, 0.0, 60.0), (6, 0.0, 300.0), (20, 0.0, 300.0),  # capped
+    (1, 0.99, 15.0 * (1 - 0.495)),
+])
+def test_retry_after_doubles_to_a_cap_with_jitter(refusals, jitter, expected):
+    from policies.admission import retry_after
+
+    assert retry_after(refusals, jitter) == pytest.approx(expected)
