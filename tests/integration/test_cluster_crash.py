@@ -1,0 +1,72 @@
+"""A crash of the whole local cluster: `status` says so at once, and the next `up` resumes the job.
+
+Run through the command line with a state directory of its own, as a user meets it:
+every process of the cluster is killed (SIGKILL) while a job trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from orchestrator import cluster
+from orchestrator.store import Store
+from tests.conftest import REPO
+from tests.integration.test_local_jobs import tiny_spec
+
+
+def test_status_after_a_cluster_crash_and_up_resumes_the_job(tmp_path):
+    home = cluster.Home(tmp_path / "home").ensure()
+    env = {**os.environ, "ORCHESTRATOR_HOME": str(home.root)}
+
+    def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(tiny_spec("crashy", "v4-8", tmp_path, steps=40, interval=5).to_yaml())
+    try:
+        assert cli("up").returncode == 0
+        r = cli("submit", str(job_file), "--detach")
+        assert r.returncode == 0, r.stderr
+        job_id = r.stdout.split()[0]
+        store = Store(home.db)
+        deadline = time.monotonic() + 300
+        while (last := store.last_step(job_id)) is None or last.step < 6:
+            assert time.monotonic() < deadline, store.job(job_id).reason
+            time.sleep(0.5)
+
+        # Everything goes at once: the head, its controller, and the slice's host.
+        sessions = [cluster.read_cluster(home).pgid] + [p for s in store.slices(live_only=True)
+                                                         for p in s["data"]["pgids"]]
+        for sid in sessions:
+            cluster.kill_host(home, sid)
+        deadline = time.monotonic() + 30
+        while any(cluster.group_alive(s) for s in sessions):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+
+        st = cli("status", job_id)
+        assert st.returncode == 0
+        assert "RUNNING" in st.stdout  # what the store last knew...
+        assert "the local cluster is not running" in st.stdout  # ...and that nothing runs it now
+        assert "`orchestrator up`" in st.stdout and "last committed checkpoint" in st.stdout
+        listed = cli("list", "--json")
+        assert json.loads(listed.stdout)[0]["cluster"] == "gone"
+
+        assert cli("up").returncode == 0  # the new controller finds the job and relaunches it
+        deadline = time.monotonic() + 400
+        while not store.job(job_id).state.terminal:
+            assert time.monotonic() < deadline, store.job(job_id).reason
+            time.sleep(1.0)
+        assert store.job(job_id).state.value == "SUCCEEDED", store.job(job_id).reason
+        assert [m.step for m in store.steps(job_id)] == list(range(40))
+        restored = [e.data["restored_step"] for e in store.events(job_id) if e.kind == "restore"]
+        assert restored[-1] is not None and restored[-1] >= 5  # resumed from a checkpoint, not from scratch
+        after = cli("status", job_id)
+        assert "the local cluster is not running" not in after.stdout
+    finally:
+        cli("down")
