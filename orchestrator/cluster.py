@@ -332,18 +332,24 @@ def node_mark(home: Home) -> str:
     return hmac.new(home.token_file.read_bytes().strip(), b"orchestrator node", hashlib.sha256).hexdigest()[:32]
 
 
-def _carries(pid: int, entry: bytes) -> bool:
+def _is_node(pid: int, mark: bytes, home_entry: bytes) -> bool:
+    """Whether process `pid` carries the node mark, or is a node process of the same state
+    directory started before nodes carried one (its command line and ORCHESTRATOR_HOME say so)."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            return entry in f.read().split(b"\0")
+            env = f.read().split(b"\0")
+        if mark in env:
+            return True
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"orchestrator.raynode" in f.read().split(b"\0") and home_entry in env
     except OSError:  # gone, or not ours to read
         return False
 
 
 def session_is_ours(home: Home, sid: int) -> bool:
     """Whether session `sid` is alive and is a node of `home`'s cluster (see `node_mark`)."""
-    entry = f"{_MARK_ENV}={node_mark(home)}".encode()
-    return any(_carries(pid, entry) for pid in _session(sid))
+    mark, home_entry = f"{_MARK_ENV}={node_mark(home)}".encode(), f"ORCHESTRATOR_HOME={home.root}".encode()
+    return any(_is_node(pid, mark, home_entry) for pid in _session(sid))
 
 
 def _signal_session(sid: int, sig: int) -> None:

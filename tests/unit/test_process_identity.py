@@ -156,3 +156,25 @@ def test_a_state_directory_others_can_write_is_refused(home):
         assert not home.cluster_file.exists() and not home.token_file.exists()
     finally:
         home.root.chmod(0o700)
+
+
+def test_a_node_started_before_nodes_carried_the_mark_is_still_ours(home):
+    """An upgrade with the cluster up: its nodes have no mark, but they are `orchestrator.raynode`
+    processes started for this state directory; a process with only one of the two is not a node."""
+    def fake_node(*, home_root: str, raynode: bool) -> subprocess.Popen:
+        args = [sys.executable, "-c", "import time; time.sleep(300)"] + (["-m", "orchestrator.raynode"] if raynode else [])
+        env = {k: v for k, v in os.environ.items() if k != cluster._MARK_ENV}
+        return subprocess.Popen(args, start_new_session=True, env={**env, "ORCHESTRATOR_HOME": home_root})
+
+    old = fake_node(home_root=str(home.root), raynode=True)
+    other_home = fake_node(home_root=str(home.root.parent / "other"), raynode=True)
+    shell = fake_node(home_root=str(home.root), raynode=False)  # e.g. a shell with ORCHESTRATOR_HOME exported
+    try:
+        time.sleep(0.2)
+        assert cluster.session_is_ours(home, old.pid)
+        assert not cluster.session_is_ours(home, other_home.pid)
+        assert not cluster.session_is_ours(home, shell.pid)
+    finally:
+        for p in (old, other_home, shell):
+            p.kill()
+            p.wait()
