@@ -51,7 +51,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.planning import job_options  # noqa: E402
+from orchestrator.user.planning import job_options  # noqa: E402
 from policies.cost import CostPolicy, RestartCost  # noqa: E402
 from policies.simulator import FixedPolicy, GreedyPolicy, SimJob, hindsight_optimum, simulate  # noqa: E402
 from policies.traces import bundled_traces  # noqa: E402

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import fresh_client, machine, save, steady_tokens_per_s  # noqa: E402
 from orchestrator import JobSpec, JobState  # noqa: E402
-from orchestrator.controller import _workload  # noqa: E402
+from orchestrator.control.controller import _workload  # noqa: E402
 from workers.train import TrainConfig  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-lm.yaml"

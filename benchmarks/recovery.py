@@ -73,7 +73,7 @@ def main() -> None:
             "compile_s": [e.data["compile_s"] for e in restores],
             "first_step_after_restore_s": [r.at - k for r, k in zip(resumed, kills)],
         }
-        from orchestrator.report import write_report
+        from orchestrator.observe.report import write_report
 
         write_report(client.store, job.id, RESULTS / "recovery-report.png")  # the README's picture
     finally:

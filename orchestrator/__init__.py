@@ -1,8 +1,8 @@
 """tpu-orchestrator: run JAX training jobs on spot Cloud TPU slices, recovering from preemptions."""
 
-from orchestrator.client import Client, Job, JobStatus
+from orchestrator.user.client import Client, Job, JobStatus
 from orchestrator.errors import OrchestratorError, SpecError
-from orchestrator.spec import JobSpec
-from orchestrator.states import JobState
+from orchestrator.user.spec import JobSpec
+from orchestrator.state.states import JobState
 
 __all__ = ["Client", "Job", "JobSpec", "JobState", "JobStatus", "OrchestratorError", "SpecError"]

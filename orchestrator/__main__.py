@@ -1,3 +1,3 @@
-from orchestrator.cli import main
+from orchestrator.user.cli import main
 
 main()

@@ -232,7 +232,7 @@ def simulate(
             unobserved_s, exposure = 0.0, {}
             ready_in = overhead_steps * dt if held is not None else 0.0
             seen_cap = cap
-            if own:  # as `orchestrator.autoscaler.spot_chips_now` sees it from the job's slice events
+            if own:  # as `orchestrator.control.autoscaler.spot_chips_now` sees it from the job's slice events
                 seen = [(at, chips, False) for at, chips in refusals]
                 if held is not None and held.preemptible:
                     seen.append((now, held.chips, True))

@@ -50,7 +50,7 @@ def run_reference(cfg, devices: int, tmp_path: Path, *, env: dict | None = None)
 
 def train_config(spec):
     """The TrainConfig the controller hands a job's hosts."""
-    from orchestrator.controller import _workload
+    from orchestrator.control.controller import _workload
     from workers.train import TrainConfig
 
     t = spec.tpu_type

@@ -21,7 +21,7 @@ from typing import Protocol, runtime_checkable
 
 from orchestrator.catalog import Tier, TpuType
 from orchestrator.errors import ProvisioningError
-from orchestrator.states import SliceState
+from orchestrator.state.states import SliceState
 
 SLICE_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,61}[a-z0-9]$")
 

@@ -46,7 +46,7 @@ from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import (CapacityError, Host, Slice, SliceEvent, SliceEventKind, SliceRequest,
                                          host_resource)
 from orchestrator.providers.startup import WorkerSetup, startup_script
-from orchestrator.states import SliceState
+from orchestrator.state.states import SliceState
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from orchestrator import cluster
 from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import (CapacityError, Host, Slice, SliceEvent, SliceEventKind, SliceRequest,
                                          host_node_labels, host_node_resources, host_resource)
-from orchestrator.states import SliceState, check_slice
+from orchestrator.state.states import SliceState, check_slice
 
 log = logging.getLogger(__name__)
 

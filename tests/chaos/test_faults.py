@@ -18,7 +18,7 @@ import ray
 
 from orchestrator import JobSpec, JobState
 from orchestrator.cluster import kill_host
-from orchestrator.goodput import goodput
+from orchestrator.observe.goodput import goodput
 from tests.chaos.fake_metadata import FakeMetadataServer
 from tests.conftest import assert_losses_close, run_reference, train_config
 

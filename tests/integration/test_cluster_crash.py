@@ -13,7 +13,7 @@ import sys
 import time
 
 from orchestrator import cluster
-from orchestrator.store import Store
+from orchestrator.state.store import Store
 from tests.conftest import REPO
 from tests.integration.test_local_jobs import tiny_spec
 

@@ -44,7 +44,7 @@ from orchestrator.providers.gcp import (
     collect_leaked,
 )
 from orchestrator.providers.startup import WorkerSetup, startup_script
-from orchestrator.states import SliceState
+from orchestrator.state.states import SliceState
 
 pytestmark = pytest.mark.timeout(60)
 

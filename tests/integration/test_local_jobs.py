@@ -43,7 +43,7 @@ def test_example_job_from_the_cli(tmp_path):
     """`orchestrator submit examples/tiny-lm.yaml` as a new user runs it: a fresh state dir, its own cluster."""
     home = tmp_path / "home"
     env = {**os.environ, "ORCHESTRATOR_HOME": str(home)}
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "submit", "examples/tiny-lm.yaml"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "orchestrator.user.cli", "submit", "examples/tiny-lm.yaml"], cwd=REPO,
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     job_id = r.stdout.splitlines()[0]
@@ -51,7 +51,7 @@ def test_example_job_from_the_cli(tmp_path):
     assert f"SUCCEEDED {job_id}: training finished" in r.stdout
     ckpts = sorted(int(p.name) for p in (home / "checkpoints" / "tiny-lm").iterdir() if p.name.isdigit())
     assert ckpts == [50, 75, 100]  # interval 25, keep 3
-    from orchestrator.store import Store
+    from orchestrator.state.store import Store
 
     steps = Store(home / "state.db").steps(job_id)
     assert len(steps) == 100
@@ -59,7 +59,7 @@ def test_example_job_from_the_cli(tmp_path):
     assert last < 0.6 * first, f"loss {first:.3f} -> {last:.3f}"
     # The cluster the command started is gone again, and with it every process it started.
     assert not (home / "cluster.json").exists()
-    st = subprocess.run([sys.executable, "-m", "orchestrator.cli", "status", job_id], cwd=REPO, env=env,
+    st = subprocess.run([sys.executable, "-m", "orchestrator.user.cli", "status", job_id], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=60)
     assert st.returncode == 0 and "SUCCEEDED" in st.stdout
 

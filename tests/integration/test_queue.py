@@ -12,7 +12,7 @@ import pytest
 import ray
 
 from orchestrator import JobState
-from orchestrator.queue import queue_position
+from orchestrator.control.queue import queue_position
 from tests.integration.test_local_jobs import tiny_spec
 
 

@@ -17,7 +17,7 @@ import ray
 
 from orchestrator import JobSpec, JobState
 from orchestrator.errors import JobStateError, SpecError, UnknownAcceleratorError
-from orchestrator.spec import LmWorkload
+from orchestrator.user.spec import LmWorkload
 from tests.conftest import REPO
 
 BAD_NAME = ("name", "'Bad/Name' is not a valid job name: use 1 to 40 lowercase letters, digits and dashes, "
@@ -81,7 +81,7 @@ def test_resize_to_an_unknown_type_is_refused_before_the_controller(client, tmp_
 
 
 def cli(*args: str, home) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "orchestrator.cli", *args], cwd=REPO, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "orchestrator.user.cli", *args], cwd=REPO, capture_output=True,
                           text=True, timeout=300, env={**os.environ, "ORCHESTRATOR_HOME": str(home)})
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.autoscaler import (
+from orchestrator.control.autoscaler import (
     Choice,
     decide_for,
     snapshot,
@@ -13,9 +13,9 @@ from orchestrator.autoscaler import (
     step_seconds,
     with_checkpoint_interval,
 )
-from orchestrator.spec import JobSpec
-from orchestrator.states import JobState
-from orchestrator.store import Store
+from orchestrator.user.spec import JobSpec
+from orchestrator.state.states import JobState
+from orchestrator.state.store import Store
 from policies.cost import DEFAULT_SAVE_S, REFUSAL_HOLDS_S, RestartCost
 
 T0 = 1_700_000_000.0

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
-from orchestrator.store import Store
-from orchestrator.states import JobState
+from orchestrator.user.cli import app
+from orchestrator.state.store import Store
+from orchestrator.state.states import JobState
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"
@@ -168,7 +168,7 @@ def test_the_installed_command_prints_one_line_and_exits_2(home):
     """Through `main()` in a real process, as a user runs it (not the test runner's invoke)."""
     store = Store(home / "state.db")
     tiny_job(store, "tiny-abc123", *RUNNING)
-    r = subprocess.run([sys.executable, "-m", "orchestrator.cli", "resize", "tiny", "v9-999"], cwd=REPO,
+    r = subprocess.run([sys.executable, "-m", "orchestrator.user.cli", "resize", "tiny", "v9-999"], cwd=REPO,
                        capture_output=True, text=True, timeout=120, env={**os.environ, "ORCHESTRATOR_HOME": str(home)})
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith("error: unknown accelerator 'v9-999'; valid types are: v4-8, ")

@@ -29,6 +29,6 @@ def test_a_port_in_use_is_never_handed_out(monkeypatch):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         taken = busy.getsockname()[1]
-        monkeypatch.setattr(cluster, "_PORT_RANGE", (taken, taken + 1))  # the only candidate is in use
+        monkeypatch.setattr(cluster.nodes, "_PORT_RANGE", (taken, taken + 1))  # the only candidate is in use
         with pytest.raises(ClusterError, match=f"no free port on 127.0.0.1 in {taken}-{taken + 1}"):
             cluster.free_port()

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from orchestrator.planning import job_options, plan_job, plan_text, render_plan
+from orchestrator.user.planning import job_options, plan_job, plan_text, render_plan
 from policies.cost import (
     ON_DEMAND,
     RESERVED,

@@ -13,7 +13,7 @@ from orchestrator.errors import (ClusterError, IllegalTransitionError, JobNotFou
                                  OrchestratorError, OutputFileError, ProvisioningError, RequestError, SpecError,
                                  UnknownAcceleratorError)
 from orchestrator.providers.gcp import CloudApiError, NoCapacityError
-from orchestrator.report import NoStepsError, write_atomically
+from orchestrator.observe.report import NoStepsError, write_atomically
 
 EXAMPLES = [
     OrchestratorError("something went wrong"),

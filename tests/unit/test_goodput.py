@@ -11,9 +11,9 @@ import pytest
 from rich.console import Console
 
 from orchestrator.catalog import lookup
-from orchestrator.goodput import CATEGORIES, goodput, render_goodput
-from orchestrator.states import JobState
-from orchestrator.store import Store
+from orchestrator.observe.goodput import CATEGORIES, goodput, render_goodput
+from orchestrator.state.states import JobState
+from orchestrator.state.store import Store
 
 T0 = 1_700_000_000.0
 STEP_S = 1.5  # every synthetic step takes this long

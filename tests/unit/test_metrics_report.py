@@ -12,11 +12,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.catalog import lookup
-from orchestrator.goodput import CATEGORIES
-from orchestrator.metrics import RemoteMetricsRefused, serve_metrics
-from orchestrator.report import NoStepsError, report_series, write_report
-from orchestrator.states import JobState
-from orchestrator.store import Store
+from orchestrator.observe.goodput import CATEGORIES
+from orchestrator.observe.metrics import RemoteMetricsRefused, serve_metrics
+from orchestrator.observe.report import NoStepsError, report_series, write_report
+from orchestrator.state.states import JobState
+from orchestrator.state.store import Store
 from tests.unit.test_goodput import T0, preempted_job
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

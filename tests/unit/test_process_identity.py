@@ -18,7 +18,7 @@ import time
 import pytest
 
 from orchestrator import cluster
-from orchestrator.store import Store
+from orchestrator.state.store import Store
 from tests.conftest import REPO
 
 
@@ -82,10 +82,10 @@ def test_a_stale_cluster_record_is_dropped_at_once_and_its_pgid_left_alone(home)
 
 
 def test_a_session_that_carries_the_node_mark_is_ours_and_is_stopped(home):
-    ours = _sleeper({cluster._MARK_ENV: cluster.node_mark(home)})
+    ours = _sleeper({cluster.MARK_ENV: cluster.node_mark(home)})
     stranger = _sleeper()
     other_home = cluster.Home(home.root.parent / "other").ensure()
-    theirs = _sleeper({cluster._MARK_ENV: cluster.node_mark(other_home)})  # another state directory's node
+    theirs = _sleeper({cluster.MARK_ENV: cluster.node_mark(other_home)})  # another state directory's node
     try:
         assert cluster.session_is_ours(home, ours.pid)
         assert not cluster.session_is_ours(home, stranger.pid)
@@ -106,8 +106,8 @@ def test_a_session_that_carries_the_node_mark_is_ours_and_is_stopped(home):
 def test_the_mark_is_not_in_the_drivers_own_environment(home):
     """Drivers (`apply_ray_env` puts `ray_env` in their environment), and so whatever a user's
     shell or a test starts beside them, never carry it: only node processes do."""
-    assert cluster._MARK_ENV not in cluster.ray_env(home)
-    assert cluster._MARK_ENV not in os.environ
+    assert cluster.MARK_ENV not in cluster.ray_env(home)
+    assert cluster.MARK_ENV not in os.environ
 
 
 def test_a_head_that_does_not_answer_is_told_apart_from_one_that_does(home):
@@ -163,7 +163,7 @@ def test_a_node_started_before_nodes_carried_the_mark_is_still_ours(home):
     processes started for this state directory; a process with only one of the two is not a node."""
     def fake_node(*, home_root: str, raynode: bool) -> subprocess.Popen:
         args = [sys.executable, "-c", "import time; time.sleep(300)"] + (["-m", "orchestrator.raynode"] if raynode else [])
-        env = {k: v for k, v in os.environ.items() if k != cluster._MARK_ENV}
+        env = {k: v for k, v in os.environ.items() if k != cluster.MARK_ENV}
         return subprocess.Popen(args, start_new_session=True, env={**env, "ORCHESTRATOR_HOME": home_root})
 
     old = fake_node(home_root=str(home.root), raynode=True)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.errors import SpecError
-from orchestrator.spec import JobSpec, LmWorkload, json_schema
+from orchestrator.user.spec import JobSpec, LmWorkload, json_schema
 
 REPO = Path(__file__).resolve().parents[2]
 

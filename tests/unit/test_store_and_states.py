@@ -7,8 +7,8 @@ import threading
 import pytest
 
 from orchestrator.errors import IllegalTransitionError, JobNotFoundError
-from orchestrator.states import JOB_TRANSITIONS, SLICE_TRANSITIONS, JobState, SliceState, check_slice
-from orchestrator.store import Store
+from orchestrator.state.states import JOB_TRANSITIONS, SLICE_TRANSITIONS, JobState, SliceState, check_slice
+from orchestrator.state.store import Store
 
 
 def test_every_state_is_in_the_tables():

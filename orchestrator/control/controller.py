@@ -31,13 +31,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import catalog, cluster
 from orchestrator.errors import IllegalTransitionError, JobStateError, ProvisioningError
-from orchestrator.outcomes import Outcome, OutcomeKind
+from orchestrator.control.outcomes import Outcome, OutcomeKind
 from orchestrator.providers.base import CapacityError, Host, Slice, SliceEventKind, SliceRequest
 from orchestrator.providers.local import LocalProvider, release_recorded
-from orchestrator.queue import AdmissionQueue
-from orchestrator.spec import EntrypointWorkload, JobSpec, LmWorkload
-from orchestrator.states import JobState, SliceState
-from orchestrator.store import Store
+from orchestrator.control.queue import AdmissionQueue
+from orchestrator.user.spec import EntrypointWorkload, JobSpec, LmWorkload
+from orchestrator.state.states import JobState, SliceState
+from orchestrator.state.store import Store
 from policies.sharding import ModelDims, plan_mesh
 from workers.host import HostWorker
 from workers.model import ModelShape
@@ -91,7 +91,7 @@ class Controller:
         """Prometheus metrics of every job, on 127.0.0.1; the URL is recorded in the state directory."""
         import json
 
-        from orchestrator.metrics import serve_metrics
+        from orchestrator.observe.metrics import serve_metrics
 
         server, port = serve_metrics(self.store, host="127.0.0.1", port=0)
         (self.home.root / "metrics.json").write_text(json.dumps({"url": f"http://127.0.0.1:{port}/metrics"}))
@@ -420,7 +420,7 @@ class Controller:
 
     def _autoscale_before_provisioning(self, job_id: str, spec: JobSpec) -> JobSpec:
         """Let the cost policy choose the slice type and tier of the next attempt."""
-        from orchestrator.autoscaler import decide_for, with_checkpoint_interval
+        from orchestrator.control.autoscaler import decide_for, with_checkpoint_interval
 
         choice = decide_for(self.store, job_id, now=time.time(), current=None,
                             spot_chips_available=self._spot_chips_available(spec))
@@ -444,7 +444,7 @@ class Controller:
 
     def _autoscale_while_running(self, job_id: str, spec: JobSpec, run: _Run) -> None:
         """Every decision interval: ask the policy whether the running job should move."""
-        from orchestrator.autoscaler import DECISION_INTERVAL_S, decide_for
+        from orchestrator.control.autoscaler import DECISION_INTERVAL_S, decide_for
 
         now = time.monotonic()
         if spec.autoscaling is None or not run.started or run.notice or now < run.next_decision:

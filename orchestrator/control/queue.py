@@ -17,10 +17,10 @@ import time
 
 from orchestrator import catalog
 from orchestrator.errors import IllegalTransitionError
-from orchestrator.outcomes import Outcome, OutcomeKind
-from orchestrator.spec import JobSpec
-from orchestrator.states import JobState
-from orchestrator.store import JobRecord, Store
+from orchestrator.control.outcomes import Outcome, OutcomeKind
+from orchestrator.user.spec import JobSpec
+from orchestrator.state.states import JobState
+from orchestrator.state.store import JobRecord, Store
 from policies.admission import Waiting, admit, line, retry_after
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
 from orchestrator.errors import OutputFileError, RequestError
-from orchestrator.goodput import (CATEGORIES, BilledSlice, Goodput, StateInterval, billed_slices, compute_goodput,
+from orchestrator.observe.goodput import (CATEGORIES, BilledSlice, Goodput, StateInterval, billed_slices, compute_goodput,
                                   disruptions, format_duration, state_intervals, summary_line)
-from orchestrator.store import Event, Store
+from orchestrator.state.store import Event, Store
 
 FORMATS = (".png", ".html")
 

@@ -15,9 +15,9 @@ from typing import Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from orchestrator.client import Job, JobStatus
-from orchestrator.goodput import goodput
-from orchestrator.store import Event
+from orchestrator.user.client import Job, JobStatus
+from orchestrator.observe.goodput import goodput
+from orchestrator.state.store import Event
 
 # Events worth a line of their own while watching (the rest are in `status --events`).
 SHOWN = {"disruption", "restore", "resize", "resumed", "lost_work", "adopted", "notice"}

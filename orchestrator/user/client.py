@@ -26,9 +26,9 @@ from typing import Callable, Iterator
 from orchestrator import catalog, cluster
 from orchestrator.catalog import Tier
 from orchestrator.errors import ClusterError, JobNotFoundError, JobStateError, OrchestratorError, SpecError
-from orchestrator.spec import JobSpec
-from orchestrator.states import JobState
-from orchestrator.store import Event, JobRecord, StepMetric, Store
+from orchestrator.user.spec import JobSpec
+from orchestrator.state.states import JobState
+from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +102,8 @@ class Job:
         return self._client.store.events(self.id)
 
     def goodput(self):
-        """Where the job's wall time and money went (`orchestrator.goodput.Goodput`); kept after it ends."""
-        from orchestrator.goodput import goodput
+        """Where the job's wall time and money went (`orchestrator.observe.goodput.Goodput`); kept after it ends."""
+        from orchestrator.observe.goodput import goodput
 
         return goodput(self._client.store, self.id)
 
@@ -188,7 +188,7 @@ class Client:
     def _ensure_controller(self, address: str):
         import ray
 
-        from orchestrator.controller import Controller
+        from orchestrator.control.controller import Controller
 
         try:
             return ray.get_actor(cluster.CONTROLLER_NAME, namespace=cluster.NAMESPACE)
@@ -326,7 +326,7 @@ class Client:
         return self._cluster_seen[1]
 
     def _status(self, job: JobRecord) -> JobStatus:
-        from orchestrator.queue import queue_position
+        from orchestrator.control.queue import queue_position
 
         st = _status(job, self.store.last_step(job.id))
         if st.done:

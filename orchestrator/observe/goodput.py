@@ -52,7 +52,7 @@ from rich.table import Table
 
 from orchestrator.catalog import lookup
 from orchestrator.errors import UnknownAcceleratorError
-from orchestrator.store import Event, JobRecord, StepMetric, Store
+from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The two lifecycles of the system, each an enum plus its table of allowed moves.
 
-Only `orchestrator.store` performs a transition (a guarded update that also records
+Only `orchestrator.state.store` performs a transition (a guarded update that also records
 an event); everything else asks `check_*` or reads the tables.
 """
 

@@ -30,9 +30,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from orchestrator.errors import OrchestratorError
-from orchestrator.goodput import Goodput, goodput
-from orchestrator.states import JobState
-from orchestrator.store import JobRecord, Store
+from orchestrator.observe.goodput import Goodput, goodput
+from orchestrator.state.states import JobState
+from orchestrator.state.store import JobRecord, Store
 
 log = logging.getLogger(__name__)
 

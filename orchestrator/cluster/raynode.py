@@ -5,7 +5,7 @@ nodes in its loopback mode, so a local multi-node cluster would listen on every
 interface. This entry point runs the unchanged `ray start` command with those two
 checks relaxed for this process only: every node then binds to 127.0.0.1, which is
 what a cluster that lives on one machine should do. Used as
-``python -m orchestrator.raynode start --block ...``.
+``python -m orchestrator.cluster.raynode start --block ...``.
 
 One more change for nodes that share a machine: Ray names a node's raylet and plasma
 sockets by taking the first unused `raylet`, `raylet.1`, ... in the session directory,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from orchestrator.errors import IllegalTransitionError, JobNotFoundError
-from orchestrator.states import JOB_TRANSITIONS, JobState
+from orchestrator.state.states import JOB_TRANSITIONS, JobState
 
 SCHEMA_VERSION = 1
 

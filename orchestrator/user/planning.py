@@ -4,7 +4,7 @@ This is the glue between the catalog (prices, chips, hosts, peak FLOPs) and the 
 cost policy in `policies.cost`. The CLI's ``orchestrator plan job.yaml [--trace FILE]``
 is meant to be a few lines over it::
 
-    from orchestrator.planning import plan_job, render_plan
+    from orchestrator.user.planning import plan_job, render_plan
     plan = plan_job(tpu_types=["v4-16", "v4-32", "v4-64"], tiers=["spot", "on-demand"],
                     total_tokens=20e9, deadline_hours=36, budget_usd=800, trace_path=None)
     rich.console.Console().print(render_plan(plan))   # or print(plan_text(plan))

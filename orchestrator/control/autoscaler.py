@@ -18,10 +18,10 @@ import statistics
 from dataclasses import dataclass, replace
 
 from orchestrator import catalog
-from orchestrator.goodput import billed_slices, goodput
-from orchestrator.planning import DEFAULT_FLOPS_PER_TOKEN, job_options
-from orchestrator.spec import JobSpec, LmWorkload
-from orchestrator.store import Event, StepMetric, Store
+from orchestrator.observe.goodput import billed_slices, goodput
+from orchestrator.user.planning import DEFAULT_FLOPS_PER_TOKEN, job_options
+from orchestrator.user.spec import JobSpec, LmWorkload
+from orchestrator.state.store import Event, StepMetric, Store
 from policies.cost import (
     REFUSAL_HOLDS_S,
     CostPolicy,

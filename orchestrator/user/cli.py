@@ -20,11 +20,11 @@ from rich.markup import escape
 from rich.table import Table
 from typer.core import TyperGroup
 
-from orchestrator.client import Client, JobStatus
-from orchestrator.progress import watch
+from orchestrator.user.client import Client, JobStatus
+from orchestrator.user.progress import watch
 from orchestrator.errors import OrchestratorError, RequestError
-from orchestrator.spec import JobSpec, json_schema
-from orchestrator.states import JobState
+from orchestrator.user.spec import JobSpec, json_schema
+from orchestrator.state.states import JobState
 
 
 class _Commands(TyperGroup):
@@ -132,7 +132,7 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
     job = client.job(job_id)
     st = job.status()
     if as_json:
-        from orchestrator.goodput import goodput
+        from orchestrator.observe.goodput import goodput
 
         data = _status_dict(st)
         data["goodput"] = goodput(client.store, st.id).to_dict()
@@ -147,7 +147,7 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
         out.print(f"  {st.accelerator} {st.tier}   step {st.step}/{st.total_steps or '?'}   "
                   f"loss {_fmt(st.loss, '.4f')}   tokens/s {_fmt(st.tokens_per_s, ',.0f')}   "
                   f"preemptions {st.preemptions}   failures {st.failures}", highlight=False)
-        from orchestrator.goodput import goodput, summary_line
+        from orchestrator.observe.goodput import goodput, summary_line
 
         out.print("  " + summary_line(goodput(client.store, st.id)), highlight=False)
         if st.error and st.state is JobState.FAILED:
@@ -253,7 +253,7 @@ def resize(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
 def report(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
            output: Path = typer.Option(..., "--output", "-o", help="A .png or .html file to write.")) -> None:
     """Write a picture of a job's life: loss, throughput, slices, cost, disruptions, goodput."""
-    from orchestrator.report import write_report
+    from orchestrator.observe.report import write_report
 
     client = Client()
     path = write_report(client.store, client.job(job_id).id, output)
@@ -291,8 +291,8 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
          trace: Optional[Path] = typer.Option(None, "--trace", help="A spot capacity trace (JSON, as in policies/traces)."),
          deadline_hours: Optional[float] = typer.Option(None, help="Overrides the job file's deadline.")) -> None:
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
-    from orchestrator.planning import plan_job, render_plan
-    from orchestrator.spec import AutoscalingConfig, LmWorkload
+    from orchestrator.user.planning import plan_job, render_plan
+    from orchestrator.user.spec import AutoscalingConfig, LmWorkload
     from policies.traces import TraceError
     from workers.model import ModelShape
 

@@ -1,0 +1,1 @@
+"""The control loop: the controller actor, its per-job drivers, admission and autoscaling."""

@@ -1,0 +1,1 @@
+"""Observation: goodput and cost accounting, Prometheus metrics, reports."""

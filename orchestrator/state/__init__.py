@@ -1,0 +1,1 @@
+"""Durable state: the lifecycles (jobs, slices), the typed events, and the SQLite store."""
