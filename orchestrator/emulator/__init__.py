@@ -7,7 +7,7 @@ handle, `routes` for the paths, `machines` for the lifecycles.
 """
 
 from orchestrator.emulator.control import ControlClient, ControlError
-from orchestrator.emulator.fixture import emulator_fixture, running_emulator
+from orchestrator.emulator.fixture import running_emulator
 from orchestrator.emulator.machines import Timings
 from orchestrator.emulator.routes import RequestRecord
 from orchestrator.emulator.server import DEFAULT_TIME_SCALE, Emulator, EmulatorConfig, serve
@@ -22,7 +22,6 @@ __all__ = [
     "Hooks",
     "RequestRecord",
     "Timings",
-    "emulator_fixture",
     "running_emulator",
     "serve",
 ]

@@ -1,13 +1,13 @@
-"""Running the emulator inside tests: a context manager and a pytest fixture factory.
+"""Running the emulator for the duration of a block (tests, benchmarks, scripts).
 
-    from orchestrator.emulator.fixture import emulator_fixture
-    emulator = emulator_fixture(time_scale=0.005)      # in a test module or conftest
+    from orchestrator.emulator import running_emulator
 
-    def test_x(emulator):
-        client = emulator.client()
+    with running_emulator(time_scale=0.005) as emu:
+        client = emu.client()
 
-Both stop the server and its threads on exit and fail loudly if a thread survives,
-so a test can never leave an emulator running behind it.
+On exit it stops the server and its threads and fails loudly if a thread survives, so
+a caller can never leave an emulator running behind it. The pytest fixture built on it
+lives with the tests (`tests/emulator_fixture.py`): nothing here needs pytest.
 """
 
 from __future__ import annotations
@@ -33,15 +33,3 @@ def running_emulator(**kwargs: Any) -> Iterator[Emulator]:
         left = [t.name for t in threading.enumerate() if t.name.startswith(_THREAD_PREFIX)]
         if left:
             raise RuntimeError(f"emulator threads still running after stop: {left}")
-
-
-def emulator_fixture(name: str = "emulator", **kwargs: Any) -> Any:
-    """A pytest fixture (function scope) that yields a running `Emulator`."""
-    import pytest
-
-    @pytest.fixture(name=name)
-    def _emulator() -> Iterator[Emulator]:
-        with running_emulator(**kwargs) as emu:
-            yield emu
-
-    return _emulator

@@ -23,9 +23,9 @@ from google.cloud import tpu_v2
 from google.longrunning import operations_pb2
 from google.protobuf import json_format
 
-from orchestrator.emulator import (ControlClient, ControlError, Emulator, Hooks, emulator_fixture, running_emulator,
-                                   serve)
+from orchestrator.emulator import ControlClient, ControlError, Emulator, Hooks, running_emulator, serve
 from orchestrator.emulator import machines as m
+from tests.emulator_fixture import emulator_fixture
 
 pytestmark = pytest.mark.timeout(60)
 
