@@ -27,7 +27,7 @@ import ray  # noqa: E402
 from benchmarks.common import fresh_client, machine, save, wait_until  # noqa: E402
 from orchestrator import JobSpec, JobState  # noqa: E402
 from orchestrator.cluster import kill_host  # noqa: E402
-from tests.chaos.fake_metadata import FakeMetadataServer  # noqa: E402
+from orchestrator.emulator.metadata import FakeMetadataServer  # noqa: E402
 
 KINDS = ("kill_worker", "kill_host", "notice", "kill_controller")
 

@@ -18,8 +18,8 @@ import ray
 
 from orchestrator import JobSpec, JobState
 from orchestrator.cluster import kill_host
+from orchestrator.emulator.metadata import FakeMetadataServer
 from orchestrator.observe.goodput import goodput
-from tests.chaos.fake_metadata import FakeMetadataServer
 from tests.conftest import assert_losses_close, run_reference, train_config
 
 STEPS, INTERVAL = 20, 4

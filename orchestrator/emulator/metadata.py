@@ -3,7 +3,9 @@
 Serves ``/computeMetadata/v1/instance/preempted`` and ``.../maintenance-event`` on
 127.0.0.1, honouring ``?wait_for_change=true`` (the request blocks until the value
 changes or a timeout passes) and requiring the ``Metadata-Flavor: Google`` header, as
-the real server does.
+the real server does. Like the TPU API emulator beside it, it lets the preemption path
+(hosts long-polling ``recovery.metadata_url``) run off Google Cloud: tests and
+benchmarks set ``instance/preempted`` to ``TRUE`` to send a notice.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from urllib.parse import parse_qs, urlparse
 
 
 class FakeMetadataServer:
+    """Serves on a free port from construction until `close()`; `url` is the ``metadata_url`` to give hosts."""
+
     def __init__(self):
         self.values = {"instance/preempted": "FALSE", "instance/maintenance-event": "NONE"}
         self.requests = 0
