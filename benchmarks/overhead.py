@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import fresh_client, machine, save, steady_tokens_per_s  # noqa: E402
 from orchestrator import JobSpec, JobState  # noqa: E402
-from orchestrator.control.controller import _workload  # noqa: E402
+from orchestrator.control.launch import train_config  # noqa: E402
 from workers.train import TrainConfig  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-lm.yaml"
@@ -54,9 +54,8 @@ def main() -> None:
     data = spec.model_dump(mode="json")
     data["workload"]["steps"] = args.steps
     spec = JobSpec.from_dict(data)
-    raw = spec.model_dump(mode="json")
-    raw["checkpoint"]["directory"] = "/unused"
-    cfg = TrainConfig.from_dict(_workload(raw, spec, 4, 1)["config"])
+    cfg = train_config(spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
+        update={"directory": "/unused"})}), 4, 1)
     client = fresh_client()
     bares, orchs = [], []
     try:

@@ -50,11 +50,10 @@ def run_reference(cfg, devices: int, tmp_path: Path, *, env: dict | None = None)
 
 def train_config(spec):
     """The TrainConfig the controller hands a job's hosts."""
-    from orchestrator.control.controller import _workload
-    from workers.train import TrainConfig
+    from orchestrator.control.launch import train_config as config_for
 
     t = spec.tpu_type
-    return TrainConfig.from_dict(_workload(spec.model_dump(mode="json"), spec, t.chips, t.hosts)["config"])
+    return config_for(spec, t.chips, t.hosts)
 
 
 def assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:

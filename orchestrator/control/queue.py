@@ -17,7 +17,7 @@ import time
 
 from orchestrator import catalog
 from orchestrator.errors import IllegalTransitionError
-from orchestrator.control.outcomes import Outcome, OutcomeKind
+from policies.recovery import Outcome, OutcomeKind
 from orchestrator.user.spec import JobSpec
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store

@@ -41,7 +41,7 @@ def problem(tmp_path: Path, text: str) -> str:
 CASES = {
     "unknown key": ("name: a\nbogus: 1\n",
                     "job.yaml: bogus: unknown key; allowed keys here: name, accelerator, tier, provider, zone, gcp, "
-                    "workload, checkpoint, recovery, autoscaling, budget_usd, deadline, priority, queue_timeout"),
+                    "workload, checkpoint, recovery, autoscaling, budget_usd, deadline, priority, queue_timeout, workdir"),
     "nested unknown key": ("name: a\nworkload: {type: lm, modle: {}}\n",
                            "job.yaml: workload.modle: unknown key; allowed keys here: type, model, seq_len, "
                            "global_batch_size, steps, learning_rate, seed, mesh, kernels"),

@@ -1,0 +1,60 @@
+"""After a controller restart: adopt each job's running worker group, or clean up for a relaunch.
+
+Workers and their placement group are detached, so when the controller dies the job
+trains on; the new controller finds the group by name (slice, generation, rank) from the
+store's records instead of starting a second one. Whatever cannot be adopted is stopped,
+and its slices released, before the job's driver relaunches it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import ray
+import tenacity
+
+from orchestrator import catalog, cluster
+from orchestrator.control.attempt import Attempt, pg_name, worker_name
+from orchestrator.control.launch import kill_workers
+from orchestrator.providers.base import Host, Slice
+from orchestrator.state.states import JobState, SliceState
+from orchestrator.state.store import JobRecord
+
+if TYPE_CHECKING:
+    from orchestrator.control.controller import Controller
+
+log = logging.getLogger(__name__)
+
+
+def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Attempt | None, list[dict]]:
+    """The job's running group as an adopted `Attempt` (with its worker 0's step history), or None
+    after stopping whatever is left of it; and the history to record (empty if none)."""
+    workers, pg = [], None
+    if job.state in (JobState.STARTING, JobState.RUNNING) and len(slices) == 1 and slices[0]["provider"] == "local":
+        rec = slices[0]
+        t = catalog.lookup(rec["accelerator"])
+        try:
+            workers = [ray.get_actor(worker_name(rec["name"], job.generation, i), namespace=cluster.NAMESPACE)
+                       for i in range(t.hosts)]
+            pg = ray.util.get_placement_group(pg_name(rec["name"], job.generation))
+            # Right after a restart Ray may answer "temporarily unavailable" while it resolves the actors.
+            probe = tenacity.Retrying(
+                stop=tenacity.stop_after_delay(30), wait=tenacity.wait_fixed(1), reraise=True,
+                retry=tenacity.retry_if_exception_type(ray.exceptions.ActorUnavailableError))
+            probe(lambda: ray.get([w.info.remote() for w in workers], timeout=30))
+            history = probe(lambda: ray.get(workers[0].history.remote(), timeout=30))
+        except Exception as e:  # some part is gone: relaunch
+            log.warning("job %s: cannot adopt generation %d (%s)", job.id, job.generation, e)
+        else:
+            s = Slice(rec["name"], job.id, t, catalog.Tier(rec["tier"]), None, SliceState.READY,
+                      tuple(Host(i, r) for i, r in enumerate(rec["data"]["hosts"])), "local")
+            plane.provider.adopt(s, rec["data"]["pgids"])
+            att = Attempt(generation=job.generation, provider=plane.provider, slice=s, workers=workers, pg=pg,
+                          started=True, adopted=True, accepting=True,
+                          last_step=max((h["step"] for h in history), default=-1))
+            return att, history
+    kill_workers(workers, pg)
+    for rec in slices:
+        plane.release_record(rec)
+    return None, []

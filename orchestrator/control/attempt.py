@@ -1,0 +1,57 @@
+"""What a job's driver knows of its current attempt: one slice, one generation of workers.
+
+In memory only (the store has the rest); a driver keeps one `Attempt` for the job's whole
+life and resets the per-launch fields at each launch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from orchestrator.providers.base import Slice, SliceProvider
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
+
+@dataclass
+class Attempt:
+    generation: int = 0
+    provider: SliceProvider | None = None  # of the current slice
+    slice: Slice | None = None
+    workers: list[ActorHandle] = field(default_factory=list)  # one HostWorker per host, rank order
+    pg: PlacementGroup | None = None
+    started: bool = False  # every host joined the runtime
+    accepting: bool = False  # whether reports of `generation` still count (not once its attempt ended)
+    adopted: bool = False  # a group started by an earlier controller
+    last_progress: float = field(default_factory=time.monotonic)
+    last_step: int = -1  # newest step reported by worker 0 in this generation
+    cancel: threading.Event = field(default_factory=threading.Event)
+    notice: str | None = None  # a preemption notice (or a stop the controller asked for), and when
+    notice_at: float | None = None
+    disrupted_at: float | None = None  # wall time of the last disruption, for "resumed after"
+    disrupted_step: int | None = None  # steps complete when it happened
+    resumed: bool = True
+    resize_to: str | None = None  # accelerator to move to once the current step is checkpointed
+    resize_tier: str | None = None
+    next_decision: float = 0.0  # monotonic time of the next autoscaling decision
+
+    def begin(self, generation: int) -> None:
+        """A new launch: reports of `generation` count from now on."""
+        self.generation, self.started, self.last_step, self.notice, self.accepting = generation, False, -1, None, True
+
+    def stop_requested(self, reason: str) -> None:
+        if self.notice is None:
+            self.notice, self.notice_at = reason, time.monotonic()
+
+
+def worker_name(slice_name: str, generation: int, rank: int) -> str:
+    return f"{slice_name}-g{generation}-w{rank}"
+
+
+def pg_name(slice_name: str, generation: int) -> str:
+    return f"{slice_name}-g{generation}"

@@ -1,0 +1,325 @@
+"""One driver per job: a thread that runs attempts until one ends the job.
+
+Its loop reads plainly: wait for a turn in the queue, provision a slice, launch the
+workers, watch them until the attempt ends with a typed outcome, tear down, and ask
+`policies.recovery.after` what comes next (recover, resize, succeed, fail, cancel).
+Workers' reports reach the driver through the controller (`report`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import ray
+import tenacity
+
+from orchestrator import catalog
+from orchestrator.control.attempt import Attempt
+from orchestrator.control.launch import launch, teardown, write_fence
+from orchestrator.control.watch import watch
+from orchestrator.errors import IllegalTransitionError, ProvisioningError
+from orchestrator.providers.base import CapacityError, Slice, SliceRequest
+from orchestrator.state.states import JobState
+from orchestrator.user.spec import JobSpec
+from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
+
+if TYPE_CHECKING:
+    from orchestrator.control.controller import Controller
+
+log = logging.getLogger(__name__)
+
+
+def parse_stored_spec(raw: dict) -> JobSpec:
+    """The spec as the store keeps it (an older store kept the working directory as `_workdir`)."""
+    data = {k: v for k, v in raw.items() if not k.startswith("_")}
+    if raw.get("_workdir") and not data.get("workdir"):
+        data["workdir"] = raw["_workdir"]
+    return JobSpec.model_validate(data)
+
+
+class JobDriver:
+    def __init__(self, plane: "Controller", job_id: str, attempt: Attempt | None = None):
+        self.plane, self.store, self.job_id = plane, plane.store, job_id
+        self.att = attempt or Attempt()
+        self._rng = random.Random()
+
+    def start(self, on_exit) -> None:
+        threading.Thread(target=self._main, args=(on_exit,), name=f"job-{self.job_id}", daemon=True).start()
+
+    def spec(self) -> JobSpec:
+        return parse_stored_spec(self.store.job(self.job_id).spec)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def _main(self, on_exit) -> None:
+        att = self.att
+        try:
+            if att.adopted:  # a group started by the previous controller: watch it to its end first
+                try:
+                    outcome = watch(self.store, self.job_id, self.spec(), att, on_poll=self._autoscale_while_running)
+                    self.catch_up(outcome)
+                finally:
+                    teardown(att)
+                self._after(outcome)
+            while not self.store.job(self.job_id).state.terminal:
+                self._after(self._attempt())
+        except Exception as e:  # a bug of ours: end the job visibly rather than leave it hanging
+            log.exception("job %s: controller error", self.job_id)
+            teardown(att)
+            self.transition(JobState.FAILED, f"controller error: {type(e).__name__}: {e}")
+        finally:
+            on_exit(self.job_id)
+
+    def _attempt(self) -> Outcome:
+        att, job_id = self.att, self.job_id
+        refused, refusals = None, 0
+        while True:  # until a slice is ready: a request refused for capacity goes back to the queue
+            job = self.store.job(job_id)
+            spec = self.spec()
+            if job.cancel_requested or att.cancel.is_set():
+                return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
+            if spec.autoscaling is not None:
+                spec = self._autoscale_before_provisioning(spec)
+            ended = self.plane.queue.wait_turn(job_id, spec, att.cancel, refused=refused, refusals=refusals)
+            if ended is not None:
+                return ended
+            self.transition(JobState.PROVISIONING, f"requesting {spec.accelerator} ({spec.tier.value})")
+            t0 = time.monotonic()
+            att.provider = self.plane.provider_for(spec)
+            try:
+                att.slice = self._provision(spec, job.generation + 1, round_=refusals)
+                break
+            except CapacityError as e:  # waiting never spends max_failures
+                refused, refusals = str(e), refusals + 1
+            except ProvisioningError as e:
+                return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
+        provision_s = time.monotonic() - t0
+        try:
+            if att.cancel.is_set():
+                return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
+            att.begin(self.store.bump_generation(job_id))
+            att.next_decision = time.monotonic() + 30.0  # let it measure its speed first
+            write_fence(spec, att.generation)
+            self.transition(JobState.STARTING, f"slice {att.slice.name} ready after {provision_s:.1f} s; starting "
+                            f"generation {att.generation}",
+                            data={"provision_s": round(provision_s, 3), "slice": att.slice.name})
+            outcome = (launch(self.store, self.plane.home, job_id, spec, att)
+                       or watch(self.store, job_id, spec, att, on_poll=self._autoscale_while_running))
+            self.catch_up(outcome)
+            return outcome
+        finally:
+            teardown(att)
+
+    def _after(self, outcome: Outcome) -> None:
+        """Record how the attempt ended, and do what the recovery rules say comes next."""
+        att, job = self.att, self.store.job(self.job_id)
+        k = outcome.kind
+        if k not in (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVISION_FAILED, OutcomeKind.RESIZED):
+            steps_done = att.last_step + 1
+            att.disrupted_at, att.disrupted_step, att.resumed = outcome.at, steps_done, False
+            self.store.add_event(self.job_id, "disruption", f"{k.value}: {outcome.reason} (after step {steps_done})",
+                                 data={"kind": k.value, "step": att.last_step, "reason": outcome.reason,
+                                       "generation": att.generation, "teardown_s": time.time() - outcome.at},
+                                 at=outcome.at)
+        rec = job.spec["recovery"]
+        d = after(outcome, preemptions=job.preemptions, failures=job.failures,
+                  budgets=Budgets(rec["max_preemptions"], rec["max_failures"]), jitter=self._rng.random())
+        if d.preemptions != job.preemptions:
+            self.store.update_job(self.job_id, preemptions=d.preemptions)
+        if d.failures != job.failures:
+            self.store.update_job(self.job_id, failures=d.failures, error=outcome.traceback or outcome.reason)
+        if d.next is Next.SUCCEED:
+            self.transition(JobState.SUCCEEDED, d.reason)
+        elif d.next is Next.CANCEL:
+            self.transition(JobState.CANCELLED, d.reason)
+        elif d.next is Next.FAIL:
+            self.transition(JobState.FAILED, d.reason)
+        elif d.next is Next.RESIZE:
+            self.store.update_spec(self.job_id, dict(job.spec, accelerator=att.resize_to,
+                                                     tier=att.resize_tier or job.spec["tier"]))
+            self.transition(JobState.RESIZING, d.reason, data={"to": att.resize_to})
+            att.resize_to, att.disrupted_step, att.disrupted_at, att.resumed = None, att.last_step + 1, time.time(), False
+        else:
+            self.transition(JobState.RECOVERING, d.reason, data={"outcome": k.value})
+            att.cancel.wait(d.backoff_s)
+
+    def _provision(self, spec: JobSpec, attempt: int, *, round_: int = 0) -> Slice:
+        """A ready slice, asking again (with backoff and jitter) while the failure is transient.
+
+        A refusal for capacity is not retried here: the queue waits for capacity. `round_`
+        counts those refusals, so every request has a name of its own.
+        """
+        provider = self.att.provider
+        stem = f"{self.job_id}-{attempt}" + (f"q{round_}" if round_ else "")
+        names = iter(f"{stem}{suffix}" for suffix in ["", "b", "c", "d"])
+
+        def once() -> Slice:
+            name = next(names)
+            try:
+                provider.request(SliceRequest(self.job_id, name, spec.tpu_type, spec.tier, spec.zone))
+                return provider.wait_ready(name, timeout_s=spec.recovery.start_timeout_s)
+            except ProvisioningError:
+                provider.release(name)  # idempotent; frees whatever part of the slice started
+                raise
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential_jitter(initial=1, max=20),
+            retry=tenacity.retry_if_exception(
+                lambda e: isinstance(e, ProvisioningError) and e.transient and not isinstance(e, CapacityError)),
+            reraise=True)
+        return retrying(once)
+
+    def transition(self, target: JobState, reason: str, *, data: dict | None = None) -> None:
+        try:
+            self.store.transition(self.job_id, target, reason, data=data)
+        except IllegalTransitionError as e:
+            log.warning("job %s: %s", self.job_id, e)
+
+    # -- requests from the controller ---------------------------------------------------
+
+    def cancel(self) -> None:
+        self.att.cancel.set()
+
+    def resize(self, accelerator: str, tier: str, reason: str, step: int | None = None) -> None:
+        """Stop at the current step (checkpointed) and go on on `accelerator` `tier`."""
+        att = self.att
+        att.resize_to, att.resize_tier = accelerator, tier
+        att.stop_requested(f"resize to {accelerator}: {reason}")
+
+    # -- what workers report ------------------------------------------------------------
+
+    def report(self, generation: int, rank: int, kind: str, payload: dict) -> None:
+        """Heartbeats, metrics and log lines from workers; those of an old generation are dropped."""
+        att = self.att
+        if generation != att.generation or not att.accepting:
+            return
+        lines = payload.pop("lines", [])
+        if lines:
+            with open(self.plane.home.job_dir(self.job_id) / "job.log", "a") as f:
+                f.writelines(f"[host-{rank}] {line}\n" for line in lines)
+        att.last_progress = time.monotonic()
+        if kind == "ready" and rank == 0 and not att.started:
+            att.started = True
+            self.transition(JobState.RUNNING, "all hosts joined the runtime",
+                            data={"init_s": round(payload["init_s"], 3), "generation": generation})
+        elif kind == "timings" and rank == 0:
+            self._record_restore(payload)
+        elif kind == "step" and rank == 0:
+            self._record_step(generation, payload)
+        elif kind == "checkpoint" and rank == 0:
+            self.store.add_event(self.job_id, "checkpoint", f"saved step {payload['step']}", data=payload)
+        elif kind == "notice" and att.notice is None:
+            att.stop_requested(f"host {rank}: {payload['reason']}")
+            self.store.add_event(self.job_id, "notice", f"preemption notice on host {rank} ({payload['reason']}) "
+                                 f"after step {att.last_step + 1}", data={"rank": rank, "step": att.last_step + 1})
+
+    def _record_step(self, generation: int, p: dict) -> None:
+        att = self.att
+        att.last_step = p["step"]
+        self.store.record_steps(self.job_id, generation, [(p["step"], p["loss"], p.get("tokens_per_s"),
+                                                           p.get("step_time_s"))])
+        if not att.resumed and att.disrupted_at is not None:
+            att.resumed = True
+            self.store.add_event(self.job_id, "resumed", f"resumed after {time.time() - att.disrupted_at:.1f} s "
+                                 f"(first step done: {p['step'] + 1})",
+                                 data={"seconds": time.time() - att.disrupted_at, "step": p["step"] + 1})
+
+    def record_missed(self, generation: int, history: list[dict]) -> int:
+        """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
+        known = {m.step for m in self.store.steps(self.job_id)}
+        missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"), h.get("at"))
+                  for h in history if h["step"] not in known]
+        self.store.record_steps(self.job_id, generation, missed)  # one transaction, each row at its own time
+        return len(missed)
+
+    def catch_up(self, outcome: Outcome) -> None:
+        """Before a group is torn down, record the steps whose reports are still in flight.
+
+        Not after a host was lost: a dead host's worker may not answer, and recovery must not wait for it.
+        """
+        att = self.att
+        if not att.workers or not att.started or outcome.kind is OutcomeKind.INFRA_LOST:
+            return
+        try:
+            history = ray.get(att.workers[0].history.remote(), timeout=5)
+        except Exception as e:  # the worker went with its host after all: what is recorded is what there is
+            log.warning("job %s: no step history from worker 0 (%s)", self.job_id, type(e).__name__)
+            return
+        att.accepting = False
+        self.record_missed(att.generation, history)
+        att.last_step = max([att.last_step, *(h["step"] for h in history)])
+
+    def _record_restore(self, p: dict) -> None:
+        att = self.att
+        restored, unreadable = p.get("restored_step"), p.get("unreadable") or []
+        what = f"restored step {restored}" if restored is not None else "started from scratch"
+        if unreadable:
+            what += f" (fell back: checkpoint {', '.join(map(str, unreadable))} unreadable)"
+        self.store.add_event(self.job_id, "restore", f"{what}; compile took {p['compile_s']:.1f} s", data=p)
+        if att.disrupted_step is not None:
+            lost = max(0, att.disrupted_step - (restored or 0))
+            times = [m.step_time_s for m in self.store.steps(self.job_id) if m.step_time_s]
+            mean = sum(times) / len(times) if times else 0.0
+            self.store.add_event(self.job_id, "lost_work", f"lost {lost} steps (from step {att.disrupted_step} back "
+                                 f"to {restored or 0})", data={"steps": lost, "seconds": lost * mean,
+                                                                "from_step": att.disrupted_step,
+                                                                "to_step": restored or 0})
+
+    # -- autoscaling ----------------------------------------------------------------------
+
+    def _spot_chips_available(self, spec: JobSpec) -> int:
+        """The largest spot slice the job may ask for (the autoscaler takes off what the zone refused it lately)."""
+        allowed = [catalog.lookup(a) for a in spec.autoscaling.accelerators]
+        if spec.provider == "local":
+            allowed = [t for t in allowed if t.hosts <= self.plane.provider.max_hosts]
+        return max((t.chips for t in allowed), default=0)
+
+    def _autoscale_before_provisioning(self, spec: JobSpec) -> JobSpec:
+        """Let the cost policy choose the slice type and tier of the next attempt."""
+        from orchestrator.control.autoscaler import decide_for, with_checkpoint_interval
+
+        choice = decide_for(self.store, self.job_id, now=time.time(), current=None,
+                            spot_chips_available=self._spot_chips_available(spec))
+        if choice is None:
+            self.store.add_event(self.job_id, "autoscale", "the policy would wait for spot capacity; asking for "
+                                 f"{spec.accelerator} {spec.tier.value} as the spec says (a queued request waits "
+                                 "for capacity)")
+            return spec
+        d = choice.decision
+        every = choice.checkpoint_interval_steps
+        saving = f"; checkpoint every {every} steps" if every else ""
+        self.store.add_event(self.job_id, "autoscale", f"run {choice.accelerator} {choice.tier}{saving}: {d.reason}",
+                             data={"accelerator": choice.accelerator, "tier": choice.tier,
+                                   "expected_cost_usd": d.expected_cost_usd, "reason": d.reason,
+                                   "checkpoint_interval_steps": every})
+        if (choice.accelerator, choice.tier) != (spec.accelerator, spec.tier.value):
+            raw = dict(self.store.job(self.job_id).spec, accelerator=choice.accelerator, tier=choice.tier)
+            self.store.update_spec(self.job_id, raw)
+            spec = self.spec()
+        return with_checkpoint_interval(spec, choice)
+
+    def _autoscale_while_running(self) -> None:
+        """Every decision interval: ask the policy whether the running job should move."""
+        from orchestrator.control.autoscaler import DECISION_INTERVAL_S, decide_for
+
+        att, now = self.att, time.monotonic()
+        if not att.started or att.notice or now < att.next_decision:
+            return
+        att.next_decision = now + DECISION_INTERVAL_S
+        spec = self.spec()
+        if spec.autoscaling is None:
+            return
+        current = (spec.accelerator, spec.tier.value)
+        choice = decide_for(self.store, self.job_id, now=time.time(), current=current,
+                            spot_chips_available=self._spot_chips_available(spec))
+        if choice is None or (choice.accelerator, choice.tier) == current:
+            return
+        d = choice.decision
+        self.store.add_event(self.job_id, "autoscale", f"move to {choice.accelerator} {choice.tier}: {d.reason}",
+                             data={"accelerator": choice.accelerator, "tier": choice.tier,
+                                   "expected_cost_usd": d.expected_cost_usd, "reason": d.reason})
+        self.plane.resize(self.job_id, choice.accelerator, f"cost policy: {d.reason}", tier=choice.tier)

@@ -1,0 +1,135 @@
+"""Gang launch of a job's workers on a ready slice, and their teardown.
+
+One `HostWorker` per host, all or none (a placement group with one bundle per host);
+host 0 brings up the JAX runtime's coordinator and the others join once it listens.
+Workers are detached actors named by slice, generation and rank, so a restarted
+controller finds them (`orchestrator.control.adoption`). What the workers run derives
+from the parsed spec in one place, `workload_for`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator import cluster
+from orchestrator.control.attempt import Attempt, pg_name, worker_name
+from orchestrator.state.store import Store
+from orchestrator.user.spec import EntrypointWorkload, JobSpec, LmWorkload
+from policies.recovery import Outcome, OutcomeKind
+from policies.sharding import ModelDims, plan_mesh
+from workers.host import HostWorker
+from workers.model import ModelShape
+from workers.train import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+def workload_for(spec: JobSpec, devices: int, hosts: int) -> dict:
+    """What every host of a slice with `devices` chips on `hosts` hosts runs for `spec`."""
+    w = spec.workload
+    ckpt = spec.checkpoint.directory
+    common = {"fence_file": f"{ckpt}/.fence", "metadata_url": spec.recovery.metadata_url}
+    if isinstance(w, EntrypointWorkload):
+        return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "checkpoint_dir": ckpt,
+                "workdir": spec.workdir, **common}
+    assert isinstance(w, LmWorkload)
+    return {"type": "lm", "config": train_config(spec, devices, hosts).to_dict(), **common}
+
+
+def train_config(spec: JobSpec, devices: int, hosts: int) -> TrainConfig:
+    """The built-in trainer's config for `spec` on a slice of `devices` chips on `hosts` hosts."""
+    w = spec.workload
+    m = w.model
+    plan = plan_mesh(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(),
+                     dims=ModelDims(m.d_model, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size),
+                     global_batch_size=w.global_batch_size)
+    return TrainConfig(
+        model=ModelShape(m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size,
+                         moe_experts=m.moe_experts, moe_top_k=m.moe_top_k, scan_layer=m.scan_layer),
+        seq_len=w.seq_len, global_batch_size=w.global_batch_size, steps=w.steps, seed=w.seed,
+        lr_peak=w.learning_rate.peak, lr_end=w.learning_rate.end, warmup_steps=w.learning_rate.warmup_steps,
+        weight_decay=w.learning_rate.weight_decay, mesh_shape=plan.shape, checkpoint_dir=spec.checkpoint.directory,
+        checkpoint_interval=spec.checkpoint.interval_steps, checkpoint_keep=spec.checkpoint.keep,
+        implementation=w.kernels)
+
+
+def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: Attempt) -> Outcome | None:
+    """Start generation `att.generation` on `att.slice`; an outcome only if its workers could not all be placed."""
+    s = att.slice
+    t = s.tpu_type
+    timeout = spec.recovery.start_timeout_s
+    bundles = [{"TPU": float(t.chips_per_host), h.resource: 1.0} for h in s.hosts]
+    att.pg = placement_group(bundles, strategy="STRICT_SPREAD", name=pg_name(s.name, att.generation),
+                             lifetime="detached")
+    try:
+        ray.get(att.pg.ready(), timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        return Outcome(OutcomeKind.PROVISION_FAILED,
+                       f"the {t.hosts} workers of slice {s.name} could not all be placed within {timeout:.0f} s "
+                       f"(each needs {t.chips_per_host} TPU chips on its own host)", transient=True)
+    actor = ray.remote(HostWorker)
+    att.workers = [
+        actor.options(num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8,
+                      scheduling_strategy=PlacementGroupSchedulingStrategy(att.pg, placement_group_bundle_index=i),
+                      name=worker_name(s.name, att.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
+        .remote(job_id=job_id, generation=att.generation, rank=i, num_hosts=t.hosts,
+                devices_per_host=t.chips_per_host, platform="cpu", compile_cache_dir=str(home.compile_cache),
+                controller=(cluster.CONTROLLER_NAME, cluster.NAMESPACE), workload_type=spec.workload.type)
+        for i in range(t.hosts)
+    ]
+    placed = ray.get([w.info.remote() for w in att.workers], timeout=timeout)
+    store.add_event(job_id, "launched", f"{t.hosts} workers of generation {att.generation} on slice {s.name}",
+                    data={"slice": s.name, "nodes": [p["node_id"] for p in placed],
+                          "pids": [p["pid"] for p in placed], "generation": att.generation})
+    coordinator = ray.get(att.workers[0].coordinator_address.remote(), timeout=120) if t.hosts > 1 else None
+    workload = workload_for(spec, t.chips, t.hosts)
+    share_key = secrets.token_bytes(32)  # seals what hosts hand each other through the coordinator
+    ray.get(att.workers[0].start.remote(coordinator, workload, share_key), timeout=120)
+    if coordinator is not None:  # the others join once host 0 listens (an early one waits out a backoff)
+        ray.get(att.workers[0].coordinator_listening.remote(coordinator, 10.0), timeout=30)
+    ray.get([w.start.remote(coordinator, workload, share_key) for w in att.workers[1:]], timeout=120)
+    att.last_progress = time.monotonic()
+    return None
+
+
+def teardown(att: Attempt) -> None:
+    """Kill the attempt's workers, remove its placement group, release its slice (each idempotent)."""
+    att.accepting = False  # a dying group's last words must not land after its disruption
+    kill_workers(att.workers, att.pg)
+    att.workers, att.pg = [], None
+    if att.slice is not None:
+        att.provider.release(att.slice.name)
+        att.slice = None
+
+
+def kill_workers(workers: list, pg) -> None:
+    for w in workers:
+        try:
+            ray.kill(w, no_restart=True)
+        except Exception:  # already gone with its host
+            pass
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            pass
+
+
+def write_fence(spec: JobSpec, generation: int) -> None:
+    """Record the current generation beside the checkpoints (atomically) before a group starts.
+
+    A worker checks it before every save, so workers of an older generation never write.
+    """
+    from etils import epath
+
+    d = epath.Path(spec.checkpoint.directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tmp = d / f".fence.tmp-{secrets.token_hex(4)}"
+    tmp.write_text(str(generation))
+    tmp.replace(d / ".fence")
