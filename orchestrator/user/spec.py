@@ -207,6 +207,15 @@ class JobSpec(_Frozen):
     # waiting, a higher priority goes first (equal ones in submission order).
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
     queue_timeout: dt.timedelta | None = None  # waiting QUEUED longer than this ends the job FAILED; None: no limit
+    # Where an entrypoint's module is imported from (absolute); `submit` sets the job file's folder.
+    workdir: str | None = None
+
+    @field_validator("workdir")
+    @classmethod
+    def _absolute_workdir(cls, v: str | None) -> str | None:
+        if v is not None and (not Path(v).is_absolute() or any(c in v for c in "\0\n\r")):
+            raise ValueError(f"must be an absolute path without line breaks, got {v!r}")
+        return v
 
     @field_validator("name")
     @classmethod
