@@ -44,17 +44,11 @@ from typing import Protocol
 
 import numpy as np
 
-from policies.cost import (
-    SAFETY_MARGIN_S,
-    SPOT,
-    Decision,
-    Option,
-    RestartCost,
-    Snapshot,
-    SpotAvailability,
-    SpotHazard,
-    spot_chips_known,
-)
+from policies.cost import SAFETY_MARGIN_S
+from policies.restart_cost import RestartCost
+from policies.slice_options import SPOT, Option
+from policies.snapshot import Decision, Snapshot
+from policies.spot_estimates import SpotAvailability, SpotHazard, spot_chips_known
 from policies.traces import SpotTrace
 
 MAX_STEP_S = 60.0

@@ -33,15 +33,10 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.catalog import Tier, lookup
-from policies.cost import (
-    PRIOR_HOST_HAZARD_PER_HOUR,
-    PRIOR_OUTAGE_HOURS,
-    CostPolicy,
-    Option,
-    RestartCost,
-    ScalingModel,
-    estimate_tokens_per_s,
-)
+from policies.cost import CostPolicy
+from policies.restart_cost import RestartCost
+from policies.slice_options import Option, ScalingModel, estimate_tokens_per_s
+from policies.spot_estimates import PRIOR_HOST_HAZARD_PER_HOUR, PRIOR_OUTAGE_HOURS
 from policies.simulator import DecisionRecord, FixedPolicy, Run, SimJob, simulate
 from policies.traces import SpotTrace, load_trace, markov_trace
 

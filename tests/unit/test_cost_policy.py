@@ -9,22 +9,12 @@ import numpy as np
 import pytest
 
 from orchestrator.user.planning import job_options, plan_job, plan_text, render_plan
-from policies.cost import (
-    ON_DEMAND,
-    RESERVED,
-    SPOT,
-    CostPolicy,
-    Option,
-    RestartCost,
-    ScalingModel,
-    Snapshot,
-    SpotAvailability,
-    SpotHazard,
-    decide,
-    estimate_tokens_per_s,
-    fluid_plan,
-    outlook,
-)
+from policies.cost import CostPolicy, decide
+from policies.fluid_plan import fluid_plan, plan_inputs
+from policies.restart_cost import RestartCost
+from policies.slice_options import ON_DEMAND, RESERVED, SPOT, Option, ScalingModel, estimate_tokens_per_s
+from policies.snapshot import Snapshot
+from policies.spot_estimates import SpotAvailability, SpotHazard
 from policies.simulator import SimJob, simulate
 from policies.traces import SpotTrace, markov_trace
 
@@ -125,7 +115,7 @@ def test_no_choice_that_finishes_late_however_little():
 def test_plan_mixes_a_cheap_slow_on_demand_size_with_a_fast_one():
     # 10 h of v4-16 on-demand work in 8 h: v4-16 alone is too slow, v4-32 alone overpays.
     tokens = OD16.tokens_per_s * 10 * HOUR
-    view = outlook(snapshot(hours_left=8, tokens_left=tokens, capacity=0, options=(OD16, OD32)))
+    view = plan_inputs(snapshot(hours_left=8, tokens_left=tokens, capacity=0, options=(OD16, OD32)))
     plan = fluid_plan(view, 8 * HOUR, tokens)
     assert plan.feasible and plan.on_demand == OD16 and plan.on_demand_second == OD32
     on_16 = tokens - plan.on_demand_second_tokens

@@ -9,7 +9,9 @@ import math
 import numpy as np
 import pytest
 
-from policies.cost import ON_DEMAND, SPOT, CostPolicy, Option, RestartCost
+from policies.cost import CostPolicy
+from policies.restart_cost import RestartCost
+from policies.slice_options import ON_DEMAND, SPOT, Option
 from policies.simulator import (
     IDLE,
     FixedPolicy,
