@@ -33,11 +33,12 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.catalog import Tier, lookup
+from policies.baselines import FixedPolicy
 from policies.cost import CostPolicy
 from policies.restart_cost import RestartCost
 from policies.slice_options import Option, ScalingModel, estimate_tokens_per_s
 from policies.spot_estimates import PRIOR_HOST_HAZARD_PER_HOUR, PRIOR_OUTAGE_HOURS
-from policies.simulator import DecisionRecord, FixedPolicy, Run, SimJob, simulate
+from policies.simulator import DecisionRecord, Run, SimJob, simulate
 from policies.traces import SpotTrace, load_trace, markov_trace
 
 # A ~1B-parameter dense decoder (24 layers, d_model 2048) on 2048-token sequences.

@@ -9,20 +9,12 @@ import math
 import numpy as np
 import pytest
 
+from policies.baselines import FixedPolicy, GreedyPolicy
 from policies.cost import CostPolicy
+from policies.hindsight import IDLE, _DualProgramme, hindsight_optimum
 from policies.restart_cost import RestartCost
+from policies.simulator import SimJob, quantized_restart, simulate, step_seconds
 from policies.slice_options import ON_DEMAND, SPOT, Option
-from policies.simulator import (
-    IDLE,
-    FixedPolicy,
-    GreedyPolicy,
-    SimJob,
-    _DualProgramme,
-    hindsight_optimum,
-    quantized_restart,
-    simulate,
-    step_seconds,
-)
 from policies.traces import (
     FOUR_NODE_MAPPING,
     ONE_NODE_MAPPING,

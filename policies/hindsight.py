@@ -1,0 +1,219 @@
+"""The hindsight optimum: the least any policy could pay to finish a job on a trace
+window, knowing the whole trace.
+
+`hindsight_optimum` is a lower bound: a dynamic programme over the same steps as
+`policies.simulator.simulate` that knows the whole trace, and so also knows when each
+preemption comes and loses no work to it. Everything else (overheads, billing,
+capacity) is the same as in `simulate`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from policies.restart_cost import RestartCost
+from policies.simulator import SimJob, quantized_restart, step_seconds
+from policies.traces import SpotTrace
+
+
+@dataclass(frozen=True)
+class Optimum:
+    """The cheapest any policy could do on this trace window, knowing the future."""
+
+    lower_bound_usd: float  # no run meeting the deadline costs less (Lagrangian dual of the DP)
+    schedule_cost_usd: float  # an actual clairvoyant schedule; the optimum lies in between
+    schedule_finish_s: float
+    feasible: bool
+
+
+def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0, restart: RestartCost = RestartCost()) -> Optimum:
+    """Lower bound on the cost of finishing `job` by its deadline on this trace window.
+
+    The exact problem (state: step, slice, progress) is too large for a progress grid
+    fine enough to be exact, so we relax the token target with a price `mu` per token:
+    g(mu) = min over schedules of [cost - mu * tokens] + mu * total_tokens. Every
+    schedule that finishes costs at least g(mu), so max over mu of g is a lower bound
+    (weak duality); g is concave in mu, and we find its maximum by zooming a grid. For
+    each mu the inner minimum is an exact DP over (step, idle | slice x overhead left).
+
+    The schedule reported beside the bound is a real clairvoyant schedule, so the true
+    optimum lies between the two. It is the cheapest of: the DP's schedule just above
+    the maximising price (it reaches the target, often with time to spare), its
+    schedule just below (short of the target) with idle stretches filled with
+    on-demand, and the two spliced at the step where the target is just reached.
+    """
+    dt = step_seconds(trace)
+    restart = quantized_restart(restart, dt)
+    prov, startup = round(restart.provisioning_s / dt), round(restart.startup_s / dt)
+    steps = math.ceil(job.deadline_s / dt - 1e-9)
+    dp = _DualProgramme(job.options, trace.capacity_chips(start_s, dt, steps), dt, prov, startup)
+    total = job.total_tokens
+    per_token = np.array([o.usd_per_token for o in job.options])
+    grid = np.geomspace(0.5 * per_token.min(), 200 * per_token.max(), 24)
+    g = dp.dual(grid, total)
+    if g[-1] > g[-2] and dp.evaluate(dp.path(grid[-1]), total)[0] < total:
+        return Optimum(math.inf, math.inf, math.inf, False)  # not even the clairvoyant finishes
+    for _ in range(3):
+        k = int(np.argmax(g))
+        grid = np.linspace(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)], 16)
+        g = dp.dual(grid, total)
+    k = int(np.argmax(g))
+    # A run that finishes mid-step pays only part of that step; the DP pays whole steps.
+    bound = max(float(g[k]) - dt * max(o.usd_per_hour for o in job.options) / 3600, 0.0)
+    above, below = dp.path(grid[min(k + 1, len(grid) - 1)]), dp.path(grid[max(k - 1, 0)])
+    schedules = [above, dp.splice_to_target(above, below, total), dp.splice_to_target(below, above, total)]
+    schedules += [dp.fill(below, d, total) for d in range(len(job.options)) if not job.options[d].preemptible]
+    outcomes = [dp.evaluate(path, total) for path in schedules]
+    done = [(cost, finish) for tokens, cost, finish in outcomes if tokens >= total]
+    if not done:
+        return Optimum(bound, math.nan, math.nan, True)
+    cost, finish = min(done)
+    return Optimum(min(bound, float(cost)), float(cost), float(finish), True)
+
+
+IDLE = -1
+
+
+class _DualProgramme:
+    """The inner DP of `hindsight_optimum`.
+
+    State at a step boundary: idle, or (slice c, j overhead steps left; j = 0 trains),
+    flattened as c * (k + 1) + j. At each boundary a slice may be given up for free (the
+    clairvoyant job checkpoints just before each preemption) and a new one requested,
+    entering at j = k = prov + startup. Overhead steps j <= startup are billed; training
+    steps are billed and add tokens.
+    """
+
+    def __init__(self, options, capacity, dt, prov, startup):
+        self.dt, self.k, self.startup = dt, prov + startup, startup
+        self.price = np.array([o.usd_per_hour / 3600 * dt for o in options])  # $ per step
+        self.tokens = np.array([o.tokens_per_s * dt for o in options])  # tokens per training step
+        chips = np.array([o.chips for o in options])
+        spot = np.array([o.preemptible for o in options])
+        self.usable = ~spot[None, :] | (chips[None, :] <= np.asarray(capacity)[:, None])  # [step, option]
+        self.blocked = np.where(self.usable, 0.0, np.inf)[:, None, :, None]  # [step, 1, option, 1]
+        j = np.arange(self.k + 1)
+        self.step_cost = self.price[:, None] * ((j >= 1) & (j <= startup))[None, :]  # [option, j]
+
+    def _step_value(self, mu: np.ndarray) -> np.ndarray:
+        value = np.broadcast_to(self.step_cost, (len(mu), *self.step_cost.shape)).copy()
+        value[:, :, 0] = self.price[None, :] - mu[:, None] * self.tokens[None, :]
+        return value  # [mu, option, j]: cost minus mu x tokens of spending one step in the state
+
+    def dual(self, mu: np.ndarray, total_tokens: float) -> np.ndarray:
+        """g(mu) for each price in `mu`."""
+        k, step_value = self.k, self._step_value(mu)
+        value = np.full(step_value.shape, np.inf)
+        idle = np.zeros(len(mu))
+        for blocked in self.blocked:
+            idle = np.minimum(idle, value.reshape(len(mu), -1).min(axis=1))
+            value[:, :, k] = np.minimum(value[:, :, k], idle[:, None])
+            value += blocked
+            new = np.full_like(value, np.inf)  # nobody is at j = k until a slice is requested
+            new[:, :, :k] = value[:, :, 1:] + step_value[:, :, 1:]
+            new[:, :, 0] = np.minimum(new[:, :, 0], value[:, :, 0] + step_value[:, :, 0])
+            value = new
+        return np.minimum(idle, value.reshape(len(mu), -1).min(axis=1)) + mu * total_tokens
+
+    def path(self, mu: float) -> np.ndarray:
+        """The minimising schedule at one price: the state held during each step (IDLE or flat)."""
+        k, step_value = self.k, self._step_value(np.array([mu]))[0]
+        n_steps, n_opt = len(self.blocked), len(self.price)
+        released = np.full(n_steps, IDLE)  # state given up at the start of step t, if any
+        entered = np.zeros((n_steps, n_opt), bool)  # (c, k) requested from idle at step t
+        trained = np.zeros((n_steps, n_opt), bool)  # (c, 0) after step t came from training
+        value, idle = np.full(step_value.shape, np.inf), 0.0
+        for t, blocked in enumerate(self.blocked[:, 0]):
+            best = int(np.argmin(value))
+            if value.flat[best] < idle:
+                idle, released[t] = float(value.flat[best]), best
+            entered[t] = idle < value[:, k]
+            value[:, k] = np.where(entered[t], idle, value[:, k])
+            value = value + blocked
+            new = np.full_like(value, np.inf)
+            new[:, :k] = value[:, 1:] + step_value[:, 1:]
+            train = value[:, 0] + step_value[:, 0]
+            trained[t] = train <= new[:, 0]
+            new[:, 0] = np.where(trained[t], train, new[:, 0])
+            value = new
+        held = np.full(n_steps, IDLE)
+        state = int(np.argmin(value)) if value.min() < idle else IDLE
+        for t in range(n_steps - 1, -1, -1):  # walk back: the state held during step t
+            if state != IDLE:
+                c, j = divmod(state, k + 1)
+                state = state if j == 0 and trained[t, c] else c * (k + 1) + j + 1
+            held[t] = state
+            if state != IDLE and state % (k + 1) == k and entered[t, state // (k + 1)]:
+                state = IDLE  # requested from idle at this step
+            if state == IDLE and released[t] != IDLE:
+                state = int(released[t])
+        return held
+
+    def evaluate(self, held: np.ndarray, total_tokens: float) -> tuple[float, float, float]:
+        """Tokens, cost up to the target and time the target is reached (inf if never) of a schedule."""
+        k, tokens, cost = self.k, 0.0, 0.0
+        for t, state in enumerate(held):
+            if state == IDLE:
+                continue
+            c, j = divmod(int(state), k + 1)
+            if j == 0:
+                part = min(1.0, (total_tokens - tokens) / self.tokens[c])
+                tokens, cost = tokens + part * self.tokens[c], cost + part * self.price[c]
+                if tokens >= total_tokens - 1e-6:
+                    return total_tokens, cost, (t + part) * self.dt
+            elif j <= self.startup:
+                cost += self.price[c]
+        return tokens, cost, math.inf
+
+    def splice(self, first: np.ndarray, second: np.ndarray, at: int) -> np.ndarray:
+        """`first` before step `at`, `second` from it; a slice of `second` already under way
+        at `at` is started afresh there (its overhead again, then training)."""
+        k, held = self.k, np.concatenate([first[:at], second[at:]])
+        if at >= len(held) or held[at] == IDLE:
+            return held
+        c = held[at] // (k + 1)
+        continues = at > 0 and first[at - 1] != IDLE and first[at - 1] // (k + 1) == c and (
+            first[at - 1] % (k + 1) in (0, held[at] % (k + 1) + 1))
+        if continues:
+            return held
+        run = at
+        while run < len(held) and held[run] != IDLE and held[run] // (k + 1) == c:
+            run += 1
+        length = run - at
+        fresh = np.maximum(np.arange(k, k - length, -1), 0)  # overhead counting down, then training
+        held[at:run] = c * (k + 1) + fresh if length > k else IDLE  # too short to train: skip it
+        return held
+
+    def splice_to_target(self, first: np.ndarray, second: np.ndarray, total_tokens: float) -> np.ndarray:
+        """The splice of `first` then `second` at the step where the target is just reached
+        (bisection; progress grows with the share of the faster schedule)."""
+        reaches = [self.evaluate(self.splice(first, second, at), total_tokens)[0] >= total_tokens
+                   for at in (0, len(first))]
+        if reaches[0] == reaches[1]:
+            return second if reaches[0] else first
+        lo, hi = 0, len(first)  # reaches at lo differs from reaches at hi
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if (self.evaluate(self.splice(first, second, mid), total_tokens)[0] >= total_tokens) == reaches[0]:
+                lo = mid
+            else:
+                hi = mid
+        return self.splice(first, second, lo if reaches[0] else hi)
+
+    def fill(self, held: np.ndarray, option: int, total_tokens: float) -> np.ndarray:
+        """`held` with on-demand `option` added in its idle stretches, longest first, until the
+        schedule reaches the target (or no stretch is long enough to train in)."""
+        k, filled = self.k, held.copy()
+        need = total_tokens - self.evaluate(held, total_tokens)[0]
+        idle = np.flatnonzero(held == IDLE)
+        stretches = np.split(idle, np.flatnonzero(np.diff(idle) != 1) + 1) if len(idle) else []
+        for stretch in sorted(stretches, key=len, reverse=True):
+            if need <= 0 or len(stretch) <= k:
+                break
+            train = min(len(stretch) - k, math.ceil(need / self.tokens[option]))
+            filled[stretch[: k + train]] = option * (k + 1) + np.r_[np.arange(k, 0, -1), np.zeros(train, int)]
+            need -= train * self.tokens[option]
+        return filled
