@@ -41,6 +41,8 @@ def admit(waiting: list[Waiting], job_id: str, *, free_hosts: int, total_hosts: 
     order = line(waiting)
     position = next(i for i, w in enumerate(order, 1) if w.job_id == job_id)
     me = order[position - 1]
+    if me.hosts > total_hosts:  # waiting cannot help: let it ask, and the provider refuses it saying why
+        return Admission(True, position, f"needs {_hosts(me.hosts)}, more than the {total_hosts} there are")
     if position > 1:
         first = order[0]
         return Admission(False, position, f"position {position} in the queue, behind {first.job_id} "

@@ -22,6 +22,7 @@ BIG = Waiting("big", priority=0, submitted_at=0.5, hosts=8)
     ([BIG, B], "b", 4, (False, 2)),              # strict: b does not pass a big job that waits for hosts
     ([BIG, B], "big", 4, (False, 1)),
     ([BIG, B], "big", 8, (True, 1)),
+    ([A, Waiting("huge", 0, 9.0, 16)], "huge", 0, (True, 2)),  # more than the pool has: waiting cannot help
 ])
 def test_admission(waiting, job, free, expected):
     d = admit(waiting, job, free_hosts=free, total_hosts=8)
