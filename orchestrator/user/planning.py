@@ -68,7 +68,7 @@ def job_options(
 
 
 @dataclass(frozen=True)
-class Outlook:
+class ExpectedOutcome:
     """Expected outcome of one way to run the job, over the trace windows."""
 
     label: str  # "v4-32 spot", or "cost policy"
@@ -85,8 +85,8 @@ class JobPlan:
     budget_usd: float | None
     trace: str
     windows: int
-    options: tuple[Outlook, ...]  # one per type x tier, run on that option alone
-    policy: Outlook  # the cost policy, free to move between the options
+    options: tuple[ExpectedOutcome, ...]  # one per type x tier, run on that option alone
+    policy: ExpectedOutcome  # the cost policy, free to move between the options
     policy_moves: tuple[DecisionRecord, ...]  # what it did in the first window, with reasons
 
 
@@ -110,16 +110,16 @@ def plan_job(
     trace = load_trace(trace_path) if trace_path else _prior_trace(deadline_hours, windows)
     starts = [i * trace.duration_s / windows for i in range(windows)]
 
-    def outlook(label: str, policy) -> tuple[Outlook, list[Run]]:
+    def replay(label: str, policy) -> tuple[ExpectedOutcome, list[Run]]:
         runs = [simulate(policy, job, trace, start_s=s, restart=restart) for s in starts]
         cost = sum(r.cost_usd for r in runs) / len(runs)
         hours = [r.hours for r in runs if r.hours is not None]
         miss = sum(not r.deadline_met for r in runs) / len(runs)
         within = None if not hours else budget_usd is None or cost <= budget_usd
-        return Outlook(label, cost, sum(hours) / len(hours) if hours else None, miss, within), runs
+        return ExpectedOutcome(label, cost, sum(hours) / len(hours) if hours else None, miss, within), runs
 
-    fixed = tuple(outlook(o.label, FixedPolicy(o, o.label))[0] for o in options)
-    policy, runs = outlook("cost policy", CostPolicy())
+    fixed = tuple(replay(o.label, FixedPolicy(o, o.label))[0] for o in options)
+    policy, runs = replay("cost policy", CostPolicy())
     return JobPlan(total_tokens, deadline_hours, budget_usd, trace.name, windows, fixed, policy, runs[0].decisions)
 
 
