@@ -1,8 +1,8 @@
 """The sharding plan: how a model is laid out over a slice's devices.
 
 A pure function of numbers (no JAX): the slice's device and host counts, the model's
-dimensions, the spec's mesh wishes and the global batch size. The worker turns the
-result into a `jax.sharding.Mesh` and `PartitionSpec`s.
+shape (`policies.model_shape.ModelShape`), the spec's mesh wishes and the global batch
+size. The worker turns the result into a `jax.sharding.Mesh` and `PartitionSpec`s.
 
 Axes:
 - ``data``: replicas of the model, each on its own rows of the batch;
@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from policies.model_shape import ModelShape
 
 AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")
@@ -50,15 +52,6 @@ class MeshError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelDims:
-    d_model: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
-    vocab_size: int
-
-
-@dataclass(frozen=True)
 class MeshPlan:
     data: int
     fsdp: int
@@ -79,7 +72,7 @@ class MeshPlan:
         return self.global_batch_size // self.batch_shards
 
 
-def plan_mesh(*, num_devices: int, num_hosts: int, wishes: dict[str, int], dims: ModelDims,
+def plan_mesh(*, num_devices: int, num_hosts: int, wishes: dict[str, int], shape: ModelShape,
               global_batch_size: int) -> MeshPlan:
     """Resolve the mesh wishes against the slice, or raise MeshError saying what does not divide."""
     sizes = {axis: int(wishes.get(axis, 1)) for axis in AXES}
@@ -100,10 +93,10 @@ def plan_mesh(*, num_devices: int, num_hosts: int, wishes: dict[str, int], dims:
                         f"global_batch_size={global_batch_size} is not divisible by data*fsdp="
                         f"{sizes['data'] * sizes['fsdp']}")
     checks = [
-        ("model", sizes["model"], "n_heads", dims.n_heads),
-        ("model", sizes["model"], "n_kv_heads", dims.n_kv_heads),
-        ("model", sizes["model"], "d_ff", dims.d_ff),
-        ("fsdp", sizes["fsdp"], "d_model", dims.d_model),
+        ("model", sizes["model"], "n_heads", shape.n_heads),
+        ("model", sizes["model"], "n_kv_heads", shape.n_kv_heads),
+        ("model", sizes["model"], "d_ff", shape.d_ff),
+        ("fsdp", sizes["fsdp"], "d_model", shape.d_model),
     ]
     for axis, n, dim_name, dim in checks:
         if dim % n:

@@ -3,12 +3,11 @@
 Pre-norm blocks (RMSNorm, attention with rotary positions, RMSNorm, GELU MLP), layers
 stacked on a leading axis and run with `lax.scan` so compile time does not grow with
 depth. Attention, norms and RoPE go through the project's kernels (`kernels`), which
-pick the implementation for the backend.
+pick the implementation for the backend. Its dimensions are a
+`policies.model_shape.ModelShape`, which also counts its parameters and FLOPs.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -18,32 +17,8 @@ from jax.sharding import PartitionSpec as P
 import kernels
 from kernels import dispatch
 from kernels import moe as moe_routing
+from policies.model_shape import ModelShape  # the shape of the model built here
 from policies.sharding import BATCH_AXES
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    d_model: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    d_ff: int
-    vocab_size: int
-    moe_experts: int = 0  # > 0: the feed-forward is a mixture of this many experts
-    moe_top_k: int = 2
-    scan_layer: bool = False  # a gated linear-recurrence (state-space) mixer in every block
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    def num_params(self) -> int:
-        d, f, v, hd = self.d_model, self.d_ff, self.vocab_size, self.head_dim
-        attn = d * self.n_heads * hd * 2 + d * self.n_kv_heads * hd * 2
-        mlp = self.moe_experts * 2 * d * f + d * self.moe_experts if self.moe_experts else 2 * d * f
-        scan = 3 * d * d if self.scan_layer else 0
-        per_layer = attn + mlp + scan + 2 * d
-        return 2 * v * d + self.n_layers * per_layer + d
 
 
 def param_roles(shape: ModelShape) -> dict:

@@ -24,9 +24,10 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from policies.model_shape import ModelShape
 from policies.sharding import AXES, BATCH_AXES, PARAM_RULES
 from workers import data, runtime
-from workers.model import ModelShape, init_params, loss_fn, param_roles
+from workers.model import init_params, loss_fn, param_roles
 
 log = logging.getLogger(__name__)
 

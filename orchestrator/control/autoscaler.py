@@ -33,7 +33,6 @@ from policies.cost import (
     SpotHazard,
     spot_chips_known,
 )
-from workers.model import ModelShape
 
 DECISION_INTERVAL_S = 60.0
 NO_DEADLINE_S = 30 * 24 * 3600.0  # a job without a deadline still gets a horizon
@@ -51,9 +50,7 @@ def _flops_per_token(spec: JobSpec) -> float:
     w = spec.workload
     if not isinstance(w, LmWorkload):
         return DEFAULT_FLOPS_PER_TOKEN
-    m = w.model
-    shape = ModelShape(m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size)
-    return 6 * shape.num_params() + 12 * m.n_layers * m.d_model * w.seq_len
+    return w.model.shape().flops_per_token(w.seq_len)
 
 
 def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,

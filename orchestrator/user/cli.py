@@ -294,7 +294,6 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     from orchestrator.user.planning import plan_job, render_plan
     from orchestrator.user.spec import AutoscalingConfig, LmWorkload
     from policies.traces import TraceError
-    from workers.model import ModelShape
 
     spec = JobSpec.from_yaml(job_file)
     w = spec.workload
@@ -306,9 +305,7 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     if trace is not None and not trace.is_file():
         _fail(f"{trace}: file not found")
     auto = spec.autoscaling or AutoscalingConfig()
-    m = w.model
-    shape = ModelShape(m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size)
-    flops_per_token = 6 * shape.num_params() + 12 * m.n_layers * m.d_model * w.seq_len
+    flops_per_token = w.model.shape().flops_per_token(w.seq_len)
     try:
         result = plan_job(tpu_types=auto.accelerators, tiers=[t.value for t in auto.tiers],
                           total_tokens=float(w.steps * w.global_batch_size * w.seq_len), deadline_hours=hours,

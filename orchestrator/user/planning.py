@@ -17,9 +17,9 @@ between all the allowed options. Expected figures are means over the windows; th
 risk of missing the deadline is the fraction of windows that missed it.
 
 Throughput before the job has measured any step times comes from a scaling model
-(`policies.cost.ScalingModel`) of a ~1B-parameter dense transformer; pass
-`flops_per_token` for another model, and `measured_tokens_per_s` (by type name) once
-the job has run.
+(`policies.slice_options.ScalingModel`) of a ~1B-parameter dense transformer; pass
+`flops_per_token` (`ModelShape.flops_per_token`) for another model, and
+`measured_tokens_per_s` (by type name) once the job has run.
 """
 
 from __future__ import annotations
@@ -35,14 +35,15 @@ from rich.table import Table
 from orchestrator.catalog import Tier, lookup
 from policies.baselines import FixedPolicy
 from policies.cost import CostPolicy
+from policies.model_shape import training_flops_per_token
 from policies.restart_cost import RestartCost
+from policies.simulator import DecisionRecord, Run, SimJob, simulate
 from policies.slice_options import Option, ScalingModel, estimate_tokens_per_s
 from policies.spot_estimates import PRIOR_HOST_HAZARD_PER_HOUR, PRIOR_OUTAGE_HOURS
-from policies.simulator import DecisionRecord, Run, SimJob, simulate
 from policies.traces import SpotTrace, load_trace, markov_trace
 
 # A ~1B-parameter dense decoder (24 layers, d_model 2048) on 2048-token sequences.
-DEFAULT_FLOPS_PER_TOKEN = 6 * 1.0e9 + 12 * 24 * 2048 * 2048
+DEFAULT_FLOPS_PER_TOKEN = training_flops_per_token(active_params=1.0e9, n_layers=24, d_model=2048, seq_len=2048)
 REFERENCE_HOSTS = 4  # the synthetic trace's uptime is that of a 4-host slice under the prior
 
 

@@ -24,7 +24,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from orchestrator import catalog
 from orchestrator.catalog import Tier
 from orchestrator.errors import SpecError, UnknownAcceleratorError
-from policies.sharding import MeshError, ModelDims, plan_mesh
+from policies.model_shape import ModelShape
+from policies.sharding import MeshError, plan_mesh
 
 # Both are matched whole (`fullmatch`): with `match`, `$` also accepts a trailing newline.
 NAME_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?")
@@ -65,6 +66,12 @@ class ModelConfig(_Frozen):
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    def shape(self) -> ModelShape:
+        """The model's shape, as the sharding plan, the throughput model and the workers take it."""
+        return ModelShape(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads,
+                          n_kv_heads=self.kv_heads, d_ff=self.d_ff, vocab_size=self.vocab_size,
+                          moe_experts=self.moe_experts, moe_top_k=self.moe_top_k, scan_layer=self.scan_layer)
 
 
 class Schedule(_Frozen):
@@ -309,8 +316,7 @@ class JobSpec(_Frozen):
                 num_devices=self.tpu_type.chips,
                 num_hosts=self.tpu_type.hosts,
                 wishes=w.mesh.model_dump(),
-                dims=ModelDims(d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.kv_heads, d_ff=m.d_ff,
-                               vocab_size=m.vocab_size),
+                shape=m.shape(),
                 global_batch_size=w.global_batch_size,
             )
         except MeshError as e:

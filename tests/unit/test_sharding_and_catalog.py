@@ -6,9 +6,10 @@ import pytest
 
 from orchestrator import catalog
 from orchestrator.errors import UnknownAcceleratorError
-from policies.sharding import MeshError, ModelDims, plan_mesh
+from policies.model_shape import ModelShape
+from policies.sharding import MeshError, plan_mesh
 
-DIMS = ModelDims(d_model=128, n_heads=4, n_kv_heads=4, d_ff=512, vocab_size=256)
+SHAPE = ModelShape(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=512, vocab_size=256)
 
 
 @pytest.mark.parametrize("name,chips,hosts,per_host", [
@@ -29,7 +30,7 @@ def test_catalog_prices_and_unknown_names():
 
 
 def test_rest_axis_takes_the_remaining_devices():
-    plan = plan_mesh(num_devices=16, num_hosts=4, wishes={"data": -1, "fsdp": 2, "model": 2}, dims=DIMS,
+    plan = plan_mesh(num_devices=16, num_hosts=4, wishes={"data": -1, "fsdp": 2, "model": 2}, shape=SHAPE,
                      global_batch_size=16)
     assert plan.shape == (4, 2, 2) and plan.batch_shards == 8 and plan.rows_per_shard == 2
 
@@ -43,5 +44,5 @@ def test_rest_axis_takes_the_remaining_devices():
 ])
 def test_what_does_not_divide_is_named(wishes, batch, field):
     with pytest.raises(MeshError) as info:
-        plan_mesh(num_devices=8, num_hosts=2, wishes=wishes, dims=DIMS, global_batch_size=batch)
+        plan_mesh(num_devices=8, num_hosts=2, wishes=wishes, shape=SHAPE, global_batch_size=batch)
     assert info.value.field == field
