@@ -43,8 +43,10 @@ from orchestrator.providers.gcp import (
     RetryPolicy,
     collect_leaked,
 )
+from orchestrator.providers.gcp.states import RESOURCE_EXHAUSTED, Seen, Tracked, judge
+from orchestrator.providers.gcp.zones import ZonePlan
 from orchestrator.providers.startup import WorkerSetup, startup_script
-from orchestrator.state.states import SliceState
+from orchestrator.state.states import SLICE_TRANSITIONS, SliceState
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -290,6 +292,67 @@ def test_still_queued_at_the_callers_deadline_is_no_capacity(emulator, joined):
     wait_for(lambda: qr_of(emulator, "s1") is None, what="queued resource deleted")
     # The wait in the queue was told: it is how a job learns the zone had no spot capacity.
     assert [c.state for c in changes] == [SliceState.REQUESTED, SliceState.WAITING, SliceState.RELEASED]
+
+
+def illegal_moves(changes: list[Slice]) -> list[tuple[str, str]]:
+    """The reported state changes that the slice lifecycle (`SLICE_TRANSITIONS`) does not allow."""
+    states = [c.state for c in changes]
+    return [(a.value, b.value) for a, b in zip(states, states[1:]) if b not in SLICE_TRANSITIONS[a]]
+
+
+@pytest.mark.parametrize("mode", ["wait", "fail"])
+def test_zone_fallthrough_reports_only_moves_the_lifecycle_allows(emulator, joined, mode):
+    changes = []
+    p = make_provider(emulator, joined, on_change=changes.append)
+    emulator.stockout(ZONE_A, mode=mode)
+    p.request(req())
+    s = p.wait_ready("s1", timeout_s=10)
+    assert s.state is SliceState.READY and s.zone == ZONE_B
+    assert [e.kind for e in p.poll_events()] == [SliceEventKind.NO_CAPACITY]
+    p.release("s1")
+    states = [c.state for c in changes]
+    # The same request, now in another zone: no GONE, no way back to REQUESTED.
+    assert illegal_moves(changes) == [], states
+    assert states[0] is SliceState.REQUESTED and states[-2:] == [SliceState.READY, SliceState.RELEASED]
+    assert SliceState.GONE not in states and changes[-1].zone == ZONE_B
+    if mode == "wait":  # queued in zone A past capacity_wait_s: the wait was told, then left behind
+        assert SliceState.WAITING in states
+
+
+def test_no_capacity_in_any_zone_reports_only_moves_the_lifecycle_allows(emulator, joined):
+    changes = []
+    p = make_provider(emulator, joined, on_change=changes.append)
+    emulator.stockout(ZONE_A, mode="fail")
+    emulator.stockout(ZONE_B, mode="fail")
+    p.request(req())
+    with pytest.raises(NoCapacityError):
+        p.wait_ready("s1", timeout_s=10)
+    states = [c.state for c in changes]
+    assert illegal_moves(changes) == [], states
+    assert states[0] is SliceState.REQUESTED and states[-1] is SliceState.RELEASED
+
+
+@pytest.mark.parametrize(
+    ("state", "seen", "zones_left", "expect"),
+    [
+        # A capacity refusal while provisioning, another zone left: not lost, the request goes on there...
+        (SliceState.PROVISIONING, Seen("FAILED", error=(RESOURCE_EXHAUSTED, "no v4-32")), (ZONE_B,),
+         SliceState.PROVISIONING),
+        # ...and there its queue reads REQUESTED or WAITING: the slice does not go back.
+        (SliceState.PROVISIONING, Seen("WAITING_FOR_RESOURCES"), (), SliceState.PROVISIONING),
+        (SliceState.WAITING, Seen("ACCEPTED"), (), SliceState.WAITING),
+        # The last zone's refusal is the end of the request.
+        (SliceState.WAITING, Seen("FAILED", error=(RESOURCE_EXHAUSTED, "no v4-32")), (), SliceState.GONE),
+        # A reclaim notice before the hosts joined: the table has no PROVISIONING -> PREEMPTING.
+        (SliceState.PROVISIONING, Seen("SUSPENDING", initiator="SERVICE", node="READY"), (), SliceState.PROVISIONING),
+        (SliceState.READY, Seen("SUSPENDING", initiator="SERVICE", node="READY"), (), SliceState.PREEMPTING),
+    ],
+)
+def test_a_look_moves_a_slice_only_along_its_lifecycle(state, seen, zones_left, expect):
+    t = Tracked(req(), ZonePlan(ZONE_A, zones_left, (ZONE_A,)), since=0.0, state=state,
+                seen=Seen("WAITING_FOR_RESOURCES"), ever_up=state is SliceState.READY)
+    after, _ = judge(t, seen, now=1.0, accept_grace_s=30, capacity_wait_s=900, where=f"{PROJECT}/{ZONE_A}")
+    assert after.state is expect
 
 
 def test_without_fallthrough_the_policy_gets_the_zone(emulator, joined):

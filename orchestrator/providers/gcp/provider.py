@@ -5,6 +5,9 @@ through to the next zone when one has no capacity) until every host has joined R
 poll_events reports what the API shows of the slices it follows; release and list work
 by name and by label. How the API's states read is in `states`, the calls themselves in
 `api`, the zone order in `zones`, labels and leaks in `gc`, when hosts count as joined in `join`.
+
+Every state change of a slice goes through `states.move`, which checks it against the
+lifecycle table (`SLICE_TRANSITIONS`), and is told to `on_change` once.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from orchestrator.providers.base import Slice, SliceEvent, SliceEventKind, Slice
 from orchestrator.providers.gcp.api import QRS, CloudApiError, RetryPolicy, TpuApi, queued_resource
 from orchestrator.providers.gcp.gc import find_ours, label_value, labelled_ours, labels_for, made_for
 from orchestrator.providers.gcp.join import JoinCheck, ray_join_check
-from orchestrator.providers.gcp.states import Seen, Tracked, judge, no_capacity
+from orchestrator.providers.gcp.states import Seen, Tracked, judge, move, no_capacity, still_queued
 from orchestrator.providers.gcp.zones import NoCapacityError, ZonePlan, tier_fields, zone_order
 from orchestrator.providers.startup import WorkerSetup, startup_script
 from orchestrator.state.states import SliceState
@@ -57,7 +60,8 @@ class GcpTpuProvider:
         waiting in the queue for capacity, provisioning, ready, preempting, gone,
         released), as the local provider does; the controller records it, which is how a
         job learns what the zone gave it and when it was billed. Never called under the
-        provider's lock; an exception in it is logged, not raised.
+        provider's lock; an exception in it is logged, not raised. A zone fall-through is
+        no change of state: the slice is still the same request, now in another zone.
     """
 
     name = "gcp"
@@ -94,7 +98,7 @@ class GcpTpuProvider:
         if t is not None and not t.released:
             return self._slice(t)
         zones = zone_order(req, self.zones, fallthrough=self._fallthrough, reservation=self._reservation)
-        t = Tracked(req, ZonePlan.start(zones), since=time.monotonic())
+        t = Tracked(req, ZonePlan.start(zones), since=time.monotonic())  # a new slice: its lifecycle starts
         self._create(t)
         with self._lock:
             self._tracked[req.name] = t
@@ -131,7 +135,7 @@ class GcpTpuProvider:
                     f"slice {name} in {self.project}/{t.zone} was lost while provisioning: "
                     + (f"queued resource FAILED: {failed[1]}" if failed else f"{t.seen}"),
                     slice_name=name, transient=failed is None)
-            if time.monotonic() >= deadline and t.state in (SliceState.REQUESTED, SliceState.WAITING):
+            if time.monotonic() >= deadline and still_queued(t):
                 # Still queued when the caller's patience ran out: that is no capacity, too.
                 why = f"zone {t.zone}: still {t.seen.qr if t.seen else 'queued'} after the {timeout_s:.0f}s wait"
                 with self._lock:
@@ -222,8 +226,8 @@ class GcpTpuProvider:
             # Joined hosts replace the placeholders (worker id and IP only) of the same worker.
             merged = {h.worker_id: h for h in cur.hosts} | {h.worker_id: h for h in hosts}
             ready = len({h.worker_id for h in hosts}) >= cur.req.tpu_type.hosts
-            cur = self._tracked[name] = replace(
-                cur, hosts=tuple(merged[w] for w in sorted(merged)), state=SliceState.READY if ready else cur.state)
+            cur = replace(cur, hosts=tuple(merged[w] for w in sorted(merged)))
+            cur = self._tracked[name] = move(cur, SliceState.READY) if ready else cur
         if ready:
             log.info("job %s: slice %s ready in %s/%s", cur.req.job_id, name, self.project, cur.zone)
             self._changed(SliceState.PROVISIONING, cur)
@@ -275,12 +279,15 @@ class GcpTpuProvider:
         plan = t.plan.next()
         log.info("job %s: slice %s: %s; trying %s next", t.req.job_id, t.req.name, why, plan.zone)
         self._api.delete(t.zone, "qr", t.req.name)
-        moved = replace(t, plan=plan, since=time.monotonic(), state=SliceState.REQUESTED, seen=None, hosts=(),
-                        reported=frozenset())
         with self._lock:
-            self._tracked[t.req.name] = moved
+            cur = self._tracked[t.req.name]
+            if cur.released or cur.plan != t.plan:  # released, or moved on, while we deleted
+                return
+            # Still the same request, now in another zone: the slice keeps its state (REQUESTED or
+            # WAITING), and the next zone's looks move it on from there, never back.
+            moved = self._tracked[t.req.name] = replace(cur, plan=plan, since=time.monotonic(), seen=None,
+                                                        hosts=(), reported=frozenset())
         self._create(moved)
-        self._changed(t.state, moved)
 
     # -- creating and deleting ----------------------------------------------------------
 
@@ -309,16 +316,24 @@ class GcpTpuProvider:
             t = self._tracked.get(name)
             if t is None or t.released:
                 return
-            # Marked first, so a concurrent look does not report our own delete as a loss.
-            self._tracked[name] = replace(t, released=True, state=SliceState.RELEASED)
+            # Marked first, so a concurrent look does not report our own delete as a loss; the
+            # state moves to RELEASED once the delete is through (a lifecycle has no way back).
+            self._tracked[name] = replace(t, released=True)
         log.info("job %s: deleting slice %s in %s/%s (%s)", t.req.job_id, name, self.project, t.zone, why)
         try:
             self._api.delete(t.zone, "qr", name)
         except CloudApiError:
             with self._lock:
-                self._tracked[name] = t  # not released after all: a later release() tries again
+                cur = self._tracked[name]
+                if cur.released:
+                    self._tracked[name] = replace(cur, released=False)  # a later release() tries again
             raise
-        self._changed(t.state, replace(t, released=True, state=SliceState.RELEASED))
+        with self._lock:
+            cur = self._tracked[name]
+            if not cur.released:  # asked for anew meanwhile
+                return
+            cur = self._tracked[name] = move(cur, SliceState.RELEASED)
+        self._changed(t.state, cur)
 
     def _teardown_quietly(self, name: str, why: str) -> None:
         try:

@@ -13,16 +13,28 @@ One look at a slice through the API is a `Seen`; `slice_state` reads it:
     SUSPENDING/SUSPENDED     down             GONE           RECLAIMED
     FAILED (RESOURCE_EXHAUSTED, before ACTIVE)  GONE         NO_CAPACITY
     FAILED, DELETING, 404                     GONE           HOST_LOST if it had been up
+
+A reading is not yet a move. A capacity refusal (the FAILED row above) while another
+zone is left is not a loss: the slice keeps its state and the same request goes on in
+the next zone. And the slice's lifecycle (`SLICE_TRANSITIONS`) only goes forward:
+`follow` keeps the slice where it is when a reading would take it back (after a
+fall-through the new zone's queue reads REQUESTED while the slice has been WAITING
+already) or along an edge the table lacks (a reclaim notice before the hosts joined:
+PROVISIONING stays PROVISIONING, the RECLAIMED event still goes out). `move` is the one
+place a followed slice (`Tracked`) changes state, and it checks the move with `check_slice`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 
 from orchestrator.providers.base import Host, SliceEventKind, SliceRequest, host_resource
 from orchestrator.providers.gcp.zones import ZonePlan
-from orchestrator.state.states import SliceState
+from orchestrator.state.states import SLICE_TRANSITIONS, SliceState, check_slice
+
+log = logging.getLogger(__name__)
 
 RESOURCE_EXHAUSTED = 8  # google.rpc.Code in a FAILED queued resource's error
 QUEUED = ("CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES")  # queued resource states before capacity came
@@ -52,11 +64,18 @@ class Tracked:
     ever_up: bool = False  # its node was READY at least once
     hosts: tuple[Host, ...] = ()
     reported: frozenset[SliceEventKind] = frozenset()  # events already reported for this zone
-    released: bool = False
+    released: bool = False  # let go by us: being deleted (state not changed yet), or deleted (RELEASED)
 
     @property
     def zone(self) -> str:
         return self.plan.zone
+
+
+def move(t: Tracked, state: SliceState) -> Tracked:
+    """`t` in `state`; IllegalTransitionError if the slice lifecycle does not allow the move."""
+    if state is not t.state:
+        check_slice(t.req.name, t.state, state)
+    return replace(t, state=state)
 
 
 def slice_state(seen: Seen, *, joined: bool, was_up: bool) -> SliceState:
@@ -74,6 +93,11 @@ def slice_state(seen: Seen, *, joined: bool, was_up: bool) -> SliceState:
     if q == "SUSPENDING" and node == "READY":
         return SliceState.PREEMPTING  # reclaim notice: the hosts have their grace period left
     return SliceState.GONE  # 404, node down, SUSPENDED, FAILED, DELETING
+
+
+def follow(current: SliceState, reading: SliceState) -> SliceState:
+    """Where a slice in `current` goes on a reading: there, if the lifecycle allows it, else nowhere."""
+    return reading if reading in SLICE_TRANSITIONS[current] else current
 
 
 def loss(seen: Seen, state: SliceState, *, was_up: bool, where: str) -> tuple[SliceEventKind, str] | None:
@@ -99,18 +123,29 @@ def no_capacity(t: Tracked, *, now: float, capacity_wait_s: float) -> str:
     return ""
 
 
+def still_queued(t: Tracked) -> bool:
+    """Whether the request has not got capacity yet: the slice is REQUESTED or WAITING, or
+    (having fallen through from PROVISIONING) its queued resource in this zone is queued."""
+    return t.state in (SliceState.REQUESTED, SliceState.WAITING) or (t.seen is not None and t.seen.qr in QUEUED)
+
+
 def judge(t: Tracked, seen: Seen, *, now: float, accept_grace_s: float, capacity_wait_s: float,
           where: str) -> tuple[Tracked, list[tuple[SliceEventKind, str]]]:
-    """`t` after the look `seen`, and the events that look raises (`where`: the project/zone,
-    for their reasons)."""
+    """`t` after the look `seen` (its state moved on as far as the lifecycle allows), and
+    the events that look raises (`where`: the project/zone, for their reasons)."""
     never_seen = t.seen is None or t.seen.qr is None
     if seen.qr is None and never_seen and now - t.since < accept_grace_s:
         reading = SliceState.REQUESTED  # created a moment ago, not readable yet
     else:
         reading = slice_state(seen, joined=t.state is SliceState.READY, was_up=t.ever_up)
     hosts = t.hosts or tuple(Host(i, host_resource(t.req.name, i), address=a) for i, a in enumerate(seen.addresses))
-    t = replace(t, seen=seen, state=reading, ever_up=t.ever_up or seen.node == "READY", hosts=hosts)
+    t = replace(t, seen=seen, ever_up=t.ever_up or seen.node == "READY", hosts=hosts)
     why = no_capacity(t, now=now, capacity_wait_s=capacity_wait_s)
+    if why and t.plan.left and reading is SliceState.GONE:
+        reading = t.state  # refused for capacity, not lost: the same request goes on in the next zone
+    if follow(t.state, reading) is not reading:
+        log.debug("slice %s stays %s: the API reads %s (%s)", t.req.name, t.state.value, reading.value, seen)
+    t = move(t, follow(t.state, reading))
     events = []
     lost = loss(seen, t.state, was_up=t.ever_up, where=where)
     if lost:

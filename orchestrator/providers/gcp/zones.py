@@ -4,8 +4,9 @@ A request's own zone (if it names one) goes first, then the provider's zones in 
 order; with fall-through off only the first is tried. A reserved slice can only go where
 a reservation is. When a zone has no capacity (its queued resource FAILED with
 RESOURCE_EXHAUSTED, or it stayed queued past the limit), the provider deletes it there
-and asks again in the next zone under the same slice name (`GcpTpuProvider._next_zone`).
-When no zone is left, the caller gets a `NoCapacityError` listing every zone tried.
+and asks again in the next zone under the same slice name: still the same request, so
+the slice keeps its state (see `GcpTpuProvider._next_zone`). When no zone is left, the
+caller gets a `NoCapacityError` listing every zone tried.
 """
 
 from __future__ import annotations
