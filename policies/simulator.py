@@ -124,8 +124,6 @@ def quantized_restart(restart: RestartCost, step_s: float) -> RestartCost:
     )
 
 
-
-
 def simulate(
     policy: Policy,
     job: SimJob,
