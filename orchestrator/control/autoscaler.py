@@ -21,6 +21,7 @@ from orchestrator import catalog
 from orchestrator.observe.goodput import billed_slices, goodput
 from orchestrator.user.planning import DEFAULT_FLOPS_PER_TOKEN, job_options
 from orchestrator.user.spec import JobSpec, LmWorkload
+from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event, StepMetric, Store
 from policies.cost import (
     REFUSAL_HOLDS_S,
@@ -72,11 +73,12 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
 
     # Measured speed per slice type: the step times of the generations that ran on it.
     type_of_generation = {}
+    slices = [e.payload for e in events if e.kind is EventKind.SLICE]
     for e in events:
-        if e.kind == "launched":
-            type_of_generation[e.data["generation"]] = next(
-                (s.data["accelerator"] for s in events if s.kind == "slice" and s.data["name"] == e.data["slice"]),
-                None)
+        if e.kind is EventKind.LAUNCHED:
+            launched = e.payload
+            type_of_generation[launched.generation] = next(
+                (s.accelerator for s in slices if s.name == launched.slice), None)
     measured: dict[str, float] = {}
     for name in {v for v in type_of_generation.values() if v}:
         times = [m.step_time_s for m in steps if m.step_time_s and type_of_generation.get(m.generation) == name]
@@ -87,10 +89,12 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
 
     # Restart cost as measured (provisioning, init, restore, compile), the policy's defaults before that;
     # the checkpoint interval of the spec (the longest) and the time a save blocks, once measured.
-    prov = [e.data["provision_s"] for e in events if e.to_state == "STARTING" and e.data]
-    init = [e.data["init_s"] for e in events if e.to_state == "RUNNING" and e.data and "init_s" in e.data]
-    rest = [e.data["restore_s"] + e.data["compile_s"] for e in events if e.kind == "restore"]
-    saves = [e.data["blocking_s"] for e in events if e.kind == "checkpoint" and "blocking_s" in (e.data or {})]
+    changes = [e for e in events if e.kind is EventKind.STATE]
+    prov = [e.payload.provision_s for e in changes if e.to_state == "STARTING" and e.payload.provision_s is not None]
+    init = [e.payload.init_s for e in changes if e.to_state == "RUNNING" and e.payload.init_s is not None]
+    rest = [r.restore_s + r.compile_s for r in (e.payload for e in events if e.kind is EventKind.RESTORE)]
+    saved = [e.payload for e in events if e.kind is EventKind.CHECKPOINT]
+    saves = [c.blocking_s for c in saved if c.blocking_s is not None]
     restart = RestartCost()
     if prov and rest:
         restart = replace(restart, provisioning_s=statistics.median(prov),
@@ -113,7 +117,7 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
     spot_chips_available = spot_chips_now(events, now=now, largest=spot_chips_available, sizes=spot_sizes)
 
     done_steps = (steps[-1].step + 1) if steps else 0
-    committed = max([e.data["step"] for e in events if e.kind == "checkpoint"] + [0])
+    committed = max([c.step for c in saved] + [0])
     deadline = job.created_at + (spec.deadline.total_seconds() if spec.deadline else NO_DEADLINE_S)
     holding = None
     if current:
@@ -162,14 +166,14 @@ def _spot_observations(events: list[Event], now: float) -> list[tuple[float, flo
     for capacity or under a preemption notice (False), or up (True), oldest first."""
     by_name: dict[str, list[Event]] = {}
     for e in events:
-        if e.kind == "slice" and e.data and e.data.get("tier") == "spot" and e.data.get("chips") and e.at <= now:
-            by_name.setdefault(e.data["name"], []).append(e)
+        if e.kind is EventKind.SLICE and e.payload.tier == "spot" and e.payload.chips and e.at <= now:
+            by_name.setdefault(e.payload.name, []).append(e)
     seen = []
     for evs in by_name.values():
         for e, after in zip(evs, [*evs[1:], None]):
-            state, end = e.data.get("state"), (min(after.at, now) if after is not None else now)
+            state, end = e.payload.state, (min(after.at, now) if after is not None else now)
             if state in ("WAITING", "PREEMPTING", "READY") and end > e.at:
-                seen.append((e.at, end, int(e.data["chips"]), state == "READY"))
+                seen.append((e.at, end, int(e.payload.chips), state == "READY"))
     return sorted(seen)
 
 

@@ -28,6 +28,7 @@ from orchestrator.control.queue import AdmissionQueue
 from orchestrator.errors import IllegalTransitionError, JobStateError
 from orchestrator.providers.base import Slice, SliceProvider
 from orchestrator.providers.local import LocalProvider, release_recorded
+from orchestrator.state.events import Adopted, ResizeAsked, SliceChanged
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
 from orchestrator.user.spec import JobSpec
@@ -108,10 +109,10 @@ class Controller:
         if (target.accelerator, target.tier) == (current.accelerator, current.tier):
             return
         driver.resize(target.accelerator, target.tier.value, reason)
-        self.store.add_event(job_id, "resize", f"resizing {current.accelerator} {current.tier.value} -> "
-                             f"{accelerator} {target.tier.value}: {reason}",
-                             data={"from": current.accelerator, "to": accelerator, "tier": target.tier.value,
-                                   "reason": reason, "step": driver.att.last_step + 1})
+        self.store.add_event(job_id, ResizeAsked(current.accelerator, accelerator, target.tier.value, reason,
+                                                 driver.att.last_step + 1),
+                             f"resizing {current.accelerator} {current.tier.value} -> {accelerator} "
+                             f"{target.tier.value}: {reason}")
 
     def set_local_hosts(self, hosts: int) -> None:
         """How many local "TPU hosts" may run at once on this machine (default 8); jobs beyond wait QUEUED."""
@@ -205,12 +206,14 @@ class Controller:
             self._drivers.pop(job_id, None)
 
     def _save_slice(self, s: Slice, pgids: list[int]) -> None:
-        self.store.add_event(s.job_id, "slice", f"slice {s.name} {s.state.value}",
-                             data={"name": s.name, "accelerator": s.tpu_type.name, "chips": s.tpu_type.chips,
-                                   "tier": s.tier.value, "state": s.state.value,
-                                   "usd_per_hour": s.tpu_type.usd_per_hour(s.tier)})
-        self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
-                             {"pgids": pgids, "hosts": [h.resource for h in s.hosts]})
+        """A provider's word on one of its slices: the store records it, or refuses a move its lifecycle forbids."""
+        event = SliceChanged(s.name, s.tpu_type.name, s.tpu_type.chips, s.tier.value, s.state.value,
+                             s.tpu_type.usd_per_hour(s.tier))
+        try:
+            self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
+                                 {"pgids": pgids, "hosts": [h.resource for h in s.hosts]}, event=event)
+        except IllegalTransitionError as e:  # a provider's bug: keep the record as it was, and say so
+            log.error("job %s: the store refused a slice move: %s", s.job_id, e)
 
     def _reconcile(self) -> None:
         """After a restart: adopt each job's running worker group, or clean up and relaunch."""
@@ -222,7 +225,7 @@ class Controller:
             driver = JobDriver(self, job.id, att)
             if att is not None:
                 missed = driver.record_missed(job.generation, history)
-                self.store.add_event(job.id, "adopted", f"the controller restarted and adopted the running "
+                self.store.add_event(job.id, Adopted(), f"the controller restarted and adopted the running "
                                      f"generation {job.generation} ({missed} missed steps recorded)")
             elif job.state not in (JobState.PENDING, JobState.QUEUED):
                 driver.transition(JobState.RECOVERING, "the controller restarted; relaunching")

@@ -23,6 +23,8 @@ from orchestrator.control.launch import launch, teardown, write_fence
 from orchestrator.control.watch import watch
 from orchestrator.errors import IllegalTransitionError, ProvisioningError
 from orchestrator.providers.base import CapacityError, Slice, SliceRequest
+from orchestrator.state.events import (Autoscaled, CheckpointSaved, Disrupted, LostWork, NoticeSeen, Restored,
+                                       Resumed, StateChange)
 from orchestrator.state.states import JobState
 from orchestrator.user.spec import JobSpec
 from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
@@ -106,7 +108,7 @@ class JobDriver:
             write_fence(spec, att.generation)
             self.transition(JobState.STARTING, f"slice {att.slice.name} ready after {provision_s:.1f} s; starting "
                             f"generation {att.generation}",
-                            data={"provision_s": round(provision_s, 3), "slice": att.slice.name})
+                            data=StateChange(provision_s=round(provision_s, 3), slice=att.slice.name))
             outcome = (launch(self.store, self.plane.home, job_id, spec, att)
                        or watch(self.store, job_id, spec, att, on_poll=self._autoscale_while_running))
             self.catch_up(outcome)
@@ -121,10 +123,9 @@ class JobDriver:
         if k not in (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVISION_FAILED, OutcomeKind.RESIZED):
             steps_done = att.last_step + 1
             att.disrupted_at, att.disrupted_step, att.resumed = outcome.at, steps_done, False
-            self.store.add_event(self.job_id, "disruption", f"{k.value}: {outcome.reason} (after step {steps_done})",
-                                 data={"kind": k.value, "step": att.last_step, "reason": outcome.reason,
-                                       "generation": att.generation, "teardown_s": time.time() - outcome.at},
-                                 at=outcome.at)
+            self.store.add_event(self.job_id, Disrupted(k.value, att.last_step, outcome.reason, att.generation,
+                                                        time.time() - outcome.at),
+                                 f"{k.value}: {outcome.reason} (after step {steps_done})", at=outcome.at)
         rec = job.spec["recovery"]
         d = after(outcome, preemptions=job.preemptions, failures=job.failures,
                   budgets=Budgets(rec["max_preemptions"], rec["max_failures"]), jitter=self._rng.random())
@@ -141,10 +142,10 @@ class JobDriver:
         elif d.next is Next.RESIZE:
             self.store.update_spec(self.job_id, dict(job.spec, accelerator=att.resize_to,
                                                      tier=att.resize_tier or job.spec["tier"]))
-            self.transition(JobState.RESIZING, d.reason, data={"to": att.resize_to})
+            self.transition(JobState.RESIZING, d.reason, data=StateChange(to=att.resize_to))
             att.resize_to, att.disrupted_step, att.disrupted_at, att.resumed = None, att.last_step + 1, time.time(), False
         else:
-            self.transition(JobState.RECOVERING, d.reason, data={"outcome": k.value})
+            self.transition(JobState.RECOVERING, d.reason, data=StateChange(outcome=k.value))
             att.cancel.wait(d.backoff_s)
 
     def _provision(self, spec: JobSpec, attempt: int, *, round_: int = 0) -> Slice:
@@ -173,7 +174,7 @@ class JobDriver:
             reraise=True)
         return retrying(once)
 
-    def transition(self, target: JobState, reason: str, *, data: dict | None = None) -> None:
+    def transition(self, target: JobState, reason: str, *, data: StateChange | None = None) -> None:
         try:
             self.store.transition(self.job_id, target, reason, data=data)
         except IllegalTransitionError as e:
@@ -205,17 +206,18 @@ class JobDriver:
         if kind == "ready" and rank == 0 and not att.started:
             att.started = True
             self.transition(JobState.RUNNING, "all hosts joined the runtime",
-                            data={"init_s": round(payload["init_s"], 3), "generation": generation})
+                            data=StateChange(init_s=round(payload["init_s"], 3), generation=generation))
         elif kind == "timings" and rank == 0:
             self._record_restore(payload)
         elif kind == "step" and rank == 0:
             self._record_step(generation, payload)
         elif kind == "checkpoint" and rank == 0:
-            self.store.add_event(self.job_id, "checkpoint", f"saved step {payload['step']}", data=payload)
+            self.store.add_event(self.job_id, CheckpointSaved(payload["step"], payload.get("blocking_s")),
+                                 f"saved step {payload['step']}")
         elif kind == "notice" and att.notice is None:
             att.stop_requested(f"host {rank}: {payload['reason']}")
-            self.store.add_event(self.job_id, "notice", f"preemption notice on host {rank} ({payload['reason']}) "
-                                 f"after step {att.last_step + 1}", data={"rank": rank, "step": att.last_step + 1})
+            self.store.add_event(self.job_id, NoticeSeen(rank, att.last_step + 1), f"preemption notice on host "
+                                 f"{rank} ({payload['reason']}) after step {att.last_step + 1}")
 
     def _record_step(self, generation: int, p: dict) -> None:
         att = self.att
@@ -224,9 +226,9 @@ class JobDriver:
                                                            p.get("step_time_s"))])
         if not att.resumed and att.disrupted_at is not None:
             att.resumed = True
-            self.store.add_event(self.job_id, "resumed", f"resumed after {time.time() - att.disrupted_at:.1f} s "
-                                 f"(first step done: {p['step'] + 1})",
-                                 data={"seconds": time.time() - att.disrupted_at, "step": p["step"] + 1})
+            seconds = time.time() - att.disrupted_at
+            self.store.add_event(self.job_id, Resumed(seconds, p["step"] + 1),
+                                 f"resumed after {seconds:.1f} s (first step done: {p['step'] + 1})")
 
     def record_missed(self, generation: int, history: list[dict]) -> int:
         """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
@@ -259,15 +261,14 @@ class JobDriver:
         what = f"restored step {restored}" if restored is not None else "started from scratch"
         if unreadable:
             what += f" (fell back: checkpoint {', '.join(map(str, unreadable))} unreadable)"
-        self.store.add_event(self.job_id, "restore", f"{what}; compile took {p['compile_s']:.1f} s", data=p)
+        self.store.add_event(self.job_id, Restored(p["restore_s"], p["compile_s"], restored, list(unreadable)),
+                             f"{what}; compile took {p['compile_s']:.1f} s")
         if att.disrupted_step is not None:
             lost = max(0, att.disrupted_step - (restored or 0))
             times = [m.step_time_s for m in self.store.steps(self.job_id) if m.step_time_s]
             mean = sum(times) / len(times) if times else 0.0
-            self.store.add_event(self.job_id, "lost_work", f"lost {lost} steps (from step {att.disrupted_step} back "
-                                 f"to {restored or 0})", data={"steps": lost, "seconds": lost * mean,
-                                                                "from_step": att.disrupted_step,
-                                                                "to_step": restored or 0})
+            self.store.add_event(self.job_id, LostWork(lost, lost * mean, att.disrupted_step, restored or 0),
+                                 f"lost {lost} steps (from step {att.disrupted_step} back to {restored or 0})")
 
     # -- autoscaling ----------------------------------------------------------------------
 
@@ -285,17 +286,16 @@ class JobDriver:
         choice = decide_for(self.store, self.job_id, now=time.time(), current=None,
                             spot_chips_available=self._spot_chips_available(spec))
         if choice is None:
-            self.store.add_event(self.job_id, "autoscale", "the policy would wait for spot capacity; asking for "
+            self.store.add_event(self.job_id, Autoscaled(), "the policy would wait for spot capacity; asking for "
                                  f"{spec.accelerator} {spec.tier.value} as the spec says (a queued request waits "
                                  "for capacity)")
             return spec
         d = choice.decision
         every = choice.checkpoint_interval_steps
         saving = f"; checkpoint every {every} steps" if every else ""
-        self.store.add_event(self.job_id, "autoscale", f"run {choice.accelerator} {choice.tier}{saving}: {d.reason}",
-                             data={"accelerator": choice.accelerator, "tier": choice.tier,
-                                   "expected_cost_usd": d.expected_cost_usd, "reason": d.reason,
-                                   "checkpoint_interval_steps": every})
+        self.store.add_event(self.job_id, Autoscaled(choice.accelerator, choice.tier, d.expected_cost_usd, d.reason,
+                                                     every),
+                             f"run {choice.accelerator} {choice.tier}{saving}: {d.reason}")
         if (choice.accelerator, choice.tier) != (spec.accelerator, spec.tier.value):
             raw = dict(self.store.job(self.job_id).spec, accelerator=choice.accelerator, tier=choice.tier)
             self.store.update_spec(self.job_id, raw)
@@ -319,7 +319,6 @@ class JobDriver:
         if choice is None or (choice.accelerator, choice.tier) == current:
             return
         d = choice.decision
-        self.store.add_event(self.job_id, "autoscale", f"move to {choice.accelerator} {choice.tier}: {d.reason}",
-                             data={"accelerator": choice.accelerator, "tier": choice.tier,
-                                   "expected_cost_usd": d.expected_cost_usd, "reason": d.reason})
+        self.store.add_event(self.job_id, Autoscaled(choice.accelerator, choice.tier, d.expected_cost_usd, d.reason),
+                             f"move to {choice.accelerator} {choice.tier}: {d.reason}")
         self.plane.resize(self.job_id, choice.accelerator, f"cost policy: {d.reason}", tier=choice.tier)

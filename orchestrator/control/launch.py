@@ -19,12 +19,12 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import cluster
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
+from orchestrator.state.events import Launched
 from orchestrator.state.store import Store
 from orchestrator.user.spec import EntrypointWorkload, JobSpec, LmWorkload
 from policies.recovery import Outcome, OutcomeKind
-from policies.sharding import ModelDims, plan_mesh
+from policies.sharding import plan_mesh
 from workers.host import HostWorker
-from workers.model import ModelShape
 from workers.train import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -45,14 +45,11 @@ def workload_for(spec: JobSpec, devices: int, hosts: int) -> dict:
 def train_config(spec: JobSpec, devices: int, hosts: int) -> TrainConfig:
     """The built-in trainer's config for `spec` on a slice of `devices` chips on `hosts` hosts."""
     w = spec.workload
-    m = w.model
-    plan = plan_mesh(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(),
-                     dims=ModelDims(m.d_model, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size),
+    shape = w.model.shape()
+    plan = plan_mesh(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(), shape=shape,
                      global_batch_size=w.global_batch_size)
     return TrainConfig(
-        model=ModelShape(m.d_model, m.n_layers, m.n_heads, m.kv_heads, m.d_ff, m.vocab_size,
-                         moe_experts=m.moe_experts, moe_top_k=m.moe_top_k, scan_layer=m.scan_layer),
-        seq_len=w.seq_len, global_batch_size=w.global_batch_size, steps=w.steps, seed=w.seed,
+        model=shape, seq_len=w.seq_len, global_batch_size=w.global_batch_size, steps=w.steps, seed=w.seed,
         lr_peak=w.learning_rate.peak, lr_end=w.learning_rate.end, warmup_steps=w.learning_rate.warmup_steps,
         weight_decay=w.learning_rate.weight_decay, mesh_shape=plan.shape, checkpoint_dir=spec.checkpoint.directory,
         checkpoint_interval=spec.checkpoint.interval_steps, checkpoint_keep=spec.checkpoint.keep,
@@ -84,9 +81,9 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
         for i in range(t.hosts)
     ]
     placed = ray.get([w.info.remote() for w in att.workers], timeout=timeout)
-    store.add_event(job_id, "launched", f"{t.hosts} workers of generation {att.generation} on slice {s.name}",
-                    data={"slice": s.name, "nodes": [p["node_id"] for p in placed],
-                          "pids": [p["pid"] for p in placed], "generation": att.generation})
+    store.add_event(job_id, Launched(s.name, [p["node_id"] for p in placed], [p["pid"] for p in placed],
+                                     att.generation),
+                    f"{t.hosts} workers of generation {att.generation} on slice {s.name}")
     coordinator = ray.get(att.workers[0].coordinator_address.remote(), timeout=120) if t.hosts > 1 else None
     workload = workload_for(spec, t.chips, t.hosts)
     share_key = secrets.token_bytes(32)  # seals what hosts hand each other through the coordinator

@@ -19,6 +19,7 @@ from orchestrator import catalog
 from orchestrator.errors import IllegalTransitionError
 from policies.recovery import Outcome, OutcomeKind
 from orchestrator.user.spec import JobSpec
+from orchestrator.state.events import StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store
 from policies.admission import Waiting, admit, line, retry_after
@@ -87,7 +88,7 @@ class AdmissionQueue:
 
     def _enter(self, job_id: str, reason: str) -> float:
         try:
-            self.store.transition(job_id, JobState.QUEUED, reason, data={"outcome": "no_capacity"})
+            self.store.transition(job_id, JobState.QUEUED, reason, data=StateChange(outcome="no_capacity"))
         except IllegalTransitionError:  # QUEUED already (a controller that restarted)
             self.store.update_job(job_id, reason=reason)
         log.info("job %s queued: %s", job_id, reason)

@@ -52,6 +52,7 @@ from rich.table import Table
 
 from orchestrator.catalog import lookup
 from orchestrator.errors import UnknownAcceleratorError
+from orchestrator.state.events import EventKind, SliceChanged
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 
 log = logging.getLogger(__name__)
@@ -181,7 +182,7 @@ def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric]
     for s in billed_slices(events, end=end):
         usd_by[(s.accelerator, s.tier)] = usd_by.get((s.accelerator, s.tier), 0.0) + s.usd
     kinds = [kind for _, kind in disruptions(events)]
-    launches = sum(1 for e in events if e.kind == "state" and e.to_state == "STARTING")
+    launches = sum(1 for e in events if e.kind is EventKind.STATE and e.to_state == "STARTING")
     return Goodput(
         job_id=job.id, start=start, end=end, finished=job.state.terminal,
         **{f"{c}_s": spent[c] for c in CATEGORIES},
@@ -189,7 +190,7 @@ def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric]
         preemptions=sum(k in _PREEMPTION_OUTCOMES for k in kinds),
         failures=sum(k in _FAILURE_OUTCOMES for k in kinds),
         restarts=max(0, launches - 1),
-        lost_steps=sum(int((e.data or {}).get("steps") or 0) for e in events if e.kind == "lost_work"),
+        lost_steps=sum(int(e.payload.steps or 0) for e in events if e.kind is EventKind.LOST_WORK),
         productive_steps=len({s.step for s in kept}),
     )
 
@@ -203,9 +204,9 @@ def disruptions(events: list[Event]) -> list[tuple[float, str]]:
     `outcome` of ->RECOVERING transitions. Failed provisioning never has a disruption
     event, so it always comes from the transitions.
     """
-    recovering = [(e.at, (e.data or {}).get("outcome")) for e in events
-                  if e.kind == "state" and e.to_state == "RECOVERING" and (e.data or {}).get("outcome")]
-    recorded = [(e.at, e.data["kind"]) for e in events if e.kind == "disruption" and (e.data or {}).get("kind")]
+    recovering = [(e.at, e.payload.outcome) for e in events
+                  if e.kind is EventKind.STATE and e.to_state == "RECOVERING" and e.payload.outcome]
+    recorded = [(e.at, e.payload.kind) for e in events if e.kind is EventKind.DISRUPTION and e.payload.kind]
     if not recorded:
         return recovering
     return sorted(recorded + [(at, k) for at, k in recovering if k == "provision_failed"])
@@ -213,27 +214,26 @@ def disruptions(events: list[Event]) -> list[tuple[float, str]]:
 
 def billed_slices(events: list[Event], *, end: float) -> list[BilledSlice]:
     """Each slice of the job's slice events with its billing window (open windows close at `end`)."""
-    by_name: dict[str, list[Event]] = {}
+    by_name: dict[str, list[tuple[float, SliceChanged]]] = {}
     for e in events:
-        if e.kind == "slice" and e.data and e.data.get("name"):
-            by_name.setdefault(e.data["name"], []).append(e)
+        if e.kind is EventKind.SLICE and e.payload.name:
+            by_name.setdefault(e.payload.name, []).append((e.at, e.payload))
     out = []
     for name, evs in by_name.items():
-        first = next((e for e in evs if e.data.get("state") == "REQUESTED"), evs[0])
-        waited = [i for i, e in enumerate(evs) if e.data.get("state") == "WAITING"]
+        first = next((x for x in evs if x[1].state == "REQUESTED"), evs[0])
+        waited = [i for i, (_, s) in enumerate(evs) if s.state == "WAITING"]
         if waited:  # billed from when capacity came (after the last wait: a zone fall-through waits again)
-            first = next((e for e in evs[waited[-1]:] if e.data.get("state") not in ("WAITING", *_BILLING_ENDS)),
-                         None)
+            first = next((x for x in evs[waited[-1]:] if x[1].state not in ("WAITING", *_BILLING_ENDS)), None)
             if first is None:  # let go while still queued: never allocated, never billed
                 continue
-        last = next((e for e in evs if e.data.get("state") in _BILLING_ENDS and e.at >= first.at), None)
-        accelerator, tier = str(first.data.get("accelerator", "?")), str(first.data.get("tier", "?"))
-        price = next((e.data["usd_per_hour"] for e in evs if e.data.get("usd_per_hour") is not None), None)
-        chips = next((e.data["chips"] for e in evs if e.data.get("chips") is not None), None)
+        last = next((x for x in evs if x[1].state in _BILLING_ENDS and x[0] >= first[0]), None)
+        accelerator, tier = str(first[1].accelerator or "?"), str(first[1].tier or "?")
+        price = next((s.usd_per_hour for _, s in evs if s.usd_per_hour is not None), None)
+        chips = next((s.chips for _, s in evs if s.chips is not None), None)
         if price is None or chips is None:
             price, chips = _catalog_facts(accelerator, tier, price, chips)
-        stop = last.at if last is not None else max(end, first.at)
-        out.append(BilledSlice(name, accelerator, tier, int(chips), float(price), first.at, stop))
+        stop = last[0] if last is not None else max(end, first[0])
+        out.append(BilledSlice(name, accelerator, tier, int(chips), float(price), first[0], stop))
     return sorted(out, key=lambda s: s.start)
 
 
@@ -273,7 +273,7 @@ def format_duration(seconds: float) -> str:
 
 def state_intervals(job: JobRecord, events: list[Event], *, now: float) -> list[StateInterval]:
     """The job's states as intervals tiling [created, end]; a terminal state's interval is empty."""
-    changes = [e for e in events if e.kind == "state" and e.to_state]
+    changes = [e for e in events if e.kind is EventKind.STATE and e.to_state]
     if not changes:  # a job row without its creation event: all of it is one PENDING stretch
         return [StateInterval("PENDING", job.created_at, max(now, job.created_at), None, None)]
     starts = [job.created_at]
@@ -281,7 +281,7 @@ def state_intervals(job: JobRecord, events: list[Event], *, now: float) -> list[
         starts.append(max(e.at, starts[-1]))  # a clock step backwards must not make a negative interval
     end = starts[-1] if job.state.terminal else max(now, starts[-1])
     ends = starts[1:] + [end]
-    outcomes = [(e.data or {}).get("outcome") for e in changes]
+    outcomes = [e.payload.outcome for e in changes]
     return [StateInterval(e.to_state, s, t, outcomes[i], outcomes[i + 1] if i + 1 < len(changes) else None)
             for i, (e, s, t) in enumerate(zip(changes, starts, ends))]
 
@@ -301,14 +301,13 @@ def _claims(intervals: list[StateInterval], events: list[Event],
             for w0, w1 in _waiting_windows(events, iv.end):
                 claim(i, "waiting_for_capacity", max(0.0, min(w1, iv.end) - max(w0, iv.start)))
     for e in events:
-        d = e.data or {}
-        if e.kind == "restore":
-            claim(_work_interval(intervals, starts, e.at), "restore", d.get("restore_s"))
-            claim(_work_interval(intervals, starts, e.at), "compile", d.get("compile_s"))
-        elif e.kind == "checkpoint":
-            claim(_work_interval(intervals, starts, e.at), "checkpoint_save", d.get("blocking_s"))
-        elif e.kind == "lost_work":
-            claim(_previous_run(intervals, starts, e.at), "lost_work", d.get("seconds"))
+        if e.kind is EventKind.RESTORE:
+            claim(_work_interval(intervals, starts, e.at), "restore", e.payload.restore_s)
+            claim(_work_interval(intervals, starts, e.at), "compile", e.payload.compile_s)
+        elif e.kind is EventKind.CHECKPOINT:
+            claim(_work_interval(intervals, starts, e.at), "checkpoint_save", e.payload.blocking_s)
+        elif e.kind is EventKind.LOST_WORK:
+            claim(_previous_run(intervals, starts, e.at), "lost_work", e.payload.seconds)
     stale = _stale_ranges(events)
     kept = [s for s in steps if not any(s.step in steps_range and s.at < at for at, steps_range in stale)]
     times = sorted(s.step_time_s for s in kept if s.step_time_s)
@@ -350,11 +349,11 @@ def _stale_ranges(events: list[Event]) -> list[tuple[float, range]]:
     """
     out = []
     for e in events:
-        d = e.data or {}
-        if e.kind != "lost_work" or d.get("from_step") is None:
+        if e.kind is not EventKind.LOST_WORK or e.payload.from_step is None:
             continue
-        a = int(d["from_step"])
-        b = int(d["to_step"]) if d.get("to_step") is not None else a + int(d.get("steps") or 0)
+        lost = e.payload
+        a = int(lost.from_step)
+        b = int(lost.to_step) if lost.to_step is not None else a + int(lost.steps or 0)
         out.append((e.at, range(min(a, b), max(a, b))))
     return out
 
@@ -363,9 +362,9 @@ def _waiting_windows(events: list[Event], end: float) -> list[tuple[float, float
     """[from, to) windows in which one of the job's slices was WAITING."""
     windows, waiting_since = [], {}
     for e in events:
-        if e.kind != "slice" or not e.data:
+        if e.kind is not EventKind.SLICE:
             continue
-        name, state = e.data.get("name"), e.data.get("state")
+        name, state = e.payload.name, e.payload.state
         if name in waiting_since:
             windows.append((waiting_since.pop(name), e.at))
         if state == "WAITING":

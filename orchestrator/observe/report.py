@@ -27,6 +27,7 @@ from matplotlib.transforms import blended_transform_factory
 from orchestrator.errors import OutputFileError, RequestError
 from orchestrator.observe.goodput import (CATEGORIES, BilledSlice, Goodput, StateInterval, billed_slices, compute_goodput,
                                   disruptions, format_duration, state_intervals, summary_line)
+from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event, Store
 
 FORMATS = (".png", ".html")
@@ -224,7 +225,7 @@ def render_html(s: ReportSeries, png: bytes, events: list[Event]) -> str:
     rows += f"<tr class=total><td>wall time</td><td>{e(format_duration(g.wall_s))}</td><td>100.0%</td></tr>"
     event_rows = "".join(
         f"<tr><td>{e(_clock(ev.at))}</td><td>+{e(format_duration(max(0.0, ev.at - s.start)))}</td>"
-        f"<td>{e(ev.kind)}</td><td>{e(_transition(ev))}</td><td>{e(ev.reason)}</td>"
+        f"<td>{e(ev.kind.value)}</td><td>{e(_transition(ev))}</td><td>{e(ev.reason)}</td>"
         f"<td><code>{e(json.dumps(ev.data, sort_keys=True)) if ev.data else ''}</code></td></tr>" for ev in events)
     title = f"{s.name} ({s.job_id}): {s.state}"
     return f"""<!doctype html>
@@ -258,15 +259,15 @@ img {{ max-width: 100%; }}
 
 def _markers(events: list[Event]) -> list[Marker]:
     out = [Marker(at, *_DISRUPTION_MARKERS[kind]) for at, kind in disruptions(events) if kind in _DISRUPTION_MARKERS]
-    has_resize_events = any(e.kind == "resize" for e in events)
+    has_resize_events = any(e.kind is EventKind.RESIZE for e in events)
     for e in events:
-        d = e.data or {}
-        if e.kind == "state" and e.to_state == "RESIZING" and not has_resize_events:
+        if e.kind is EventKind.STATE and e.to_state == "RESIZING" and not has_resize_events:
             out.append(Marker(e.at, "resize", "resizing"))
-        elif e.kind == "restore" and d.get("restored_step") is not None:  # a fresh start is no event to mark
-            out.append(Marker(e.at, "restore", f"restored step {d['restored_step']}"))
-        elif e.kind == "resize":
-            out.append(Marker(e.at, "resize", f"resize {d.get('from', '?')} → {d.get('to', '?')}"))
+        elif e.kind is EventKind.RESTORE and e.payload.restored_step is not None:  # a fresh start is no event to mark
+            out.append(Marker(e.at, "restore", f"restored step {e.payload.restored_step}"))
+        elif e.kind is EventKind.RESIZE:
+            r = e.payload
+            out.append(Marker(e.at, "resize", f"resize {r.from_accelerator or '?'} → {r.to or '?'}"))
     return sorted(out, key=lambda m: m.at)
 
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from orchestrator.errors import IllegalTransitionError, JobNotFoundError
-from orchestrator.state.states import JOB_TRANSITIONS, JobState
+from orchestrator.state.events import PAYLOADS, EventKind, Payload, SliceChanged, StateChange
+from orchestrator.state.states import JOB_TRANSITIONS, JobState, SliceState, check_slice
 
 SCHEMA_VERSION = 1
 
@@ -95,11 +96,16 @@ class Event:
     seq: int
     job_id: str
     at: float
-    kind: str
+    kind: EventKind
     from_state: str | None
     to_state: str | None
     reason: str
     data: dict | None
+
+    @property
+    def payload(self) -> Payload:
+        """The event's record (`orchestrator.state.events`), as it was written."""
+        return PAYLOADS[self.kind].from_data(self.data)
 
 
 @dataclass(frozen=True)
@@ -157,10 +163,10 @@ class Store:
                 "INSERT INTO jobs (id, name, spec, state, reason, created_at, updated_at) VALUES (?,?,?,?,?,?,?)",
                 (job_id, name, json.dumps(spec), JobState.PENDING.value, reason, now, now),
             )
-            self._event(db, job_id, "state", None, JobState.PENDING.value, reason, None, now)
+            self._event(db, job_id, EventKind.STATE, None, JobState.PENDING.value, reason, None, now)
         return self.job(job_id)
 
-    def transition(self, job_id: str, target: JobState, reason: str, *, data: dict | None = None,
+    def transition(self, job_id: str, target: JobState, reason: str, *, data: StateChange | None = None,
                    at: float | None = None, **fields: Any) -> JobRecord:
         """Move a job to `target` if its current state allows it, with an event; `fields` update columns too."""
         allowed_from = [s.value for s, nxt in JOB_TRANSITIONS.items() if target in nxt]
@@ -177,7 +183,8 @@ class Store:
             )
             if cur.rowcount != 1:
                 raise IllegalTransitionError("job", job_id, row["state"], target.value)
-            self._event(db, job_id, "state", row["state"], target.value, reason, data, now)
+            self._event(db, job_id, EventKind.STATE, row["state"], target.value, reason,
+                        data.to_data() if data else None, now)
         return self.job(job_id)
 
     def update_job(self, job_id: str, **fields: Any) -> None:
@@ -235,23 +242,32 @@ class Store:
 
     # -- events and metrics ----------------------------------------------------
 
-    def add_event(self, job_id: str, kind: str, reason: str, data: dict | None = None, *,
-                  at: float | None = None) -> None:
+    def add_event(self, job_id: str, event: Payload, reason: str, *, at: float | None = None) -> None:
+        """Record `event` (its kind is its record's) with a human reason."""
         with self._tx() as db:
-            self._event(db, job_id, kind, None, None, reason, data, time.time() if at is None else at)
+            self._event(db, job_id, event.KIND, None, None, reason, event.to_data(), time.time() if at is None else at)
+
+    def import_event(self, job_id: str, kind: EventKind | str, reason: str, data: dict | None = None, *,
+                     at: float | None = None) -> None:
+        """Record an event from its stored form (replaying a recorded history); the kind must be known."""
+        with self._tx() as db:
+            self._event(db, job_id, EventKind(kind), None, None, reason, data, time.time() if at is None else at)
 
     @staticmethod
-    def _event(db, job_id, kind, from_state, to_state, reason, data, at) -> None:
+    def _event(db, job_id: str, kind: EventKind, from_state, to_state, reason, data, at) -> None:
         db.execute(
             "INSERT INTO events (job_id, at, kind, from_state, to_state, reason, data) VALUES (?,?,?,?,?,?,?)",
-            (job_id, at, kind, from_state, to_state, reason, json.dumps(data) if data else None),
+            (job_id, at, kind.value, from_state, to_state, reason, json.dumps(data) if data else None),
         )
 
-    def events(self, job_id: str, *, after_seq: int = 0) -> list[Event]:
-        rows = self._conn().execute(
-            "SELECT * FROM events WHERE job_id=? AND seq>? ORDER BY seq", (job_id, after_seq)).fetchall()
-        return [Event(r["seq"], r["job_id"], r["at"], r["kind"], r["from_state"], r["to_state"], r["reason"],
-                      json.loads(r["data"]) if r["data"] else None) for r in rows]
+    def events(self, job_id: str, *, after_seq: int = 0, kind: EventKind | None = None) -> list[Event]:
+        """The job's events in order (only those of `kind`, if given)."""
+        q, args = "SELECT * FROM events WHERE job_id=? AND seq>?", [job_id, after_seq]
+        if kind is not None:
+            q, args = q + " AND kind=?", [*args, kind.value]
+        rows = self._conn().execute(q + " ORDER BY seq", args).fetchall()
+        return [Event(r["seq"], r["job_id"], r["at"], EventKind(r["kind"]), r["from_state"], r["to_state"],
+                      r["reason"], json.loads(r["data"]) if r["data"] else None) for r in rows]
 
     def record_steps(self, job_id: str, generation: int, rows: list[tuple], *, at: float | None = None) -> None:
         """Upsert (step, loss, tokens/s, step time[, at]) rows; a recomputed step keeps the newest generation's value.
@@ -283,10 +299,26 @@ class Store:
     # -- slices ----------------------------------------------------------------
 
     def put_slice(self, name: str, job_id: str, provider: str, accelerator: str, tier: str, state: str,
-                  data: dict) -> None:
+                  data: dict, *, event: SliceChanged | None = None, reason: str | None = None) -> None:
+        """Record a slice's state (and `event` about it, in the same transaction).
+
+        The slice lifecycle is enforced here: a new slice starts REQUESTED (or is recorded
+        RELEASED), and a change must be allowed by `SLICE_TRANSITIONS`, else
+        IllegalTransitionError and nothing is written. The same state again updates `data`.
+        """
+        target = SliceState(state)
+        now = time.time()
         with self._tx() as db:
+            row = db.execute("SELECT state FROM slices WHERE name=?", (name,)).fetchone()
+            if row is None and target not in (SliceState.REQUESTED, SliceState.RELEASED):
+                raise IllegalTransitionError("slice", name, "(new)", target.value)
+            if row is not None and row["state"] != target.value:
+                check_slice(name, SliceState(row["state"]), target)
             db.execute("INSERT OR REPLACE INTO slices VALUES (?,?,?,?,?,?,?,?)",
-                       (name, job_id, provider, accelerator, tier, state, json.dumps(data), time.time()))
+                       (name, job_id, provider, accelerator, tier, state, json.dumps(data), now))
+            if event is not None:
+                self._event(db, job_id, event.KIND, None, None, reason or f"slice {name} {state}",
+                            event.to_data(), now)
 
     def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[dict]:
         q, args = "SELECT * FROM slices", []

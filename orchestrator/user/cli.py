@@ -157,7 +157,7 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
             table = Table("time", "event", "state", "reason", box=None)
             for e in job.events():
                 state = f"{e.from_state or ''} -> {e.to_state}" if e.to_state else ""
-                table.add_row(_time(e.at), e.kind, state, e.reason)
+                table.add_row(_time(e.at), e.kind.value, state, e.reason)
             out.print(table)
     if st.done and st.state is not JobState.SUCCEEDED:
         raise typer.Exit(EXIT_JOB_FAILED)

@@ -17,10 +17,12 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from orchestrator.user.client import Job, JobStatus
 from orchestrator.observe.goodput import goodput
+from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event
 
 # Events worth a line of their own while watching (the rest are in `status --events`).
-SHOWN = {"disruption", "restore", "resize", "resumed", "lost_work", "adopted", "notice"}
+SHOWN = {EventKind.DISRUPTION, EventKind.RESTORE, EventKind.RESIZE, EventKind.RESUMED, EventKind.LOST_WORK,
+         EventKind.ADOPTED, EventKind.NOTICE}
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -38,9 +40,9 @@ def eta_s(job: Job, st: JobStatus) -> float | None:
 
 
 def _event_line(e: Event) -> str:
-    if e.kind == "state":
+    if e.kind is EventKind.STATE:
         return f"{e.to_state}: {e.reason}"
-    return f"{e.kind}: {e.reason}"
+    return f"{e.kind.value}: {e.reason}"
 
 
 def _updates(job: Job, poll_s: float) -> Iterator[tuple[JobStatus, list[Event], float, float | None]]:
@@ -65,7 +67,7 @@ def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0
     if mode == "json":
         for st, new, usd, eta in _updates(job, poll_s):
             for e in new:
-                print(json.dumps({"event": e.kind, "at": e.at, "state": e.to_state, "reason": e.reason,
+                print(json.dumps({"event": e.kind.value, "at": e.at, "state": e.to_state, "reason": e.reason,
                                   "data": e.data}), flush=True)
             print(json.dumps({"job": st.id, "state": st.state.value, "step": st.step, "total_steps": st.total_steps,
                               "loss": st.loss, "tokens_per_s": st.tokens_per_s, "eta_s": eta, "usd": round(usd, 4),
@@ -77,7 +79,7 @@ def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0
         every, printed = None, 0
         for st, new, usd, eta in _updates(job, poll_s):
             for e in new:
-                if e.kind in SHOWN or e.kind == "state":
+                if e.kind in SHOWN or e.kind is EventKind.STATE:
                     console.print(_event_line(e), highlight=False)
             every = every or max(1, (st.total_steps or 10) // 10)
             if st.step > printed and (st.step // every > printed // every or st.done):
@@ -93,7 +95,8 @@ def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0
         task = progress.add_task("job", total=None, state="PENDING", loss="-", tps="-", eta="-", usd="0.00")
         for st, new, usd, eta in _updates(job, poll_s):
             for e in new:
-                if e.kind in SHOWN or (e.kind == "state" and e.to_state in ("RECOVERING", "RESIZING", "FAILED")):
+                if e.kind in SHOWN or (e.kind is EventKind.STATE and e.to_state in ("RECOVERING", "RESIZING",
+                                                                                    "FAILED")):
                     progress.console.print(f"[dim]{time.strftime('%H:%M:%S', time.localtime(e.at))}[/dim] "
                                            f"{_event_line(e)}", highlight=False)
             progress.update(task, completed=st.step, total=st.total_steps, state=st.state.value,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.state.events import StateChange
 from orchestrator.control.autoscaler import (
     Choice,
     decide_for,
@@ -34,19 +35,19 @@ def _job(store: Store, preemptions: int, *, saves: list[float]) -> str:
     })
     store.create_job("auto", "auto", spec.model_dump(mode="json"), at=T0)
     store.transition("auto", JobState.PROVISIONING, "requesting v4-16 (spot)", at=T0)
-    store.add_event("auto", "slice", "slice s1 READY", {"name": "s1", "accelerator": "v4-16", "chips": 8,
+    store.import_event("auto", "slice", "slice s1 READY", {"name": "s1", "accelerator": "v4-16", "chips": 8,
                                                          "tier": "spot", "state": "READY"}, at=T0 + 60)
-    store.transition("auto", JobState.STARTING, "ready", data={"provision_s": 60.0, "slice": "s1"}, at=T0 + 60)
-    store.add_event("auto", "launched", "2 workers", {"slice": "s1", "nodes": ["a", "b"], "generation": 1},
+    store.transition("auto", JobState.STARTING, "ready", data=StateChange(provision_s=60.0, slice="s1"), at=T0 + 60)
+    store.import_event("auto", "launched", "2 workers", {"slice": "s1", "nodes": ["a", "b"], "generation": 1},
                     at=T0 + 61)
-    store.transition("auto", JobState.RUNNING, "joined", data={"init_s": 5.0, "generation": 1}, at=T0 + 70)
-    store.add_event("auto", "restore", "fresh", {"restore_s": 10.0, "compile_s": 20.0, "restored_step": None},
+    store.transition("auto", JobState.RUNNING, "joined", data=StateChange(init_s=5.0, generation=1), at=T0 + 70)
+    store.import_event("auto", "restore", "fresh", {"restore_s": 10.0, "compile_s": 20.0, "restored_step": None},
                     at=T0 + 100)
     store.record_steps("auto", 1, [(k, 3.0, 1000.0, STEP_S) for k in range(10)], at=T0 + 120)
     for i, blocking in enumerate(saves):
-        store.add_event("auto", "checkpoint", "saved", {"step": 5 + i, "blocking_s": blocking}, at=T0 + 121 + i)
+        store.import_event("auto", "checkpoint", "saved", {"step": 5 + i, "blocking_s": blocking}, at=T0 + 121 + i)
     for i in range(preemptions):
-        store.add_event("auto", "disruption", "preempted", {"kind": "preempted"}, at=T0 + 130 + i)
+        store.import_event("auto", "disruption", "preempted", {"kind": "preempted"}, at=T0 + 130 + i)
     return "auto"
 
 
@@ -103,7 +104,7 @@ def test_spot_capacity_is_learned_from_the_jobs_own_slices(tmp_path):
     store.create_job("j", "j", {}, at=T0)
 
     def slice_event(at, name, chips, state, tier="spot"):
-        store.add_event("j", "slice", f"{name} {state}", {"name": name, "chips": chips, "tier": tier, "state": state},
+        store.import_event("j", "slice", f"{name} {state}", {"name": name, "chips": chips, "tier": tier, "state": state},
                         at=at)
 
     hour = 3600.0
@@ -129,7 +130,7 @@ def test_spot_capacity_the_zone_refused_lately_is_not_counted_on(tmp_path):
 
     def refused(at, name, chips):  # a spot slice that waited in the queue for 5 min, then was let go
         for dt, state in ((0, "REQUESTED"), (1, "WAITING"), (300, "RELEASED")):
-            store.add_event(job_id, "slice", f"{name} {state}", {"name": name, "accelerator": "v4-32", "chips": chips,
+            store.import_event(job_id, "slice", f"{name} {state}", {"name": name, "accelerator": "v4-32", "chips": chips,
                                                                  "tier": "spot", "state": state}, at=at + dt)
 
     refused(T0 + 1000, "big", 16)

@@ -10,6 +10,7 @@ import json
 import pytest
 from rich.console import Console
 
+from orchestrator.state.events import StateChange
 from orchestrator.catalog import lookup
 from orchestrator.observe.goodput import CATEGORIES, goodput, render_goodput
 from orchestrator.state.states import JobState
@@ -25,7 +26,7 @@ def _slice(store, job_id, at, name, state, accelerator="v4-8", tier="spot", *, p
             "state": state}
     if price:
         data["usd_per_hour"] = lookup(accelerator).usd_per_hour(tier)
-    store.add_event(job_id, "slice", f"slice {name} {state}", data, at=at)
+    store.import_event(job_id, "slice", f"slice {name} {state}", data, at=at)
 
 
 def _steps(store, job_id, generation, first, last, first_at, every=2.0):
@@ -48,31 +49,31 @@ def preempted_job(store: Store, job_id: str = "job-p") -> str:
     _slice(store, job_id, t + 6, "s1", "WAITING")
     _slice(store, job_id, t + 16, "s1", "PROVISIONING")
     _slice(store, job_id, t + 25, "s1", "READY")
-    store.transition(job_id, J.STARTING, "slice s1 ready", data={"provision_s": 20.0, "slice": "s1"}, at=t + 25)
-    store.add_event(job_id, "launched", "1 worker", {"slice": "s1", "nodes": ["n1"], "generation": 1}, at=t + 30)
-    store.transition(job_id, J.RUNNING, "all hosts joined", data={"init_s": 9.0, "generation": 1}, at=t + 35)
-    store.add_event(job_id, "restore", "started from scratch",
+    store.transition(job_id, J.STARTING, "slice s1 ready", data=StateChange(provision_s=20.0, slice="s1"), at=t + 25)
+    store.import_event(job_id, "launched", "1 worker", {"slice": "s1", "nodes": ["n1"], "generation": 1}, at=t + 30)
+    store.transition(job_id, J.RUNNING, "all hosts joined", data=StateChange(init_s=9.0, generation=1), at=t + 35)
+    store.import_event(job_id, "restore", "started from scratch",
                     {"restore_s": 2.0, "compile_s": 3.0, "restored_step": None}, at=t + 40)
     _steps(store, job_id, 1, 0, 9, t + 42)  # steps 0-9 reported at t+42 ... t+60
-    store.add_event(job_id, "checkpoint", "saved step 8", {"step": 8, "blocking_s": 0.5}, at=t + 56.5)
+    store.import_event(job_id, "checkpoint", "saved step 8", {"step": 8, "blocking_s": 0.5}, at=t + 56.5)
     _slice(store, job_id, t + 62, "s1", "PREEMPTING")
     _slice(store, job_id, t + 63, "s1", "GONE")
-    store.add_event(job_id, "disruption", "preempted: reclaimed (after step 10)",
+    store.import_event(job_id, "disruption", "preempted: reclaimed (after step 10)",
                     {"kind": "preempted", "step": 9, "reason": "reclaimed", "generation": 1}, at=t + 63)
-    store.transition(job_id, J.RECOVERING, "reclaimed (preemption 1 of at most 3)", data={"outcome": "preempted"},
+    store.transition(job_id, J.RECOVERING, "reclaimed (preemption 1 of at most 3)", data=StateChange(outcome="preempted"),
                      at=t + 63, preemptions=1)
     store.transition(job_id, J.PROVISIONING, "requesting v4-8 (on-demand)", at=t + 64)
     _slice(store, job_id, t + 64, "s2", "REQUESTED", tier="on-demand")
     _slice(store, job_id, t + 64, "s2", "PROVISIONING", tier="on-demand")
     _slice(store, job_id, t + 74, "s2", "READY", tier="on-demand")
-    store.transition(job_id, J.STARTING, "slice s2 ready", data={"provision_s": 10.0, "slice": "s2"}, at=t + 74)
-    store.transition(job_id, J.RUNNING, "all hosts joined", data={"init_s": 5.0, "generation": 2}, at=t + 80)
-    store.add_event(job_id, "restore", "restored step 8", {"restore_s": 1.0, "compile_s": 2.0, "restored_step": 8},
+    store.transition(job_id, J.STARTING, "slice s2 ready", data=StateChange(provision_s=10.0, slice="s2"), at=t + 74)
+    store.transition(job_id, J.RUNNING, "all hosts joined", data=StateChange(init_s=5.0, generation=2), at=t + 80)
+    store.import_event(job_id, "restore", "restored step 8", {"restore_s": 1.0, "compile_s": 2.0, "restored_step": 8},
                     at=t + 85)
-    store.add_event(job_id, "lost_work", "lost 2 steps (from step 10 back to 8)",  # as the controller writes it
+    store.import_event(job_id, "lost_work", "lost 2 steps (from step 10 back to 8)",  # as the controller writes it
                     {"steps": 2, "seconds": 3.0, "from_step": 10, "to_step": 8}, at=t + 85)
     _steps(store, job_id, 2, 8, 19, t + 87)  # steps 8-19 reported at t+87 ... t+109
-    store.add_event(job_id, "checkpoint", "saved step 16", {"step": 16, "blocking_s": 0.5}, at=t + 103.5)
+    store.import_event(job_id, "checkpoint", "saved step 16", {"step": 16, "blocking_s": 0.5}, at=t + 103.5)
     _slice(store, job_id, t + 110, "s2", "RELEASED", tier="on-demand")
     store.transition(job_id, J.SUCCEEDED, "training finished", at=t + 110)
     return job_id
@@ -87,7 +88,7 @@ def clean_job(store: Store, job_id: str = "job-c", *, accelerator="v5p-8", tier=
     _slice(store, job_id, t, "c1", "REQUESTED", accelerator, tier, price=price_in_events)
     _slice(store, job_id, t + 1, "c1", "READY", accelerator, tier, price=price_in_events)
     store.transition(job_id, J.STARTING, "ready", at=t + 1)
-    store.transition(job_id, J.RUNNING, "joined", data={"init_s": 1.0, "generation": 1}, at=t + 2)
+    store.transition(job_id, J.RUNNING, "joined", data=StateChange(init_s=1.0, generation=1), at=t + 2)
     n = int((end - t - 3) // 2)
     _steps(store, job_id, 1, 0, n - 1, t + 3)
     _slice(store, job_id, end, "c1", "RELEASED", accelerator, tier, price=price_in_events)
@@ -159,7 +160,7 @@ def test_failed_provisioning_and_its_backoff_count_as_waiting_for_capacity(store
     job = "job-w"
     store.create_job(job, "w", {}, at=T0)
     store.transition(job, J.PROVISIONING, "requesting", at=T0)
-    store.transition(job, J.RECOVERING, "no capacity", data={"outcome": "provision_failed"}, at=T0 + 30)
+    store.transition(job, J.RECOVERING, "no capacity", data=StateChange(outcome="provision_failed"), at=T0 + 30)
     store.transition(job, J.PROVISIONING, "requesting", at=T0 + 60)
     store.transition(job, J.CANCELLED, "cancelled by the user", at=T0 + 70)
     g = goodput(store, job)
@@ -174,7 +175,7 @@ def test_disruptions_count_from_their_events_even_when_the_job_then_fails(store)
     job = "job-f"  # the second host loss is one more than max_preemptions: FAILED, with no RECOVERING
     store.create_job(job, "f", {}, at=T0)
     for i, kind in enumerate(["infra_lost", "app_failed", "infra_lost"]):
-        store.add_event(job, "disruption", kind, {"kind": kind, "step": i, "reason": "x"}, at=T0 + i)
+        store.import_event(job, "disruption", kind, {"kind": kind, "step": i, "reason": "x"}, at=T0 + i)
     store.transition(job, J.FAILED, "2 preemptions or host losses, more than max_preemptions=1", at=T0 + 5)
     assert (goodput(store, job).preemptions, goodput(store, job).failures) == (2, 1)
 
@@ -184,7 +185,7 @@ def test_without_disruption_events_the_recovering_outcomes_count(store):
     store.create_job(job, "old", {}, at=T0)
     store.transition(job, J.PROVISIONING, "requesting", at=T0)
     for i, outcome in enumerate(["preempted", "app_failed", "infra_lost", "provision_failed"]):
-        store.transition(job, J.RECOVERING, outcome, data={"outcome": outcome}, at=T0 + 2 * i + 1)
+        store.transition(job, J.RECOVERING, outcome, data=StateChange(outcome=outcome), at=T0 + 2 * i + 1)
         store.transition(job, J.PROVISIONING, "requesting", at=T0 + 2 * i + 2)
     g = goodput(store, job, now=T0 + 10)
     assert (g.preemptions, g.failures) == (2, 2)
@@ -198,10 +199,10 @@ def test_a_resize_bills_both_slices_and_late_reports_belong_to_the_run_before(st
     store.transition(job, J.STARTING, "ready", at=T0 + 10)
     store.transition(job, J.RUNNING, "joined", at=T0 + 20)
     _steps(store, job, 1, 0, 9, T0 + 22)  # reported at T0+22 ... T0+40
-    store.add_event(job, "resize", "resizing v4-8 -> v4-16", {"from": "v4-8", "to": "v4-16"}, at=T0 + 40)
+    store.import_event(job, "resize", "resizing v4-8 -> v4-16", {"from": "v4-8", "to": "v4-16"}, at=T0 + 40)
     _slice(store, job, T0 + 41, "r1", "RELEASED", "v4-8")
-    store.transition(job, J.RESIZING, "resized", data={"to": "v4-16"}, at=T0 + 41)
-    store.add_event(job, "checkpoint", "saved step 10", {"step": 10, "blocking_s": 0.5}, at=T0 + 41.1)  # late
+    store.transition(job, J.RESIZING, "resized", data=StateChange(to="v4-16"), at=T0 + 41)
+    store.import_event(job, "checkpoint", "saved step 10", {"step": 10, "blocking_s": 0.5}, at=T0 + 41.1)  # late
     store.transition(job, J.PROVISIONING, "requesting v4-16", at=T0 + 41.2)
     _slice(store, job, T0 + 50, "r2", "REQUESTED", "v4-16")
     store.transition(job, J.STARTING, "ready", at=T0 + 60)
@@ -226,7 +227,7 @@ def test_overlapping_measurements_are_clamped_not_negative(store):
     store.transition(job, J.PROVISIONING, "requesting", at=T0)
     store.transition(job, J.STARTING, "ready", at=T0 + 1)
     store.transition(job, J.RUNNING, "joined", at=T0 + 2)
-    store.add_event(job, "restore", "x", {"restore_s": 4.0, "compile_s": 4.0, "restored_step": None}, at=T0 + 3)
+    store.import_event(job, "restore", "x", {"restore_s": 4.0, "compile_s": 4.0, "restored_step": None}, at=T0 + 3)
     store.record_steps(job, 1, [(k, 1.0, None, 5.0) for k in range(10)], at=T0 + 12)
     store.transition(job, J.SUCCEEDED, "done", at=T0 + 12)
     g = goodput(store, job)
@@ -244,9 +245,9 @@ def test_rows_awaiting_recomputation_are_not_productive(store):
         if e.at > T0 + 85 or e.kind == "state" and e.to_state == "PENDING":
             continue
         if e.kind == "state":
-            mid.transition("job-m", JobState(e.to_state), e.reason, data=e.data, at=e.at)
+            mid.transition("job-m", JobState(e.to_state), e.reason, data=e.payload, at=e.at)
         else:
-            mid.add_event("job-m", e.kind, e.reason, e.data, at=e.at)
+            mid.import_event("job-m", e.kind, e.reason, e.data, at=e.at)
     _steps(mid, "job-m", 1, 0, 9, T0 + 42)
     g = goodput(mid, "job-m", now=T0 + 86)
     _assert_adds_up(g)

@@ -43,8 +43,10 @@ def _down(home: cluster.Home) -> subprocess.CompletedProcess:
 
 
 def _record_slice(home: cluster.Home, pgid: int) -> None:
-    Store(home.db).put_slice("job-1-1", "job-1", "local", "v4-8", "spot", "READY",
-                             {"pgids": [pgid], "hosts": ["slice-job-1-1-w0"]})
+    store = Store(home.db)
+    for state in ("REQUESTED", "PROVISIONING", "READY"):
+        store.put_slice("job-1-1", "job-1", "local", "v4-8", "spot", state,
+                        {"pgids": [pgid], "hosts": ["slice-job-1-1-w0"]})
 
 
 def test_down_leaves_a_recorded_slice_alone_when_its_pgid_is_another_programs(home):

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 
+from orchestrator.state.events import StateChange
 from orchestrator.errors import IllegalTransitionError, JobNotFoundError
 from orchestrator.state.states import JOB_TRANSITIONS, SLICE_TRANSITIONS, JobState, SliceState, check_slice
 from orchestrator.state.store import Store
@@ -21,7 +22,7 @@ def test_every_state_is_in_the_tables():
 def test_guarded_transition_records_an_event(tmp_path):
     store = Store(tmp_path / "s.db")
     store.create_job("j1", "j", {})
-    store.transition("j1", JobState.PROVISIONING, "asking", data={"slice": "s1"})
+    store.transition("j1", JobState.PROVISIONING, "asking", data=StateChange(slice="s1"))
     with pytest.raises(IllegalTransitionError, match="cannot go from PROVISIONING to SUCCEEDED"):
         store.transition("j1", JobState.SUCCEEDED, "too early")
     assert store.job("j1").state is JobState.PROVISIONING

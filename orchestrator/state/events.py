@@ -1,0 +1,169 @@
+"""What the store records about a job besides its state: one kind enum, one frozen record per kind.
+
+Every event is written through `Store.add_event(job_id, record, reason)`, which takes the
+kind from the record, and read back as `Event.payload`, the same record. No other module
+names an event kind by a string. The JSON kept in the store is the record's fields
+(`to_data`), so older rows read back as long as their keys match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+
+class EventKind(str, enum.Enum):
+    STATE = "state"  # a job state transition (`Store.transition`)
+    SLICE = "slice"  # a slice of the job changed state
+    LAUNCHED = "launched"  # a generation of workers was placed on a slice
+    RESTORE = "restore"  # the workers restored a checkpoint (or started fresh) and compiled
+    LOST_WORK = "lost_work"  # steps to be computed again after a disruption
+    CHECKPOINT = "checkpoint"  # worker 0 saved a step
+    NOTICE = "notice"  # a host got a preemption notice
+    DISRUPTION = "disruption"  # an attempt ended other than as asked
+    RESUMED = "resumed"  # the first step after a disruption
+    ADOPTED = "adopted"  # a restarted controller took over the running group
+    AUTOSCALE = "autoscale"  # the cost policy's choice
+    RESIZE = "resize"  # a move to another slice type was asked for
+
+
+@dataclass(frozen=True)
+class Payload:
+    KIND: ClassVar[EventKind]
+    _RENAMED: ClassVar[dict[str, str]] = {}  # field -> key in the stored JSON
+
+    def to_data(self) -> dict[str, Any] | None:
+        data = {self._RENAMED.get(f.name, f.name): getattr(self, f.name) for f in dataclasses.fields(self)}
+        return data or None
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any] | None) -> "Payload":
+        data = data or {}
+        back = {v: k for k, v in cls._RENAMED.items()}
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{back.get(k, k): v for k, v in data.items() if back.get(k, k) in names})
+
+
+@dataclass(frozen=True)
+class StateChange(Payload):
+    """Extra facts of a transition (each optional)."""
+
+    KIND: ClassVar[EventKind] = EventKind.STATE
+    outcome: str | None = None  # how the attempt ended, on -> RECOVERING (and no_capacity on -> QUEUED)
+    init_s: float | None = None  # on -> RUNNING
+    generation: int | None = None
+    provision_s: float | None = None  # on -> STARTING
+    slice: str | None = None
+    to: str | None = None  # on -> RESIZING: the accelerator moved to
+
+    def to_data(self) -> dict[str, Any] | None:
+        return {k: v for k, v in (super().to_data() or {}).items() if v is not None} or None
+
+
+@dataclass(frozen=True)
+class SliceChanged(Payload):
+    KIND: ClassVar[EventKind] = EventKind.SLICE
+    name: str | None = None
+    accelerator: str | None = None
+    chips: int | None = None
+    tier: str | None = None
+    state: str | None = None
+    usd_per_hour: float | None = None
+
+
+@dataclass(frozen=True)
+class Launched(Payload):
+    KIND: ClassVar[EventKind] = EventKind.LAUNCHED
+    slice: str | None = None
+    nodes: list[str] | None = None
+    pids: list[int] | None = None
+    generation: int | None = None
+
+
+@dataclass(frozen=True)
+class Restored(Payload):
+    KIND: ClassVar[EventKind] = EventKind.RESTORE
+    restore_s: float | None = None
+    compile_s: float | None = None
+    restored_step: int | None = None  # None: started from scratch
+    unreadable: list[int] = dataclasses.field(default_factory=list)  # checkpoints it fell back past
+
+
+@dataclass(frozen=True)
+class LostWork(Payload):
+    KIND: ClassVar[EventKind] = EventKind.LOST_WORK
+    steps: int | None = None
+    seconds: float | None = None
+    from_step: int | None = None
+    to_step: int | None = None
+
+
+@dataclass(frozen=True)
+class CheckpointSaved(Payload):
+    KIND: ClassVar[EventKind] = EventKind.CHECKPOINT
+    step: int | None = None
+    blocking_s: float | None = None
+
+
+@dataclass(frozen=True)
+class NoticeSeen(Payload):
+    KIND: ClassVar[EventKind] = EventKind.NOTICE
+    rank: int | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Disrupted(Payload):
+    KIND: ClassVar[EventKind] = EventKind.DISRUPTION
+    kind: str | None = None  # the outcome's kind (policies.recovery.OutcomeKind value)
+    step: int | None = None
+    reason: str | None = None
+    generation: int | None = None
+    teardown_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Resumed(Payload):
+    KIND: ClassVar[EventKind] = EventKind.RESUMED
+    seconds: float | None = None
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Adopted(Payload):
+    KIND: ClassVar[EventKind] = EventKind.ADOPTED
+
+
+@dataclass(frozen=True)
+class Autoscaled(Payload):
+    """The policy's choice; all None when it would wait for spot capacity."""
+
+    KIND: ClassVar[EventKind] = EventKind.AUTOSCALE
+    accelerator: str | None = None
+    tier: str | None = None
+    expected_cost_usd: float | None = None
+    reason: str | None = None
+    checkpoint_interval_steps: int | None = None
+
+    def to_data(self) -> dict[str, Any] | None:
+        return None if self.accelerator is None else super().to_data()
+
+
+@dataclass(frozen=True)
+class ResizeAsked(Payload):
+    KIND: ClassVar[EventKind] = EventKind.RESIZE
+    _RENAMED: ClassVar[dict[str, str]] = {"from_accelerator": "from"}
+    from_accelerator: str | None = None
+    to: str | None = None
+    tier: str | None = None
+    reason: str | None = None
+    step: int | None = None
+
+
+PAYLOADS: dict[EventKind, type[Payload]] = {
+    cls.KIND: cls for cls in (StateChange, SliceChanged, Launched, Restored, LostWork, CheckpointSaved, NoticeSeen,
+                              Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked)
+}
+assert set(PAYLOADS) == set(EventKind), "every kind has its record"
