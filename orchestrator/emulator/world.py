@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -31,15 +30,12 @@ from orchestrator.emulator.records import (
     OperationRecord,
     QueuedResourceRecord,
 )
+from orchestrator.emulator.validation import RESERVATION_RE, validate_id, validate_node
 
 log = logging.getLogger(__name__)
 
 Record = QueuedResourceRecord | NodeRecord | OperationRecord
 
-_ID_RE = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
-_LABEL_KEY_RE = re.compile(r"^[a-z][a-z0-9_-]{0,62}$")
-_LABEL_VALUE_RE = re.compile(r"^[a-z0-9_-]{0,63}$")
-_RESERVATION_RE = re.compile(r"^projects/[^/]+/locations/(?P<zone>[^/]+)/reservations/[^/]+$")
 
 
 @dataclass(frozen=True)
@@ -228,8 +224,7 @@ class World:
     ) -> OperationRecord:
         parent = f"projects/{project}/locations/{zone}"
         name = f"{parent}/queuedResources/{qr_id}"
-        if not _ID_RE.match(qr_id or ""):
-            raise invalid(f"queuedResourceId {qr_id!r} must match {_ID_RE.pattern}")
+        validate_id("queuedResourceId", qr_id)
         specs = list(spec.tpu.node_spec)
         if len(specs) != 1 or "multislice_params" in specs[0]:
             raise invalid("the emulator supports exactly one nodeSpec with a nodeId (no multislice)")
@@ -237,9 +232,9 @@ class World:
         if ns.parent != parent:
             raise invalid(f"nodeSpec.parent {ns.parent!r} must be {parent!r}")
         node_name = f"{parent}/nodes/{ns.node_id}"
-        _validate_node(ns.node_id, ns.node)
+        validate_node(ns.node_id, ns.node)
         if spec.reservation_name:
-            r = _RESERVATION_RE.match(spec.reservation_name)
+            r = RESERVATION_RE.match(spec.reservation_name)
             if not r or r["zone"] != zone:
                 raise invalid(f"reservationName {spec.reservation_name!r} is not a reservation in {parent}")
             if "guaranteed" not in spec:
@@ -263,7 +258,7 @@ class World:
 
     def create_node(self, project: str, zone: str, node_id: str, spec: tpu_v2.Node) -> OperationRecord:
         name = f"projects/{project}/locations/{zone}/nodes/{node_id}"
-        _validate_node(node_id, spec)
+        validate_node(node_id, spec)
         with self._cond:
             if name in self._nodes:
                 raise already_exists(name)
@@ -400,15 +395,3 @@ class World:
                 "nodes": [n.render() for n in self._nodes.values()],
                 "operations": [o.render() for o in self._ops.values()],
             }
-
-
-def _validate_node(node_id: str, node: tpu_v2.Node) -> None:
-    if not _ID_RE.match(node_id or ""):
-        raise invalid(f"nodeId {node_id!r} must match {_ID_RE.pattern}")
-    if not node.runtime_version:
-        raise invalid("node.runtimeVersion is required")
-    if node.accelerator_type not in catalog.CATALOG:
-        raise invalid(f"accelerator type {node.accelerator_type!r} is not offered")
-    for k, v in node.labels.items():
-        if not _LABEL_KEY_RE.match(k) or not _LABEL_VALUE_RE.match(v):
-            raise invalid(f"label {k}={v!r} is not a valid label (lowercase letters, digits, _ and -)")
