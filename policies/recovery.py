@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 class OutcomeKind(str, enum.Enum):
@@ -40,24 +41,36 @@ class Outcome:
 # -- classifying an attempt ----------------------------------------------------------------
 
 
-def results_outcome(results: list[dict | None], *, resizing_to: str | None, notice: str | None) -> Outcome | None:
+class HostResult(Protocol):
+    """How one host's training ended (`workers.protocol.WorkerResult` is one)."""
+
+    ending: str  # "succeeded", "stopped" (at an agreed step, checkpointed), "failed"
+    rank: int
+    steps: int | None
+    notice: str | None
+    error: str | None
+    traceback: str | None
+
+
+def results_outcome(results: list[HostResult | None], *, resizing_to: str | None,
+                    notice: str | None) -> Outcome | None:
     """What the workers' results say (None while any host still trains and none failed).
 
     A failure is returned as APP_FAILED for `classify_failure` to confirm: when a host
     dies, the others fail in their collectives within seconds, and that is no bug of the job.
     """
-    failed = [r for r in results if r and r["outcome"] == "failed"]
+    failed = [r for r in results if r and r.ending == "failed"]
     if failed:
         f = failed[0]
-        return Outcome(OutcomeKind.APP_FAILED, f"host {f['rank']}: {f['error']}", traceback=f.get("traceback"))
+        return Outcome(OutcomeKind.APP_FAILED, f"host {f.rank}: {f.error}", traceback=f.traceback)
     if not all(results):
         return None
-    stopped = [r for r in results if r["outcome"] == "stopped"]
+    stopped = [r for r in results if r.ending == "stopped"]
     if stopped and resizing_to:
-        return Outcome(OutcomeKind.RESIZED, f"checkpointed after step {stopped[0]['steps']} to resize to {resizing_to}")
+        return Outcome(OutcomeKind.RESIZED, f"checkpointed after step {stopped[0].steps} to resize to {resizing_to}")
     if stopped:
-        return Outcome(OutcomeKind.PREEMPTED, f"preemption notice ({notice or stopped[0]['notice']}); stopped after "
-                                              f"step {stopped[0]['steps']} with its checkpoint committed")
+        return Outcome(OutcomeKind.PREEMPTED, f"preemption notice ({notice or stopped[0].notice}); stopped after "
+                                              f"step {stopped[0].steps} with its checkpoint committed")
     return Outcome(OutcomeKind.SUCCEEDED, "training finished")
 
 

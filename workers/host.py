@@ -15,6 +15,7 @@ the same step, after a committed checkpoint of that step.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import io
 import logging
@@ -24,11 +25,12 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
 
 import ray
 
 from workers import runtime
+from workers.protocol import (Ending, Lines, Noticed, Ready, Report, Saved, StepDone, Timings,
+                              WorkerResult)
 from workers.notices import MetadataWatcher, install_sigterm
 
 log = logging.getLogger(__name__)
@@ -87,7 +89,7 @@ class HostWorker:
         self._controller = None
         self._notice = threading.Event()
         self._notice_reason: str | None = None
-        self._result: dict | None = None
+        self._result: WorkerResult | None = None
         self._history: list[dict] = []
         self._fence_file: str | None = None
         self._out = _LineBuffer(sys.stdout)
@@ -141,8 +143,8 @@ class HostWorker:
         threading.Thread(target=self._main, args=(coordinator, workload, share_key), daemon=True,
                          name="train").start()
 
-    def result(self) -> dict | None:
-        """None while training; then {"outcome": "succeeded"|"stopped"|"failed", ...}."""
+    def result(self) -> WorkerResult | None:
+        """None while training; then how it ended."""
         return self._result
 
     def history(self) -> list[dict]:
@@ -164,7 +166,7 @@ class HostWorker:
                 watcher = MetadataWatcher(workload["metadata_url"], self._notice, self._on_notice)
             runtime.initialize(coordinator_address=coordinator, num_processes=self.num_hosts, process_id=self.rank,
                                host_address=ray.util.get_node_ip_address(), share_key=share_key)
-            self._send("ready", {"init_s": time.perf_counter() - t0})
+            self._send(Ready(time.perf_counter() - t0))
             if workload["type"] == "lm":
                 result = self._run_lm(workload)
             else:
@@ -172,11 +174,11 @@ class HostWorker:
         except Exception as e:  # the boundary of user code: report it, typed, with its traceback
             tb = traceback.format_exc()
             print(tb, file=self._out)
-            result = {"outcome": "failed", "error": f"{type(e).__name__}: {e}", "traceback": tb, "rank": self.rank}
+            result = WorkerResult(Ending.FAILED, self.rank, error=f"{type(e).__name__}: {e}", traceback=tb)
         finally:
             if watcher:
                 watcher.close()
-        self._send("log", {})
+        self._send(Lines())
         self._result = result
 
     def _on_notice(self, reason: str) -> None:
@@ -184,7 +186,7 @@ class HostWorker:
             self._notice_reason = reason
             self._notice.set()
             log.warning("preemption notice (%s): saving at the current step, then stopping", reason)
-            self._send("notice", {"reason": reason})
+            self._send(Noticed(reason))
 
     def _any_host_noticed(self) -> bool:
         """Whether any host got a notice: all hosts must stop after the same step."""
@@ -196,7 +198,7 @@ class HostWorker:
 
         return bool(np.any(multihost_utils.process_allgather(np.int32(mine))))
 
-    def _run_lm(self, workload: dict) -> dict:
+    def _run_lm(self, workload: dict) -> WorkerResult:
         from workers.train import Trainer, TrainConfig, param_checksums  # after runtime.configure
 
         cfg = TrainConfig.from_dict(workload["config"])
@@ -204,27 +206,25 @@ class HostWorker:
         every = max(1, cfg.steps // 10)
 
         def on_ready(t):
-            self._send("timings", {"restore_s": t.restore_s, "compile_s": t.compile_s,
-                                   "restored_step": t.restored_step, "unreadable": list(t.unreadable)})
+            self._send(Timings(t.restore_s, t.compile_s, t.restored_step, tuple(t.unreadable)))
 
         def on_step(r):
-            report = {"step": r.step, "loss": r.loss, "tokens_per_s": r.tokens_per_s, "step_time_s": r.step_time_s}
-            self._history.append({**report, "at": time.time()})
+            report = StepDone(r.step, r.loss, r.tokens_per_s, r.step_time_s)
+            self._history.append({**dataclasses.asdict(report), "at": time.time()})
             if self.rank == 0 and ((r.step + 1) % every == 0 or r.step + 1 == cfg.steps):
                 log.info("step %d/%d loss %.4f (%.0f tokens/s)", r.step + 1, cfg.steps, r.loss, r.tokens_per_s)
-            self._send("step", report)
+            self._send(report)
 
         def on_save(step, blocking_s):
-            self._send("checkpoint", {"step": step, "blocking_s": blocking_s})
+            self._send(Saved(step, blocking_s))
 
         state, done = trainer.run(on_step=on_step, on_ready=on_ready, on_save=on_save,
                                   should_stop=self._any_host_noticed)
         if done < cfg.steps:
-            return {"outcome": "stopped", "steps": done, "rank": self.rank, "notice": self._notice_reason}
-        return {"outcome": "succeeded", "steps": done, "rank": self.rank,
-                "param_sums": param_checksums(state["params"])}
+            return WorkerResult(Ending.STOPPED, self.rank, steps=done, notice=self._notice_reason)
+        return WorkerResult(Ending.SUCCEEDED, self.rank, steps=done, param_sums=param_checksums(state["params"]))
 
-    def _run_entrypoint(self, workload: dict) -> dict:
+    def _run_entrypoint(self, workload: dict) -> WorkerResult:
         from workers.context import WorkerContext
 
         module_name, fn_name = workload["entrypoint"].split(":")
@@ -233,13 +233,13 @@ class HostWorker:
         fn = getattr(importlib.import_module(module_name), fn_name)
 
         def report(step, loss, tokens_per_s=None):
-            self._send("step", {"step": step, "loss": loss, "tokens_per_s": tokens_per_s})
+            self._send(StepDone(step, loss, tokens_per_s))
 
         ctx = WorkerContext(rank=self.rank, num_hosts=self.num_hosts, args=workload.get("args", {}),
                             checkpoint_dir=workload.get("checkpoint_dir"), stop_requested=self._notice.is_set,
                             may_write=self._may_write, report=report)
         fn(ctx)
-        return {"outcome": "succeeded", "rank": self.rank}
+        return WorkerResult(Ending.SUCCEEDED, self.rank)
 
     # -- fencing and reporting ------------------------------------------------------
 
@@ -269,12 +269,12 @@ class HostWorker:
                 return None
         return self._controller
 
-    def _send(self, kind: str, payload: dict[str, Any]) -> None:
-        payload = dict(payload, lines=self._out.drain())
+    def _send(self, report: Report) -> None:
+        lines = self._out.drain()
         ctrl = self._ctrl()
         if ctrl is None:
             return
         try:
-            ctrl.report.remote(self.job_id, self.generation, self.rank, kind, payload)
+            ctrl.report.remote(self.job_id, self.generation, self.rank, report, lines)
         except Exception:  # a restarting controller: look it up again next time
             self._controller = None

@@ -32,6 +32,7 @@ from orchestrator.state.events import Adopted, ResizeAsked, SliceChanged
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
 from orchestrator.user.spec import JobSpec
+from workers.protocol import Report
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +137,11 @@ class Controller:
     def current_generation(self, job_id: str) -> int:
         return self.store.job(job_id).generation
 
-    def report(self, job_id: str, generation: int, rank: int, kind: str, payload: dict) -> None:
-        """Heartbeats, metrics and log lines from a job's workers, for its driver."""
+    def report(self, job_id: str, generation: int, rank: int, report: Report, lines: list[str]) -> None:
+        """Heartbeats, metrics and log lines from a job's workers (`workers.protocol`), for its driver."""
         driver = self._driver(job_id)
         if driver is not None:
-            driver.report(generation, rank, kind, payload)
+            driver.report(generation, rank, report, lines)
 
     def shutdown(self) -> None:
         """Cancel every active job and release every slice (before the cluster stops)."""

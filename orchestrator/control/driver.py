@@ -28,6 +28,7 @@ from orchestrator.state.events import (Autoscaled, CheckpointSaved, Disrupted, L
 from orchestrator.state.states import JobState
 from orchestrator.user.spec import JobSpec
 from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
+from workers.protocol import Noticed, Ready, Report, Saved, StepDone, Timings
 
 if TYPE_CHECKING:
     from orchestrator.control.controller import Controller
@@ -193,42 +194,40 @@ class JobDriver:
 
     # -- what workers report ------------------------------------------------------------
 
-    def report(self, generation: int, rank: int, kind: str, payload: dict) -> None:
+    def report(self, generation: int, rank: int, report: Report, lines: list[str]) -> None:
         """Heartbeats, metrics and log lines from workers; those of an old generation are dropped."""
         att = self.att
         if generation != att.generation or not att.accepting:
             return
-        lines = payload.pop("lines", [])
         if lines:
             with open(self.plane.home.job_dir(self.job_id) / "job.log", "a") as f:
                 f.writelines(f"[host-{rank}] {line}\n" for line in lines)
         att.last_progress = time.monotonic()
-        if kind == "ready" and rank == 0 and not att.started:
+        if isinstance(report, Ready) and rank == 0 and not att.started:
             att.started = True
             self.transition(JobState.RUNNING, "all hosts joined the runtime",
-                            data=StateChange(init_s=round(payload["init_s"], 3), generation=generation))
-        elif kind == "timings" and rank == 0:
-            self._record_restore(payload)
-        elif kind == "step" and rank == 0:
-            self._record_step(generation, payload)
-        elif kind == "checkpoint" and rank == 0:
-            self.store.add_event(self.job_id, CheckpointSaved(payload["step"], payload.get("blocking_s")),
-                                 f"saved step {payload['step']}")
-        elif kind == "notice" and att.notice is None:
-            att.stop_requested(f"host {rank}: {payload['reason']}")
+                            data=StateChange(init_s=round(report.init_s, 3), generation=generation))
+        elif isinstance(report, Timings) and rank == 0:
+            self._record_restore(report)
+        elif isinstance(report, StepDone) and rank == 0:
+            self._record_step(generation, report)
+        elif isinstance(report, Saved) and rank == 0:
+            self.store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
+                                 f"saved step {report.step}")
+        elif isinstance(report, Noticed) and att.notice is None:
+            att.stop_requested(f"host {rank}: {report.reason}")
             self.store.add_event(self.job_id, NoticeSeen(rank, att.last_step + 1), f"preemption notice on host "
-                                 f"{rank} ({payload['reason']}) after step {att.last_step + 1}")
+                                 f"{rank} ({report.reason}) after step {att.last_step + 1}")
 
-    def _record_step(self, generation: int, p: dict) -> None:
+    def _record_step(self, generation: int, r: StepDone) -> None:
         att = self.att
-        att.last_step = p["step"]
-        self.store.record_steps(self.job_id, generation, [(p["step"], p["loss"], p.get("tokens_per_s"),
-                                                           p.get("step_time_s"))])
+        att.last_step = r.step
+        self.store.record_steps(self.job_id, generation, [(r.step, r.loss, r.tokens_per_s, r.step_time_s)])
         if not att.resumed and att.disrupted_at is not None:
             att.resumed = True
             seconds = time.time() - att.disrupted_at
-            self.store.add_event(self.job_id, Resumed(seconds, p["step"] + 1),
-                                 f"resumed after {seconds:.1f} s (first step done: {p['step'] + 1})")
+            self.store.add_event(self.job_id, Resumed(seconds, r.step + 1),
+                                 f"resumed after {seconds:.1f} s (first step done: {r.step + 1})")
 
     def record_missed(self, generation: int, history: list[dict]) -> int:
         """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
@@ -255,14 +254,14 @@ class JobDriver:
         self.record_missed(att.generation, history)
         att.last_step = max([att.last_step, *(h["step"] for h in history)])
 
-    def _record_restore(self, p: dict) -> None:
+    def _record_restore(self, t: Timings) -> None:
         att = self.att
-        restored, unreadable = p.get("restored_step"), p.get("unreadable") or []
+        restored, unreadable = t.restored_step, list(t.unreadable)
         what = f"restored step {restored}" if restored is not None else "started from scratch"
         if unreadable:
             what += f" (fell back: checkpoint {', '.join(map(str, unreadable))} unreadable)"
-        self.store.add_event(self.job_id, Restored(p["restore_s"], p["compile_s"], restored, list(unreadable)),
-                             f"{what}; compile took {p['compile_s']:.1f} s")
+        self.store.add_event(self.job_id, Restored(t.restore_s, t.compile_s, restored, unreadable),
+                             f"{what}; compile took {t.compile_s:.1f} s")
         if att.disrupted_step is not None:
             lost = max(0, att.disrupted_step - (restored or 0))
             times = [m.step_time_s for m in self.store.steps(self.job_id) if m.step_time_s]

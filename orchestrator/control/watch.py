@@ -44,8 +44,7 @@ def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Ca
                 return _confirm_failure(att, outcome)
             if outcome is not None:
                 if outcome.kind is OutcomeKind.SUCCEEDED:
-                    store.update_job(job_id, result={"steps": results[0].get("steps"),
-                                                     "param_sums": results[0].get("param_sums")})
+                    store.update_job(job_id, result={"steps": results[0].steps, "param_sums": results[0].param_sums})
                 return outcome
         if att.cancel.is_set() or store.job(job_id).cancel_requested:
             stop_for_cancel(att, stop_sent, grace)

@@ -6,6 +6,7 @@ import pytest
 
 from policies.recovery import (Budgets, Next, Outcome, OutcomeKind, after, backoff_s, classify_failure,
                                results_outcome)
+from workers.protocol import Ending, WorkerResult
 
 K = OutcomeKind
 BUDGETS = Budgets(max_preemptions=2, max_failures=1)
@@ -48,8 +49,8 @@ def test_backoff_doubles_to_a_minute_and_jitter_takes_up_to_half_off(failures, j
     assert backoff_s(failures, jitter) == pytest.approx(expected)
 
 
-def _r(outcome, **kw):
-    return {"outcome": outcome, "rank": 0, "steps": 7, "notice": "host 1: SIGTERM", **kw}
+def _r(ending, **kw):
+    return WorkerResult(Ending(ending), rank=0, steps=7, notice="host 1: SIGTERM", **kw)
 
 
 @pytest.mark.parametrize("results, resizing_to, expected", [

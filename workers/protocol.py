@@ -1,0 +1,77 @@
+"""What a host's worker tells the controller, and how its training ended: frozen records.
+
+A worker sends one report at a time (`Controller.report(job_id, generation, rank, report,
+lines)`), fire-and-forget, with the log lines collected since the last one; `result()`
+answers None while it trains, then a `WorkerResult`. The controller imports these; the
+workers import nothing of the controller.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Every process joined the runtime."""
+
+    init_s: float
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Worker 0 restored (or started fresh) and compiled the step."""
+
+    restore_s: float
+    compile_s: float
+    restored_step: int | None
+    unreadable: tuple[int, ...] = ()  # checkpoints it fell back past
+
+
+@dataclass(frozen=True)
+class StepDone:
+    step: int
+    loss: float
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Worker 0 committed a checkpoint of `step`; the save blocked training for `blocking_s`."""
+
+    step: int
+    blocking_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Noticed:
+    """This host got a preemption notice (or a stop from the controller)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Lines:
+    """Nothing but the log lines that travel with every report."""
+
+
+Report = Ready | Timings | StepDone | Saved | Noticed | Lines
+
+
+class Ending(str, enum.Enum):
+    SUCCEEDED = "succeeded"
+    STOPPED = "stopped"  # after a notice or a stop, at an agreed step with its checkpoint committed
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    ending: Ending
+    rank: int
+    steps: int | None = None  # steps complete
+    notice: str | None = None  # why it stopped
+    error: str | None = None  # "Type: message" of what the job's code raised
+    traceback: str | None = None
+    param_sums: dict[str, float] | None = None  # sum of each final parameter (built-in trainer)
