@@ -16,8 +16,10 @@ import sys
 
 from tests.conftest import REPO
 
-CHILD = r"""
-import json, os, sys
+# What every child process does first: join a 2-process runtime over gloo, 2 CPU devices each,
+# with this launch's share key (SHARE_KEY), and a 4-device data mesh.
+PREAMBLE = r"""
+import hashlib, hmac, json, os, pickle, sys
 from workers import runtime
 rank, port, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 runtime.configure(platform="cpu", devices_per_host=2, compile_cache_dir=cache)
@@ -27,6 +29,9 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
 row = NamedSharding(mesh, P("data"))
+"""
+
+CHILD = PREAMBLE + r"""
 fn = jax.jit(lambda x: (x * 2.0).sum(), in_shardings=row, out_shardings=NamedSharding(mesh, P()))
 lowered = fn.lower(jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=row))
 path = runtime.executable_path(lowered)
@@ -85,17 +90,8 @@ def test_an_unreadable_executable_is_compiled_again(tmp_path):
     assert [(r["hit"], r["value"]) for r in run_pair(tmp_path / "cache")] == [(True, expected)] * 2
 
 
-KEYED_CHILD = r"""
-import json, os, sys
-from workers import runtime
-rank, port, cache, scale = int(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
-runtime.configure(platform="cpu", devices_per_host=2, compile_cache_dir=cache)
-runtime.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank, timeout_s=60,
-                   share_key=bytes.fromhex(os.environ["SHARE_KEY"]))
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
-row = NamedSharding(mesh, P("data"))
+KEYED_CHILD = PREAMBLE + r"""
+scale = float(sys.argv[4])
 from jax.experimental import multihost_utils
 traced = []
 
@@ -193,18 +189,9 @@ def test_the_program_key_changes_with_what_shapes_the_program_and_nothing_else(m
         jax.config.update("jax_compilation_cache_dir", dir_before)
 
 
-FORGING_CHILD = r"""
-import hashlib, hmac, json, os, pickle, sys
-from workers import runtime
-rank, port, cache, marker = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-runtime.configure(platform="cpu", devices_per_host=2, compile_cache_dir=cache)
-runtime.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank, timeout_s=60,
-                   share_key=bytes.fromhex(os.environ["SHARE_KEY"]))
-import jax, jax.numpy as jnp, numpy as np
+FORGING_CHILD = PREAMBLE + r"""
+marker = sys.argv[4]
 from jax._src import distributed
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-mesh = Mesh(np.array(jax.devices()).reshape(4), ("data",))
-row = NamedSharding(mesh, P("data"))
 fn = jax.jit(lambda x: (x * 2.0).sum(), in_shardings=row, out_shardings=NamedSharding(mesh, P()))
 lowered = fn.lower(jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=row))
 
