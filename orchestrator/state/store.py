@@ -217,9 +217,12 @@ class Store:
         return _job(row)
 
     def jobs(self, *, active_only: bool = False) -> list[JobRecord]:
-        rows = self._conn().execute("SELECT * FROM jobs ORDER BY created_at").fetchall()
-        out = [_job(r) for r in rows]
-        return [j for j in out if not j.state.terminal] if active_only else out
+        """Every job, oldest first; with `active_only`, those not ended (filtered in SQL: the queue asks often)."""
+        q, args = "SELECT * FROM jobs", []
+        if active_only:
+            ended = [s.value for s in JobState if s.terminal]
+            q, args = q + f" WHERE state NOT IN ({','.join('?' * len(ended))})", ended
+        return [_job(r) for r in self._conn().execute(q + " ORDER BY created_at", args).fetchall()]
 
     def find_job(self, prefix: str) -> JobRecord:
         """A job by id or unique id prefix or unique name (the most recent job of that name).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.state.events import StateChange
 from orchestrator.control.autoscaler import (
     Choice,
     decide_for,
@@ -15,6 +14,7 @@ from orchestrator.control.autoscaler import (
     with_checkpoint_interval,
 )
 from orchestrator.user.spec import JobSpec
+from orchestrator.state.events import StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
 from policies.cost import DEFAULT_SAVE_S, REFUSAL_HOLDS_S, RestartCost

@@ -10,9 +10,9 @@ import json
 import pytest
 from rich.console import Console
 
-from orchestrator.state.events import StateChange
 from orchestrator.catalog import lookup
 from orchestrator.observe.goodput import CATEGORIES, goodput, render_goodput
+from orchestrator.state.events import StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
 

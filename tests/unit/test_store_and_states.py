@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from orchestrator.state.events import StateChange
 from orchestrator.errors import IllegalTransitionError, JobNotFoundError
+from orchestrator.state.events import StateChange
 from orchestrator.state.states import JOB_TRANSITIONS, SLICE_TRANSITIONS, JobState, SliceState, check_slice
 from orchestrator.state.store import Store
 
@@ -78,3 +78,13 @@ def test_slice_transitions():
     check_slice("s", SliceState.READY, SliceState.PREEMPTING)
     with pytest.raises(IllegalTransitionError):
         check_slice("s", SliceState.RELEASED, SliceState.READY)
+
+
+def test_active_jobs_are_those_not_ended(tmp_path):
+    store = Store(tmp_path / "s.db")
+    for i, target in enumerate([None, JobState.QUEUED, JobState.FAILED, JobState.CANCELLED]):
+        store.create_job(f"j{i}", "j", {}, at=float(i))
+        if target is not None:
+            store.transition(f"j{i}", target, "x")
+    assert [j.id for j in store.jobs(active_only=True)] == ["j0", "j1"]
+    assert [j.id for j in store.jobs()] == ["j0", "j1", "j2", "j3"]
