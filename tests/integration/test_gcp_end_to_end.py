@@ -58,3 +58,30 @@ def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path):
     finally:
         emu.stop()
         backing.close()
+
+
+def test_a_gcp_job_waits_queued_while_no_zone_has_capacity(client, tmp_path):
+    """A refusal for capacity is a wait, not a failure: the job goes back to the queue, asks
+    again after a backoff, and runs once the zone has capacity; max_failures is never spent."""
+    backing = RayBackedNodes(client.home, read_cluster(client.home).address)
+    emu = serve(time_scale=0.02, hooks=backing.hooks())
+    try:
+        emu.stockout("us-central2-b", mode="fail")
+        spec = tiny_spec("gcp-queued", "v4-8", tmp_path, steps=4, interval=2, provider="gcp",
+                         gcp={"project": "test-project", "zones": ["us-central2-b"], "endpoint": emu.url},
+                         recovery={"start_timeout_s": 120, "max_failures": 0})
+        job = client.submit(spec)
+        deadline = time.monotonic() + 120
+        while not (job.status().state is JobState.QUEUED and "no capacity" in job.status().reason):
+            assert time.monotonic() < deadline and not job.status().done, job.status().reason
+            time.sleep(0.1)
+        assert job.status().failures == 0
+        emu.clear_stockout()
+        st = job.wait(timeout_s=420)
+        assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-2000:])
+        assert st.failures == 0  # with max_failures 0, one counted refusal would have failed the job
+        queued = [e for e in job.events() if e.kind == "state" and e.to_state == "QUEUED"]
+        assert queued and all("no capacity" in e.reason for e in queued)
+    finally:
+        emu.stop()
+        backing.close()
