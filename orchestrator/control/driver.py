@@ -186,7 +186,7 @@ class JobDriver:
     def cancel(self) -> None:
         self.att.cancel.set()
 
-    def resize(self, accelerator: str, tier: str, reason: str, step: int | None = None) -> None:
+    def resize(self, accelerator: str, tier: str, reason: str) -> None:
         """Stop at the current step (checkpointed) and go on on `accelerator` `tier`."""
         att = self.att
         att.resize_to, att.resize_tier = accelerator, tier
