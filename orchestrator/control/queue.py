@@ -64,27 +64,28 @@ class AdmissionQueue:
                 wait = retry_after(refusals, self._rng.random())
                 return self._sleep(job_id, spec, cancel, entered, wait, f"asking again in {wait:.0f} s")
         while True:
-            if cancel.is_set() or self.store.job(job_id).cancel_requested:
+            job = self.store.job(job_id)  # once a poll: its cancel flag, its place, its reason
+            if cancel.is_set() or job.cancel_requested:
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
             if spec.provider != "local":
                 return None  # a cloud job asks the cloud; only a refusal makes it wait
-            decision = self._decide(job_id, spec)
+            decision = self._decide(job, spec)
             if decision.admit:
                 return None
             if entered is None:
                 entered = self._enter(job_id, decision.reason)
-            elif self.store.job(job_id).reason != decision.reason:
+            elif job.reason != decision.reason:
                 self.store.update_job(job_id, reason=decision.reason)
             if (ended := self._timed_out(spec, entered, decision.reason)) is not None:
                 return ended
             cancel.wait(POLL_S)
 
-    def _decide(self, job_id: str, spec: JobSpec):
+    def _decide(self, job: JobRecord, spec: JobSpec):
         waiting = [_waiting(j) for j in self.store.jobs(active_only=True)
-                   if j.state is JobState.QUEUED and j.spec.get("provider", "local") == "local" and j.id != job_id]
-        me = Waiting(job_id, spec.priority, self.store.job(job_id).created_at, spec.tpu_type.hosts)
+                   if j.state is JobState.QUEUED and j.spec.get("provider", "local") == "local" and j.id != job.id]
+        me = Waiting(job.id, spec.priority, job.created_at, spec.tpu_type.hosts)
         total = self.local.max_hosts
-        return admit([*waiting, me], job_id, free_hosts=total - self.local.hosts_in_use(), total_hosts=total)
+        return admit([*waiting, me], job.id, free_hosts=total - self.local.hosts_in_use(), total_hosts=total)
 
     def _enter(self, job_id: str, reason: str) -> float:
         try:

@@ -3,7 +3,8 @@
 Every event is written through `Store.add_event(job_id, record, reason)`, which takes the
 kind from the record, and read back as `Event.payload`, the same record. No other module
 names an event kind by a string. The JSON kept in the store is the record's fields
-(`to_data`), so older rows read back as long as their keys match.
+(`to_data`); a field a row lacks (an older version's row, or a partial one) reads back as
+None, and a key the record does not know is ignored.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ class Job:
         return self._client.store.job(self.id)
 
     def status(self) -> JobStatus:
-        return self._client._status(self.record())
+        return self._client._status_of(self.record())
 
     def wait(self, *, timeout_s: float | None = None, poll_s: float = 0.5,
              on_update: Callable[[JobStatus], None] | None = None) -> JobStatus:
@@ -311,7 +311,7 @@ class Client:
         return Job(self, self.store.find_job(job_id).id)
 
     def jobs(self) -> list[JobStatus]:
-        return [self._status(j) for j in self.store.jobs()]
+        return [self._status_of(j) for j in self.store.jobs()]
 
     def cluster_state(self) -> str:
         """"up" while the embedded cluster runs, "gone" when it does not, "remote" for a cluster at `address`.
@@ -325,7 +325,8 @@ class Client:
             self._cluster_seen = (now, "up" if cluster.read_cluster(self.home) is not None else "gone")
         return self._cluster_seen[1]
 
-    def _status(self, job: JobRecord) -> JobStatus:
+    def _status_of(self, job: JobRecord) -> JobStatus:
+        """The job's status, with its place in the queue and, while not ended, whether a cluster runs it."""
         from orchestrator.control.queue import queue_position
 
         st = _status(job, self.store.last_step(job.id))
