@@ -72,9 +72,12 @@ class MeshPlan:
         return self.global_batch_size // self.batch_shards
 
 
-def plan_mesh(*, num_devices: int, num_hosts: int, wishes: dict[str, int], shape: ModelShape,
+def plan_mesh(*, num_devices: int, num_hosts: int, wishes: dict[str, int], shape: ModelShape | None,
               global_batch_size: int) -> MeshPlan:
-    """Resolve the mesh wishes against the slice, or raise MeshError saying what does not divide."""
+    """Resolve the mesh wishes against the slice, or raise MeshError saying what does not divide.
+
+    `shape` None (a user's own model): the model's dimensions are not checked against the axes.
+    """
     sizes = {axis: int(wishes.get(axis, 1)) for axis in AXES}
     rest = [axis for axis, n in sizes.items() if n == -1]
     if len(rest) > 1:
@@ -92,7 +95,7 @@ def plan_mesh(*, num_devices: int, num_hosts: int, wishes: dict[str, int], shape
         raise MeshError("global_batch_size",
                         f"global_batch_size={global_batch_size} is not divisible by data*fsdp="
                         f"{sizes['data'] * sizes['fsdp']}")
-    checks = [
+    checks = [] if shape is None else [
         ("model", sizes["model"], "n_heads", shape.n_heads),
         ("model", sizes["model"], "n_kv_heads", shape.n_kv_heads),
         ("model", sizes["model"], "d_ff", shape.d_ff),

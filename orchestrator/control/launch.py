@@ -37,9 +37,20 @@ def workload_for(spec: JobSpec, devices: int, hosts: int) -> dict:
     common = {"fence_file": f"{ckpt}/.fence", "metadata_url": spec.recovery.metadata_url}
     if isinstance(w, EntrypointWorkload):
         return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "checkpoint_dir": ckpt,
-                "workdir": spec.workdir, **common}
+                "workdir": spec.workdir, "training": training_settings(spec, devices, hosts), **common}
     assert isinstance(w, LmWorkload)
     return {"type": "lm", "config": train_config(spec, devices, hosts).to_dict(), **common}
+
+
+def training_settings(spec: JobSpec, devices: int, hosts: int) -> dict:
+    """What a user program's `workers.api.Context` is told: its settings, resolved on this slice."""
+    w = spec.workload
+    assert isinstance(w, EntrypointWorkload)
+    plan = plan_mesh(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(), shape=None,
+                     global_batch_size=w.global_batch_size or devices)
+    return {"steps": w.steps, "seq_len": w.seq_len, "global_batch_size": w.global_batch_size, "seed": w.seed,
+            "mesh_shape": list(plan.shape), "data": w.data.path if w.data else None,
+            "checkpoint_interval": spec.checkpoint.interval_steps, "checkpoint_keep": spec.checkpoint.keep}
 
 
 def train_config(spec: JobSpec, devices: int, hosts: int) -> TrainConfig:

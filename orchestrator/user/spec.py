@@ -98,32 +98,62 @@ class MeshWishes(_Frozen):
         return v
 
 
+class DataConfig(_Frozen):
+    """Token files a user brings (the format: `workers.tokens`; made by `orchestrator data prepare`)."""
+
+    # A folder of token files: an absolute path (in a job file a relative one is taken from the
+    # file's folder) or a URL (gs://bucket/folder, file://, memory://) read through fsspec.
+    path: str
+
+    @field_validator("path")
+    @classmethod
+    def _path_form(cls, v: str) -> str:
+        if not v.strip() or any(c in v for c in "\0\n\r"):
+            raise ValueError(f"must be a non-empty path or URL without NUL or line breaks, got {v!r}")
+        if "://" not in v and not Path(v).is_absolute():
+            raise ValueError(f"must be an absolute path or a URL, got {v!r} (in a job file, a relative path is "
+                             "taken from the file's folder)")
+        return v
+
+
+SeqLen = Annotated[int, Field(gt=0, le=2**17)]  # 131072 tokens of context
+GlobalBatch = Annotated[int, Field(gt=0, le=2**20)]
+Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]  # JAX's PRNG key takes a uint32 seed
+
+
 class LmWorkload(_Frozen):
     """The built-in language-model trainer."""
 
     type: Literal["lm"] = "lm"
     model: ModelConfig = ModelConfig()
     # Each bounded alone, and their product by MAX_TOKENS_PER_STEP (checked with the other fields).
-    seq_len: Annotated[int, Field(gt=0, le=2**17)] = 128  # 131072 tokens of context
-    global_batch_size: Annotated[int, Field(gt=0, le=2**20)] = 16
+    seq_len: SeqLen = 128
+    global_batch_size: GlobalBatch = 16
     steps: Steps = 100
     learning_rate: Schedule = Schedule()
-    seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = 0  # JAX's PRNG key takes a uint32 seed
+    seed: Seed = 0
     mesh: MeshWishes = MeshWishes()
     kernels: Literal["pallas", "xla"] | None = None  # None: chosen from the backend (Pallas on TPU)
+    data: DataConfig | None = None  # None: the bytes of Python's standard library (zero setup)
 
 
 class EntrypointWorkload(_Frozen):
     """A user function ``module:function`` called on every host once the JAX runtime is up.
 
-    It receives a `workers.context.WorkerContext` (rank, mesh helpers, checkpoint
-    directory, a `report(step, loss, tokens)` callback) and returns when done.
+    It receives a `workers.api.Context`: the slice's mesh, `restore_or_init`, the step loop
+    that saves, stops on notices and reports, and the dataset (see `workers.api`). The
+    training settings below reach it as `ctx.steps`, `ctx.global_batch_size`, ...
     """
 
     type: Literal["entrypoint"]
     entrypoint: str
     args: dict[str, Any] = Field(default_factory=dict)
-    steps: Steps | None = None  # for progress display only
+    steps: Steps | None = None  # the step loop's length; None: the program's own (progress shows no total)
+    seq_len: SeqLen | None = None  # tokens per row of `ctx.dataset` (needs `data` or the default corpus)
+    global_batch_size: GlobalBatch | None = None  # rows per step, over all hosts
+    seed: Seed = 0
+    mesh: MeshWishes = MeshWishes()
+    data: DataConfig | None = None  # None: the bytes of Python's standard library, if the program asks for data
 
     @field_validator("entrypoint")
     @classmethod
@@ -294,7 +324,7 @@ class JobSpec(_Frozen):
             return [("gcp", "provider gcp needs a gcp section with at least project and zones")]
         w = self.workload
         if not isinstance(w, LmWorkload):
-            return []
+            return self._entrypoint_problems(w)
         m = w.model
         problems: list[tuple[str, str]] = []
         tokens = w.global_batch_size * (w.seq_len + 1)  # inputs and the shifted targets
@@ -323,17 +353,38 @@ class JobSpec(_Frozen):
             problems.append((f"workload.{e.field}", f"{e} (accelerator {self.accelerator} has {self.tpu_type.chips} devices)"))
         return problems
 
+    def _entrypoint_problems(self, w: EntrypointWorkload) -> list[tuple[str, str]]:
+        """A user program's batch settings against the slice (its model is its own: not checked here)."""
+        if w.global_batch_size is None:
+            return []
+        try:
+            plan_mesh(num_devices=self.tpu_type.chips, num_hosts=self.tpu_type.hosts, wishes=w.mesh.model_dump(),
+                      shape=None, global_batch_size=w.global_batch_size)
+        except MeshError as e:
+            return [(f"workload.{e.field}", f"{e} (accelerator {self.accelerator} has {self.tpu_type.chips} devices)")]
+        return []
+
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
 def _resolve_checkpoint_dir(data: Any, folder: Path) -> Any:
-    """`data` with a relative checkpoint.directory taken from `folder` (the job file's), not the shell's."""
-    ckpt = data.get("checkpoint") if isinstance(data, dict) else None
-    directory = ckpt.get("directory") if isinstance(ckpt, dict) else None
-    if not isinstance(directory, str) or not directory.strip() or "\0" in directory or Path(directory).is_absolute():
-        return data  # nothing to resolve, or a value the validator refuses with its own message
-    return {**data, "checkpoint": {**ckpt, "directory": str((folder / directory).resolve())}}
+    """`data` with relative paths (checkpoint.directory, workload.data.path) taken from `folder`, the job file's."""
+    def resolved(value: Any) -> Any:
+        if not isinstance(value, str) or not value.strip() or "\0" in value or "://" in value:
+            return None  # nothing to resolve, or a value the validator refuses with its own message
+        return None if Path(value).is_absolute() else str((folder / value).resolve())
+
+    if not isinstance(data, dict):
+        return data
+    ckpt = data.get("checkpoint")
+    if isinstance(ckpt, dict) and resolved(ckpt.get("directory")):
+        data = {**data, "checkpoint": {**ckpt, "directory": resolved(ckpt["directory"])}}
+    workload = data.get("workload")
+    source = workload.get("data") if isinstance(workload, dict) else None
+    if isinstance(source, dict) and resolved(source.get("path")):
+        data = {**data, "workload": {**workload, "data": {**source, "path": resolved(source["path"])}}}
+    return data
 
 
 def _describe(err: dict) -> tuple[str, str]:

@@ -44,7 +44,7 @@ CASES = {
                     "workload, checkpoint, recovery, autoscaling, budget_usd, deadline, priority, queue_timeout, workdir"),
     "nested unknown key": ("name: a\nworkload: {type: lm, modle: {}}\n",
                            "job.yaml: workload.modle: unknown key; allowed keys here: type, model, seq_len, "
-                           "global_batch_size, steps, learning_rate, seed, mesh, kernels"),
+                           "global_batch_size, steps, learning_rate, seed, mesh, kernels, data"),
     "wrong type": ("name: a\ncheckpoint: {interval_steps: often}\n",
                    "job.yaml: checkpoint.interval_steps: Input should be a valid integer, unable to parse string "
                    "as an integer"),
