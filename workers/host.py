@@ -29,8 +29,7 @@ import traceback
 import ray
 
 from workers import runtime
-from workers.protocol import (Ending, Lines, Noticed, Ready, Report, Saved, StepDone, Timings,
-                              WorkerResult)
+from workers.protocol import Ending, Lines, Noticed, Ready, Report, StepDone, WorkerResult
 from workers.notices import MetadataWatcher, install_sigterm
 
 log = logging.getLogger(__name__)
@@ -92,6 +91,7 @@ class HostWorker:
         self._result: WorkerResult | None = None
         self._history: list[dict] = []
         self._fence_file: str | None = None
+        self._steps_total: int | None = None  # for the progress lines in the log
         self._out = _LineBuffer(sys.stdout)
         sys.stdout = self._out  # what the job's code prints reaches `orchestrator logs` (and still Ray's log file)
         runtime.configure(platform=platform, devices_per_host=devices_per_host, compile_cache_dir=compile_cache_dir)
@@ -198,48 +198,50 @@ class HostWorker:
 
         return bool(np.any(multihost_utils.process_allgather(np.int32(mine))))
 
+    def _hooks(self, workload: dict) -> dict:
+        """This worker's side of the training API's context (`workers.api.Context`)."""
+        return dict(rank=self.rank, num_hosts=self.num_hosts, peak_flops_per_chip=workload.get("peak_flops_per_chip"),
+                    stop_requested=self._notice.is_set, may_write=self._may_write,
+                    agreed_stop=self._any_host_noticed, send=self._send)
+
+    def _ended(self, loop) -> WorkerResult:
+        """How a program that ran the API's loop ended (all hosts get here together)."""
+        from workers.api import param_checksums
+
+        if loop.stopped and not loop.completed:
+            return WorkerResult(Ending.STOPPED, self.rank, steps=loop.step, notice=self._notice_reason)
+        state = loop.state
+        params = state["params"] if isinstance(state, dict) and "params" in state else state
+        return WorkerResult(Ending.SUCCEEDED, self.rank, steps=loop.step, param_sums=param_checksums(params))
+
     def _run_lm(self, workload: dict) -> WorkerResult:
-        from workers.train import Trainer, TrainConfig, param_checksums  # after runtime.configure
+        from workers.train import Trainer, TrainConfig, context_for  # after runtime.configure
 
         cfg = TrainConfig.from_dict(workload["config"])
-        trainer = Trainer(cfg, may_write=self._may_write)
-        every = max(1, cfg.steps // 10)
-
-        def on_ready(t):
-            self._send(Timings(t.restore_s, t.compile_s, t.restored_step, tuple(t.unreadable)))
-
-        def on_step(r):
-            report = StepDone(r.step, r.loss, r.tokens_per_s, r.step_time_s)
-            self._history.append({**dataclasses.asdict(report), "at": time.time()})
-            if self.rank == 0 and ((r.step + 1) % every == 0 or r.step + 1 == cfg.steps):
-                log.info("step %d/%d loss %.4f (%.0f tokens/s)", r.step + 1, cfg.steps, r.loss, r.tokens_per_s)
-            self._send(report)
-
-        def on_save(step, blocking_s):
-            self._send(Saved(step, blocking_s))
-
-        state, done = trainer.run(on_step=on_step, on_ready=on_ready, on_save=on_save,
-                                  should_stop=self._any_host_noticed)
-        if done < cfg.steps:
-            return WorkerResult(Ending.STOPPED, self.rank, steps=done, notice=self._notice_reason)
-        return WorkerResult(Ending.SUCCEEDED, self.rank, steps=done, param_sums=param_checksums(state["params"]))
+        self._steps_total = cfg.steps
+        ctx = context_for(cfg, **self._hooks(workload))
+        trainer = Trainer(cfg, ctx)
+        trainer.run()
+        return self._ended(ctx.last_loop)
 
     def _run_entrypoint(self, workload: dict) -> WorkerResult:
-        from workers.context import WorkerContext
-
         module_name, fn_name = workload["entrypoint"].split(":")
         if workload.get("workdir") and workload["workdir"] not in sys.path:
             sys.path.insert(0, workload["workdir"])
         fn = getattr(importlib.import_module(module_name), fn_name)
+        training = dict(workload.get("training") or {})
+        if training.get("mesh_shape"):
+            training["mesh_shape"] = tuple(training["mesh_shape"])
+        from workers import api
 
-        def report(step, loss, tokens_per_s=None):
-            self._send(StepDone(step, loss, tokens_per_s))
-
-        ctx = WorkerContext(rank=self.rank, num_hosts=self.num_hosts, args=workload.get("args", {}),
-                            checkpoint_dir=workload.get("checkpoint_dir"), stop_requested=self._notice.is_set,
-                            may_write=self._may_write, report=report)
+        self._steps_total = training.get("steps")
+        ctx = api.Context(args=workload.get("args", {}), checkpoint_dir=workload.get("checkpoint_dir"),
+                          **training, **self._hooks(workload))
         fn(ctx)
-        return WorkerResult(Ending.SUCCEEDED, self.rank)
+        if ctx.last_loop is not None:
+            ctx.last_loop.close()
+            return self._ended(ctx.last_loop)
+        return WorkerResult(Ending.SUCCEEDED, self.rank)  # a program that runs its own loop
 
     # -- fencing and reporting ------------------------------------------------------
 
@@ -260,6 +262,15 @@ class HostWorker:
             return False
         return current == self.generation
 
+    def _log_progress(self, r: StepDone) -> None:
+        total = self._steps_total
+        if self.rank != 0 or not total:
+            return
+        every = max(1, total // 10)
+        if (r.step + 1) % every == 0 or r.step + 1 == total:
+            rate = f" ({r.tokens_per_s:.0f} tokens/s)" if r.tokens_per_s else ""
+            log.info("step %d/%d loss %.4f%s", r.step + 1, total, r.loss, rate)
+
     def _ctrl(self):
         if self._controller is None and self._controller_name:
             name, namespace = self._controller_name
@@ -270,6 +281,9 @@ class HostWorker:
         return self._controller
 
     def _send(self, report: Report) -> None:
+        if isinstance(report, StepDone):
+            self._history.append({**dataclasses.asdict(report), "at": time.time()})
+            self._log_progress(report)
         lines = self._out.drain()
         ctrl = self._ctrl()
         if ctrl is None:

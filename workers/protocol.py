@@ -9,7 +9,7 @@ workers import nothing of the controller.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class StepDone:
     loss: float
     tokens_per_s: float | None = None
     step_time_s: float | None = None
+    # The program's own metrics, and the loop's: tflops_per_chip, mfu, hbm_in_use_gib, hbm_peak_gib.
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,20 @@ def main(argv: list[str] | None = None) -> None:
     from workers import runtime
 
     runtime.configure(platform="cpu", devices_per_host=args.devices, compile_cache_dir=args.compile_cache)
-    from workers.train import TrainConfig, Trainer, param_checksums
+    from workers.protocol import StepDone
+    from workers.train import TrainConfig, Trainer, context_for, param_checksums
 
     with open(args.config) as f:
         cfg = TrainConfig.from_dict(json.load(f))
     losses, times = [], []
+
+    def send(report):
+        if isinstance(report, StepDone):
+            losses.append(report.loss)
+            times.append(report.step_time_s)
+
     t0 = time.perf_counter()
-    trainer = Trainer(cfg)
-    state, done = trainer.run(on_step=lambda r: (losses.append(r.loss), times.append(r.step_time_s)))
+    state, done = Trainer(cfg, context_for(cfg, send=send)).run()
     params = param_checksums(state["params"])
     with open(args.out, "w") as f:
         json.dump({"losses": losses, "step_times_s": times, "steps": done, "wall_s": time.perf_counter() - t0,

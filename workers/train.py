@@ -1,4 +1,4 @@
-"""The sharded train loop of the built-in language-model trainer, with orbax checkpoints.
+"""The built-in language-model trainer, on the training API (`workers.api`) as users' programs are.
 
 `Trainer` runs the same way in a plain script (the benchmarks' bare baseline, the
 tests' single-process reference) and on every host of a slice under the controller.
@@ -14,19 +14,16 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-import orbax.checkpoint as ocp
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from policies.model_shape import ModelShape
-from policies.sharding import AXES, BATCH_AXES, PARAM_RULES
-from workers import data, runtime
+from policies.sharding import BATCH_AXES, PARAM_RULES
+from workers import api, runtime
 from workers.model import init_params, loss_fn, param_roles
 
 log = logging.getLogger(__name__)
@@ -50,6 +47,7 @@ class TrainConfig:
     checkpoint_interval: int = 20
     checkpoint_keep: int = 3
     implementation: str | None = None
+    data: str | None = None  # token files (`workers.tokens`); None: the standard library's bytes
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -66,28 +64,13 @@ class TrainConfig:
         return self.global_batch_size * self.seq_len
 
 
-@dataclass(frozen=True)
-class StepReport:
-    step: int  # index of the step just done (0-based); `step + 1` steps are complete
-    loss: float
-    step_time_s: float
-    tokens_per_s: float
-
-
-@dataclass(frozen=True)
-class Timings:
-    restore_s: float = 0.0  # reading the checkpoint, or initializing parameters on a fresh start
-    compile_s: float = 0.0
-    restored_step: int | None = None
-    unreadable: tuple[int, ...] = ()  # newer checkpoints that could not be read, newest first
-
-
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, may_write: Callable[[], bool] | None = None):
+    """The built-in trainer: its model, optimizer and shardings around the training API's loop."""
+
+    def __init__(self, cfg: TrainConfig, ctx: api.Context | None = None):
         self.cfg = cfg
-        self.may_write = may_write or (lambda: True)
-        devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # host-major
-        self.mesh = Mesh(np.array(devices).reshape(cfg.mesh_shape), AXES)
+        self.ctx = ctx or context_for(cfg)
+        self.mesh = self.ctx.mesh
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES, None))
         schedule = optax.warmup_cosine_decay_schedule(
@@ -97,18 +80,13 @@ class Trainer:
                                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
         self.param_shardings = jax.tree.map(self._param_sharding, param_roles(cfg.model),
                                             is_leaf=lambda x: isinstance(x, (str, tuple)))
-        abstract_params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg.model))
-        abstract_opt = jax.eval_shape(self.optimizer.init, abstract_params)
-        opt_shardings = optax.tree_map_params(self.optimizer, lambda _, s: s, abstract_opt, self.param_shardings,
-                                              transform_non_params=lambda _: self.replicated)
+        abstract = jax.eval_shape(self._init, jax.random.key(0))
+        opt_shardings = optax.tree_map_params(self.optimizer, lambda _, s: s, abstract["opt_state"],
+                                              self.param_shardings, transform_non_params=lambda _: self.replicated)
         self.state_shardings = {"params": self.param_shardings, "opt_state": opt_shardings,
                                 "step": self.replicated}
-        self.abstract_state = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            {"params": abstract_params, "opt_state": abstract_opt,
-             "step": jax.ShapeDtypeStruct((), jnp.int32)},
-            self.state_shardings)
-        self._manager: ocp.CheckpointManager | None = None
+        self.abstract_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                           abstract, self.state_shardings)
 
     def _param_sharding(self, role) -> NamedSharding:
         if isinstance(role, tuple):  # ("stacked", role): a leading layer axis, replicated
@@ -117,75 +95,19 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------
 
+    def _init(self, key: jax.Array) -> dict:
+        params = init_params(key, self.cfg.model)
+        return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.int32(0)}
+
     def init_state(self) -> dict:
-        def init():
-            params = init_params(jax.random.key(self.cfg.seed), self.cfg.model)
-            return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.int32(0)}
+        """A fresh state, compiled once per program and kept (`runtime.compile_keyed`)."""
+        key = jax.random.key(self.cfg.seed)
+        lower = lambda: jax.jit(self._init, out_shardings=self.state_shardings).lower(key)  # noqa: E731
+        return runtime.compile_keyed(self._program_id("init_state"), lower)(key)
 
-        lower = jax.jit(init, out_shardings=self.state_shardings).lower
-        return runtime.compile_keyed(self._program_id("init_state"), lower)()
-
-    @property
-    def manager(self) -> ocp.CheckpointManager | None:
-        if self._manager is None and self.cfg.checkpoint_dir:
-            self._manager = ocp.CheckpointManager(
-                self.cfg.checkpoint_dir,
-                options=ocp.CheckpointManagerOptions(
-                    max_to_keep=self.cfg.checkpoint_keep, enable_async_checkpointing=True,
-                    cleanup_tmp_directories=True, create=True))
-        return self._manager
-
-    def restore_or_init(self) -> tuple[dict, Timings]:
+    def restore_or_init(self) -> dict:
         """The newest readable committed checkpoint, falling back step by step; else a fresh state."""
-        t0 = time.perf_counter()
-        mngr = self.manager
-        unreadable: list[int] = []
-        for step in sorted(mngr.all_steps(), reverse=True) if mngr else []:
-            try:
-                state = mngr.restore(step, args=ocp.args.StandardRestore(self.abstract_state))
-            except Exception as e:  # an unreadable checkpoint: try the one before
-                log.warning("checkpoint at step %d is unreadable (%s: %s); trying the one before",
-                            step, type(e).__name__, str(e)[:300])
-                unreadable.append(int(step))
-                continue
-            self._set_aside(unreadable)
-            return state, Timings(restore_s=time.perf_counter() - t0, restored_step=int(step),
-                                  unreadable=tuple(unreadable))
-        self._set_aside(unreadable)
-        return self.init_state(), Timings(restore_s=time.perf_counter() - t0, unreadable=tuple(unreadable))
-
-    def _set_aside(self, steps: list[int]) -> None:
-        """Move unreadable checkpoints out of orbax's sight (kept for inspection), so the steps can be saved again."""
-        if not steps:
-            return
-        from etils import epath
-        from jax.experimental import multihost_utils
-
-        if jax.process_index() == 0:
-            root = epath.Path(self.cfg.checkpoint_dir)
-            for step in steps:
-                target = root / f"{step}.unreadable-{int(time.time())}"
-                (root / str(step)).rename(target)
-                log.warning("moved unreadable checkpoint %d aside to %s", step, target)
-        if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("checkpoints set aside")
-        self.manager.reload()
-
-    def save(self, step: int, state: dict, *, force: bool = False) -> bool:
-        """Start an async save of `state` after `step` complete steps; False when fenced off."""
-        mngr = self.manager
-        if mngr is None:
-            return False
-        if not self.may_write():
-            log.warning("not saving step %d: this worker's generation is no longer current", step)
-            return False
-        return mngr.save(step, args=ocp.args.StandardSave(state), force=force)
-
-    def close(self) -> None:
-        if self._manager is not None:
-            self._manager.wait_until_finished()
-            self._manager.close()
-            self._manager = None
+        return self.ctx.restore_or_init(self._init, self.state_shardings, initialize=self.init_state)
 
     # -- steps -------------------------------------------------------------------
 
@@ -212,52 +134,31 @@ class Trainer:
         skip = ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep")
         return runtime.program_id(name, {k: v for k, v in self.cfg.to_dict().items() if k not in skip})
 
-    def batch(self, step: int) -> jax.Array:
-        c = self.cfg
-        shape = (c.global_batch_size, c.seq_len + 1)
-        return jax.make_array_from_callback(
-            shape, self.batch_sharding,
-            lambda index: data.batch_rows(c.seed, step, c.global_batch_size, c.seq_len, index[0]))
-
-    def run(self, *, on_step: Callable[[StepReport], None] | None = None,
-            should_stop: Callable[[], bool] | None = None,
-            on_ready: Callable[[Timings], None] | None = None,
-            on_save: Callable[[int, float], None] | None = None) -> tuple[dict, int]:
+    def run(self) -> tuple[dict, int]:
         """Train from the latest checkpoint to `cfg.steps`; returns (state, completed steps).
 
-        `should_stop` is asked after every step (a preemption notice): the state is then
-        saved at the current step, the save committed, and the loop returns early.
+        On a notice to any host (the context's `agreed_stop`) every host stops after the
+        same step, with that step's checkpoint committed, and returns early.
         """
-        c = self.cfg
-        threading.Thread(target=data.corpus, daemon=True).start()  # read it while restoring and compiling
-        state, timings = self.restore_or_init()
+        ctx = self.ctx
+        threading.Thread(target=lambda: ctx.dataset, daemon=True).start()  # read it while restoring and compiling
+        state = self.restore_or_init()
         t0 = time.perf_counter()
         step_fn = self.compile()
-        timings = dataclasses.replace(timings, compile_s=time.perf_counter() - t0)
-        if on_ready:
-            on_ready(timings)
-        done = int(np.asarray(state["step"].addressable_data(0)))
-        while done < c.steps:
-            t = time.perf_counter()
-            state, loss = step_fn(state, self.batch(done))
-            loss_v = float(np.asarray(loss.addressable_data(0)))
-            dt = time.perf_counter() - t
-            done += 1
-            stop = bool(should_stop and should_stop())  # every process must ask, every step (a collective)
-            if done % c.checkpoint_interval == 0 or done == c.steps or stop:
-                t = time.perf_counter()
-                if self.save(done, state, force=True) and on_save:
-                    on_save(done, time.perf_counter() - t)  # the blocking part; the write goes on behind
-            if on_step:
-                on_step(StepReport(done - 1, loss_v, dt, c.tokens_per_step / dt))
-            if stop:
-                break
-        self.close()  # waits until the last save is committed
-        return state, done
+        flops = self.cfg.model.flops_per_token(self.cfg.seq_len) * self.cfg.tokens_per_step
+        with ctx.loop(state, flops_per_step=flops, compile_s=time.perf_counter() - t0) as loop:
+            for step in loop:
+                state, loss = step_fn(loop.state, ctx.batch(step))
+                loop.done(state, loss=loss)
+        return loop.state, loop.step
 
 
-def param_checksums(params: dict) -> dict[str, float]:
-    """The sum of each parameter array, for comparing two runs' final models (all processes must call)."""
-    sums = jax.jit(lambda p: jax.tree.map(jnp.sum, p))(params)
-    flat, _ = jax.tree_util.tree_flatten_with_path(sums)
-    return {jax.tree_util.keystr(path): float(np.asarray(x.addressable_data(0))) for path, x in flat}
+def context_for(cfg: TrainConfig, **hooks) -> api.Context:
+    """The training API's context for the built-in trainer's config (`hooks`: the host's, if any)."""
+    return api.Context(steps=cfg.steps, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
+                       seed=cfg.seed, mesh_shape=tuple(cfg.mesh_shape), data=cfg.data,
+                       checkpoint_dir=cfg.checkpoint_dir, checkpoint_interval=cfg.checkpoint_interval,
+                       checkpoint_keep=cfg.checkpoint_keep, **hooks)
+
+
+param_checksums = api.param_checksums

@@ -1,0 +1,377 @@
+"""The training API: a user's own JAX program gets every guarantee the built-in trainer has.
+
+A job file with ``workload: {type: entrypoint, entrypoint: "train:main", ...}`` names a
+function that every host of the slice calls with a `Context` once the multi-host JAX
+runtime is up. Around the user's own ``init`` and ``train_step`` it gives::
+
+    from workers import api
+
+    def main(ctx: api.Context):
+        optimizer = optax.adamw(1e-3)
+
+        def init(key):                                  # the user's own model and optimizer
+            params = my_model.init(key)
+            return {"params": params, "opt_state": optimizer.init(params)}
+
+        state = ctx.restore_or_init(init)               # newest checkpoint, resharded; or fresh
+        step_fn = jax.jit(train_step, donate_argnums=0)
+        with ctx.loop(state) as loop:
+            for step in loop:                           # from the restored step to ctx.steps
+                state, loss = step_fn(loop.state, ctx.batch(step))
+                loop.done(state, loss=loss)             # saves, agrees on stops, reports
+
+- the slice's mesh (`ctx.mesh`, axes ``data, fsdp, model`` from the spec's mesh wishes)
+  and shardings for any pytree (`ctx.shardings`: FSDP over the ``fsdp`` axis by default);
+- `restore_or_init`: the newest committed checkpoint of the whole pytree restored onto
+  this slice's mesh, whatever mesh wrote it, falling back past unreadable ones;
+- the step loop (`Loop`): it saves at the interval the controller hands it (on spot, the
+  cost policy's), stops every host after the same step on a preemption notice or a
+  cancel with that step committed, never writes from a fenced-off generation, and
+  reports step, loss, tokens/s and the user's metrics to `status`, Prometheus and the report;
+- the data position (`ctx.batch`): batch ``s`` is a pure function of ``(seed, s)`` and the
+  global batch, each host reading only its rows, so a resumed or resized run sees
+  exactly the batches an uninterrupted run would. The checkpoint records the seed and
+  the data's fingerprint; a restore onto other data is refused.
+
+The built-in trainer (`workers.train`) runs on this same API. Programs written for the
+older 7-field context keep working: `rank`, `num_hosts`, `args`, `checkpoint_dir`,
+`stop_requested`, `may_write` and `report` are still here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from policies.sharding import AXES, BATCH_AXES
+from workers.checkpoints import Checkpoints
+from workers.protocol import Report, Saved, StepDone, Timings
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Context", "DataMismatch", "Loop", "local_context", "param_checksums"]
+
+
+class DataMismatch(ValueError):
+    """A checkpoint was trained on other data (or another seed) than this run reads."""
+
+
+@dataclasses.dataclass
+class Context:
+    """What a host's program gets: who it is, its settings on this slice, and the services above."""
+
+    rank: int = 0  # this host's worker id (0 is the coordinator)
+    num_hosts: int = 1
+    args: dict[str, Any] = dataclasses.field(default_factory=dict)  # the job file's `workload.args`
+    checkpoint_dir: str | None = None
+    # Training settings from the job file (None where the job file leaves them out).
+    steps: int | None = None
+    seq_len: int | None = None
+    global_batch_size: int | None = None
+    seed: int = 0
+    mesh_shape: tuple[int, ...] | None = None  # (data, fsdp, model); None: every device on `data`
+    data: str | None = None  # token files (`workers.tokens`); None: the standard library's bytes
+    checkpoint_interval: int = 20  # on spot, the cost policy's interval
+    checkpoint_keep: int = 3
+    peak_flops_per_chip: float | None = None  # the slice type's bf16 peak, for MFU
+    # Hooks to the host (defaults: a plain process with no controller).
+    stop_requested: Callable[[], bool] = lambda: False  # True once this host got a notice
+    may_write: Callable[[], bool] = lambda: True  # False once a newer generation was launched
+    agreed_stop: Callable[[], bool] | None = None  # whether any host got a notice (all must call it)
+    send: Callable[[Report], None] = lambda report: None  # to the controller
+
+    def __post_init__(self):
+        self._mesh: Mesh | None = None
+        self._dataset = None
+        self._checkpoints: Checkpoints | None = None
+        self.restored_step: int | None = None
+        self.unreadable: tuple[int, ...] = ()
+        self.restore_s = 0.0
+        self.last_loop: Loop | None = None
+
+    # -- the old context's report, kept for programs that call it --------------
+
+    def report(self, step: int, loss: float, tokens_per_s: float | None = None) -> None:
+        self.send(StepDone(step, float(loss), tokens_per_s))
+
+    # -- mesh and shardings ----------------------------------------------------
+
+    @property
+    def mesh(self) -> Mesh:
+        """The slice's devices as a mesh with axes ``(data, fsdp, model)``, hosts in order."""
+        if self._mesh is None:
+            devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # host-major
+            shape = tuple(self.mesh_shape) if self.mesh_shape else (len(devices), 1, 1)
+            self._mesh = Mesh(np.array(devices).reshape(shape), AXES)
+        return self._mesh
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        """Rows over the data and fsdp axes: each host holds the rows its devices train on."""
+        return NamedSharding(self.mesh, P(BATCH_AXES))
+
+    def shardings(self, tree: Any, rule: Callable[[jax.ShapeDtypeStruct], P] | None = None) -> Any:
+        """A `NamedSharding` for every leaf of `tree` (arrays or shape structs) on this mesh.
+
+        `rule` maps a leaf to its `PartitionSpec`; the default, `fsdp_spec`, shards each
+        array's largest axis that the ``fsdp`` axis divides and replicates the rest (with
+        ``fsdp: 1``, the default mesh, everything is replicated and the batch is split).
+        """
+        rule = rule or (lambda leaf: fsdp_spec(leaf.shape, self.mesh.shape["fsdp"]))
+        return jax.tree.map(lambda leaf: NamedSharding(self.mesh, rule(leaf)), tree)
+
+    # -- state -----------------------------------------------------------------
+
+    @property
+    def checkpoints(self) -> Checkpoints | None:
+        if self._checkpoints is None and self.checkpoint_dir:
+            self._checkpoints = Checkpoints(self.checkpoint_dir, keep=self.checkpoint_keep, may_write=self.may_write)
+        return self._checkpoints
+
+    def restore_or_init(self, init: Callable[[jax.Array], Any], shardings: Any = None, *,
+                        initialize: Callable[[], Any] | None = None) -> Any:
+        """The newest readable checkpoint restored onto this mesh, or ``init(PRNGKey(seed))``.
+
+        `shardings`: a pytree of `NamedSharding` matching the state (default:
+        `self.shardings` of its shapes). `initialize`: how to make the fresh state, when
+        the caller has its own compiled initializer (the built-in trainer's is cached).
+        """
+        t0 = time.perf_counter()
+        key = jax.random.key(self.seed)
+        abstract = jax.eval_shape(init, key)
+        if shardings is None:
+            shardings = self.shardings(abstract)
+        state = None
+        if self.checkpoints is not None:
+            target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+            found, unreadable = self.checkpoints.restore_newest(target)
+            self.unreadable = tuple(unreadable)
+            if found is not None:
+                self._check_same_data(found.meta, found.step)
+                state, self.restored_step = found.state, found.step
+        if state is None:
+            state = initialize() if initialize else jax.jit(init, out_shardings=shardings)(key)
+        self.restore_s = time.perf_counter() - t0
+        return state
+
+    def data_meta(self) -> dict:
+        """What the batches depend on, recorded in every checkpoint."""
+        meta: dict[str, Any] = {"seed": self.seed}
+        if self.seq_len is not None:
+            meta["data"] = self.dataset.fingerprint
+        return meta
+
+    def _check_same_data(self, meta: dict, step: int) -> None:
+        mine = self.data_meta()
+        for key in ("seed", "data"):
+            if key in meta and key in mine and meta[key] != mine[key]:
+                raise DataMismatch(
+                    f"the checkpoint of step {step} in {self.checkpoint_dir} was trained with {key} "
+                    f"{meta[key]!r}, this run has {mine[key]!r}: continuing would not see the batches an "
+                    "uninterrupted run would (use a new checkpoint directory for a new run)")
+
+    # -- data ------------------------------------------------------------------
+
+    @property
+    def dataset(self):
+        """The job's token files (`workers.tokens`), opened once."""
+        if self._dataset is None:
+            from workers import tokens
+
+            self._dataset = tokens.open_dataset(self.data)
+        return self._dataset
+
+    def batch(self, step: int) -> jax.Array:
+        """Batch `step`: int32 tokens ``[global_batch_size, seq_len + 1]``, rows over the batch axes.
+
+        Each host reads only the rows its devices hold; the values depend only on
+        ``(seed, step)``, not on the mesh or on how many times the job restarted.
+        """
+        if self.seq_len is None or self.global_batch_size is None:
+            raise ValueError("ctx.batch needs workload.seq_len and workload.global_batch_size in the job file")
+        n, s, seed, dataset = self.global_batch_size, self.seq_len, self.seed, self.dataset
+        return jax.make_array_from_callback(
+            (n, s + 1), NamedSharding(self.mesh, P(BATCH_AXES, None)),
+            lambda index: dataset.rows(seed, step, n, s, index[0]))
+
+    # -- the loop --------------------------------------------------------------
+
+    def loop(self, state: Any, *, start: int | None = None, flops_per_step: float | None = None,
+             tokens_per_step: int | None = None, compile_s: float = 0.0) -> Loop:
+        """The step loop from the restored step (or `start`) to `self.steps`."""
+        if self.steps is None:
+            raise ValueError("ctx.loop needs workload.steps in the job file")
+        if tokens_per_step is None and self.seq_len and self.global_batch_size:
+            tokens_per_step = self.seq_len * self.global_batch_size
+        first = start if start is not None else (self.restored_step or 0)
+        self.send(Timings(self.restore_s, compile_s, self.restored_step, self.unreadable))
+        self.last_loop = Loop(self, state, first, flops_per_step=flops_per_step, tokens_per_step=tokens_per_step)
+        return self.last_loop
+
+
+def fsdp_spec(shape: tuple[int, ...], fsdp: int) -> P:
+    """Shard the largest axis that `fsdp` divides (the first of equals); replicate if none does."""
+    if fsdp <= 1 or not shape:
+        return P()
+    candidates = [i for i, n in enumerate(shape) if n % fsdp == 0 and n >= fsdp]
+    if not candidates:
+        return P()
+    axis = max(candidates, key=lambda i: (shape[i], -i))
+    return P(*[("fsdp" if i == axis else None) for i in range(len(shape))])
+
+
+@dataclasses.dataclass
+class _Pending:
+    step: int
+    loss: Any
+    metrics: dict
+    step_time_s: float
+
+
+class Loop:
+    """Iterates step indices; `done(state, loss=...)` after each step saves, stops and reports.
+
+    A step's loss and metrics are read (a device-to-host copy) one step later, so the
+    loop never waits for the device between steps. Every host must run the same steps:
+    on a notice to any host, all stop after the same step, with it committed.
+    """
+
+    def __init__(self, ctx: Context, state: Any, start: int, *, flops_per_step: float | None,
+                 tokens_per_step: int | None):
+        self.ctx, self.state, self.step = ctx, state, start
+        self.total = int(ctx.steps)
+        self.flops_per_step, self.tokens_per_step = flops_per_step, tokens_per_step
+        self.stopped = False  # stopped early on a notice (the step is committed)
+        self.closed = False
+        self._awaiting_done = False
+        self._pending: _Pending | None = None
+        self._t = time.perf_counter()
+
+    def __iter__(self) -> Iterator[int]:
+        try:
+            while self.step < self.total and not self.stopped:
+                self._awaiting_done = True
+                yield self.step
+                if self._awaiting_done:
+                    raise RuntimeError(f"step {self.step}: call loop.done(state, loss=...) once after each step")
+        finally:
+            self.close()
+
+    def __enter__(self) -> Loop:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def completed(self) -> bool:
+        return self.step >= self.total
+
+    def done(self, state: Any, *, loss: Any, **metrics: Any) -> None:
+        """Step `self.step` is done and gave `state`: count it, save if due, agree on a stop, report."""
+        if not self._awaiting_done:
+            raise RuntimeError("loop.done() called twice for one step, or outside the loop")
+        self._awaiting_done = False
+        now = time.perf_counter()
+        step_time, self._t = now - self._t, now
+        self.state = state
+        self.step += 1
+        ctx = self.ctx
+        stop = bool(ctx.agreed_stop()) if ctx.agreed_stop else bool(ctx.stop_requested())  # all hosts ask
+        if self.step % ctx.checkpoint_interval == 0 or self.step == self.total or stop:
+            self._save()
+        self._flush()
+        self._pending = _Pending(self.step - 1, loss, metrics, step_time)
+        if stop:
+            self.stopped = True
+
+    def _save(self) -> None:
+        ckpts = self.ctx.checkpoints
+        if ckpts is None:
+            return
+        t = time.perf_counter()
+        if ckpts.save(self.step, self.state, self.ctx.data_meta()):
+            self.ctx.send(Saved(self.step, time.perf_counter() - t))  # the blocking part; the write goes on
+
+    def _flush(self) -> None:
+        """Report the previous step, whose values are on the host by now."""
+        p, self._pending = self._pending, None
+        if p is None:
+            return
+        metrics = {k: _scalar(v) for k, v in p.metrics.items()}
+        tokens_per_s = self.tokens_per_step / p.step_time_s if self.tokens_per_step and p.step_time_s > 0 else None
+        metrics.update(self._utilisation(p.step_time_s))
+        self.ctx.send(StepDone(p.step, _scalar(p.loss), tokens_per_s, p.step_time_s, metrics))
+
+    def _utilisation(self, step_time_s: float) -> dict[str, float]:
+        out: dict[str, float] = {}
+        chips = len(jax.devices())
+        if self.flops_per_step and step_time_s > 0:
+            per_chip = self.flops_per_step / step_time_s / chips
+            out["tflops_per_chip"] = per_chip / 1e12
+            if self.ctx.peak_flops_per_chip:
+                out["mfu"] = per_chip / self.ctx.peak_flops_per_chip
+        stats = _memory_stats()
+        if stats:
+            out.update(stats)
+        return out
+
+    def close(self) -> None:
+        """Report the last step and wait until the last save is committed (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._flush()
+        if self.ctx._checkpoints is not None:
+            self.ctx._checkpoints.close()
+            self.ctx._checkpoints = None
+
+
+def _scalar(x: Any) -> float:
+    """A host float of a (replicated) scalar, without gathering from other processes."""
+    if isinstance(x, jax.Array):
+        return float(np.asarray(x.addressable_data(0)))
+    return float(x)
+
+
+def _memory_stats() -> dict[str, float]:
+    """HBM in use and its peak on this host's first device, in GiB (backends that keep no stats: none)."""
+    try:
+        stats = jax.local_devices()[0].memory_stats()
+    except Exception:  # not every backend implements it
+        return {}
+    if not stats or "bytes_in_use" not in stats:
+        return {}
+    gib = 1024 ** 3
+    out = {"hbm_in_use_gib": stats["bytes_in_use"] / gib}
+    if "peak_bytes_in_use" in stats:
+        out["hbm_peak_gib"] = stats["peak_bytes_in_use"] / gib
+    if "bytes_limit" in stats:
+        out["hbm_limit_gib"] = stats["bytes_limit"] / gib
+    return out
+
+
+def param_checksums(tree: Any) -> dict[str, float]:
+    """The sum of each array of `tree`, for comparing two runs' final models (all processes must call)."""
+    import jax.numpy as jnp
+
+    sums = jax.jit(lambda t: jax.tree.map(lambda x: jnp.sum(x.astype(jnp.float32)), t))(tree)
+    flat, _ = jax.tree_util.tree_flatten_with_path(sums)
+    return {jax.tree_util.keystr(path): float(np.asarray(x.addressable_data(0))) for path, x in flat}
+
+
+def local_context(**settings: Any) -> Context:
+    """A context for a plain process with no controller: scripts, notebooks, tests, the bare baseline."""
+    return Context(**settings)
