@@ -25,6 +25,7 @@ from orchestrator.user.spec import EntrypointWorkload, JobSpec, LmWorkload
 from policies.recovery import Outcome, OutcomeKind
 from policies.sharding import plan_mesh
 from workers.host import HostWorker
+from workers.notices import GCE_METADATA_URL
 from workers.train import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -34,12 +35,20 @@ def workload_for(spec: JobSpec, devices: int, hosts: int) -> dict:
     """What every host of a slice with `devices` chips on `hosts` hosts runs for `spec`."""
     w = spec.workload
     ckpt = spec.checkpoint.directory
-    common = {"fence_file": f"{ckpt}/.fence", "metadata_url": spec.recovery.metadata_url}
+    common = {"fence_file": f"{ckpt}/.fence", "metadata_url": metadata_url(spec)}
     if isinstance(w, EntrypointWorkload):
         return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "checkpoint_dir": ckpt,
                 "workdir": spec.workdir, "training": training_settings(spec, devices, hosts), **common}
     assert isinstance(w, LmWorkload)
     return {"type": "lm", "config": train_config(spec, devices, hosts).to_dict(), **common}
+
+
+def metadata_url(spec: JobSpec) -> str | None:
+    """Where hosts long-poll for preemption and maintenance notices: the spec's, else on gcp
+    the GCE metadata server (a TPU VM always has one), else none."""
+    if spec.recovery.metadata_url:
+        return spec.recovery.metadata_url
+    return GCE_METADATA_URL if spec.provider == "gcp" else None
 
 
 def training_settings(spec: JobSpec, devices: int, hosts: int) -> dict:

@@ -122,7 +122,10 @@ class World:
             self._move_qr(qr, m.WAITING_FOR_RESOURCES, due=now + t.of("capacity"))
         elif qr.state == m.WAITING_FOR_RESOURCES:
             mode = self.faults.stockout_mode(qr.zone, qr.accelerator_type)
-            if mode == "wait":  # look again later: the stockout may be cleared
+            if mode == "wait" and _expired(qr):  # its validUntil passed while it waited: over, unbilled
+                self._move_qr(qr, m.FAILED, due=None, error=(DEADLINE_EXCEEDED, (
+                    f"the queued resource's validUntil passed before capacity came in zone {qr.zone}")))
+            elif mode == "wait":  # look again later: the stockout may be cleared
                 self._qrs[qr.name] = replace(qr, due=now + max(t.of("capacity"), 0.02))
             elif mode == "fail":
                 msg = (
@@ -395,3 +398,13 @@ class World:
                 "nodes": [n.render() for n in self._nodes.values()],
                 "operations": [o.render() for o in self._ops.values()],
             }
+
+
+DEADLINE_EXCEEDED = 4  # google.rpc.Code of a queued resource whose validUntil passed
+
+
+def _expired(qr: QueuedResourceRecord) -> bool:
+    """Whether the queued resource's `queueingPolicy.validUntilDuration` has passed since its creation."""
+    if "queueing_policy" not in qr.spec or not qr.spec.queueing_policy.valid_until_duration:
+        return False
+    return time.time() - qr.create_time > qr.spec.queueing_policy.valid_until_duration.total_seconds()

@@ -16,11 +16,13 @@ from __future__ import annotations
 import enum
 import re
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from orchestrator.catalog import Tier, TpuType
 from orchestrator.errors import ProvisioningError
+from orchestrator.providers.capacity import SpotCapacity
 from orchestrator.state.states import SliceState
 
 SLICE_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,61}[a-z0-9]$")
@@ -42,6 +44,10 @@ class SliceRequest:
     tier: Tier
     zone: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
+    # How long the request may wait for capacity before it expires, unbilled (on GCP the queued
+    # resource's own `validUntil`, so it expires even if the controller is gone); None: no limit.
+    queue_timeout_s: float | None = None
+    spot_capacity: SpotCapacity | None = None  # local provider only: a replayed trace as spot capacity
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,12 @@ class SliceProvider(Protocol):
     def request(self, req: SliceRequest) -> Slice:
         """Start provisioning; returns at once with the slice in REQUESTED/WAITING/PROVISIONING."""
 
+    def check(self, name: str) -> Slice:
+        """One look, without blocking: the slice as it is now (moved on where it can be: hosts
+        started once capacity came, READY once they joined). A request that expired or was
+        refused is GONE, with a NO_CAPACITY event. Make-before-break polls this while the job
+        trains on its current slice."""
+
     def wait_ready(self, name: str, *, timeout_s: float) -> Slice:
         """Block until every host of the slice has joined the Ray cluster.
 
@@ -106,8 +118,10 @@ class SliceProvider(Protocol):
     def list(self, *, job_id: str | None = None) -> list[Slice]:
         """Slices this provider knows of (those labelled by this tool, for cloud providers)."""
 
-    def poll_events(self) -> list[SliceEvent]:
-        """Events (host lost, notice, reclaim, no capacity) seen since the previous call."""
+    def poll_events(self, *, slices: Collection[str] | None = None) -> list[SliceEvent]:
+        """Events (host lost, notice, reclaim, no capacity) seen since the previous call, of the
+        named slices only (all if None): a job's driver takes its own slices' events and leaves
+        every other slice's for its own job."""
 
 
 def slice_resource(slice_name: str) -> str:

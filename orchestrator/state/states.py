@@ -63,7 +63,8 @@ _S = SliceState
 SLICE_TRANSITIONS: dict[SliceState, frozenset[SliceState]] = {
     _S.REQUESTED: frozenset({_S.WAITING, _S.PROVISIONING, _S.READY, _S.GONE, _S.RELEASED}),
     _S.WAITING: frozenset({_S.PROVISIONING, _S.GONE, _S.RELEASED}),
-    _S.PROVISIONING: frozenset({_S.READY, _S.GONE, _S.RELEASED}),
+    # PREEMPTING from PROVISIONING: a reclaim notice can come before every host joined.
+    _S.PROVISIONING: frozenset({_S.READY, _S.PREEMPTING, _S.GONE, _S.RELEASED}),
     _S.READY: frozenset({_S.PREEMPTING, _S.GONE, _S.RELEASED}),
     _S.PREEMPTING: frozenset({_S.GONE, _S.RELEASED}),
     _S.GONE: frozenset({_S.RELEASED}),

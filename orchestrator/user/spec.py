@@ -227,6 +227,23 @@ class AutoscalingConfig(_Frozen):
         return v
 
 
+class CapacityTraceConfig(_Frozen):
+    """`provider: local` only: replay a spot trace as the job's spot capacity (`providers.capacity`)."""
+
+    path: str  # a trace file, {"metadata": {"gap_seconds": G}, "data": [...]}; relative: from the job file's folder
+    time_scale: Annotated[float, Field(gt=0, le=1e6)] = 60.0  # trace seconds per wall second (60: an hour a minute)
+    start_s: Annotated[float, Field(ge=0)] = 0.0  # where in the trace the job starts
+    grace_s: Annotated[float, Field(gt=0, le=3600)] = 30.0  # trace seconds from a reclaim notice to the hosts' end
+
+    @field_validator("path")
+    @classmethod
+    def _a_trace(cls, v: str) -> str:
+        from policies.traces import load_trace
+
+        load_trace(v)  # TraceError (a ValueError) names the file and what is wrong with it
+        return v
+
+
 class JobSpec(_Frozen):
     name: str
     accelerator: str = "v4-8"
@@ -238,6 +255,7 @@ class JobSpec(_Frozen):
     checkpoint: CheckpointConfig = CheckpointConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     autoscaling: AutoscalingConfig | None = None
+    capacity_trace: CapacityTraceConfig | None = None  # provider local: replay a spot trace as spot capacity
     budget_usd: Annotated[float, Field(gt=0)] | None = None
     deadline: dt.timedelta | None = None  # from submission, e.g. "PT12H" or "12:00:00"
     # The admission queue: a job waits QUEUED until there is capacity for it. Of the jobs
@@ -322,6 +340,8 @@ class JobSpec(_Frozen):
         """Problems that involve several fields (the provider's settings, the mesh against the slice)."""
         if self.provider == "gcp" and self.gcp is None:
             return [("gcp", "provider gcp needs a gcp section with at least project and zones")]
+        if self.capacity_trace is not None and self.provider != "local":
+            return [("capacity_trace", "a replayed capacity trace is for provider local only")]
         w = self.workload
         if not isinstance(w, LmWorkload):
             return self._entrypoint_problems(w)
@@ -384,6 +404,9 @@ def _resolve_checkpoint_dir(data: Any, folder: Path) -> Any:
     source = workload.get("data") if isinstance(workload, dict) else None
     if isinstance(source, dict) and resolved(source.get("path")):
         data = {**data, "workload": {**workload, "data": {**source, "path": resolved(source["path"])}}}
+    trace = data.get("capacity_trace")
+    if isinstance(trace, dict) and resolved(trace.get("path")):
+        data = {**data, "capacity_trace": {**trace, "path": resolved(trace["path"])}}
     return data
 
 

@@ -9,6 +9,7 @@ the code path the tests exercise is the one that runs in production.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -143,15 +144,21 @@ class TpuApi:
 
 def queued_resource(parent: str, node_id: str, *, accelerator_type: str, runtime_version: str,
                     labels: Mapping[str, str], startup_script: str, service_account: str | None,
-                    tier: Mapping[str, Any]) -> tpu_v2.QueuedResource:
+                    tier: Mapping[str, Any], valid_for_s: float | None = None) -> tpu_v2.QueuedResource:
     """The queued resource of one slice: one node `node_id` in `parent` with its image, labels
-    and startup script, asked for on `tier` (the fields of `zones.tier_fields`)."""
+    and startup script, asked for on `tier` (the fields of `zones.tier_fields`). `valid_for_s`:
+    how long it may wait for capacity (`queueingPolicy.validUntilDuration`), so an unfilled
+    request expires in the cloud even when no controller is left to delete it."""
     node = tpu_v2.Node(accelerator_type=accelerator_type, runtime_version=runtime_version, labels=dict(labels),
                        metadata={"startup-script": startup_script})
     if service_account:
         node.service_account = tpu_v2.ServiceAccount(email=service_account, scope=[CLOUD_PLATFORM])
     spec = tpu_v2.QueuedResource.Tpu.NodeSpec(parent=parent, node_id=node_id, node=node)
-    return tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]), **tier)
+    qr = tpu_v2.QueuedResource(tpu=tpu_v2.QueuedResource.Tpu(node_spec=[spec]), **tier)
+    if valid_for_s is not None:
+        qr.queueing_policy = tpu_v2.QueuedResource.QueueingPolicy(
+            valid_until_duration=dt.timedelta(seconds=max(1.0, valid_for_s)))
+    return qr
 
 
 def is_transient(e: BaseException) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -150,6 +150,16 @@ class GcpTpuProvider:
                     slice_name=name, transient=not t.ever_up)
             self._sleep(max(0.0, min(self._poll.poll_s, deadline - time.monotonic())))
 
+    def check(self, name: str) -> Slice:
+        t = self._refresh(name)
+        why = self._no_capacity(t)
+        if why and not t.released and t.state is not SliceState.READY:
+            if t.plan.left:
+                self._next_zone(t, why)
+            else:  # refused in every zone (or expired): the request is over; nothing of it is left behind
+                self._teardown_quietly(name, why)
+        return self.get(name)
+
     def get(self, name: str) -> Slice:
         with self._lock:
             t = self._tracked.get(name)
@@ -188,16 +198,19 @@ class GcpTpuProvider:
         wanted = None if job_id is None else {job_id, label_value(job_id)}
         return [s for s in out.values() if wanted is None or s.job_id in wanted]
 
-    def poll_events(self) -> list[SliceEvent]:
+    def poll_events(self, *, slices: Collection[str] | None = None) -> list[SliceEvent]:
         with self._lock:
-            names = [n for n, t in self._tracked.items() if not t.released and t.state is not SliceState.GONE]
+            names = [n for n, t in self._tracked.items() if not t.released and t.state is not SliceState.GONE
+                     and (slices is None or n in slices)]
         for name in names:
             try:
                 self._refresh(name)
             except CloudApiError as e:  # one slice's failed look must not hide the others' events
                 log.warning("could not look at slice %s: %s", name, e)
         with self._lock:
-            events, self._events = self._events, []
+            mine = [slices is None or e.slice_name in slices for e in self._events]
+            events = [e for e, m in zip(self._events, mine) if m]
+            self._events = [e for e, m in zip(self._events, mine) if not m]  # other slices' stay for their jobs
         return events
 
     # -- following a slice ---------------------------------------------------------------
@@ -301,7 +314,8 @@ class GcpTpuProvider:
             parent, req.name, accelerator_type=req.tpu_type.name,
             runtime_version=self._runtimes[req.tpu_type.generation.name], labels=labels_for(req),
             startup_script=startup_script(self._setup, req.tpu_type, req.name), service_account=self._node_sa,
-            tier=tier_fields(req.tier, zone, parent=parent, reservation=self._reservation))
+            tier=tier_fields(req.tier, zone, parent=parent, reservation=self._reservation),
+            valid_for_s=req.queue_timeout_s)
         try:
             self._api.create_queued_resource(zone, req.name, qr)
         except CloudApiError as e:

@@ -9,9 +9,10 @@ One look at a slice through the API is a `Seen`; `slice_state` reads it:
     ACTIVE                   READY            PROVISIONING until every host joined Ray, then READY
     ACTIVE                   PREEMPTED        GONE           RECLAIMED
     ACTIVE                   TERMINATED, ...  GONE           HOST_LOST
-    SUSPENDING (service)     READY            PREEMPTING     RECLAIMED
+    SUSPENDING (service)     READY            PREEMPTING     PREEMPTION_NOTICE (hosts save within the grace)
     SUSPENDING/SUSPENDED     down             GONE           RECLAIMED
     FAILED (RESOURCE_EXHAUSTED, before ACTIVE)  GONE         NO_CAPACITY
+    FAILED (DEADLINE_EXCEEDED: validUntil)      GONE         NO_CAPACITY (the request expired, unbilled)
     FAILED, DELETING, 404                     GONE           HOST_LOST if it had been up
 
 A reading is not yet a move. A capacity refusal (the FAILED row above) while another
@@ -37,6 +38,7 @@ from orchestrator.state.states import SLICE_TRANSITIONS, SliceState, check_slice
 log = logging.getLogger(__name__)
 
 RESOURCE_EXHAUSTED = 8  # google.rpc.Code in a FAILED queued resource's error
+DEADLINE_EXCEEDED = 4  # the queued resource's validUntil passed before capacity came
 QUEUED = ("CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES")  # queued resource states before capacity came
 
 
@@ -103,6 +105,9 @@ def follow(current: SliceState, reading: SliceState) -> SliceState:
 def loss(seen: Seen, state: SliceState, *, was_up: bool, where: str) -> tuple[SliceEventKind, str] | None:
     """The event a look means when the slice was taken back or lost (`where`: project/zone), else None."""
     q, node = seen.qr, seen.node
+    if q == "SUSPENDING" and seen.initiator != "USER" and node == "READY":
+        return SliceEventKind.PREEMPTION_NOTICE, f"reclaim notice: queued resource SUSPENDING, initiator " \
+                                                 f"{seen.initiator}, in {where}"
     if (q in ("SUSPENDING", "SUSPENDED") and seen.initiator != "USER") or node == "PREEMPTED":
         return SliceEventKind.RECLAIMED, f"queued resource {q}, initiator {seen.initiator}, node {node} in {where}"
     if state is SliceState.GONE and was_up:
@@ -115,7 +120,7 @@ def no_capacity(t: Tracked, *, now: float, capacity_wait_s: float) -> str:
     s = t.seen
     if s is None or t.ever_up:
         return ""
-    if s.qr == "FAILED" and s.error and s.error[0] == RESOURCE_EXHAUSTED:
+    if s.qr == "FAILED" and s.error and s.error[0] in (RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED):
         return f"zone {t.zone} has no capacity: {s.error[1]}"
     waited = now - t.since
     if s.qr in QUEUED and waited > capacity_wait_s:
