@@ -5,6 +5,9 @@ bytes, capped at `CORPUS_BYTES`), so nothing is downloaded and every host of a s
 sees the same bytes. Batch `step` is a pure function of `(seed, step)`: a resumed
 run, or one on a slice of another size, sees exactly the rows an uninterrupted run
 would, and each process reads only the rows its devices hold.
+
+It is the zero-setup default dataset: `ByteCorpus` reads it through the same interface
+as a folder of token files (`workers.tokens.Dataset`), with the same row offsets.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import threading
 from pathlib import Path
 
 import numpy as np
+
+from workers import tokens
 
 CORPUS_BYTES = 4 * 1024 * 1024
 _corpus_lock = threading.Lock()  # threads that ask at once (a preload and the trainer) read it once
@@ -55,8 +60,7 @@ def corpus_fingerprint() -> str:
 
 def row_offsets(seed: int, step: int, global_batch_size: int, seq_len: int) -> np.ndarray:
     """Start offsets of every row of batch `step` (the whole global batch; cheap)."""
-    rng = np.random.default_rng([seed, step])
-    return rng.integers(0, len(corpus()) - seq_len - 1, size=global_batch_size)
+    return tokens.row_offsets(seed, step, global_batch_size, seq_len, len(corpus()))
 
 
 def batch_rows(seed: int, step: int, global_batch_size: int, seq_len: int, rows: slice) -> np.ndarray:
@@ -65,3 +69,23 @@ def batch_rows(seed: int, step: int, global_batch_size: int, seq_len: int, rows:
     offsets = row_offsets(seed, step, global_batch_size, seq_len)[rows]
     idx = offsets[:, None] + np.arange(seq_len + 1)[None, :]
     return data[idx].astype(np.int32)
+
+
+class ByteCorpus:
+    """The corpus as a `workers.tokens.Dataset`: byte-level tokens, vocabulary 256."""
+
+    vocab_size = 256
+
+    def __repr__(self) -> str:
+        return f"ByteCorpus({self.num_tokens:,} bytes of the standard library)"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(corpus())
+
+    @property
+    def fingerprint(self) -> str:
+        return corpus_fingerprint()
+
+    def rows(self, seed: int, step: int, global_batch_size: int, seq_len: int, rows: slice) -> np.ndarray:
+        return batch_rows(seed, step, global_batch_size, seq_len, rows)
