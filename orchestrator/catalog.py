@@ -11,8 +11,9 @@ Vocabulary (as in Google's Cloud TPU docs):
   held by a reservation, billed at the on-demand rate unless a commitment applies).
 
 Sources: Google Cloud TPU documentation (system architecture pages for v4, v5e, v5p
-and v6e) and the Cloud TPU pricing page, list prices as seen in 2026 for us-central
-regions. Spot prices vary by region; where a range was listed we keep both ends and
+and v6e: HBM per chip and peak bf16 FLOP/s per chip) and the Cloud TPU pricing page, list
+prices as seen in 2026 for us-central regions. HBM is kept in bytes in the unit each page
+gives: v4's 32 GiB, and v5e's 16 GB, v5p's 95 GB and v6e's 32 GB (decimal gigabytes). Spot prices vary by region; where a range was listed we keep both ends and
 plan with the high end, so cost estimates err on the expensive side.
 """
 
@@ -34,7 +35,7 @@ class Tier(str, enum.Enum):
 class Generation:
     name: str
     tensorcores_per_chip: int
-    hbm_gib_per_chip: float
+    hbm_bytes_per_chip: int  # what the memory-fit check (`policies.memory_fit`) plans against
     hbm_gbps_per_chip: float
     peak_bf16_tflops_per_chip: float
     ondemand_usd_per_chip_hour: float
@@ -42,10 +43,11 @@ class Generation:
     counts_tensorcores: bool  # whether the number in the type name counts TensorCores
 
 
-V4 = Generation("v4", 2, 32.0, 1200.0, 275.0, 3.22, (0.92, 0.92), True)
-V5E = Generation("v5e", 1, 16.0, 819.0, 197.0, 1.20, (0.21, 0.78), False)
-V5P = Generation("v5p", 2, 95.0, 2765.0, 459.0, 4.20, (1.35, 2.40), True)
-V6E = Generation("v6e", 1, 32.0, 1638.0, 918.0, 2.70, (0.65, 1.89), False)
+GIB, GB = 2**30, 10**9
+V4 = Generation("v4", 2, 32 * GIB, 1200.0, 275.0, 3.22, (0.92, 0.92), True)
+V5E = Generation("v5e", 1, 16 * GB, 819.0, 197.0, 1.20, (0.21, 0.78), False)
+V5P = Generation("v5p", 2, 95 * GB, 2765.0, 459.0, 4.20, (1.35, 2.40), True)
+V6E = Generation("v6e", 1, 32 * GB, 1638.0, 918.0, 2.70, (0.65, 1.89), False)
 
 
 @dataclass(frozen=True)
@@ -63,8 +65,17 @@ class TpuType:
         return self.chips // self.hosts
 
     @property
-    def hbm_gib(self) -> float:
-        return self.chips * self.generation.hbm_gib_per_chip
+    def hbm_bytes_per_chip(self) -> int:
+        return self.generation.hbm_bytes_per_chip
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.chips * self.generation.hbm_bytes_per_chip
+
+    @property
+    def peak_bf16_flops_per_chip(self) -> float:
+        """FLOP/s: the denominator of model FLOPs utilisation (MFU)."""
+        return self.generation.peak_bf16_tflops_per_chip * 1e12
 
     @property
     def peak_bf16_tflops(self) -> float:
