@@ -197,7 +197,8 @@ class Fit:
 def microbatch_counts(mesh: MeshPlan) -> list[int]:
     """The microbatch counts a step can be split into: divisors of each batch shard's rows, smallest first."""
     rows = mesh.rows_per_shard
-    return [m for m in range(1, rows + 1) if rows % m == 0]
+    small = [m for m in range(1, math.isqrt(rows) + 1) if rows % m == 0]
+    return sorted(set(small) | {rows // m for m in small})
 
 
 def fit(job: TrainingJob, mesh: MeshPlan, hbm_bytes: float, microbatches: int | None = None) -> Fit:

@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 
 from orchestrator import catalog
 from orchestrator.catalog import Tier
 from orchestrator.errors import SpecError, UnknownAcceleratorError
+from policies.memory_fit import REMAT_CHOICES
 from policies.model_shape import ModelShape
 from policies.sharding import MeshError, plan_mesh
 
@@ -36,6 +37,7 @@ MAX_STEPS = 10**9  # the step counter is an int32 on the device (2**31 - 1); 10*
 MAX_TOKENS_PER_STEP = 2**31  # a step's batch is indexed with int32: global_batch_size * (seq_len + 1) below this
 MAX_COUNT = 10**6  # retry budgets: a million is "never give up" without overflowing anything
 MAX_TIMEOUT_S = 30 * 24 * 3600.0  # 30 days: far longer than any wait worth making
+MAX_JOB_FILE_BYTES = 2**20  # 1 MiB: a job file is a page of settings; anything bigger is a mistake
 
 
 class _Frozen(BaseModel):
@@ -121,6 +123,73 @@ GlobalBatch = Annotated[int, Field(gt=0, le=2**20)]
 Seed = Annotated[int, Field(ge=0, le=2**32 - 1)]  # JAX's PRNG key takes a uint32 seed
 
 
+class Precision(_Frozen):
+    """Mixed precision: matmuls and activations in `compute`, master parameters and optimizer state in float32.
+
+    Softmax statistics, norms and the loss stay float32 inside the kernels whatever `compute` is.
+    """
+
+    # auto: bfloat16 on TPU and GPU (the MXU's and tensor cores' fast type), float32 on CPU, where
+    # bfloat16 is no faster and the tests compare runs exactly.
+    compute: Literal["auto", "bfloat16", "float32"] = "auto"
+    # float32 only: bfloat16 master weights (8 bits of mantissa) drop every update smaller than
+    # about 1/256 of the weight, so training stalls at small learning rates; the bfloat16 copy the
+    # matmuls read is made each step from the float32 master.
+    params: Literal["float32"] = "float32"
+
+    @field_validator("params", mode="before")
+    @classmethod
+    def _float32_master(cls, v: Any) -> Any:
+        if v != "float32":
+            raise ValueError(f"must be float32, got {v!r}: master parameters and optimizer state stay float32 "
+                             "(bfloat16 ones drop updates smaller than 1/256 of a weight); compute: bfloat16 "
+                             "runs the matmuls in bfloat16")
+        return v
+
+    def compute_dtype(self, platform: str) -> str:
+        """The compute dtype on a JAX backend ("tpu", "gpu", "cpu")."""
+        if self.compute != "auto":
+            return self.compute
+        return "float32" if platform == "cpu" else "bfloat16"
+
+
+# Rematerialisation of each transformer block in the backward pass: none (keep every activation),
+# full (keep each block's input, recompute the rest), or a `jax.checkpoint_policies` policy that
+# takes no arguments, e.g. dots_with_no_batch_dims_saveable (keep the projections' outputs).
+Remat = Literal[REMAT_CHOICES]
+MAX_MICROBATCHES = 2**20  # as many as rows in the largest global batch
+
+
+def _microbatches(v: Any) -> Any:
+    """`gradient_accumulation`: a count >= 1 or "auto", with one message for anything else."""
+    if v == "auto" and isinstance(v, str):
+        return v
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_MICROBATCHES:
+        raise ValueError(f"must be a whole number of microbatches from 1 to {MAX_MICROBATCHES:,}, or 'auto', "
+                         f"got {v!r}")
+    return v
+
+
+# Microbatches a step is split into, their gradients summed before the one optimizer update: the
+# global batch, and so the math, stay the same on a slice too small to hold it at once. auto: for
+# the built-in trainer the fewest that fit the slice's HBM, chosen per slice (`policies.memory_fit`);
+# for a user program, 1 (its model is its own).
+GradientAccumulation = Annotated[Union[int, Literal["auto"]], BeforeValidator(_microbatches)]
+AttentionBlock = Annotated[int, Field(gt=0, le=2**17, multiple_of=8)]  # tokens; a multiple of 8 (the sublanes)
+
+
+class KernelBlocks(_Frozen):
+    """Attention tile sizes in tokens; one left out takes the kernels' default for the chip generation.
+
+    Speed and memory change with them, never the result; a block longer than the sequence is cut to it.
+    """
+
+    block_q: AttentionBlock | None = None
+    block_kv: AttentionBlock | None = None
+    block_q_bwd: AttentionBlock | None = None  # the backward pass's tiles
+    block_kv_bwd: AttentionBlock | None = None
+
+
 class LmWorkload(_Frozen):
     """The built-in language-model trainer."""
 
@@ -135,6 +204,10 @@ class LmWorkload(_Frozen):
     mesh: MeshWishes = MeshWishes()
     kernels: Literal["pallas", "xla"] | None = None  # None: chosen from the backend (Pallas on TPU)
     data: DataConfig | None = None  # None: the bytes of Python's standard library (zero setup)
+    precision: Precision = Precision()
+    remat: Remat = "none"
+    gradient_accumulation: GradientAccumulation = "auto"
+    kernel_blocks: KernelBlocks | None = None  # None: the kernels' defaults for the chip generation
 
 
 class EntrypointWorkload(_Frozen):
@@ -154,6 +227,11 @@ class EntrypointWorkload(_Frozen):
     seed: Seed = 0
     mesh: MeshWishes = MeshWishes()
     data: DataConfig | None = None  # None: the bytes of Python's standard library, if the program asks for data
+    # The same training settings as the built-in trainer's, for the program to honour (`ctx`).
+    precision: Precision = Precision()
+    remat: Remat = "none"
+    gradient_accumulation: GradientAccumulation = "auto"
+    kernel_blocks: KernelBlocks | None = None
 
     @field_validator("entrypoint")
     @classmethod
@@ -306,13 +384,21 @@ class JobSpec(_Frozen):
         path = Path(path)
         source = str(path)
         try:
-            text = path.read_text()
+            with path.open("rb") as f:  # at most one byte over the limit, whatever the file's size
+                raw = f.read(MAX_JOB_FILE_BYTES + 1)
+            if len(raw) > MAX_JOB_FILE_BYTES:
+                size = path.stat().st_size if path.is_file() else len(raw)
+                raise SpecError(source, [("", f"job file is {size:,} bytes; the limit is 1 MiB "
+                                              f"({MAX_JOB_FILE_BYTES:,} bytes)")])
+            text = raw.decode()
         except FileNotFoundError:
             raise SpecError(source, [("", "file not found")]) from None
         except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
             raise SpecError(source, [("", f"cannot read the file: {e}")]) from None
         try:
-            data = yaml.safe_load(text)
+            data = yaml.load(text, Loader=_UniqueKeyLoader)
+        except DuplicateKeyError as e:
+            raise SpecError(source, [(e.path, str(e))]) from None
         except yaml.YAMLError as e:
             where = ""
             mark = getattr(e, "problem_mark", None)
@@ -342,11 +428,22 @@ class JobSpec(_Frozen):
             return [("gcp", "provider gcp needs a gcp section with at least project and zones")]
         if self.capacity_trace is not None and self.provider != "local":
             return [("capacity_trace", "a replayed capacity trace is for provider local only")]
+        general = []
+        if self.autoscaling is not None and self.deadline is None:
+            general.append(("deadline", "autoscaling needs a deadline (e.g. deadline: PT24H): the cost policy "
+                                        "weighs each slice's cost against the time left"))
         w = self.workload
-        if not isinstance(w, LmWorkload):
-            return self._entrypoint_problems(w)
+        return general + (self._lm_problems(w) if isinstance(w, LmWorkload) else self._entrypoint_problems(w))
+
+    def _lm_problems(self, w: LmWorkload) -> list[tuple[str, str]]:
+        """The built-in trainer's settings together, then its mesh and memory on every slice it may run on."""
+        from orchestrator.user.fit import memory_problems
+
         m = w.model
         problems: list[tuple[str, str]] = []
+        if w.learning_rate.warmup_steps > w.steps:
+            problems.append(("workload.learning_rate.warmup_steps",
+                             f"must be at most workload.steps={w.steps}, got {w.learning_rate.warmup_steps}"))
         tokens = w.global_batch_size * (w.seq_len + 1)  # inputs and the shifted targets
         if tokens >= MAX_TOKENS_PER_STEP:
             problems.append(("workload.global_batch_size",
@@ -371,21 +468,69 @@ class JobSpec(_Frozen):
             )
         except MeshError as e:
             problems.append((f"workload.{e.field}", f"{e} (accelerator {self.accelerator} has {self.tpu_type.chips} devices)"))
-        return problems
+        return problems + memory_problems(self)
 
     def _entrypoint_problems(self, w: EntrypointWorkload) -> list[tuple[str, str]]:
         """A user program's batch settings against the slice (its model is its own: not checked here)."""
         if w.global_batch_size is None:
             return []
         try:
-            plan_mesh(num_devices=self.tpu_type.chips, num_hosts=self.tpu_type.hosts, wishes=w.mesh.model_dump(),
-                      shape=None, global_batch_size=w.global_batch_size)
+            mesh = plan_mesh(num_devices=self.tpu_type.chips, num_hosts=self.tpu_type.hosts,
+                             wishes=w.mesh.model_dump(), shape=None, global_batch_size=w.global_batch_size)
         except MeshError as e:
             return [(f"workload.{e.field}", f"{e} (accelerator {self.accelerator} has {self.tpu_type.chips} devices)")]
+        if w.gradient_accumulation != "auto" and mesh.rows_per_shard % w.gradient_accumulation:
+            return [("workload.gradient_accumulation",
+                     f"{w.gradient_accumulation} microbatches do not divide the {mesh.rows_per_shard} rows each batch "
+                     f"shard gets on {self.accelerator}; use a divisor of {mesh.rows_per_shard} or 'auto'")]
         return []
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+class DuplicateKeyError(ValueError):
+    """A key given twice in one YAML mapping; `path` is the field path of the mapping's key."""
+
+    def __init__(self, path: str, key: str, first_line: int, second_line: int):
+        self.path = path
+        super().__init__(f"duplicate key {key!r} at lines {first_line} and {second_line} (YAML would silently keep "
+                         "the last); give it once")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in any mapping, at any depth.
+
+    Plain YAML keeps the last of two equal keys, so a job file that sets `steps` twice
+    runs with whichever came later. The check walks the composed document before it is
+    constructed; a merge key (``<<``) may still be overridden, as YAML intends.
+    """
+
+    def construct_document(self, node: yaml.Node) -> Any:
+        self._check_unique_keys(node, [], set())
+        return super().construct_document(node)
+
+    def _check_unique_keys(self, node: yaml.Node, path: list[str], seen: set[int]) -> None:
+        if id(node) in seen:  # an alias of a node already walked (or of its own parent)
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._check_unique_keys(item, [*path, str(i)], seen)
+        elif isinstance(node, yaml.MappingNode):
+            lines: dict[Any, int] = {}
+            for key_node, value_node in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else id(key_node)
+                line = key_node.start_mark.line + 1
+                try:
+                    if key in lines:
+                        raise DuplicateKeyError(".".join([*path, str(key)]), str(key), lines[key], line)
+                    lines[key] = line
+                except TypeError:  # an unhashable key: the constructor refuses it with its own message
+                    continue
+                self._check_unique_keys(value_node, [*path, str(key)], seen)
 
 
 def _resolve_checkpoint_dir(data: Any, folder: Path) -> Any:
