@@ -188,21 +188,9 @@ class Context:
     def dataset(self):
         """The job's token files (`workers.tokens`), opened once."""
         if self._dataset is None:
-            try:
-                from workers import tokens
-            except ImportError:  # TODO(lead): the token-file reader is being added; until then, the byte corpus
-                from workers import data as _bytes
+            from workers import tokens
 
-                class _Corpus:
-                    fingerprint, vocab_size = "stdlib-bytes", 256
-
-                    @staticmethod
-                    def rows(seed, step, n, s, rows):
-                        return _bytes.batch_rows(seed, step, n, s, rows)
-
-                self._dataset = _Corpus()
-            else:
-                self._dataset = tokens.open_dataset(self.data)
+            self._dataset = tokens.open_dataset(self.data)
         return self._dataset
 
     def batch(self, step: int) -> jax.Array:
