@@ -291,7 +291,8 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
          trace: Optional[Path] = typer.Option(None, "--trace", help="A spot capacity trace (JSON, as in policies/traces)."),
          deadline_hours: Optional[float] = typer.Option(None, help="Overrides the job file's deadline.")) -> None:
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
-    from orchestrator.user.planning import plan_job, render_plan
+    from orchestrator.user.fit import slice_fit
+    from orchestrator.user.planning import plan_job, render_memory, render_plan
     from orchestrator.user.spec import AutoscalingConfig, LmWorkload
     from policies.traces import TraceError
 
@@ -313,6 +314,7 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     except TraceError as e:
         _fail(str(e))
     out.print(render_plan(result))
+    out.print(render_memory([slice_fit(spec, name) for name in auto.accelerators]))
 
 
 @app.command()

@@ -20,6 +20,9 @@ Throughput before the job has measured any step times comes from a scaling model
 (`policies.slice_options.ScalingModel`) of a ~1B-parameter dense transformer; pass
 `flops_per_token` (`ModelShape.flops_per_token`) for another model, and
 `measured_tokens_per_s` (by type name) once the job has run.
+
+`render_memory` shows the memory-fit check's per-chip estimate for each candidate slice
+type (`orchestrator.user.fit.slice_fit`): what training needs against what HBM holds.
 """
 
 from __future__ import annotations
@@ -33,8 +36,10 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.catalog import Tier, lookup
+from orchestrator.user.fit import SliceFit
 from policies.baselines import FixedPolicy
 from policies.cost import CostPolicy
+from policies.memory_fit import GIB, USABLE_FRACTION
 from policies.model_shape import training_flops_per_token
 from policies.restart_cost import RestartCost
 from policies.simulator import DecisionRecord, Run, SimJob, simulate
@@ -160,6 +165,25 @@ def render_plan(plan: JobPlan) -> Table:
         moves.append(f"... {len(plan.policy_moves) - 12} more moves")
     table.caption = "cost policy, first window:\n" + "\n".join(moves)
     table.caption_justify = "left"
+    return table
+
+
+def render_memory(fits: Sequence[SliceFit]) -> Table:
+    """A rich Table: the per-chip memory estimate of training on each slice type (`orchestrator.user.fit`)."""
+    table = Table(title=f"HBM per chip, GiB (usable: {USABLE_FRACTION:.0%}; formulas: policies/memory_fit.py)")
+    table.add_column("slice", no_wrap=True)
+    for column in ("mesh", "micro-batches", "needs", "usable", "largest part", "fits"):
+        table.add_column(column, justify="right")
+    for f in fits:
+        mesh = "-" if f.mesh is None else "x".join(map(str, f.mesh.shape))  # data x fsdp x model
+        if f.fit is None:
+            why = f.mesh_error if f.mesh is None else "gradient_accumulation does not divide the rows"
+            table.add_row(f.accelerator, mesh, "-", "-", "-", "-", why, style="red")
+            continue
+        e = f.fit.estimate
+        table.add_row(f.accelerator, mesh, str(e.microbatches), f"{e.total / GIB:,.1f}",
+                      f"{f.fit.usable_bytes / GIB:.1f}", f"{e.dominant} {e.parts[e.dominant] / GIB:,.1f}",
+                      "yes" if f.fit.fits else "no", style=None if f.fit.fits else "red")
     return table
 
 
