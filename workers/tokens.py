@@ -328,6 +328,14 @@ def dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
+def refuse_existing(out: Path, *, force: bool) -> None:
+    """A DataError if `out` is a file, or a non-empty folder that `force` does not allow to replace."""
+    if out.exists() and not out.is_dir():
+        raise DataError(str(out), "exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise DataError(str(out), "exists and is not empty (--force replaces it)")
+
+
 class TokenWriter:
     """Writes a folder of token files atomically: into a temporary folder beside `out`, renamed on success.
 
@@ -337,23 +345,21 @@ class TokenWriter:
 
     Example::
 
-        with TokenWriter("out", vocab_size=8192, eos_id=0, tokenizer="tok.json") as w:
+        with TokenWriter("out", vocab_size=8192, eos_id=0) as w:
             for doc in docs:
                 w.add(tokenizer.encode(doc).ids)
+            w.set_tokenizer(tokenizer.to_str())
     """
 
-    def __init__(self, out: str | Path, *, vocab_size: int, eos_id: int, tokenizer: str | Path | None = None,
-                 force: bool = False, shard_tokens: int = SHARD_TOKENS):
+    def __init__(self, out: str | Path, *, vocab_size: int, eos_id: int, force: bool = False,
+                 shard_tokens: int = SHARD_TOKENS):
         self.out = Path(out)
-        if self.out.exists() and not self.out.is_dir():
-            raise DataError(str(self.out), "exists and is not a folder")
-        if self.out.is_dir() and any(self.out.iterdir()) and not force:
-            raise DataError(str(self.out), "exists and is not empty (--force replaces it)")
+        refuse_existing(self.out, force=force)
         if not 0 <= eos_id < vocab_size:
             raise DataError(str(self.out), f"eos id {eos_id} is outside the vocabulary (size {vocab_size})")
         self.vocab_size, self.eos_id, self.shard_tokens = vocab_size, eos_id, shard_tokens
         self.dtype = dtype_for(vocab_size)
-        self._tokenizer = Path(tokenizer) if tokenizer else None
+        self._tokenizer: str | None = None  # the tokenizer file's name in the folder, once set
         self._tmp: Path | None = None
         self._files: list[TokenFile] = []
         self._current = None  # (file object, name, tokens, max, hash)
@@ -383,6 +389,11 @@ class TokenWriter:
             h.update(data)
             self._current = (f, name, n + take.size, max(mx, int(take.max())), h)
             arr = arr[take.size:]
+
+    def set_tokenizer(self, tokenizer_json: str) -> None:
+        """Keep the tokenizer that made the tokens (a `tokenizers` JSON text) beside them, as tokenizer.json."""
+        (self._tmp / "tokenizer.json").write_text(tokenizer_json)
+        self._tokenizer = "tokenizer.json"
 
     def _roll(self) -> None:
         self._finish_file()
@@ -419,12 +430,8 @@ class TokenWriter:
         self._finish_file()
         if not self._files:
             raise DataError(str(self.out), "no tokens to write")
-        tokenizer_name = None
-        if self._tokenizer is not None:
-            tokenizer_name = "tokenizer.json"
-            shutil.copyfile(self._tokenizer, self._tmp / tokenizer_name)
         index = Index(dtype=self.dtype, vocab_size=self.vocab_size, eos_id=self.eos_id, files=tuple(self._files),
-                      tokenizer=tokenizer_name)
+                      tokenizer=self._tokenizer)
         (self._tmp / INDEX).write_text(json.dumps(index.to_dict(), indent=2) + "\n")
         self.index = index
         if self.out.exists():  # --force: the old folder goes only once the new one is complete

@@ -92,7 +92,7 @@ def submit(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     spec = JobSpec.from_yaml(job_file)
     client = Client(address=address)
     try:
-        job = client.submit(spec, workdir=job_file.parent)
+        job = client.submit(spec, workdir=job_file.parent, source=str(job_file))
     except OrchestratorError:
         client.close()
         raise
@@ -258,6 +258,52 @@ def report(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
     client = Client()
     path = write_report(client.store, client.job(job_id).id, output)
     out.print(f"wrote {path}", highlight=False)
+
+
+data_app = typer.Typer(cls=_Commands, no_args_is_help=True, help="Token files for training (see workers.tokens).")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(src: Path = typer.Argument(..., help="A folder of text files (searched recursively)."),
+                 output: Path = typer.Option(..., "--output", "-o", help="The folder of token files to write."),
+                 vocab_size: Optional[int] = typer.Option(None, "--vocab-size",
+                                                          help="Train a byte-level BPE of this size (default 8192)."),
+                 tokenizer: Optional[Path] = typer.Option(None, "--tokenizer",
+                                                          help="Use this tokenizer.json instead of training one."),
+                 pattern: str = typer.Option("*.txt", "--pattern", help="Which files of SRC to read."),
+                 force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder.")) -> None:
+    """Turn a folder of text files into token files that `workload.data.path` can name."""
+    from orchestrator.user.data_prepare import prepare
+    from workers.tokens import DataError
+
+    try:
+        summary = prepare(src, output, vocab_size=vocab_size, tokenizer=tokenizer, pattern=pattern, force=force)
+    except DataError as e:
+        _fail(str(e))
+    out.print(summary.line(), highlight=False)
+
+
+@app.command()
+def export(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
+           output: Path = typer.Option(..., "--output", "-o", help="The folder to write (model.safetensors, config.json)."),
+           step: Optional[int] = typer.Option(None, "--step", help="Export this committed step (any job state)."),
+           latest: bool = typer.Option(False, "--latest", help="Export the newest committed step of a job that "
+                                                                "did not succeed."),
+           force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder.")) -> None:
+    """Write a job's trained parameters as safetensors with their config (read back: workers.export.load)."""
+    from orchestrator.errors import JobStateError
+    from workers.export import ExportError
+
+    try:
+        done = Client().export(job_id, output, step=step, latest=latest, force=force)
+    except JobStateError as e:
+        _fail(f"job {e.job_id} is {e.state}: its final weights are those of a SUCCEEDED job; "
+              "--latest exports its newest committed checkpoint, --step N a given one")
+    except ExportError as e:
+        _fail(str(e))
+    out.print(f"wrote {done.out}: step {done.step}, {done.tensors} tensors, {done.parameters:,} parameters "
+              f"({done.bytes / 2**20:.1f} MiB)", highlight=False)
 
 
 @app.command()

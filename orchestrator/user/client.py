@@ -298,13 +298,50 @@ class Client:
         except ray.exceptions.RayActorError as e:
             raise ClusterError(f"the controller died during {method}: {e.error_msg}") from None
 
-    def submit(self, spec: JobSpec, *, workdir: str | Path | None = None) -> Job:
+    def submit(self, spec: JobSpec, *, workdir: str | Path | None = None, source: str = "<spec>") -> Job:
         """Hand a job to the controller; returns at once with its handle.
 
-        Raises `SpecError` if the controller refuses the spec (with its `problems`).
+        Raises `SpecError` if the controller refuses the spec (with its `problems`), or if
+        the token files of `workload.data` are missing, truncated, of another dtype, beyond
+        the model's vocabulary or too short: checked here, before any cluster is started or
+        slice provisioned. `source` (the job file) is named in those errors.
         """
+        check_data(spec, source)
         job_id = self._ask("submit", spec.model_dump(mode="json"), str(Path(workdir).resolve()) if workdir else None)
         return Job(self, job_id)
+
+    def export(self, job_id: str, out: str | Path, *, step: int | None = None, latest: bool = False,
+               force: bool = False):
+        """Write a job's trained parameters to `out` as safetensors with config.json (`workers.export`).
+
+        The newest committed checkpoint of a SUCCEEDED job; for a job in any other state,
+        `latest=True` takes its newest committed checkpoint and `step` a given one. Needs only
+        the state directory and the checkpoint folder, not a cluster. Returns `Exported`.
+
+        Raises `JobNotFoundError`, `JobStateError` (not SUCCEEDED, and neither `step` nor
+        `latest`), `workers.export.ExportError` (no such checkpoint or step; `out` not empty
+        without `force`).
+
+        Example::
+
+            client.export("tiny-lm", "weights/")
+            params, config = workers.export.load("weights/")
+        """
+        from workers.export import export_checkpoint
+
+        job = self.store.find_job(job_id)
+        if step is None and not latest and job.state is not JobState.SUCCEEDED:
+            raise JobStateError(job.id, job.state.value, "exported without --latest or --step",
+                                (JobState.SUCCEEDED.value,))
+        spec = job.spec
+        workload = spec.get("workload") or {}
+        builtin = workload.get("type", "lm") == "lm"
+        config = {"job": {"id": job.id, "name": job.name, "state": job.state.value},
+                  "workload": "lm" if builtin else workload.get("entrypoint"),
+                  "model": workload.get("model") if builtin else None,
+                  "data": (workload.get("data") or {}).get("path")}
+        directory = (spec.get("checkpoint") or {}).get("directory") or str(self.home.default_checkpoint_dir(job.name))
+        return export_checkpoint(directory, out, step=step, config=config, force=force)
 
     def job(self, job_id: str) -> Job:
         """A job by id, unique id prefix, or name (its newest job)."""
@@ -366,6 +403,31 @@ class Client:
                            "tier": tier or job.spec["tier"]}, source=f"resize of {job.id} to {accelerator}")
         self._ask("resize", job.id, accelerator, reason, tier)  # JobStateError unless RUNNING
         return Job(self, job.id)
+
+
+def check_data(spec: JobSpec, source: str = "<spec>") -> None:
+    """A `SpecError` on `workload.data.path` if its token files cannot be trained on (`workers.tokens.check`).
+
+    A URL this machine cannot read (no filesystem library for it, such as gcsfs for gs://,
+    or no permission: a bucket only the TPU VMs may read) is left to the workers, which
+    check it again before their first step; a URL that answers "not found" is refused here.
+    """
+    from orchestrator.user.spec import LmWorkload
+    from workers.tokens import DataError, check
+
+    w = spec.workload
+    if w.data is None:
+        return
+    vocab = w.model.vocab_size if isinstance(w, LmWorkload) else None
+    try:
+        check(w.data.path, vocab_size=vocab, seq_len=w.seq_len)
+    except DataError as e:
+        raise SpecError(source, [("workload.data.path", str(e))]) from None
+    except (ImportError, PermissionError, OSError) as e:
+        if "://" not in w.data.path:
+            raise SpecError(source, [("workload.data.path", f"{w.data.path}: cannot be read: {e}")]) from None
+        log.warning("cannot check %s from here (%s: %s); the workers check it before their first step",
+                    w.data.path, type(e).__name__, e)
 
 
 def _tier(value: Tier | str) -> Tier:
