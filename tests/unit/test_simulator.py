@@ -278,10 +278,13 @@ def test_knowledge_of_its_own_slices_only_queues_and_learns_refusals():
     fed = simulate(knows, job, trace)
     own = simulate(learns, job, trace, knowledge="own", queue_timeout_s=900.0)
     assert knows.seen[0] == (0.0, 0)  # a capacity feed shows none at once
-    # Its own slices show nothing at first: spot is assumed there, and the request queues. After
-    # 15 min in the queue it is refused, and the next decisions see that size missing.
-    assert learns.seen[0] == (0.0, SPOT32.chips) and learns.seen[1] == (900.0, 0)
-    assert [t for t, _ in learns.seen[:5]] == [0.0, 900.0, 1800.0, 2700.0, 3600.0]  # no decisions while queued
+    # Its own slices show nothing at first: spot is assumed there, and the request queues; while
+    # it waits its size counts as obtainable. After 15 min in the queue with nothing running it
+    # is released, and the next decision sees that size refused.
+    assert learns.seen[:5] == [(0.0, 16), (300.0, 16), (600.0, 16), (900.0, 0), (1200.0, 16)]
+    assert own.refusals == 3  # at 15, 30 and 45 min; the fourth request fills at 60 min
+    states = [(r.at_s, r.state) for r in own.records if r.name == "s1"]
+    assert states == [(0.0, "REQUESTED"), (0.0, "WAITING"), (900.0, "RELEASED")]
     # Queued time is not billed; the slice starts when capacity comes, as with the feed.
     assert own.cost_usd == pytest.approx(fed.cost_usd) and own.finish_s == pytest.approx(fed.finish_s)
     assert own.slices_started == fed.slices_started == 1
@@ -290,9 +293,10 @@ def test_knowledge_of_its_own_slices_only_queues_and_learns_refusals():
 
 
 def test_a_spot_request_queued_beside_the_running_slice_keeps_the_job_training():
-    """release_first=False: the on-demand slice trains on while the spot request waits in
-    the queue, and the job moves when the queue fills; release_first=True (the product's
-    resize today) gives the on-demand slice up first and idles while the request waits."""
+    """Make-before-break: the on-demand slice trains on while the spot request waits in the
+    queue (no timeout beside a running slice), and the job switches when the spot slice is
+    READY; release_first=True (the older way) gives the on-demand slice up first and idles
+    while the request waits."""
     @dataclasses.dataclass(frozen=True)
     class OnDemandThenSpot:
         name: str = "on-demand, then spot"
@@ -303,10 +307,19 @@ def test_a_spot_request_queued_beside_the_running_slice_keeps_the_job_training()
 
     trace = trace_of([0] * 12 + [1] * 200, gap_s=300)  # spot comes after an hour
     job = small_job(ondemand_hours=2, slack=10, options=(SPOT32, OD32))
-    first = simulate(OnDemandThenSpot(), job, trace, knowledge="own", queue_timeout_s=900.0)
-    beside = simulate(OnDemandThenSpot(), job, trace, knowledge="own", queue_timeout_s=900.0, release_first=False)
+    first = simulate(OnDemandThenSpot(), job, trace, knowledge="own", queue_timeout_s=900.0, release_first=True)
+    beside = simulate(OnDemandThenSpot(), job, trace, knowledge="own", queue_timeout_s=900.0)
     assert first.billed_s[OD32.label] < 600 < 3000 < beside.billed_s[OD32.label]
     assert beside.finish_s < first.finish_s
-    assert [d.option for d in beside.decisions] == [OD32.label, SPOT32.label]  # one move, when the queue filled
-    assert beside.decisions[1].at_s == pytest.approx(3600.0)
-    assert beside.tokens_lost == 0 and beside.slices_started == 2
+    restart = quantized_restart(RestartCost(), step_seconds(trace))
+    ready = 3600.0 + restart.provisioning_s  # capacity at 60 min, then provisioning
+    assert [(d.option, d.move) for d in beside.decisions] == [
+        (OD32.label, f"request {OD32.label}"), (SPOT32.label, f"request beside {SPOT32.label}"),
+        (SPOT32.label, "switch")]
+    assert beside.decisions[2].at_s == pytest.approx(ready)
+    # the old slice is released only when the new one is READY, and trained until then
+    spot_ready = next(r.at_s for r in beside.records if r.name == "s2" and r.state == "READY")
+    od_released = next(r.at_s for r in beside.records if r.name == "s1" and r.state == "RELEASED")
+    assert spot_ready == od_released == pytest.approx(ready)
+    assert beside.billed_s[OD32.label] == pytest.approx(ready - restart.provisioning_s)
+    assert beside.tokens_lost == 0 and beside.slices_started == 2 and beside.refusals == 0

@@ -1,0 +1,80 @@
+"""The one builder of the cost policy's `Snapshot`, shared by the product's autoscaler and
+the trace simulator, so that what the policy does in a replay is what it does for a user.
+
+Both hand in the same kinds of facts: where the job stands (`Progress`), what it may
+run on and what a restart costs, and its slice records (`policies.slice_history`): the
+autoscaler's from the store's slice events, the simulator's from the records it emits
+as its slices move through the same lifecycle. Records of earlier jobs in the zone
+(`policies.capacity_memory.pooled`) come first, so a new job starts from what they
+learned. Only the simulator's capacity-feed mode replaces what the records say of
+spot with the zone's true capacity (`CapacityFeed`), the upper bound of what knowing
+more could give.
+
+Rules both paths follow through this function:
+
+- spot the job may ask for now: `largest_spot_chips` (what the provider allows) less the
+  sizes refused or reclaimed within `REFUSAL_HOLDS_S`, more any slice up since;
+- a request still waiting counts its size as obtainable: the policy chose it, and keeps
+  it while it still would (`policies.moves.next_move`), so a move waits beside the
+  running slice instead of being dropped at the next look;
+- the hazard counts spot preemptions only; an on-demand host loss is none;
+- `restart.checkpoint_interval_s` is the job's own (longest) interval; the interval a
+  running slice saves at was chosen when it started and is not changed while it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policies.capacity_memory import chips_known, learn
+from policies.clock import DECISION_INTERVAL_S
+from policies.restart_cost import RestartCost
+from policies.slice_history import SliceRecord
+from policies.slice_options import Option
+from policies.snapshot import Snapshot
+from policies.spot_estimates import SpotAvailability, SpotHazard
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where the job stands; times in policy seconds from the job's start."""
+
+    deadline_s: float
+    total_tokens: float
+    tokens_done: float  # including steps after the last checkpoint
+    tokens_committed: float
+    spent_usd: float = 0.0
+    budget_usd: float | None = None
+
+
+@dataclass(frozen=True)
+class CapacityFeed:
+    """The zone's spot capacity as a feed shows it (the simulator's knowledge "trace" only)."""
+
+    spot_chips: int
+    availability: SpotAvailability
+
+
+def build_snapshot(*, now_s: float, progress: Progress, options: tuple[Option, ...], restart: RestartCost,
+                   records: Sequence[SliceRecord] = (), pooled_records: Sequence[SliceRecord] = (),
+                   current: Option | None = None, current_ready_in_s: float = 0.0, waiting: Option | None = None,
+                   largest_spot_chips: int | None = None, feed: CapacityFeed | None = None,
+                   hazard: SpotHazard = SpotHazard(), availability: SpotAvailability = SpotAvailability(),
+                   decision_interval_s: float = DECISION_INTERVAL_S) -> Snapshot:
+    """What the policy knows now (see the module docstring for the rules)."""
+    spot = [o for o in options if o.preemptible]
+    sizes = sorted({o.chips for o in spot})
+    zone = spot[0].zone if spot else "default"
+    history, learned, hazard = learn([*pooled_records, *records], now_s=now_s, sizes=sizes,
+                                     availability=availability, hazard=hazard)
+    if feed is not None:
+        chips, learned = feed.spot_chips, feed.availability
+    else:
+        largest = max(sizes, default=0) if largest_spot_chips is None else largest_spot_chips
+        chips = chips_known(history, zone=zone, sizes=sizes, largest=largest, now_s=now_s)
+        if waiting is not None and waiting.preemptible:
+            chips = max(chips, waiting.chips)
+    return Snapshot(now_s, progress.deadline_s, progress.total_tokens, progress.tokens_done,
+                    progress.tokens_committed, options, chips, current, current_ready_in_s, hazard, learned,
+                    restart, progress.spent_usd, progress.budget_usd, decision_interval_s)

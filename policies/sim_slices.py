@@ -1,0 +1,176 @@
+"""The simulator's slices: a request moving through the store's slice lifecycle, the switch
+onto it when READY (make-before-break), preemption, training, saves and billing.
+
+`policies.simulator` owns the loop; this module holds what changes as it steps (`SimState`)
+and one function per thing that can happen to the job's slices. Every change of a slice
+is also written as a `SliceRecord`, the same kind the store's slice events are read as,
+so the policy learns from a replay exactly as it learns from a running job.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from policies.slice_history import SliceRecord
+from policies.slice_options import Option
+from policies.spot_estimates import SpotAvailability
+
+
+@dataclass(frozen=True)
+class DecisionRecord:
+    at_s: float
+    option: str  # label, or "wait"
+    reason: str
+    move: str = ""  # what was done about it (`policies.moves.Move`), or "switch" when a request became READY
+
+
+@dataclass
+class Request:
+    """A slice asked for and not yet trained on: WAITING for capacity, then PROVISIONING."""
+
+    option: Option
+    name: str
+    interval_s: float  # the checkpoint interval the policy chose for it
+    state: str = "WAITING"
+    ready_s: float = 0.0  # PROVISIONING: when it is READY
+    expires_s: float | None = None  # WAITING: released unfilled then (None: while the policy wants it)
+    queued: bool = False  # a WAITING record was written
+
+
+@dataclass
+class SimState:
+    """What changes as the simulator steps: the job's slices, progress, bill and records."""
+
+    availability: SpotAvailability  # knowledge "trace": learned from the capacity feed
+    interval_s: float  # how often the held slice checkpoints
+    held: Option | None = None  # the slice the job trains on
+    held_name: str = ""
+    startup_steps: int = 0  # steps left before the held slice trains
+    request: Request | None = None
+    done: float = 0.0  # tokens trained, including those since the last checkpoint
+    committed: float = 0.0  # tokens in the last checkpoint
+    trained: float = 0.0  # every token computed, those lost to preemptions included
+    lost: float = 0.0
+    since_checkpoint_s: float = 0.0
+    saving_s: float = 0.0  # save time still to pay
+    cost: float = 0.0
+    billed: dict[str, float] = field(default_factory=dict)  # seconds by option label
+    preemptions: int = 0
+    refusals: int = 0  # requests let go unfilled, or lost before READY
+    slices_started: int = 0
+    decisions: list[DecisionRecord] = field(default_factory=list)
+    records: list[SliceRecord] = field(default_factory=list)
+    finish_s: float | None = None
+    next_decision_s: float = 0.0
+    unobserved_s: float = 0.0  # knowledge "trace": time at the previous capacity
+
+
+def record(s: SimState, at_s: float, name: str, option: Option, state: str) -> None:
+    s.records.append(SliceRecord(at_s, name, state, option.tier, option.chips, option.hosts, option.zone))
+
+
+def ask(s: SimState, option: Option, now: float, interval_s: float, wait_limit_s: float | None) -> None:
+    """A new request; it waits for capacity (`advance` fills it)."""
+    name = f"s{sum(1 for r in s.records if r.state == 'REQUESTED') + 1}"
+    s.request = Request(option, name, interval_s, expires_s=None if wait_limit_s is None else now + wait_limit_s)
+    record(s, now, name, option, "REQUESTED")
+
+
+def advance(s: SimState, now: float, cap: int, prov_s: float, startup_steps: int) -> bool:
+    """The request at `now` with `cap` spot chips in the zone: fills, provisions, turns READY
+    (the job switches onto it), vanishes or expires. True if it was let go unfilled (a refusal)."""
+    r = s.request
+    if r is None:
+        return False
+    fits = not r.option.preemptible or cap >= r.option.chips
+    if r.state == "WAITING":
+        if fits:
+            r.state, r.ready_s = "PROVISIONING", now + prov_s
+            record(s, now, r.name, r.option, "PROVISIONING")
+        elif r.expires_s is not None and now >= r.expires_s - 1e-9:
+            release_request(s, now)
+            return True
+        else:
+            if not r.queued:  # no capacity for it: it waits in the zone's queue, unbilled
+                record(s, now, r.name, r.option, "WAITING")
+                r.queued = True
+            return False
+    if not fits:  # the capacity that filled it went before it was READY
+        record(s, now, r.name, r.option, "GONE")
+        s.request, s.refusals = None, s.refusals + 1
+        return True
+    if now >= r.ready_s - 1e-9:
+        switch(s, now, startup_steps)
+    return False
+
+
+def release_request(s: SimState, now: float) -> None:
+    """Let the request go (never READY: never billed)."""
+    r = s.request
+    record(s, now, r.name, r.option, "RELEASED")
+    s.request, s.refusals = None, s.refusals + 1
+
+
+def switch(s: SimState, now: float, startup_steps: int) -> None:
+    """The request is READY: stop the held slice at a checkpoint, release it, start up on the new one."""
+    r = s.request
+    record(s, now, r.name, r.option, "READY")
+    if s.held is not None:
+        stop(s, now)
+        s.decisions.append(DecisionRecord(now, r.option.label, "requested slice READY", "switch"))
+    s.held, s.held_name, s.request = r.option, r.name, None
+    s.startup_steps, s.interval_s = startup_steps, r.interval_s
+    s.slices_started += 1
+
+
+def stop(s: SimState, now: float) -> None:
+    """A planned stop: the held slice checkpoints first (nothing is lost) and is released."""
+    record(s, now, s.held_name, s.held, "RELEASED")
+    s.committed, s.since_checkpoint_s, s.saving_s = s.done, 0.0, 0.0
+    s.held = None
+
+
+def preempt(s: SimState, now: float, saves_on_notice: bool) -> None:
+    """The zone takes the held spot slice back, without notice: the work since its last
+    checkpoint is lost, unless the notice is assumed to leave time to save."""
+    record(s, now, s.held_name, s.held, "GONE")
+    s.preemptions += 1
+    if saves_on_notice:
+        s.committed = s.done
+    s.lost += s.done - s.committed
+    s.done = s.committed
+    s.held, s.since_checkpoint_s, s.saving_s = None, 0.0, 0.0
+
+
+def train(s: SimState, now: float, dt: float, total_tokens: float, save_s: float) -> bool:
+    """One step on the held slice: startup (billed, no progress), or training (a save under way
+    pauses it). True once the last token is trained."""
+    held = s.held
+    if s.startup_steps > 0:
+        bill(s, dt)
+        s.startup_steps -= 1
+        return False
+    pause_s = min(s.saving_s, dt)
+    s.saving_s -= pause_s
+    train_s = min(dt - pause_s, (total_tokens - s.done) / held.tokens_per_s)
+    run_s = pause_s + train_s
+    bill(s, run_s)
+    s.done += held.tokens_per_s * train_s
+    s.trained += held.tokens_per_s * train_s
+    if run_s < dt or s.done >= total_tokens:
+        s.done = s.committed = total_tokens  # the final checkpoint
+        s.finish_s = now + run_s
+        record(s, s.finish_s, s.held_name, held, "RELEASED")
+        return True
+    s.since_checkpoint_s += train_s
+    if s.since_checkpoint_s >= s.interval_s:  # a save at the interval's end (at most one a step)
+        s.since_checkpoint_s %= s.interval_s
+        s.committed = s.done - held.tokens_per_s * s.since_checkpoint_s
+        s.saving_s += save_s
+    return False
+
+
+def bill(s: SimState, seconds: float) -> None:
+    held = s.held
+    s.cost += held.usd_per_hour / 3600 * seconds
+    s.billed[held.label] = s.billed.get(held.label, 0.0) + seconds
