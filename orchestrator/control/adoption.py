@@ -3,7 +3,9 @@
 Workers and their placement group are detached, so when the controller dies the job
 trains on; the new controller finds the group by name (slice, generation, rank) from the
 store's records instead of starting a second one. Whatever cannot be adopted is stopped,
-and its slices released, before the job's driver relaunches it.
+and its slices released, before the job's driver relaunches it. A job may hold two
+slices (a move's new slice requested beside the running one): the one its generation
+runs on is adopted, the other released (a request never filled was never billed).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from orchestrator import catalog, cluster
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
 from orchestrator.control.launch import kill_workers
 from orchestrator.providers.base import Host, Slice
+from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState, SliceState
 from orchestrator.state.store import JobRecord
 
@@ -31,8 +34,11 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Atte
     """The job's running group as an adopted `Attempt` (with its worker 0's step history), or None
     after stopping whatever is left of it; and the history to record (empty if none)."""
     workers, pg = [], None
-    if job.state in (JobState.STARTING, JobState.RUNNING) and len(slices) == 1 and slices[0]["provider"] == "local":
-        rec = slices[0]
+    running, beside = running_slice(plane.store, job, slices)
+    for rec in beside:  # a request waiting beside it (make-before-break): given back; the policy asks again
+        plane.release_record(rec)
+    if job.state in (JobState.STARTING, JobState.RUNNING) and running is not None and running["provider"] == "local":
+        rec = running
         t = catalog.lookup(rec["accelerator"])
         try:
             workers = [ray.get_actor(worker_name(rec["name"], job.generation, i), namespace=cluster.NAMESPACE)
@@ -55,6 +61,17 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Atte
                           last_step=max((h["step"] for h in history), default=-1))
             return att, history
     kill_workers(workers, pg)
-    for rec in slices:
-        plane.release_record(rec)
+    if running is not None:
+        plane.release_record(running)
     return None, []
+
+
+def running_slice(store, job: JobRecord, slices: list[dict]) -> tuple[dict | None, list[dict]]:
+    """Of a job's live slices, the one its current generation was launched on (None if none
+    is), and the others: a move's request waiting beside it, or a slice READY for a switch not
+    made. A job holds two slices while a move is made before break."""
+    launched = [e.payload.slice for e in store.events(job.id, kind=EventKind.LAUNCHED)
+                if e.payload.generation == job.generation]
+    name = launched[-1] if launched else None
+    running = next((r for r in slices if r["name"] == name), None)
+    return running, [r for r in slices if r is not running]

@@ -15,6 +15,8 @@ from orchestrator.providers.base import Slice, SliceProvider
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
+
+    from orchestrator.control.waiting import Waiting
     from ray.util.placement_group import PlacementGroup
 
 
@@ -39,6 +41,13 @@ class Attempt:
     resize_to: str | None = None  # accelerator to move to once the current step is checkpointed
     resize_tier: str | None = None
     next_decision: float = 0.0  # monotonic time of the next autoscaling decision
+    # Make-before-break: a request waiting beside the running slice, and once READY the slice
+    # the next launch goes to (the running one is released only after the switch).
+    waiting: Waiting | None = None
+    next_slice: Slice | None = None
+    next_ready_at: float | None = None  # wall time the next slice became READY
+    next_provision_s: float = 0.0  # from its request to READY
+    requests: int = 0  # slice requests made by this driver, for unique names
 
     def begin(self, generation: int) -> None:
         """A new launch: reports of `generation` count from now on."""

@@ -3,7 +3,9 @@
 Its loop reads plainly: wait for a turn in the queue, provision a slice, launch the
 workers, watch them until the attempt ends with a typed outcome, tear down, and ask
 `policies.recovery.after` what comes next (recover, resize, succeed, fail, cancel).
-Workers' reports reach the driver through the controller (`report`).
+Workers' reports reach the driver through the controller (`report`). A move the cost
+policy asks for is made before break (`orchestrator.control.moves`): the next attempt
+starts on a slice that became READY while the last one trained.
 """
 
 from __future__ import annotations
@@ -17,16 +19,20 @@ from typing import TYPE_CHECKING
 import ray
 import tenacity
 
-from orchestrator import catalog
 from orchestrator.control.attempt import Attempt
+from orchestrator.control.autoscaler import with_checkpoint_interval
 from orchestrator.control.launch import launch, teardown, write_fence
+from orchestrator.control.moves import AutoscalingMixin
+from orchestrator.control.waiting import Look, Waiting, clock_for, look, release, request
 from orchestrator.control.watch import watch
 from orchestrator.errors import IllegalTransitionError, ProvisioningError
-from orchestrator.providers.base import CapacityError, Slice, SliceRequest
-from orchestrator.state.events import (Autoscaled, CheckpointSaved, Disrupted, LostWork, NoticeSeen, Restored,
-                                       Resumed, StateChange)
-from orchestrator.state.states import JobState
+from orchestrator.providers.base import CapacityError, Slice
+from orchestrator.providers.capacity import TraceClock
+from orchestrator.state.events import (CheckpointSaved, Disrupted, LostWork, NoticeSeen, Restored, Resumed,
+                                       StateChange)
+from orchestrator.state.states import JobState, SliceState
 from orchestrator.user.spec import JobSpec
+from policies.moves import QUEUE_TIMEOUT_S
 from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
 from workers.protocol import Noticed, Ready, Report, Saved, StepDone, Timings
 
@@ -44,7 +50,7 @@ def parse_stored_spec(raw: dict) -> JobSpec:
     return JobSpec.model_validate(data)
 
 
-class JobDriver:
+class JobDriver(AutoscalingMixin):
     def __init__(self, plane: "Controller", job_id: str, attempt: Attempt | None = None):
         self.plane, self.store, self.job_id = plane, plane.store, job_id
         self.att = attempt or Attempt()
@@ -75,47 +81,78 @@ class JobDriver:
             teardown(att)
             self.transition(JobState.FAILED, f"controller error: {type(e).__name__}: {e}")
         finally:
+            self._release_requests("the job is over")
             on_exit(self.job_id)
+
+    def _release_requests(self, why: str) -> None:
+        """Give back a request waiting beside the slice, and a slice READY for a switch not made."""
+        att = self.att
+        if att.waiting is not None:
+            release(att.provider, att.waiting.name, why)
+            att.waiting = None
+        if att.next_slice is not None:
+            release(att.provider, att.next_slice.name, why)
+            att.next_slice = None
 
     def _attempt(self) -> Outcome:
         att, job_id = self.att, self.job_id
-        refused, refusals = None, 0
-        while True:  # until a slice is ready: a request refused for capacity goes back to the queue
+        refused, refusals, queued_since = None, 0, None
+        t0 = time.monotonic()
+        while att.next_slice is None:  # until a slice is ready: a request refused for capacity goes back to the queue
             job = self.store.job(job_id)
             spec = self.spec()
             if job.cancel_requested or att.cancel.is_set():
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
             if spec.autoscaling is not None:
                 spec = self._autoscale_before_provisioning(spec)
-            ended = self.plane.queue.wait_turn(job_id, spec, att.cancel, refused=refused, refusals=refusals)
+            ended = self.plane.queue.wait_turn(job_id, spec, att.cancel, refused=refused, refusals=refusals,
+                                               since=queued_since, limit_s=self._user_queue_limit_s(spec))
             if ended is not None:
                 return ended
             self.transition(JobState.PROVISIONING, f"requesting {spec.accelerator} ({spec.tier.value})")
             t0 = time.monotonic()
             att.provider = self.plane.provider_for(spec)
             try:
-                att.slice = self._provision(spec, job.generation + 1, round_=refusals)
-                break
+                att.next_slice = self._provision(spec, job.generation + 1, round_=refusals)
             except CapacityError as e:  # waiting never spends max_failures
                 refused, refusals = str(e), refusals + 1
+                queued_since = queued_since or t0
             except ProvisioningError as e:
                 return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
-        provision_s = time.monotonic() - t0
+        att.slice, att.next_slice = att.next_slice, None
+        provision_s, overlap = time.monotonic() - t0, ""
+        spec = self._on_slice(att.slice)
+        if att.next_ready_at is not None:  # a move made before break: the new slice waited beside the old one
+            provision_s = att.next_provision_s
+            overlap = f"; it overlapped the old slice for {time.time() - att.next_ready_at:.1f} s"
+            self.transition(JobState.PROVISIONING, f"slice {att.slice.name} ({spec.accelerator} {spec.tier.value}), "
+                            "requested beside the old one, is ready")
         try:
             if att.cancel.is_set():
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
             att.begin(self.store.bump_generation(job_id))
-            att.next_decision = time.monotonic() + 30.0  # let it measure its speed first
+            att.next_decision = time.monotonic() + 30.0 / self._clock(spec).scale  # let it measure its speed first
             write_fence(spec, att.generation)
-            self.transition(JobState.STARTING, f"slice {att.slice.name} ready after {provision_s:.1f} s; starting "
-                            f"generation {att.generation}",
-                            data=StateChange(provision_s=round(provision_s, 3), slice=att.slice.name))
+            self.transition(JobState.STARTING, f"slice {att.slice.name} ready after {provision_s:.1f} s{overlap}; "
+                            f"starting generation {att.generation}",
+                            data=StateChange(provision_s=round(provision_s, 3), slice=att.slice.name,
+                                             overlap_s=(round(time.time() - att.next_ready_at, 3)
+                                                        if att.next_ready_at is not None else None)))
+            att.next_ready_at = None
             outcome = (launch(self.store, self.plane.home, job_id, spec, att)
                        or watch(self.store, job_id, spec, att, on_poll=self._autoscale_while_running))
             self.catch_up(outcome)
             return outcome
         finally:
             teardown(att)
+
+    def _on_slice(self, s: Slice) -> JobSpec:
+        """The spec the launch on `s` uses: the stored one, moved to `s`'s type and tier if it differs."""
+        job = self.store.job(self.job_id)
+        if (s.tpu_type.name, s.tier.value) != (job.spec["accelerator"], job.spec["tier"]):
+            self.store.update_spec(self.job_id, dict(job.spec, accelerator=s.tpu_type.name, tier=s.tier.value))
+        spec = self.spec()
+        return with_checkpoint_interval(spec, self._choice) if self._choice is not None else spec
 
     def _after(self, outcome: Outcome) -> None:
         """Record how the attempt ended, and do what the recovery rules say comes next."""
@@ -152,21 +189,29 @@ class JobDriver:
     def _provision(self, spec: JobSpec, attempt: int, *, round_: int = 0) -> Slice:
         """A ready slice, asking again (with backoff and jitter) while the failure is transient.
 
-        A refusal for capacity is not retried here: the queue waits for capacity. `round_`
-        counts those refusals, so every request has a name of its own.
+        A refusal for capacity is not retried here: the queue (and for autoscaled jobs the
+        policy) decides what to ask for next. `round_` counts those refusals, so every
+        request has a name of its own. A request still waiting from a move that the policy
+        wants again is waited on rather than asked for anew.
         """
         provider = self.att.provider
         stem = f"{self.job_id}-{attempt}" + (f"q{round_}" if round_ else "")
         names = iter(f"{stem}{suffix}" for suffix in ["", "b", "c", "d"])
+        key = (spec.accelerator, spec.tier.value)
 
         def once() -> Slice:
-            name = next(names)
+            att = self.att
+            if att.waiting is not None and att.waiting.key != key:
+                release(provider, att.waiting.name, "the policy asks for another slice")
+                att.waiting = None
+            if att.waiting is None:
+                att.waiting = request(provider, self.job_id, next(names), spec, *key,
+                                      created_at=self.store.job(self.job_id).created_at,
+                                      limit_s=self._queue_limit_s(spec))
             try:
-                provider.request(SliceRequest(self.job_id, name, spec.tpu_type, spec.tier, spec.zone))
-                return provider.wait_ready(name, timeout_s=spec.recovery.start_timeout_s)
-            except ProvisioningError:
-                provider.release(name)  # idempotent; frees whatever part of the slice started
-                raise
+                return self._wait_for(att.waiting, spec)
+            finally:
+                att.waiting = None  # ready (the attempt's slice now), or released
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential_jitter(initial=1, max=20),
@@ -174,6 +219,54 @@ class JobDriver:
                 lambda e: isinstance(e, ProvisioningError) and e.transient and not isinstance(e, CapacityError)),
             reraise=True)
         return retrying(once)
+
+    def _wait_for(self, w: Waiting, spec: JobSpec) -> Slice:
+        """Poll the request until READY; the job is QUEUED while it waits for capacity, and says so.
+
+        Raises CapacityError when it is refused or expires (released, unbilled), and
+        ProvisioningError when its hosts do not all start within `start_timeout_s`.
+        """
+        att, poll = self.att, (0.2 if spec.provider == "local" else 5.0)
+        started = time.monotonic()
+        while True:
+            if att.cancel.is_set() or self.store.job(self.job_id).cancel_requested:
+                release(att.provider, w.name, "cancelled")
+                raise CapacityError("cancelled while waiting for the slice", slice_name=w.name)
+            kind, s, why = look(att.provider, w)
+            if kind is Look.READY:
+                return s
+            if kind is Look.REFUSED:
+                raise CapacityError(why, slice_name=w.name)
+            job = self.store.job(self.job_id)
+            if s.state in (SliceState.REQUESTED, SliceState.WAITING):
+                started = time.monotonic()  # the start timeout counts from when capacity came
+                if s.state is SliceState.WAITING and job.state is JobState.PROVISIONING:
+                    limit = "while the policy wants it" if w.limit_s is None else f"up to {w.limit_s:.0f} s"
+                    self.transition(JobState.QUEUED, f"waiting for capacity: {w.accelerator} {w.tier} ({limit})",
+                                    data=StateChange(outcome="no_capacity", slice=w.name))
+            elif job.state is JobState.QUEUED:
+                self.transition(JobState.PROVISIONING, f"capacity came for slice {w.name}; starting its hosts")
+            if time.monotonic() - started > spec.recovery.start_timeout_s:
+                release(att.provider, w.name, "its hosts did not join in time")
+                raise ProvisioningError(f"slice {w.name}: its hosts did not all join the cluster within "
+                                        f"{spec.recovery.start_timeout_s:.0f} s", slice_name=w.name, transient=True)
+            att.cancel.wait(poll)
+
+    def _clock(self, spec: JobSpec) -> TraceClock:
+        return clock_for(spec, self.store.job(self.job_id).created_at)
+
+    def _user_queue_limit_s(self, spec: JobSpec) -> float | None:
+        """The spec's `queue_timeout` on the job's clock (wall seconds), or None: no limit."""
+        return self._clock(spec).wall_seconds(spec.queue_timeout.total_seconds()) if spec.queue_timeout else None
+
+    def _queue_limit_s(self, spec: JobSpec) -> float | None:
+        """How long (wall seconds) a request with nothing running beside it may wait for capacity:
+        an autoscaled job's goes back to the policy after the policy's queue timeout (the size
+        is then missing, for a while); any other job waits up to its `queue_timeout`."""
+        clock = self._clock(spec)
+        if spec.autoscaling is not None:
+            return clock.wall_seconds(spec.queue_timeout.total_seconds() if spec.queue_timeout else QUEUE_TIMEOUT_S)
+        return clock.wall_seconds(spec.queue_timeout.total_seconds()) if spec.queue_timeout else None
 
     def transition(self, target: JobState, reason: str, *, data: StateChange | None = None) -> None:
         try:
@@ -268,56 +361,3 @@ class JobDriver:
             mean = sum(times) / len(times) if times else 0.0
             self.store.add_event(self.job_id, LostWork(lost, lost * mean, att.disrupted_step, restored or 0),
                                  f"lost {lost} steps (from step {att.disrupted_step} back to {restored or 0})")
-
-    # -- autoscaling ----------------------------------------------------------------------
-
-    def _spot_chips_available(self, spec: JobSpec) -> int:
-        """The largest spot slice the job may ask for (the autoscaler takes off what the zone refused it lately)."""
-        allowed = [catalog.lookup(a) for a in spec.autoscaling.accelerators]
-        if spec.provider == "local":
-            allowed = [t for t in allowed if t.hosts <= self.plane.provider.max_hosts]
-        return max((t.chips for t in allowed), default=0)
-
-    def _autoscale_before_provisioning(self, spec: JobSpec) -> JobSpec:
-        """Let the cost policy choose the slice type and tier of the next attempt."""
-        from orchestrator.control.autoscaler import decide_for, with_checkpoint_interval
-
-        choice = decide_for(self.store, self.job_id, now=time.time(), current=None,
-                            spot_chips_available=self._spot_chips_available(spec))
-        if choice is None:
-            self.store.add_event(self.job_id, Autoscaled(), "the policy would wait for spot capacity; asking for "
-                                 f"{spec.accelerator} {spec.tier.value} as the spec says (a queued request waits "
-                                 "for capacity)")
-            return spec
-        d = choice.decision
-        every = choice.checkpoint_interval_steps
-        saving = f"; checkpoint every {every} steps" if every else ""
-        self.store.add_event(self.job_id, Autoscaled(choice.accelerator, choice.tier, d.expected_cost_usd, d.reason,
-                                                     every),
-                             f"run {choice.accelerator} {choice.tier}{saving}: {d.reason}")
-        if (choice.accelerator, choice.tier) != (spec.accelerator, spec.tier.value):
-            raw = dict(self.store.job(self.job_id).spec, accelerator=choice.accelerator, tier=choice.tier)
-            self.store.update_spec(self.job_id, raw)
-            spec = self.spec()
-        return with_checkpoint_interval(spec, choice)
-
-    def _autoscale_while_running(self) -> None:
-        """Every decision interval: ask the policy whether the running job should move."""
-        from orchestrator.control.autoscaler import DECISION_INTERVAL_S, decide_for
-
-        att, now = self.att, time.monotonic()
-        if not att.started or att.notice or now < att.next_decision:
-            return
-        att.next_decision = now + DECISION_INTERVAL_S
-        spec = self.spec()
-        if spec.autoscaling is None:
-            return
-        current = (spec.accelerator, spec.tier.value)
-        choice = decide_for(self.store, self.job_id, now=time.time(), current=current,
-                            spot_chips_available=self._spot_chips_available(spec))
-        if choice is None or (choice.accelerator, choice.tier) == current:
-            return
-        d = choice.decision
-        self.store.add_event(self.job_id, Autoscaled(choice.accelerator, choice.tier, d.expected_cost_usd, d.reason),
-                             f"move to {choice.accelerator} {choice.tier}: {d.reason}")
-        self.plane.resize(self.job_id, choice.accelerator, f"cost policy: {d.reason}", tier=choice.tier)

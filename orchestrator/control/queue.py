@@ -50,19 +50,28 @@ class AdmissionQueue:
         self._rng = random.Random()
 
     def wait_turn(self, job_id: str, spec: JobSpec, cancel: threading.Event, *,
-                  refused: str | None = None, refusals: int = 0) -> Outcome | None:
+                  refused: str | None = None, refusals: int = 0, since: float | None = None,
+                  limit_s: float | None = None) -> Outcome | None:
         """Block until `job_id` may ask for its slice (then None), or return the outcome that
         ends its wait: cancelled, or waited past `queue_timeout`.
 
         `refused`: the provider just refused the job's request for lack of capacity (the
         `refusals`-th time in a row); the job enters the queue with that as the reason.
+        `since`: when its wait for capacity began (monotonic), so the limit counts across
+        refusals; `limit_s`: that limit in wall seconds, if not `queue_timeout` itself (a
+        job replaying a capacity trace runs on a compressed clock).
         """
         entered = None
+        if limit_s is None and spec.queue_timeout:
+            limit_s = spec.queue_timeout.total_seconds()
         if refused is not None:
             entered = self._enter(job_id, f"no capacity: {refused}")
+            entered = min(entered, since) if since is not None else entered
+            if (ended := self._timed_out(limit_s, entered, f"no capacity: {refused}")) is not None:
+                return ended
             if spec.provider != "local":  # the cloud says when it has room only by being asked again
                 wait = retry_after(refusals, self._rng.random())
-                return self._sleep(job_id, spec, cancel, entered, wait, f"asking again in {wait:.0f} s")
+                return self._sleep(job_id, cancel, entered, limit_s, wait, f"asking again in {wait:.0f} s")
         while True:
             job = self.store.job(job_id)  # once a poll: its cancel flag, its place, its reason
             if cancel.is_set() or job.cancel_requested:
@@ -76,7 +85,7 @@ class AdmissionQueue:
                 entered = self._enter(job_id, decision.reason)
             elif job.reason != decision.reason:
                 self.store.update_job(job_id, reason=decision.reason)
-            if (ended := self._timed_out(spec, entered, decision.reason)) is not None:
+            if (ended := self._timed_out(limit_s, entered, decision.reason)) is not None:
                 return ended
             cancel.wait(POLL_S)
 
@@ -95,21 +104,20 @@ class AdmissionQueue:
         log.info("job %s queued: %s", job_id, reason)
         return time.monotonic()
 
-    def _sleep(self, job_id: str, spec: JobSpec, cancel: threading.Event, entered: float, seconds: float,
+    def _sleep(self, job_id: str, cancel: threading.Event, entered: float, limit_s: float | None, seconds: float,
                why: str) -> Outcome | None:
         """Wait `seconds` in the queue (a cloud's backoff), still ending on cancel or `queue_timeout`."""
         until = time.monotonic() + seconds
         while time.monotonic() < until:
             if cancel.is_set() or self.store.job(job_id).cancel_requested:
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
-            if (ended := self._timed_out(spec, entered, why)) is not None:
+            if (ended := self._timed_out(limit_s, entered, why)) is not None:
                 return ended
             cancel.wait(min(POLL_S, max(0.0, until - time.monotonic())))
         return None
 
     @staticmethod
-    def _timed_out(spec: JobSpec, entered: float, reason: str) -> Outcome | None:
-        limit = spec.queue_timeout.total_seconds() if spec.queue_timeout else None
+    def _timed_out(limit: float | None, entered: float, reason: str) -> Outcome | None:
         if limit is None or time.monotonic() - entered < limit:
             return None
         return Outcome(OutcomeKind.PROVISION_FAILED, f"waited {limit:.0f} s in the queue (queue_timeout); "

@@ -65,9 +65,7 @@ def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Ca
 
 def _provider_says(att: Attempt) -> Outcome | None:
     """The provider sees a host go within a poll; a notice only marks the attempt."""
-    for ev in att.provider.poll_events():
-        if ev.slice_name != att.slice.name:
-            continue
+    for ev in att.provider.poll_events(slices=[att.slice.name]):  # other slices' events stay for their own drivers
         if ev.kind is SliceEventKind.PREEMPTION_NOTICE:
             att.stop_requested(ev.reason)
         else:
@@ -81,7 +79,7 @@ def _confirm_failure(att: Attempt, failure: Outcome) -> Outcome:
     deadline = time.monotonic() + SETTLE_S
     host_lost = None
     while host_lost is None and time.monotonic() < deadline:
-        lost = [e for e in att.provider.poll_events() if e.slice_name == att.slice.name]
+        lost = att.provider.poll_events(slices=[att.slice.name])
         host_lost = lost[0].reason if lost else None
         if host_lost is None:
             time.sleep(0.1)

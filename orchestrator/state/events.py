@@ -58,6 +58,7 @@ class StateChange(Payload):
     provision_s: float | None = None  # on -> STARTING
     slice: str | None = None
     to: str | None = None  # on -> RESIZING: the accelerator moved to
+    overlap_s: float | None = None  # on -> STARTING after a move: how long the old and new slices both ran
 
     def to_data(self) -> dict[str, Any] | None:
         return {k: v for k, v in (super().to_data() or {}).items() if v is not None} or None
