@@ -32,15 +32,16 @@ Transformer Models", 2022), per chip, in bytes:
         gated input, the recurrence's output).
     ``full`` (``nothing_saveable``): only each block's input, d, and during the backward
     pass one block's A recomputed: L x d + A.
-    ``dots_with_no_batch_dims_saveable``: each block keeps its input and every projection's
-    output, 3d + (d + 2kv + f) / t (a mixture of experts: top_k x f / t, a scan layer
-    d + 2d / t more), plus one block's A while it is recomputed.
-    ``dots_saveable`` saves the attention's batched dots as well: the scores of the XLA
-    path, n_heads / t x seq_len per token, on top of the above.
+    ``dots_with_no_batch_dims_saveable`` and ``dots_saveable``: each block keeps its input
+    and every projection's output, 3d + (d + 2kv + f) / t (a mixture of experts:
+    top_k x f / t, a scan layer d + 2d / t more), plus one block's A while it is
+    recomputed. The two policies keep the same here: every projection is a dot without
+    batch dimensions, and the attention's batched dots live inside its kernel.
 
-  The attention kernels (flash attention, the chunked XLA path) never keep a full
-  [seq, seq] score matrix, so no remat policy but ``dots_saveable`` has a seq^2 term.
-  Logits and their gradient are float32, 8 x vocab_size bytes per token, once.
+  Both attention paths (the Pallas flash kernel, the chunked XLA one) are custom VJPs that
+  keep only their output and softmax statistics, never a [seq, seq] score matrix, so no
+  policy has a seq^2 term. Logits and their gradient are float32, 8 x vocab_size bytes
+  per token, once.
 
 - Usable HBM is 90% of the chip's: XLA's scratch buffers, the program and fragmentation
   take the rest (`USABLE_FRACTION`).
@@ -145,13 +146,13 @@ def estimate(job: TrainingJob, mesh: MeshPlan, microbatches: int = 1) -> MemoryE
         layers = params_per_chip(s, whole) - 2 * s.vocab_size * s.d_model  # embed and unembed are not layers
         copy += 2 * layers / s.n_layers * c
     tokens = mesh.rows_per_shard // microbatches * job.seq_len
-    activations = tokens * _activation_elements_per_token(s, mesh.model, job.seq_len, job.remat) * c
+    activations = tokens * _activation_elements_per_token(s, mesh.model, job.remat) * c
     return MemoryEstimate(microbatches=microbatches, tokens=tokens, params=4 * p, compute_copy=copy,
                           gradients=4 * p * (2 if microbatches > 1 else 1), optimizer=8 * p,
                           activations=activations, logits=tokens * 8 * s.vocab_size)
 
 
-def _activation_elements_per_token(s: ModelShape, t: int, seq_len: int, remat: str) -> float:
+def _activation_elements_per_token(s: ModelShape, t: int, remat: str) -> float:
     """Elements kept per token for the whole model (all layers), with `remat` (see the module docstring)."""
     d, f, kv, L = s.d_model, s.d_ff, s.n_kv_heads * s.head_dim, s.n_layers
     k = min(s.moe_top_k, s.moe_experts)
@@ -165,9 +166,7 @@ def _activation_elements_per_token(s: ModelShape, t: int, seq_len: int, remat: s
         return L * full
     if policy == "full":
         return L * d + full
-    dots = 3 * d + (d + 2 * kv) / t + ffn_dots + scan_dots
-    if policy == "dots_saveable":
-        dots += s.n_heads / t * seq_len
+    dots = 3 * d + (d + 2 * kv) / t + ffn_dots + scan_dots  # dots_saveable, dots_with_no_batch_dims_saveable
     return L * dots + full
 
 
