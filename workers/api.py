@@ -237,14 +237,14 @@ class _Pending:
     step: int
     loss: Any
     metrics: dict
-    step_time_s: float
 
 
 class Loop:
     """Iterates step indices; `done(state, loss=...)` after each step saves, stops and reports.
 
     A step's loss and metrics are read (a device-to-host copy) one step later, so the
-    loop never waits for the device between steps. Every host must run the same steps:
+    loop never waits for the device between steps; a step's time is the time between
+    the moments its loss and the previous step's were ready. Every host must run the same steps:
     on a notice to any host, all stop after the same step, with it committed.
     """
 
@@ -257,7 +257,7 @@ class Loop:
         self.closed = False
         self._awaiting_done = False
         self._pending: _Pending | None = None
-        self._t = time.perf_counter()
+        self._ready_at = time.perf_counter()  # when the previous step's values were on the host
 
     def __iter__(self) -> Iterator[int]:
         try:
@@ -284,8 +284,6 @@ class Loop:
         if not self._awaiting_done:
             raise RuntimeError("loop.done() called twice for one step, or outside the loop")
         self._awaiting_done = False
-        now = time.perf_counter()
-        step_time, self._t = now - self._t, now
         self.state = state
         self.step += 1
         ctx = self.ctx
@@ -293,7 +291,7 @@ class Loop:
         if self.step % ctx.checkpoint_interval == 0 or self.step == self.total or stop:
             self._save()
         self._flush()
-        self._pending = _Pending(self.step - 1, loss, metrics, step_time)
+        self._pending = _Pending(self.step - 1, loss, metrics)
         if stop:
             self.stopped = True
 
@@ -310,10 +308,13 @@ class Loop:
         p, self._pending = self._pending, None
         if p is None:
             return
+        loss = _scalar(p.loss)  # waits for the step
         metrics = {k: _scalar(v) for k, v in p.metrics.items()}
-        tokens_per_s = self.tokens_per_step / p.step_time_s if self.tokens_per_step and p.step_time_s > 0 else None
-        metrics.update(self._utilisation(p.step_time_s))
-        self.ctx.send(StepDone(p.step, _scalar(p.loss), tokens_per_s, p.step_time_s, metrics))
+        now = time.perf_counter()
+        step_time, self._ready_at = now - self._ready_at, now
+        tokens_per_s = self.tokens_per_step / step_time if self.tokens_per_step and step_time > 0 else None
+        metrics.update(self._utilisation(step_time))
+        self.ctx.send(StepDone(p.step, loss, tokens_per_s, step_time, metrics))
 
     def _utilisation(self, step_time_s: float) -> dict[str, float]:
         out: dict[str, float] = {}
