@@ -302,8 +302,9 @@ def export(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
               "--latest exports its newest committed checkpoint, --step N a given one")
     except ExportError as e:
         _fail(str(e))
-    out.print(f"wrote {done.out}: step {done.step}, {done.tensors} tensors, {done.parameters:,} parameters "
-              f"({done.bytes / 2**20:.1f} MiB)", highlight=False)
+    size = f"{done.bytes / 2**20:.1f} MiB" if done.bytes >= 2**20 else f"{done.bytes / 1024:.1f} KiB"
+    out.print(f"wrote {done.out}: step {done.step}, {done.tensors} tensors, {done.parameters:,} parameters ({size})",
+              highlight=False)
 
 
 @app.command()

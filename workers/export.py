@@ -1,0 +1,233 @@
+"""Trained weights out of a job's checkpoints, as safetensors, and back into the same pytree.
+
+An export is a folder::
+
+    model.safetensors   one tensor per leaf, named by its key path ("params" left out):
+                        "embed", "layers/0/wq", ...; dtypes as trained (bfloat16 stays bfloat16)
+    config.json         {"format": "orchestrator-weights", "version": 1, "job": ..., "step": ...,
+                         "subtree": "params", "model": {...} or null, "meta": {...},
+                         "tree": the pytree's structure with each leaf's tensor name}
+
+safetensors because every framework reads it (PyTorch, JAX/Flax, NumPy, the Hugging Face
+stack) without running code from the file, as pickles would. The names alone cannot tell a
+list from a dict keyed "0", "1", so `tree` keeps the structure: `load` rebuilds the very
+same nested dicts and lists (a tuple comes back as a list).
+
+The checkpoint read is the layout the workers write: an orbax CheckpointManager folder
+whose step folders hold the items `state` (StandardSave of the pytree, parameters under
+`state["params"]`) and `meta` (JsonSave, with at least `step`); a folder holding one
+unnamed item (`default`, as older built-in trainers wrote) is read too. It is restored
+on this process's first CPU device, whatever mesh wrote it: the target is built from
+orbax's own metadata of the item, so no model code is needed.
+
+Example::
+
+    exported = export_checkpoint("/ckpt/tiny-lm", "weights/", job={"id": "tiny-lm-3f2a1c"})
+    params, config = load("weights/")
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT = "orchestrator-weights"
+VERSION = 1
+WEIGHTS = "model.safetensors"
+CONFIG = "config.json"
+
+
+class ExportError(ValueError):
+    """A checkpoint that cannot be exported, or an export that cannot be read; `where` names the folder or file."""
+
+    def __init__(self, where: str, problem: str):
+        self.where, self.problem = str(where), problem
+        super().__init__(f"{where}: {problem}")
+
+    def __reduce__(self):
+        return type(self), (self.where, self.problem)
+
+
+@dataclass(frozen=True)
+class Exported:
+    out: Path
+    step: int
+    tensors: int
+    parameters: int  # scalars over all tensors
+    bytes: int
+
+
+# -- the pytree as named tensors ----------------------------------------------------------
+
+
+def flatten(tree: Any) -> tuple[dict[str, np.ndarray], Any]:
+    """Named tensors and the structure: dicts stay dicts, lists and tuples become lists, a leaf its name."""
+    tensors: dict[str, np.ndarray] = {}
+
+    def walk(node: Any, path: tuple[str, ...]) -> Any:
+        if isinstance(node, dict):
+            for k in node:
+                if not isinstance(k, str) or not k or "/" in k:
+                    raise ExportError("/".join(path) or "<root>", f"key {k!r}: only non-empty strings without '/' "
+                                                                   "can name a tensor")
+            return {k: walk(v, (*path, k)) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return [walk(v, (*path, str(i))) for i, v in enumerate(node)]
+        if node is None:
+            return None
+        name = "/".join(path) or "value"
+        tensors[name] = np.asarray(node, order="C")  # not ascontiguousarray: it makes a scalar 1-d
+        return name
+
+    return tensors, walk(tree, ())
+
+
+def unflatten(structure: Any, tensors: dict[str, np.ndarray]) -> Any:
+    if isinstance(structure, dict):
+        return {k: unflatten(v, tensors) for k, v in structure.items()}
+    if isinstance(structure, list):
+        return [unflatten(v, tensors) for v in structure]
+    if structure is None:
+        return None
+    return tensors[structure]
+
+
+# -- writing and reading an export ---------------------------------------------------------
+
+
+def save(tree: Any, out: str | Path, *, config: dict, force: bool = False) -> Exported:
+    """Write `tree` and `config` (plus the structure) to `out`, atomically: a temporary folder renamed at the end."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise ExportError(str(out), "exists and is not empty (--force replaces it)")
+    tensors, structure = flatten(tree)
+    if not tensors:
+        raise ExportError(str(out), "the pytree has no arrays to write")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "np"})
+        full = {"format": FORMAT, "version": VERSION, **config, "tree": structure}
+        (tmp / CONFIG).write_text(json.dumps(full, indent=2, default=_json_default) + "\n")
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(old / "replaced")
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return Exported(out=out, step=int(config.get("step", -1)), tensors=len(tensors),
+                    parameters=sum(int(t.size) for t in tensors.values()),
+                    bytes=(out / WEIGHTS).stat().st_size)
+
+
+def _json_default(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON")
+
+
+def load(folder: str | Path) -> tuple[Any, dict]:
+    """The exported pytree (NumPy arrays, in nested dicts and lists as trained) and the config."""
+    from safetensors.numpy import load_file
+
+    folder = Path(folder)
+    for name in (CONFIG, WEIGHTS):
+        if not (folder / name).is_file():
+            raise ExportError(str(folder / name), "missing: not an export folder (make one with `orchestrator export`)")
+    try:
+        config = json.loads((folder / CONFIG).read_text())
+    except json.JSONDecodeError as e:
+        raise ExportError(str(folder / CONFIG), f"not valid JSON: {e}") from None
+    if not isinstance(config, dict) or config.get("format") != FORMAT or "tree" not in config:
+        raise ExportError(str(folder / CONFIG), f"not an export's config (expected \"format\": \"{FORMAT}\")")
+    tensors = load_file(str(folder / WEIGHTS))
+    structure = config.pop("tree")
+    try:
+        return unflatten(structure, tensors), config
+    except KeyError as e:
+        raise ExportError(str(folder / WEIGHTS), f"has no tensor {e.args[0]!r} that config.json names") from None
+
+
+# -- from a checkpoint -------------------------------------------------------------------
+
+
+def checkpoint_steps(directory: str | Path) -> list[int]:
+    """The committed steps in an orbax checkpoint folder, oldest first (unfinished saves are not steps)."""
+    mngr = _manager(directory)
+    try:
+        return sorted(int(s) for s in mngr.all_steps())
+    finally:
+        mngr.close()
+
+
+def _manager(directory: str | Path):
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    if not epath.Path(directory).is_dir():
+        raise ExportError(str(directory), "no such checkpoint folder")
+    return ocp.CheckpointManager(
+        directory, item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                                  "default": ocp.StandardCheckpointHandler()},
+        options=ocp.CheckpointManagerOptions(read_only=True))
+
+
+def restore(directory: str | Path, step: int) -> tuple[Any, dict]:
+    """The state pytree saved at `step` (on one CPU device) and its `meta` dict ({} if the layout has none)."""
+    import jax
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    root = epath.Path(directory) / str(step)
+    item = "state" if (root / "state").is_dir() else "default" if (root / "default").is_dir() else None
+    if item is None:
+        raise ExportError(str(root), "holds neither a 'state' nor a 'default' item")
+    device = jax.devices("cpu")[0]
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    mngr = _manager(directory)
+    try:
+        metadata = mngr.item_metadata(step)[item]
+        tree = getattr(metadata, "tree", metadata)
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree)
+        args = {item: ocp.args.StandardRestore(target)}
+        if (root / "meta").is_dir():
+            args["meta"] = ocp.args.JsonRestore()
+        restored = mngr.restore(step, args=ocp.args.Composite(**args))
+        state, meta = restored[item], (restored["meta"] if "meta" in args else None) or {}
+    finally:
+        mngr.close()
+    return jax.tree.map(np.asarray, state), dict(meta)
+
+
+def export_checkpoint(directory: str | Path, out: str | Path, *, step: int | None = None,
+                      config: dict | None = None, force: bool = False) -> Exported:
+    """Export the checkpoint at `step` (None: the newest committed one) of `directory` to `out`.
+
+    Writes the `params` subtree when the state has one, else the whole state; `config`
+    (the job, the model) is added to config.json with the step and the checkpoint's meta.
+    """
+    steps = checkpoint_steps(directory)
+    if not steps:
+        raise ExportError(str(directory), "holds no committed checkpoint")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ExportError(str(directory), f"has no committed checkpoint of step {step}; it has "
+                                          f"{', '.join(map(str, steps))}")
+    state, meta = restore(directory, step)
+    subtree = "params" if isinstance(state, dict) and "params" in state else ""
+    tree = state["params"] if subtree else state
+    return save(tree, out, force=force, config={**(config or {}), "step": step, "subtree": subtree, "meta": meta,
+                                                "checkpoint": str(directory)})
