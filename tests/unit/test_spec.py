@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import re
+import time
+import typing
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
 from orchestrator.errors import SpecError
+from orchestrator.user.fit import microbatches_for
 from orchestrator.user.spec import JobSpec, LmWorkload, json_schema
 
 REPO = Path(__file__).resolve().parents[2]
@@ -239,3 +245,229 @@ def test_queue_fields():
 def test_durations_must_be_positive(field, value, shown):
     assert problems_of({field: value}) == [
         (field, f"must be a positive duration, e.g. 'PT12H' or '12:00:00', got {shown}")]
+
+
+# -- training settings: precision, remat, gradient accumulation, kernel blocks -----------------------
+
+
+def lm(**fields) -> dict:
+    return {"workload": {"type": "lm", **fields}}
+
+
+@pytest.mark.parametrize("kind", ["lm", "entrypoint"])
+def test_training_settings_are_accepted_on_both_workloads(kind):
+    extra = {"entrypoint": "pkg.mod:main"} if kind == "entrypoint" else {}
+    w = JobSpec.from_dict({"name": "a", "workload": {
+        "type": kind, **extra, "precision": {"compute": "bfloat16", "params": "float32"},
+        "remat": "dots_with_no_batch_dims_saveable", "gradient_accumulation": 2,
+        "kernel_blocks": {"block_q": 512, "block_kv": 1024, "block_q_bwd": 256, "block_kv_bwd": 512}}}).workload
+    assert (w.precision.compute, w.remat, w.gradient_accumulation) == ("bfloat16", "dots_with_no_batch_dims_saveable", 2)
+    assert (w.kernel_blocks.block_q, w.kernel_blocks.block_kv_bwd) == (512, 512)
+    assert JobSpec.from_dict({"name": "a", "workload": w.model_dump(mode="json")}).workload == w  # as stored
+
+
+def test_training_settings_defaults():
+    w = JobSpec.from_dict({"name": "a"}).workload
+    assert (w.precision.compute, w.precision.params, w.remat, w.gradient_accumulation, w.kernel_blocks) == (
+        "auto", "float32", "none", "auto", None)
+
+
+@pytest.mark.parametrize("platform, dtype", [("cpu", "float32"), ("tpu", "bfloat16"), ("gpu", "bfloat16")])
+def test_auto_precision_is_bfloat16_on_accelerators_and_float32_on_cpu(platform, dtype):
+    assert JobSpec.from_dict({"name": "a"}).workload.precision.compute_dtype(platform) == dtype
+    forced = JobSpec.from_dict({"name": "a", **lm(precision={"compute": "float32"})}).workload.precision
+    assert forced.compute_dtype(platform) == "float32"
+
+
+MICROBATCH_RULE = "must be a whole number of microbatches from 1 to 1,048,576, or 'auto', got"
+
+
+@pytest.mark.parametrize("fields, expected", [
+    ({"precision": {"params": "bfloat16"}},
+     ("workload.precision.params", "must be float32, got 'bfloat16': master parameters and optimizer state stay "
+      "float32 (bfloat16 ones drop updates smaller than 1/256 of a weight); compute: bfloat16 runs the matmuls in "
+      "bfloat16")),
+    ({"precision": {"compute": "float16"}},
+     ("workload.precision.compute", "Input should be 'auto', 'bfloat16' or 'float32'")),
+    ({"remat": "save_only_these_names"},
+     ("workload.remat", "Input should be 'none', 'full', 'dots_saveable', 'dots_with_no_batch_dims_saveable', "
+      "'checkpoint_dots', 'checkpoint_dots_with_no_batch_dims', 'nothing_saveable' or 'everything_saveable'")),
+    ({"gradient_accumulation": 0}, ("workload.gradient_accumulation", f"{MICROBATCH_RULE} 0")),
+    ({"gradient_accumulation": True}, ("workload.gradient_accumulation", f"{MICROBATCH_RULE} True")),
+    ({"gradient_accumulation": "2"}, ("workload.gradient_accumulation", f"{MICROBATCH_RULE} '2'")),
+    ({"gradient_accumulation": 1.5}, ("workload.gradient_accumulation", f"{MICROBATCH_RULE} 1.5")),
+    ({"gradient_accumulation": 3},
+     ("workload.gradient_accumulation", "3 microbatches do not divide the 4 rows each batch shard gets on v4-8 "
+      "(global_batch_size 16 over data*fsdp=4); use a divisor of 4 or 'auto'")),
+    ({"kernel_blocks": {"block_q": 100}}, ("workload.kernel_blocks.block_q", "Input should be a multiple of 8")),
+    ({"kernel_blocks": {"block_kv_bwd": 0}}, ("workload.kernel_blocks.block_kv_bwd", "Input should be greater than 0")),
+    ({"kernel_blocks": {"block_size": 128}},
+     ("workload.kernel_blocks.block_size", "unknown key")),
+], ids=["params-bf16", "compute", "remat", "ga-0", "ga-bool", "ga-str", "ga-float", "ga-divides", "block-8",
+        "block-0", "block-key"])
+def test_training_settings_refused(fields, expected):
+    (path, msg), = problems_of(lm(**fields))
+    assert (path, msg.split("; allowed keys")[0]) == expected
+
+
+def test_entrypoint_microbatches_must_divide_its_rows():
+    assert problems_of({"workload": {"type": "entrypoint", "entrypoint": "m:f", "global_batch_size": 8,
+                                     "gradient_accumulation": 4}}) == [
+        ("workload.gradient_accumulation",
+         "4 microbatches do not divide the 2 rows each batch shard gets on v4-8; use a divisor of 2 or 'auto'")]
+
+
+# -- job-file hardening --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, path, lines", [
+    ("name: a\nname: b\n", "name", (1, 2)),
+    ("name: a\nworkload:\n  type: lm\n  steps: 10\n  seq_len: 8\n  steps: 20\n", "workload.steps", (4, 6)),
+    ("name: a\nworkload: {type: lm, model: {d_model: 64,\n  d_model: 32}}\n", "workload.model.d_model", (2, 3)),
+    ("name: a\nworkload: {type: lm, mesh: {data: 1, data: 2}}\n", "workload.mesh.data", (2, 2)),
+    ("name: a\nautoscaling:\n  tiers: [spot]\n  tiers: [on-demand]\n", "autoscaling.tiers", (3, 4)),
+    ("name: a\ngcp: {project: p, zones: [{x: 1, x: 2}]}\n", "gcp.zones.0.x", (2, 2)),
+], ids=["top", "nested", "flow", "same-line", "list-value", "in-a-list"])
+def test_duplicate_keys_name_the_key_and_both_lines(tmp_path, text, path, lines):
+    key = path.rsplit(".", 1)[-1]
+    assert problem(tmp_path, text) == (
+        f"job.yaml: {path}: duplicate key {key!r} at lines {lines[0]} and {lines[1]} (YAML would silently keep the "
+        "last); give it once")
+
+
+def test_merge_keys_and_anchors_still_load(tmp_path):
+    """A merge key's mapping may be overridden (YAML's intent); an alias is walked once."""
+    spec = JobSpec.from_yaml(write(tmp_path, "name: a\nrecovery: &r {max_failures: 3}\n"
+                                             "checkpoint: {<<: {keep: 2, interval_steps: 5}, keep: 4}\n"))
+    assert (spec.checkpoint.keep, spec.checkpoint.interval_steps, spec.recovery.max_failures) == (4, 5, 3)
+
+
+@pytest.mark.parametrize("size", [2**20 + 1, 50 * 10**6])
+def test_job_files_over_1_mib_are_refused_before_parsing(tmp_path, size):
+    path = tmp_path / "job.yaml"
+    with path.open("w") as f:
+        f.write("name: a\n# ")
+        f.truncate(size)  # a sparse file: its size without writing it all
+    started = time.perf_counter()
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_yaml(path)
+    assert time.perf_counter() - started < 1.0
+    assert str(info.value) == f"{path}: job file is {size:,} bytes; the limit is 1 MiB (1,048,576 bytes)"
+
+
+def test_a_job_file_of_exactly_1_mib_loads(tmp_path):
+    text = "name: a\n"
+    path = write(tmp_path, text + "#" * (2**20 - len(text) - 1) + "\n")
+    assert path.stat().st_size == 2**20 and JobSpec.from_yaml(path).name == "a"
+
+
+def test_warmup_must_not_exceed_the_steps():
+    assert problems_of(lm(steps=5, learning_rate={"warmup_steps": 6})) == [
+        ("workload.learning_rate.warmup_steps", "must be at most workload.steps=5, got 6")]
+    JobSpec.from_dict({"name": "a", **lm(steps=5, learning_rate={"warmup_steps": 5})})
+
+
+def test_autoscaling_needs_a_deadline():
+    assert problems_of({"autoscaling": {"accelerators": ["v4-8", "v4-16"]}}) == [
+        ("deadline", "autoscaling needs a deadline (e.g. deadline: PT24H): the cost policy weighs each slice's "
+                     "cost against the time left")]
+    JobSpec.from_dict({"name": "a", "autoscaling": {"accelerators": ["v4-8", "v4-16"]}, "deadline": "PT2H"})
+
+
+def duration_fields(model=JobSpec, prefix="") -> list[str]:
+    """Every field of the spec that is a duration: a timedelta, or a number of seconds (`*_s`)."""
+    found = []
+    for name, field in model.model_fields.items():
+        args = typing.get_args(field.annotation) or (field.annotation,)
+        for arg in args:
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                found += duration_fields(arg, f"{prefix}{name}.")
+        if dt.timedelta in args or name.endswith("_s"):
+            found.append(prefix + name)
+    return found
+
+
+POSITIONS = {"capacity_trace.start_s"}  # a point in a trace, not a length of time: 0 is its start
+
+
+@pytest.mark.parametrize("path", duration_fields())
+@pytest.mark.parametrize("value", [-1, 0])
+def test_every_duration_must_be_positive(path, value):
+    """Whatever durations the spec has or gains: none may be zero or negative."""
+    if value == 0 and path in POSITIONS:
+        return
+    data = nested(path, value)
+    if path.startswith("capacity_trace."):
+        data["capacity_trace"]["path"] = str(REPO / "policies/traces/availability/1-node/aws-02-15-2023/"
+                                             "us-west-2a_v100_1.json")
+    problems = problems_of(data)
+    assert [p for p, _ in problems] == [path], problems
+
+
+def test_duration_fields_are_found():
+    assert {"deadline", "queue_timeout", "recovery.heartbeat_timeout_s", "recovery.grace_period_s"} <= set(
+        duration_fields())
+
+
+@pytest.mark.parametrize("text", [
+    "name: a\nworkload: {type: lm, seq_len: 1e11, global_batch_size: 1e9}\n",
+    "name: a\nworkload: {type: lm, seq_len: 100000000000, global_batch_size: 1000000000}\n",
+    "name: a\nworkload: {type: lm, seq_len: 1.0e+11, global_batch_size: 1.0e+9}\n",
+])
+def test_absurd_sequence_and_batch_fail_at_validation_at_once(tmp_path, text):
+    started = time.perf_counter()
+    msg = problem(tmp_path, text)
+    assert time.perf_counter() - started < 1.0
+    assert msg.splitlines()[0].startswith("job.yaml: workload.seq_len: ")
+    assert msg.splitlines()[1].startswith("job.yaml: workload.global_batch_size: ")
+
+
+# -- the memory-fit check -------------------------------------------------------------------------------
+
+HUGE = {"d_model": 65536, "n_layers": 1024, "n_heads": 64, "d_ff": 262144, "vocab_size": 2**20}
+
+
+def test_an_absurd_model_is_refused_with_the_figures_in_under_a_second():
+    started = time.perf_counter()
+    (path, msg), = problems_of({"accelerator": "v4-8", **lm(model=HUGE, seq_len=2**17, global_batch_size=4)})
+    assert time.perf_counter() - started < 1.0
+    assert path == "accelerator"
+    assert re.fullmatch(
+        r"v4-8: training needs [\d.]+ GiB per chip but 28\.8 GiB is usable \(90% of 32\.0 GiB HBM\), with 1 "
+        r"microbatch of 131,072 tokens a chip; (\w| )+ dominate \(GiB: parameters [\d.]+, compute copy [\d.]+, "
+        r"gradients [\d.]+, optimizer state [\d.]+, activations [\d.]+, logits [\d.]+\); alternatives: remat: full: "
+        r"[\d.]+ GiB \(still too much\); mesh: \{data: 1, fsdp: 4\}: [\d.]+ GiB \(still too much\); remat: full and "
+        r"mesh: \{data: 1, fsdp: 4\}: [\d.]+ GiB \(still too much\); a slice with more chips", msg), msg
+
+
+def test_every_slice_autoscaling_may_choose_is_checked():
+    """8.3B parameters, fully sharded: 16 bytes of model state a parameter (+2 for the bfloat16 copy) over 8
+    chips fit a v4 chip's HBM, over 4 (a v4-8) they do not, whatever the microbatch count."""
+    model = {"d_model": 4096, "n_layers": 40, "n_heads": 32, "d_ff": 16384, "vocab_size": 32000}
+    job = {"accelerator": "v4-32", "deadline": "PT24H", **lm(model=model, seq_len=2048, global_batch_size=256,
+                                                             mesh={"data": 1, "fsdp": -1}, remat="full")}
+    JobSpec.from_dict({"name": "a", **job, "autoscaling": {"accelerators": ["v4-16", "v4-64"]}})
+    problems = problems_of({**job, "autoscaling": {"accelerators": ["v4-8", "v4-16"]}})
+    assert [(p, m.split(":")[0]) for p, m in problems] == [("autoscaling.accelerators", "v4-8")]
+    assert problems[0][1].endswith("alternatives: a slice with more chips")  # remat, accumulation, fsdp: all in use
+
+
+def test_remat_and_accumulation_change_the_verdict():
+    model = {"d_model": 2048, "n_layers": 24, "n_heads": 16, "d_ff": 8192, "vocab_size": 32000}
+    base = {"accelerator": "v4-32", **lm(model=model, seq_len=2048, global_batch_size=256,
+                                         mesh={"data": 1, "fsdp": -1}, gradient_accumulation=1)}
+    (path, msg), = problems_of(base)
+    assert path == "accelerator" and "activations dominate" in msg
+    for change in ({"remat": "full"}, {"gradient_accumulation": 4}, {"gradient_accumulation": "auto"}):
+        JobSpec.from_dict({"name": "a", **{**base, "workload": {**base["workload"], **change}}})
+
+
+def test_microbatches_resolved_per_slice():
+    model = {"d_model": 2048, "n_layers": 24, "n_heads": 16, "d_ff": 8192, "vocab_size": 32000}
+    spec = JobSpec.from_dict({"name": "a", "accelerator": "v4-16", **lm(model=model, seq_len=2048,
+                                                                         global_batch_size=256,
+                                                                         mesh={"data": 1, "fsdp": -1})})
+    counts = {t: microbatches_for(spec, t) for t in ("v4-16", "v4-32", "v4-64")}
+    assert counts["v4-16"] > counts["v4-32"] > counts["v4-64"] >= 1  # more chips: fewer rows each
+    assert microbatches_for(JobSpec.from_dict({"name": "a"}), "v4-8") == 1
+    assert microbatches_for(JobSpec.from_dict({"name": "a", **lm(gradient_accumulation=2)}), "v4-8") == 2
