@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch
+from kernels import dispatch, generations
 from kernels.attention_chunked import chunked_attention
 from kernels.attention_mask import MaskBand, segment_block_bounds, segments_may_meet
 
@@ -41,29 +41,49 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 class BlockSizes:
     """Tile sizes: ``[block_q, block_kv]`` score tiles for Pallas, chunk sizes for the XLA path.
 
-    They change speed and memory, never the result (beyond float rounding). On a TPU,
+    They change speed and memory, never the result (beyond float rounding). The backward
+    pass (dQ and dK/dV kernels) has its own pair, which defaults to the forward's: it keeps
+    more tiles live per step, so the best backward blocks are often smaller. On a TPU,
     ``block_kv`` should be a multiple of 128 (the lane width) for the kernels to lower well.
+    Left out (``block_sizes=None``), they come from the chip generation (`kernels.generations`).
     """
 
-    block_q: int = 128
-    block_kv: int = 128
+    block_q: int = 512
+    block_kv: int = 512
+    block_q_bwd: int | None = None
+    block_kv_bwd: int | None = None
 
     def __post_init__(self):
-        for name in ("block_q", "block_kv"):
+        for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
             value = getattr(self, name)
+            if value is None and name.endswith("_bwd"):
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if value % 8:
+                raise ValueError(f"{name}={value} must be a multiple of 8")
 
-    def fit(self, q_len: int, kv_len: int) -> BlockSizes:
-        """These sizes clamped to the sequence lengths, checked to tile them exactly."""
-        fitted = BlockSizes(min(self.block_q, q_len), min(self.block_kv, kv_len))
-        for seq_name, seq_len, block_name, block in (
-                ("q_len", q_len, "block_q", fitted.block_q), ("kv_len", kv_len, "block_kv", fitted.block_kv)):
-            if seq_len % block:
-                raise ValueError(f"{seq_name}={seq_len} is not a multiple of {block_name}={block}")
-            if block % 8 and block != seq_len:
-                raise ValueError(f"{block_name}={block} must be a multiple of 8 (or all of {seq_name}={seq_len})")
-        return fitted
+    @classmethod
+    def for_generation(cls, generation: generations.Generation) -> BlockSizes:
+        return cls(*generation.attention)
+
+    def tiling(self, q_len: int, kv_len: int, *, backward: bool = False) -> Tiling:
+        """The blocks of one pass (forward, or ``backward``) fitted to the lengths (`generations.fit_block`)."""
+        block_q = self.block_q_bwd or self.block_q if backward else self.block_q
+        block_kv = self.block_kv_bwd or self.block_kv if backward else self.block_kv
+        q = generations.fit_block(q_len, block_q)
+        kv = generations.fit_block(kv_len, block_kv, align=generations.lane_align(block_kv))
+        return Tiling(q.block, kv.block, q.padded, kv.padded)
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """One pass's fitted blocks and the lengths padded to whole blocks (padding is masked)."""
+
+    block_q: int
+    block_kv: int
+    q_len: int
+    kv_len: int
 
 
 CHUNKED_BLOCK_SIZES = BlockSizes(block_q=256, block_kv=256)  # measured best of 128-1024 on CPU at 4k
@@ -96,8 +116,8 @@ def attention(
       sm_scale: logit scale, default ``1 / sqrt(head_dim)``.
       implementation: ``"pallas"``, ``"xla"`` (chunked online softmax, memory linear in
         the sequence), ``"cudnn"``, or None to choose from the backend (`kernels.dispatch`).
-      block_sizes: tile sizes (`BlockSizes`); the Pallas path needs them to divide the
-        sequence lengths, the XLA path pads.
+      block_sizes: tile sizes (`BlockSizes`), default per chip generation; every path
+        takes any length, fitting the blocks to it and padding (masked) what they do not tile.
 
     Returns:
       ``[batch, q_len, heads, head_dim]`` in ``q.dtype``.
@@ -120,7 +140,7 @@ def attention(
         if reason is not None:
             impl = dispatch.XLA
     if impl == dispatch.PALLAS:
-        blocks = (block_sizes or BlockSizes()).fit(band.q_len, band.kv_len)
+        blocks = block_sizes or BlockSizes.for_generation(generations.current())
     else:
         blocks = block_sizes or CHUNKED_BLOCK_SIZES
     return _attention(q, k, v, segment_ids, band=band, sm_scale=scale, implementation=impl, blocks=blocks)
@@ -129,7 +149,8 @@ def attention(
 @functools.partial(jax.jit, static_argnames=("band", "sm_scale", "implementation", "blocks"))
 def _attention(q, k, v, segment_ids, *, band: MaskBand, sm_scale: float, implementation: str, blocks: BlockSizes):
     if implementation == dispatch.PALLAS:
-        config = _FlashConfig(band, sm_scale, blocks)
+        config = _Flash(band, sm_scale, blocks.tiling(band.q_len, band.kv_len),
+                        blocks.tiling(band.q_len, band.kv_len, backward=True))
         out = _flash(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), segment_ids, config)
         return out.swapaxes(1, 2)
     if implementation == dispatch.XLA:
@@ -162,29 +183,73 @@ def _check_shapes(q, k, v, segment_ids) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _FlashConfig:
+    """What the kernels of one pass see: the real (unpadded) mask band and the pass's tiling."""
+
     band: MaskBand
     sm_scale: float
-    blocks: BlockSizes
+    blocks: Tiling
+
+    @property
+    def kv_padded(self) -> bool:
+        return self.blocks.kv_len != self.band.kv_len
+
+
+@dataclasses.dataclass(frozen=True)
+class _Flash:
+    band: MaskBand
+    sm_scale: float
+    forward: Tiling
+    backward: Tiling
+
+    def pass_config(self, *, backward: bool) -> _FlashConfig:
+        return _FlashConfig(self.band, self.sm_scale, self.backward if backward else self.forward)
+
+
+def _pad_to(x, length: int, axis: int = 2, mode: str = "constant"):
+    """``x`` zero-padded (or ``mode``) at the end of ``axis`` to ``length``."""
+    if x is None or x.shape[axis] == length:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, widths, mode=mode)
+
+
+def _padded(config: _FlashConfig, q, k, v, segment_ids, *row_operands):
+    """Operands padded to the pass's tiling: queries (and per-query rows) and keys to whole blocks.
+
+    Padded keys are masked in the kernels; padded queries are zeros whose outputs are cut
+    off, and whose output cotangents are zero, so they add nothing to dK and dV.
+    """
+    q_len, kv_len = config.blocks.q_len, config.blocks.kv_len
+    ids = None if segment_ids is None else _pad_to(segment_ids, max(q_len, kv_len), axis=1, mode="edge")
+    rows = [_pad_to(x, q_len) for x in row_operands]
+    return (_pad_to(q, q_len), _pad_to(k, kv_len), _pad_to(v, kv_len), ids, *rows)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("config",))
-def _flash(q, k, v, segment_ids, config: _FlashConfig):
+def _flash(q, k, v, segment_ids, config: _Flash):
     """q ``[batch, heads, q_len, head_dim]``, k/v ``[batch, kv_heads, kv_len, head_dim]``."""
     return _flash_forward(q, k, v, segment_ids, config)[0]
 
 
-def _flash_forward(q, k, v, segment_ids, config):
-    out, lse = _forward_call(q, k, v, segment_ids, config)
+def _flash_forward(q, k, v, segment_ids, config: _Flash):
+    forward = config.pass_config(backward=False)
+    out, lse = _forward_call(*_padded(forward, q, k, v, segment_ids), forward)
+    q_len = q.shape[2]
+    out, lse = out[:, :, :q_len], lse[:, :, :q_len]
     return out, (q, k, v, segment_ids, out, lse)
 
 
-def _flash_backward(config, residuals, d_out):
+def _flash_backward(config: _Flash, residuals, d_out):
     q, k, v, segment_ids, out, lse = residuals
     # [batch, heads, q_len, 1]: rowsum(dO * O) = rowsum(P * dP), the softmax Jacobian's diagonal term.
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
-    dq = _dq_call(q, k, v, segment_ids, d_out, lse, di, config)
-    dk, dv = _dkv_call(q, k, v, segment_ids, d_out, lse, di, config)
-    return dq, dk, dv, None
+    backward = config.pass_config(backward=True)
+    operands = _padded(backward, q, k, v, segment_ids, d_out, lse, di)
+    dq = _dq_call(*operands, backward)
+    dk, dv = _dkv_call(*operands, backward)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], None
 
 
 _flash.defvjp(_flash_forward, _flash_backward)
@@ -247,11 +312,11 @@ def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape,
     arrays, in_specs = [a for a, _ in operands], [s for _, s in operands]
     bounds = ()
     if segment_ids is not None:
-        ids = segment_ids.astype(jnp.int32)
-        q_lo, q_hi = segment_block_bounds(ids, config.blocks.block_q)
-        kv_lo, kv_hi = segment_block_bounds(ids, config.blocks.block_kv)
+        ids = segment_ids.astype(jnp.int32)  # padded to the longer of the two padded lengths
+        q_lo, q_hi = segment_block_bounds(ids[:, :config.blocks.q_len], config.blocks.block_q)
+        kv_lo, kv_hi = segment_block_bounds(ids[:, :config.blocks.kv_len], config.blocks.block_kv)
         bounds = tuple(x.reshape(-1) for x in (q_lo, q_hi, kv_lo, kv_hi))  # 1-D: SMEM pads 2-D arrays
-        arrays += [ids[:, :, None], ids[:, None, :]]  # [batch, seq, 1], [batch, 1, seq]
+        arrays += [ids[:, :config.blocks.q_len, None], ids[:, None, :config.blocks.kv_len]]  # [b, q, 1], [b, 1, kv]
         in_specs += [specs.q_segments, specs.kv_segments]
     # The trailing axes accumulate into one output block; the others are independent.
     semantics = ("parallel",) * (len(grid) - specs.reduction_axes) + ("arbitrary",) * specs.reduction_axes
@@ -263,7 +328,7 @@ def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape,
             num_scalar_prefetch=len(bounds), grid=grid, in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=scratch),
         out_shape=out_shape,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=semantics),
+        compiler_params=generations.compiler_params(semantics),
         interpret=dispatch.pallas_interpret(),
     )(*bounds, *arrays)
 
@@ -272,7 +337,7 @@ def _forward_call(q, k, v, segment_ids, config):
     batch, heads, q_len, head_dim = q.shape
     bq, bk = config.blocks.block_q, config.blocks.block_kv
     specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, 1, config, head_dim)
-    grid = (batch, heads, q_len // bq, config.band.num_kv_steps(bq, bk))
+    grid = (batch, heads, q_len // bq, config.band.num_kv_steps(bq, bk))  # q_len: padded
     return _call(
         _forward_kernel, specs, grid, config, segment_ids,
         [(q, specs.q), (k, specs.kv), (v, specs.kv)],
@@ -287,7 +352,7 @@ def _dq_call(q, k, v, segment_ids, d_out, lse, di, config):
     batch, heads, q_len, head_dim = q.shape
     bq, bk = config.blocks.block_q, config.blocks.block_kv
     specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, 1, config, head_dim)
-    grid = (batch, heads, q_len // bq, config.band.num_kv_steps(bq, bk))
+    grid = (batch, heads, q_len // bq, config.band.num_kv_steps(bq, bk))  # q_len: padded
     return _call(
         _dq_kernel, specs, grid, config, segment_ids,
         [(q, specs.q), (k, specs.kv), (v, specs.kv), (d_out, specs.q), (lse, specs.q_row), (di, specs.q_row)],
@@ -331,8 +396,8 @@ def _visits(c: _Coords, bounds, config: _FlashConfig):
     if bounds is None:
         return c.real
     q_lo, q_hi, kv_lo, kv_hi = bounds
-    num_q_blocks = config.band.q_len // config.blocks.block_q
-    num_kv_blocks = config.band.kv_len // config.blocks.block_kv
+    num_q_blocks = config.blocks.q_len // config.blocks.block_q
+    num_kv_blocks = config.blocks.kv_len // config.blocks.block_kv
     qi = c.batch * num_q_blocks + c.q_block
     ki = c.batch * num_kv_blocks + c.kv_block
     return c.real & segments_may_meet(q_lo[qi], q_hi[qi], kv_lo[ki], kv_hi[ki])
@@ -344,6 +409,9 @@ def _mask(c: _Coords, segments, config: _FlashConfig) -> jax.Array | None:
     q_pos = c.q_block * bq + lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
     k_pos = c.kv_block * bk + lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
     mask = config.band.allows(q_pos, k_pos)
+    if config.kv_padded:
+        real = k_pos < config.band.kv_len
+        mask = real if mask is None else mask & real
     if segments is not None:
         q_segments, kv_segments = segments
         same = q_segments[...] == kv_segments[...]  # [block_q, 1] == [1, block_kv]

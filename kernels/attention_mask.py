@@ -16,7 +16,8 @@ block pair whose segment id ranges do not intersect is empty too (see
 Because the band is convex, the key blocks a query block can see form one contiguous
 range ``[first, last]``; the kernels iterate over ``last - first + 1`` blocks per row
 (`num_kv_steps` in the grid) instead of all of them, and never compute the rest.
-Every function here works on Python ints, NumPy arrays and traced int32 scalars alike,
+Lengths that the blocks do not divide count a last, partial block (its padding is
+masked by the kernels). Every function here works on Python ints, NumPy arrays and traced int32 scalars alike,
 so the same code serves the grid size, the kernels' index maps and the unit tests.
 """
 
@@ -94,12 +95,12 @@ class MaskBand:
 
     def num_kv_steps(self, block_q: int, block_kv: int) -> int:
         """Key blocks visited per query block: the grid's innermost extent in the forward pass."""
-        first, last = self.kv_blocks(np.arange(self.q_len // block_q), block_q, block_kv)
+        first, last = self.kv_blocks(np.arange(_blocks(self.q_len, block_q)), block_q, block_kv)
         return int(np.max(np.asarray(last) - np.asarray(first))) + 1
 
     def num_q_steps(self, block_q: int, block_kv: int) -> int:
         """Query blocks visited per key block: the innermost grid extent of the dK/dV pass."""
-        first, last = self.q_blocks(np.arange(self.kv_len // block_kv), block_q, block_kv)
+        first, last = self.q_blocks(np.arange(_blocks(self.kv_len, block_kv)), block_q, block_kv)
         return max(int(np.max(np.asarray(last) - np.asarray(first))) + 1, 1)
 
     def kv_block_at(self, q_block, step, block_q: int, block_kv: int):
@@ -114,16 +115,21 @@ class MaskBand:
     def q_block_at(self, kv_block, step, block_q: int, block_kv: int):
         """The query block visited at ``step`` of key block ``kv_block``, and whether it is real."""
         first, last = self.q_blocks(kv_block, block_q, block_kv)
-        num_q_blocks = self.q_len // block_q
+        num_q_blocks = _blocks(self.q_len, block_q)
         index = jnp.clip(_minimum(first + step, last), 0, num_q_blocks - 1)
         return index, first + step <= last
 
     def visited_blocks(self, block_q: int, block_kv: int) -> np.ndarray:
         """``[q_blocks, kv_blocks]`` bool: the block pairs the forward grid computes."""
-        q_block = np.arange(self.q_len // block_q)[:, None]
-        kv_block = np.arange(self.kv_len // block_kv)[None, :]
+        q_block = np.arange(_blocks(self.q_len, block_q))[:, None]
+        kv_block = np.arange(_blocks(self.kv_len, block_kv))[None, :]
         first, last = self.kv_blocks(q_block, block_q, block_kv)
         return np.broadcast_to((first <= kv_block) & (kv_block <= last), (q_block.size, kv_block.size))
+
+
+def _blocks(length: int, block: int) -> int:
+    """Blocks covering ``length`` (the last one may be partly padding, which the kernels mask)."""
+    return -(-length // block)
 
 
 def _maximum(a, b):

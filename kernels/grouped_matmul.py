@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch
+from kernels import dispatch, generations
 
 IMPLEMENTATIONS = (dispatch.PALLAS, dispatch.XLA)
 
@@ -43,20 +43,15 @@ class GroupedMatmulBlockSizes:
     def __post_init__(self):
         for name in ("block_rows", "block_k", "block_n"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if self.block_rows % 8:
-            raise ValueError(f"block_rows={self.block_rows} must be a multiple of 8")
+            if not isinstance(value, int) or value < 1 or value % 8:
+                raise ValueError(f"{name} must be a positive multiple of 8, got {value!r}")
 
-    def fit(self, k: int, n: int) -> GroupedMatmulBlockSizes:
-        """Sizes for ``[.., k] @ [k, n]``, clamped and checked to tile both (rows are padded, not checked)."""
-        fitted = GroupedMatmulBlockSizes(self.block_rows, min(self.block_k, k), min(self.block_n, n))
-        for dim_name, dim, block_name, block in (("k", k, "block_k", fitted.block_k), ("n", n, "block_n", fitted.block_n)):
-            if dim % block:
-                raise ValueError(f"{dim_name}={dim} is not a multiple of {block_name}={block}")
-            if block % 128 and block != dim:
-                raise ValueError(f"{block_name}={block} must be a multiple of 128 (or all of {dim_name}={dim})")
-        return fitted
+    def fit(self, k: int, n: int) -> tuple[GroupedMatmulBlockSizes, int, int]:
+        """Blocks for ``[.., k] @ [k, n]`` (`generations.fit_block`; rows are tiled by the layout), and k and n
+        padded to them."""
+        fk = generations.fit_block(k, self.block_k, align=generations.lane_align(self.block_k))
+        fn = generations.fit_block(n, self.block_n, align=generations.lane_align(self.block_n))
+        return GroupedMatmulBlockSizes(self.block_rows, fk.block, fn.block), fk.padded, fn.padded
 
 
 def grouped_matmul(
@@ -76,12 +71,13 @@ def grouped_matmul(
       tile_expert: ``[rows // block_rows]`` int32, non-decreasing, every expert present.
       num_tiles: int32 scalar, tiles that hold rows; later tiles give zeros.
       implementation: ``"pallas"``, ``"xla"`` or None (from the backend).
-      block_sizes: `GroupedMatmulBlockSizes`.
+      block_sizes: `GroupedMatmulBlockSizes`, default per chip generation; any k and n run
+        (dividing blocks, or zeros padded and cut off).
 
     Returns:
       ``[rows, n]`` in ``x.dtype`` (f32 accumulation). Differentiable in ``x`` and ``w``.
     """
-    blocks = block_sizes or GroupedMatmulBlockSizes()
+    blocks = block_sizes or GroupedMatmulBlockSizes(*generations.current().grouped_matmul)
     rows, k = x.shape
     if w.ndim != 3 or w.shape[1] != k:
         raise ValueError(f"w must be [experts, k={k}, n], got {w.shape}")
@@ -89,10 +85,11 @@ def grouped_matmul(
         raise ValueError(f"{rows=} must be tiles of block_rows={blocks.block_rows}, one tile_expert each; "
                          f"got {tile_expert.shape=}")
     impl = dispatch.resolve(implementation, valid=IMPLEMENTATIONS)
+    padded = (k, w.shape[2])
     if impl == dispatch.PALLAS:
-        blocks = blocks.fit(k, w.shape[2])
+        blocks, *padded = blocks.fit(k, w.shape[2])
     return _gmm_jit(x, w, tile_expert.astype(jnp.int32), jnp.reshape(num_tiles, (1,)).astype(jnp.int32),
-                    config=_Config(impl, blocks))
+                    config=_Config(impl, blocks), padded=tuple(padded))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,9 +103,16 @@ class _Config:
         return _Config(self.implementation, GroupedMatmulBlockSizes(b.block_rows, b.block_n, b.block_k))
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _gmm_jit(x, w, tile_expert, num_tiles, *, config: _Config):
-    return _gmm(x, w, tile_expert, num_tiles, config)
+@functools.partial(jax.jit, static_argnames=("config", "padded"))
+def _gmm_jit(x, w, tile_expert, num_tiles, *, config: _Config, padded: tuple[int, int]):
+    # k and n padded with zeros to whole blocks: zero columns of x meet zero rows of w, and the
+    # extra output columns are cut off (their cotangents, zero, add nothing to dx or dw).
+    k, n = w.shape[1:]
+    pad_k, pad_n = padded[0] - k, padded[1] - n
+    if pad_k or pad_n:
+        x = jnp.pad(x, ((0, 0), (0, pad_k)))
+        w = jnp.pad(w, ((0, 0), (0, pad_k), (0, pad_n)))
+    return _gmm(x, w, tile_expert, num_tiles, config)[:, :n]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("config",))
@@ -167,7 +171,7 @@ def _pallas_matmul(x, w, tile_expert, num_tiles, blocks: GroupedMatmulBlockSizes
             out_specs=pl.BlockSpec((bm, bn), lambda t, j, kk, te, nt: (t, j)),
             scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((rows, n), x.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=generations.compiler_params(("parallel", "parallel", "arbitrary")),
         interpret=dispatch.pallas_interpret(),
     )(tile_expert, num_tiles, x, w)
 
@@ -204,7 +208,7 @@ def _pallas_weight_grad(x, dy, tile_expert, num_tiles, num_experts, blocks: Grou
             out_specs=pl.BlockSpec((None, bk, bn), lambda kk, j, t, te, nt: (te[t], kk, j)),
             scratch_shapes=[pltpu.VMEM((bk, bn), jnp.float32)]),
         out_shape=jax.ShapeDtypeStruct((num_experts, k, n), jnp.float32),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=generations.compiler_params(("parallel", "parallel", "arbitrary")),
         interpret=dispatch.pallas_interpret(),
     )(tile_expert, num_tiles, x, dy)
 

@@ -28,7 +28,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch
+from kernels import dispatch, generations
 
 IMPLEMENTATIONS = (dispatch.PALLAS, dispatch.XLA)
 
@@ -43,21 +43,14 @@ class ScanBlockSizes:
     def __post_init__(self):
         for name in ("block_time", "block_dim"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            if not isinstance(value, int) or value < 1 or value % 8:
+                raise ValueError(f"{name} must be a positive multiple of 8, got {value!r}")
 
-    def fit(self, time: int, dim: int) -> ScanBlockSizes:
-        """Sizes clamped to the array, checked to tile it (the Pallas path)."""
-        fitted = ScanBlockSizes(min(self.block_time, time), min(self.block_dim, dim))
-        if time % fitted.block_time:
-            raise ValueError(f"{time=} is not a multiple of block_time={fitted.block_time}")
-        if dim % fitted.block_dim:
-            raise ValueError(f"{dim=} is not a multiple of block_dim={fitted.block_dim}")
-        if fitted.block_time % 8 and fitted.block_time != time:
-            raise ValueError(f"block_time={fitted.block_time} must be a multiple of 8 (or all of {time=})")
-        if fitted.block_dim % 128 and fitted.block_dim != dim:
-            raise ValueError(f"block_dim={fitted.block_dim} must be a multiple of 128 (or all of {dim=})")
-        return fitted
+    def fit(self, time: int, dim: int) -> tuple[ScanBlockSizes, int, int]:
+        """Blocks fitted to the array (`generations.fit_block`), and the time and dim lengths padded to them."""
+        t = generations.fit_block(time, self.block_time)
+        d = generations.fit_block(dim, self.block_dim, align=generations.lane_align(self.block_dim))
+        return ScanBlockSizes(t.block, d.block), t.padded, d.padded
 
 
 def linear_scan(
@@ -75,7 +68,8 @@ def linear_scan(
       b: ``[batch, time, dim]`` inputs, same dtype as ``a``.
       h0: ``[batch, dim]`` initial state, zeros when None.
       implementation: ``"pallas"``, ``"xla"`` or None (from the backend, `kernels.dispatch`).
-      block_sizes: `ScanBlockSizes` of the Pallas kernel.
+      block_sizes: `ScanBlockSizes` of the Pallas kernel, default per chip generation; any
+        length runs (dividing blocks, or zero steps and features padded and cut off).
 
     Returns:
       ``h``: ``[batch, time, dim]`` in ``a.dtype``.
@@ -89,22 +83,32 @@ def linear_scan(
     if h0 is not None and h0.shape != (batch, dim):
         raise ValueError(f"h0 must be [batch, dim] = {(batch, dim)}, got {h0.shape}")
     impl = dispatch.resolve(implementation, valid=IMPLEMENTATIONS)
-    blocks = block_sizes or ScanBlockSizes()
+    blocks = block_sizes or ScanBlockSizes(*generations.current().scan)
+    padded = (time, dim)
     if impl == dispatch.PALLAS:
-        blocks = blocks.fit(time, dim)
+        blocks, *padded = blocks.fit(time, dim)
     h0 = jnp.zeros((batch, dim), a.dtype) if h0 is None else h0
-    return _scan_jit(a, b, h0, config=_Config(impl, blocks))
+    return _scan_jit(a, b, h0, config=_Config(impl, blocks, *padded))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
     implementation: str
     blocks: ScanBlockSizes
+    padded_time: int
+    padded_dim: int
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _scan_jit(a, b, h0, *, config: _Config):
-    return _scan(a, b, h0, config)
+    # Padding: zero decays and inputs after the last step (they leave earlier states alone, and
+    # the reverse pass starts from their zero cotangents) and in extra features; cut off after.
+    _, time, dim = a.shape
+    pad_time, pad_dim = config.padded_time - time, config.padded_dim - dim
+    if pad_time or pad_dim:
+        a, b = (jnp.pad(x, ((0, 0), (0, pad_time), (0, pad_dim))) for x in (a, b))
+        h0 = jnp.pad(h0, ((0, 0), (0, pad_dim)))
+    return _scan(a, b, h0, config)[:, :time, :dim]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("config",))
@@ -158,7 +162,7 @@ def _pallas_scan(a, b, h0, blocks: ScanBlockSizes, *, reverse: bool, out_dtype):
         out_specs=[seq_spec, state_spec],
         out_shape=[jax.ShapeDtypeStruct(a.shape, out_dtype), jax.ShapeDtypeStruct((batch, 1, dim), jnp.float32)],
         scratch_shapes=[pltpu.VMEM((1, bd), jnp.float32)],
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        compiler_params=generations.compiler_params(("parallel", "parallel", "arbitrary")),
         interpret=dispatch.pallas_interpret(),
     )(a, b, h0[:, None, :])
     return h, carry[:, 0]

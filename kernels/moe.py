@@ -1,7 +1,10 @@
 """Mixture-of-experts feed-forward: top-k routing, grouping by expert, grouped matmuls.
 
-Routing: softmax over the router logits, the ``top_k`` experts per token, their
-probabilities renormalized to sum to one (Mixtral). The auxiliary load-balancing loss is
+Routing: softmax over the router logits, the ``top_k`` experts per token. With
+``top_k > 1`` their probabilities are renormalized to sum to one (Mixtral); with
+``top_k == 1`` the gate is the chosen expert's softmax probability itself (Switch
+Transformer): renormalized, it would be exactly 1, a constant, and the router would get
+no gradient from the task loss, only from the auxiliary loss. The auxiliary load-balancing loss is
 Switch Transformer's ``num_experts * sum_e f_e * P_e`` (``f_e``: the fraction of token
 choices routed to ``e``, ``P_e``: its mean router probability), 1.0 when perfectly balanced.
 
@@ -28,7 +31,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from kernels import dispatch
+from kernels import dispatch, generations
 from kernels.grouped_matmul import GroupedMatmulBlockSizes, grouped_matmul
 
 IMPLEMENTATIONS = (dispatch.PALLAS, dispatch.XLA)
@@ -93,7 +96,7 @@ def moe_ffn(
             raise ValueError(f"capacity_factor must be positive, got {capacity_factor}")
         capacity = math.ceil(capacity_factor * tokens * top_k / num_experts)
     impl = dispatch.resolve(implementation, valid=IMPLEMENTATIONS)
-    blocks = block_sizes or GroupedMatmulBlockSizes()
+    blocks = block_sizes or GroupedMatmulBlockSizes(*generations.current().grouped_matmul)
     return _moe_ffn(x, router_w, w_in, w_out, top_k=top_k, capacity=capacity, implementation=impl, blocks=blocks)
 
 
@@ -126,7 +129,9 @@ def route(x: jax.Array, router_w: jax.Array, top_k: int) -> tuple[jax.Array, jax
     logits = jnp.dot(x, router_w, preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     gates, experts = jax.lax.top_k(probs, top_k)
-    return gates / gates.sum(axis=-1, keepdims=True), experts.astype(jnp.int32), probs
+    if top_k > 1:  # top-1 keeps its probability as the gate, the router's only task-loss gradient
+        gates = gates / gates.sum(axis=-1, keepdims=True)
+    return gates, experts.astype(jnp.int32), probs
 
 
 def load_balancing_loss(probs: jax.Array, experts: jax.Array) -> jax.Array:

@@ -22,31 +22,44 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch
+from kernels import dispatch, generations
 
 IMPLEMENTATIONS = (dispatch.PALLAS, dispatch.XLA)
 
 
 @dataclasses.dataclass(frozen=True)
 class NormBlockSizes:
-    """Rows per kernel block; the feature axis is never split."""
+    """Rows per kernel block; the feature axis is never split. Default per chip generation."""
 
     block_rows: int = 256
 
     def __post_init__(self):
-        if not isinstance(self.block_rows, int) or self.block_rows < 1:
-            raise ValueError(f"block_rows must be a positive int, got {self.block_rows!r}")
+        if not isinstance(self.block_rows, int) or self.block_rows < 1 or self.block_rows % 8:
+            raise ValueError(f"block_rows must be a positive multiple of 8, got {self.block_rows!r}")
 
-    def fit(self, rows: int) -> int:
-        """The block size for ``rows`` rows: clamped to them, checked to tile them."""
-        block_rows = min(self.block_rows, rows)
-        if rows % block_rows:
-            raise ValueError(f"{rows=} is not a multiple of {block_rows=}")
-        if block_rows % 8 and block_rows != rows:
-            raise ValueError(f"{block_rows=} must be a multiple of 8 (or all {rows=})")
-        return block_rows
+    def fit(self, rows: int, d: int = 0, itemsize: int = 4) -> generations.Fit:
+        """The block for ``rows`` rows of ``d`` features, no larger than VMEM holds, and the padded row count.
+
+        Raises:
+          ValueError: not even 8 rows of ``d`` features fit in VMEM (`max_rows`).
+        """
+        cap = max_rows(d, itemsize)
+        if cap < 8:
+            raise ValueError(f"rows of d={d} features ({itemsize}-byte) do not fit the VMEM of a "
+                             f"{generations.current().name} core, 8 at a time")
+        return generations.fit_block(rows, min(self.block_rows, cap))
+
+
+def max_rows(d: int, itemsize: int = 4, generation: generations.Generation | None = None) -> int:
+    """Most rows of ``d`` features a block may hold (a multiple of 8; under 8: none fit).
+
+    The backward holds the most: x, dy and dx double-buffered, and about four f32 rows of
+    temporaries; half the VMEM limit is left to Mosaic and its own copies.
+    """
+    generation = generation or generations.current()
+    per_row = max(d, 1) * (6 * itemsize + 16)
+    return (generation.vmem_limit_bytes // 2 // per_row) // 8 * 8
 
 
 def rms_norm(
@@ -64,7 +77,8 @@ def rms_norm(
       weight: ``[d]``.
       eps: added to the mean square.
       implementation: ``"pallas"``, ``"xla"`` or None (from the backend, `kernels.dispatch`).
-      block_sizes: rows per Pallas block (`NormBlockSizes`).
+      block_sizes: rows per Pallas block (`NormBlockSizes`), default per chip generation;
+        any number of rows runs (a block that divides them, or zero rows padded).
 
     Sharding: the Pallas path needs whole rows per device; wrap it in `kernels.sharded`
     with x sharded over leading axes only and ``weight`` replicated.
@@ -94,20 +108,25 @@ def _norm(x, weight, bias, *, eps, implementation, block_sizes):
         # Not behind a jit of its own: under the caller's grad, a jit boundary made XLA
         # keep a full-size residual that it otherwise fuses away.
         return reference_norm(x, weight, bias, eps=eps)
-    block_rows = (block_sizes or NormBlockSizes()).fit(math.prod(x.shape[:-1]))
-    return _pallas_norm_jit(x, weight, bias, config=_Config(float(eps), block_rows))
+    blocks = block_sizes or NormBlockSizes(generations.current().norm_rows)
+    fit = blocks.fit(math.prod(x.shape[:-1]), d, x.dtype.itemsize)
+    return _pallas_norm_jit(x, weight, bias, config=_Config(float(eps), fit.block, fit.padded))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
     eps: float
     block_rows: int
+    padded_rows: int  # rows padded to whole blocks: zero rows, whose outputs are cut off
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _pallas_norm_jit(x, weight, bias, *, config: _Config):
     rows = x.reshape(-1, x.shape[-1])  # [rows, d]
-    return _pallas_norm(rows, weight, bias, config).reshape(x.shape)
+    num_rows = rows.shape[0]
+    if config.padded_rows != num_rows:  # zero rows normalize to zeros and add nothing to the gradients
+        rows = jnp.pad(rows, ((0, config.padded_rows - num_rows), (0, 0)))
+    return _pallas_norm(rows, weight, bias, config)[:num_rows].reshape(x.shape)
 
 
 # --------------------------------------------------------------------------- Pallas path
@@ -133,7 +152,7 @@ def _forward(x, weight, bias, config):
         in_specs=[row_spec] + [param_spec] * len(params),
         out_specs=[row_spec] + [stat_spec] * (1 + centered),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] + [stat_shape] * (1 + centered),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=generations.compiler_params(("parallel",)),
         interpret=dispatch.pallas_interpret(),
     )(x, *params)
     return y, (x, weight, bias, stats)
@@ -154,7 +173,7 @@ def _backward(config, residuals, dy):
         in_specs=[row_spec, pl.BlockSpec((1, d), lambda i: (0, 0))] + [stat_spec] * len(stats) + [row_spec],
         out_specs=[row_spec] + [partial_spec] * (1 + centered),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype)] + [partial_shape] * (1 + centered),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        compiler_params=generations.compiler_params(("parallel",)),
         interpret=dispatch.pallas_interpret(),
     )(x, weight[None], *stats, dy)
     d_weight = param_partials[0].sum(axis=(0, 1)).astype(weight.dtype)

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch
+from kernels import dispatch, generations
 
 IMPLEMENTATIONS = (dispatch.PALLAS, dispatch.XLA)
 
@@ -35,16 +35,28 @@ class RopeBlockSizes:
     block_seq: int = 256
 
     def __post_init__(self):
-        if not isinstance(self.block_seq, int) or self.block_seq < 1:
-            raise ValueError(f"block_seq must be a positive int, got {self.block_seq!r}")
+        if not isinstance(self.block_seq, int) or self.block_seq < 1 or self.block_seq % 8:
+            raise ValueError(f"block_seq must be a positive multiple of 8, got {self.block_seq!r}")
 
-    def fit(self, seq_len: int) -> int:
-        block_seq = min(self.block_seq, seq_len)
-        if seq_len % block_seq:
-            raise ValueError(f"{seq_len=} is not a multiple of {block_seq=}")
-        if block_seq % 8 and block_seq != seq_len:
-            raise ValueError(f"{block_seq=} must be a multiple of 8 (or all of {seq_len=})")
-        return block_seq
+    def fit(self, seq_len: int, heads: int = 1, head_dim: int = 0, itemsize: int = 4) -> generations.Fit:
+        """The block for ``seq_len`` positions of ``heads`` x ``head_dim``, within VMEM, and the padded length.
+
+        Raises:
+          ValueError: not even 8 positions fit in VMEM (`max_positions`).
+        """
+        cap = max_positions(heads, head_dim, itemsize)
+        if cap < 8:
+            raise ValueError(f"positions of {heads} heads x {head_dim=} ({itemsize}-byte) do not fit the VMEM "
+                             f"of a {generations.current().name} core, 8 at a time")
+        return generations.fit_block(seq_len, min(self.block_seq, cap))
+
+
+def max_positions(heads: int, head_dim: int, itemsize: int = 4,
+                  generation: generations.Generation | None = None) -> int:
+    """Most positions a block may hold (a multiple of 8): x and out double-buffered, about six f32 copies."""
+    generation = generation or generations.current()
+    per_position = max(heads * head_dim, 1) * (4 * itemsize + 24)
+    return (generation.vmem_limit_bytes // 2 // per_position) // 8 * 8
 
 
 def apply_rope(
@@ -64,7 +76,8 @@ def apply_rope(
         restart at 0).
       base: the frequency base.
       implementation: ``"pallas"``, ``"xla"`` or None (from the backend, `kernels.dispatch`).
-      block_sizes: positions per Pallas block (`RopeBlockSizes`).
+      block_sizes: positions per Pallas block (`RopeBlockSizes`), default per chip
+        generation; any length runs (a dividing block, or padded positions cut off).
 
     Sharding: every token is independent; under ``jit`` the Pallas path needs
     `kernels.sharded` with x sharded over batch/seq/heads (not head_dim) and positions alike.
@@ -76,19 +89,26 @@ def apply_rope(
         raise ValueError(f"positions must be [batch, seq] = {(batch, seq_len)}, got {positions.shape}")
     if dispatch.resolve(implementation, valid=IMPLEMENTATIONS) == dispatch.XLA:
         return reference_rope(x, positions, base=base)  # inlined in the caller's jit, where XLA fuses it
-    block_seq = (block_sizes or RopeBlockSizes()).fit(seq_len)
-    return _pallas_rope_jit(x, positions, config=_Config(float(base), block_seq))
+    blocks = block_sizes or RopeBlockSizes(generations.current().rope_seq)
+    fit = blocks.fit(seq_len, x.shape[2], head_dim, x.dtype.itemsize)
+    return _pallas_rope_jit(x, positions, config=_Config(float(base), fit.block, fit.padded))
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
     base: float
     block_seq: int
+    padded_seq: int  # positions padded to whole blocks (zeros at position 0), cut off after
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _pallas_rope_jit(x, positions, *, config: _Config):
-    return _pallas_rope(x, positions.astype(jnp.int32), config)
+    seq_len = x.shape[1]
+    extra = config.padded_seq - seq_len
+    if extra:
+        x = jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+        positions = jnp.pad(positions, ((0, 0), (0, extra)))
+    return _pallas_rope(x, positions.astype(jnp.int32), config)[:, :seq_len]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnames=("config",))
@@ -117,7 +137,7 @@ def _rotate(x, positions, config: _Config, *, inverse: bool):
                   pl.BlockSpec((None, block, heads, head_dim), lambda b, s: (b, s, 0, 0))],
         out_specs=pl.BlockSpec((None, block, heads, head_dim), lambda b, s: (b, s, 0, 0)),
         out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        compiler_params=generations.compiler_params(("parallel", "parallel")),
         interpret=dispatch.pallas_interpret(),
     )(positions[..., None], x)
 

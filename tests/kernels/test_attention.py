@@ -211,10 +211,8 @@ def test_chunked_memory_grows_linearly_with_sequence():
 # ------------------------------------------------------------------------- validation
 
 
-def test_shapes_that_do_not_tile_are_rejected_with_the_sizes():
+def test_bad_shapes_are_rejected_with_the_sizes():
     q = jnp.zeros((1, 192, 2, 32))
-    with pytest.raises(ValueError, match="q_len=192 is not a multiple of block_q=128"):
-        attention(q, q, q, implementation="pallas")
     with pytest.raises(ValueError, match="block_kv=12 must be a multiple of 8"):
         attention(q, q, q, implementation="pallas", block_sizes=BlockSizes(64, 12))
     with pytest.raises(ValueError, match="heads=2 is not a multiple of kv_heads=3"):

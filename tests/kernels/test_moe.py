@@ -11,7 +11,7 @@ import pytest
 from kernel_checks import IMPLEMENTATIONS, as_f32, assert_close, normal
 
 from kernels import GroupedMatmulBlockSizes, moe_ffn
-from kernels.moe import group_by_expert, load_balancing_loss, reference_moe_ffn
+from kernels.moe import group_by_expert, load_balancing_loss, reference_moe_ffn, route
 
 TOKENS, D_MODEL, D_FF, EXPERTS = 24, 64, 128, 4
 BLOCKS = GroupedMatmulBlockSizes(8, 128, 128)
@@ -104,3 +104,25 @@ def test_bad_arguments_are_rejected():
         moe_ffn(*params, top_k=5)
     with pytest.raises(ValueError, match="w_out must be"):
         moe_ffn(params[0], params[1], params[2], params[3][:, :64])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_top1_router_learns_from_the_task_loss(implementation):
+    """With top_k=1 the gate is the chosen expert's probability (Switch), so the task loss alone moves the router.
+
+    Renormalized, the gate would be exactly 1 and this gradient exactly zero.
+    """
+    params, d_y = _inputs(jnp.float32)
+
+    def task_loss(router_w, fn):
+        y, _, _ = fn(params[0], router_w, params[2], params[3])  # the aux loss left out
+        return jnp.sum(y * d_y)
+
+    kernel = functools.partial(moe_ffn, top_k=1, implementation=implementation, block_sizes=BLOCKS)
+    got = jax.grad(task_loss)(params[1], kernel)
+    want = jax.grad(task_loss)(params[1], functools.partial(reference_moe_ffn, top_k=1))
+    assert float(jnp.abs(got).max()) > 1e-3
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    gates, _, probs = jax.jit(route, static_argnums=2)(params[0], params[1], 1)
+    np.testing.assert_allclose(gates[:, 0], probs.max(axis=-1), rtol=1e-6)
+    assert float(gates.min()) < 0.99  # not renormalized to 1

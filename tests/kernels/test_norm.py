@@ -64,10 +64,25 @@ def test_matches_reference(implementation, centered, dtype, shape, block_rows):
     assert_close(got, *_references(centered, dtype, shape), dtype=dtype)
 
 
-def test_rows_that_do_not_tile_are_rejected():
+@pytest.mark.parametrize("rows, block_rows, want_block, want_padded", [
+    pytest.param(384, 256, 192, 384, id="384-rows-divisor"),  # the global_batch_size 12 on v4-8
+    pytest.param(300, 256, 152, 304, id="300-rows-padded"),
+])
+def test_rows_that_blocks_do_not_divide_run_on_pallas(rows, block_rows, want_block, want_padded):
+    fit = NormBlockSizes(block_rows).fit(rows, 128)
+    assert (fit.block, fit.padded) == (want_block, want_padded)
+    shape = (rows // 4, 4, 128)
+    args, d_out = _inputs(shape, jnp.float32, centered=False)
+    kernel = functools.partial(rms_norm, eps=1e-6, implementation="pallas", block_sizes=NormBlockSizes(block_rows))
+    got = _value_and_grads(kernel, args, d_out)
+    want = _value_and_grads(_reference(False), args, d_out)
+    assert_close(got, want, want, dtype=jnp.float32)
+
+
+def test_bad_arguments_are_rejected():
     x = jnp.zeros((3, 100, 64))
-    with pytest.raises(ValueError, match="rows=300 is not a multiple of block_rows=256"):
-        rms_norm(x, jnp.ones(64), implementation="pallas")
+    with pytest.raises(ValueError, match="block_rows must be a positive multiple of 8"):
+        NormBlockSizes(100)
     with pytest.raises(ValueError, match=r"weight must be \[d\]"):
         layer_norm(x, jnp.ones(32), jnp.zeros(64))
     with pytest.raises(ValueError, match="valid: 'pallas', 'xla'"):

@@ -1,0 +1,121 @@
+"""TPU chip generations as the kernels see them: VMEM, the Pallas calls' VMEM limit, default blocks.
+
+Vocabulary: a *generation* is the chip (v4, v5e, v5p, v6e), read from
+``jax.devices()[0].device_kind`` ("TPU v4", "TPU v5 lite", ...). *VMEM* is the TensorCore's
+on-chip vector memory that a Pallas block lives in; ``vmem_limit_bytes`` is how much of it
+Mosaic may use for one kernel (its buffers, double-buffered, and its scratch). Bigger
+blocks mean fewer grid steps and larger MXU tiles, until they no longer fit.
+
+The VMEM sizes are those of JAX's own TPU table (``pltpu.get_tpu_info``); the limit leaves
+an eighth to Mosaic's internal scratch, except on v4, whose 16 MiB per core is already the
+compiler's default scope. The block defaults follow public measurements of flash
+attention on TPU (128x128 tiles reach a few percent of peak, 512 and more do far better)
+and the VMEM each generation has; they are starting points, not figures measured here.
+
+`fit_block` is the one rule by which every op turns a requested block into one that tiles
+its array: a whole short axis, else the aligned block in ``[block / 2, block]`` that pads
+the axis least (a divisor pads nothing). The ops pad to that length and mask or discard
+the padding, so any length runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+from jax.experimental.pallas import tpu as pltpu
+
+logger = logging.getLogger(__name__)
+
+MIB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One chip generation's VMEM and the kernels' default blocks on it."""
+
+    name: str
+    vmem_bytes: int  # per TensorCore
+    vmem_limit_bytes: int  # given to every Pallas call
+    attention: tuple[int, int, int, int]  # block_q, block_kv, block_q_bwd, block_kv_bwd
+    norm_rows: int
+    rope_seq: int
+    scan: tuple[int, int]  # block_time, block_dim
+    grouped_matmul: tuple[int, int, int]  # block_rows, block_k, block_n
+
+
+GENERATIONS = {
+    g.name: g for g in [
+        Generation("v4", 16 * MIB, 16 * MIB, (512, 512, 256, 512), 256, 256, (256, 512), (128, 512, 512)),
+        Generation("v5e", 128 * MIB, 112 * MIB, (512, 1024, 512, 512), 512, 512, (512, 512), (256, 512, 1024)),
+        Generation("v5p", 64 * MIB, 56 * MIB, (512, 1024, 512, 512), 512, 512, (512, 512), (256, 512, 1024)),
+        Generation("v6e", 128 * MIB, 112 * MIB, (512, 1024, 512, 1024), 512, 512, (512, 512), (256, 1024, 1024)),
+    ]
+}
+DEFAULT = "v4"  # off TPU (interpret mode ignores the limit) and for unknown kinds: the project's slices
+
+_DEVICE_KINDS = {
+    "TPU v4": "v4", "TPU v4 lite": "v4",
+    "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e", "TPU v6e": "v6e",
+}
+
+
+def from_device_kind(device_kind: str) -> Generation:
+    """The generation of a ``device_kind``; the default one (logged) for kinds this table lacks."""
+    name = _DEVICE_KINDS.get(device_kind)
+    if name is None:
+        if device_kind.startswith("TPU"):
+            logger.warning("Unknown TPU device kind %r: using the %s kernel settings", device_kind, DEFAULT)
+        name = DEFAULT
+    return GENERATIONS[name]
+
+
+def current() -> Generation:
+    """The generation of the first device on a TPU backend, else the default."""
+    if jax.default_backend() != "tpu":
+        return GENERATIONS[DEFAULT]
+    return from_device_kind(jax.devices()[0].device_kind)
+
+
+def compiler_params(dimension_semantics: tuple[str, ...]) -> pltpu.CompilerParams:
+    """Mosaic parameters of a Pallas call: its grid's semantics and this generation's VMEM limit."""
+    return pltpu.CompilerParams(dimension_semantics=dimension_semantics,
+                                vmem_limit_bytes=current().vmem_limit_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fit:
+    """A block that tiles an axis, and the axis's length padded to a whole number of blocks."""
+
+    block: int
+    padded: int
+
+
+def fit_block(length: int, block: int, *, align: int = 8) -> Fit:
+    """The block for an axis of ``length`` when ``block`` is asked for.
+
+    A length up to ``block`` is one whole block (a full axis needs no alignment on TPU).
+    Longer axes get the multiple of ``align`` in ``[block / 2, block]`` whose padded
+    length is least, the larger block on ties: 384 rows with 256 asked -> 192, no
+    padding; 200 tokens with 128 asked -> 104, padded to 208.
+
+    Raises:
+      ValueError: ``block`` is not a positive multiple of ``align`` (the caller's setting).
+    """
+    if length < 1:
+        raise ValueError(f"length must be positive, got {length=}")
+    if block < 1 or block % align:
+        raise ValueError(f"{block=} must be a positive multiple of {align}")
+    if length <= block:
+        return Fit(length, length)
+    low = max(align, (block // 2) // align * align)
+    best = min(range(low, block + 1, align), key=lambda b: (-(-length // b) * b, -b))
+    return Fit(best, -(-length // best) * best)
+
+
+def lane_align(block: int) -> int:
+    """Alignment for a block on a TPU's lane (last) axis: 128 where the block is a multiple of it, else 8
+    (blocks under 128 only run in interpret mode or on tiny models, where Mosaic pads the lanes)."""
+    return 128 if block % 128 == 0 else 8
