@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -178,10 +179,16 @@ def _manager(directory: str | Path):
 
     if not epath.Path(directory).is_dir():
         raise ExportError(str(directory), "no such checkpoint folder")
-    return ocp.CheckpointManager(
-        directory, item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
-                                  "default": ocp.StandardCheckpointHandler()},
-        options=ocp.CheckpointManagerOptions(read_only=True))
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # read_only makes orbax warn three times that it is read-only
+    try:
+        return ocp.CheckpointManager(
+            directory, item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                                      "default": ocp.StandardCheckpointHandler()},
+            options=ocp.CheckpointManagerOptions(read_only=True))
+    finally:
+        absl.setLevel(level)
 
 
 def restore(directory: str | Path, step: int) -> tuple[Any, dict]:
