@@ -24,6 +24,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from orchestrator import catalog
 from orchestrator.catalog import Tier
 from orchestrator.errors import SpecError, UnknownAcceleratorError
+from orchestrator.user.job_file import read_job_file
 from policies.memory_fit import REMAT_CHOICES
 from policies.model_shape import ModelShape
 from policies.sharding import MeshError, plan_mesh
@@ -37,7 +38,6 @@ MAX_STEPS = 10**9  # the step counter is an int32 on the device (2**31 - 1); 10*
 MAX_TOKENS_PER_STEP = 2**31  # a step's batch is indexed with int32: global_batch_size * (seq_len + 1) below this
 MAX_COUNT = 10**6  # retry budgets: a million is "never give up" without overflowing anything
 MAX_TIMEOUT_S = 30 * 24 * 3600.0  # 30 days: far longer than any wait worth making
-MAX_JOB_FILE_BYTES = 2**20  # 1 MiB: a job file is a page of settings; anything bigger is a mistake
 
 
 class _Frozen(BaseModel):
@@ -382,31 +382,8 @@ class JobSpec(_Frozen):
     @classmethod
     def from_yaml(cls, path: str | Path) -> "JobSpec":
         path = Path(path)
-        source = str(path)
-        try:
-            with path.open("rb") as f:  # at most one byte over the limit, whatever the file's size
-                raw = f.read(MAX_JOB_FILE_BYTES + 1)
-            if len(raw) > MAX_JOB_FILE_BYTES:
-                size = path.stat().st_size if path.is_file() else len(raw)
-                raise SpecError(source, [("", f"job file is {size:,} bytes; the limit is 1 MiB "
-                                              f"({MAX_JOB_FILE_BYTES:,} bytes)")])
-            text = raw.decode()
-        except FileNotFoundError:
-            raise SpecError(source, [("", "file not found")]) from None
-        except (IsADirectoryError, PermissionError, UnicodeDecodeError) as e:
-            raise SpecError(source, [("", f"cannot read the file: {e}")]) from None
-        try:
-            data = yaml.load(text, Loader=_UniqueKeyLoader)
-        except DuplicateKeyError as e:
-            raise SpecError(source, [(e.path, str(e))]) from None
-        except yaml.YAMLError as e:
-            where = ""
-            mark = getattr(e, "problem_mark", None)
-            if mark is not None:
-                where = f" at line {mark.line + 1}, column {mark.column + 1}"
-            problem = getattr(e, "problem", None) or str(e)
-            raise SpecError(source, [("", f"invalid YAML{where}: {problem}")]) from None
-        return cls.from_dict(_resolve_checkpoint_dir(data, path.parent), source=source)
+        data = read_job_file(path)  # SpecError: unreadable, over 1 MiB, duplicate keys, invalid YAML
+        return cls.from_dict(_resolve_checkpoint_dir(data, path.parent), source=str(path))
 
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "<spec>") -> "JobSpec":
@@ -487,50 +464,6 @@ class JobSpec(_Frozen):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-class DuplicateKeyError(ValueError):
-    """A key given twice in one YAML mapping; `path` is the field path of the mapping's key."""
-
-    def __init__(self, path: str, key: str, first_line: int, second_line: int):
-        self.path = path
-        super().__init__(f"duplicate key {key!r} at lines {first_line} and {second_line} (YAML would silently keep "
-                         "the last); give it once")
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a key given twice in any mapping, at any depth.
-
-    Plain YAML keeps the last of two equal keys, so a job file that sets `steps` twice
-    runs with whichever came later. The check walks the composed document before it is
-    constructed; a merge key (``<<``) may still be overridden, as YAML intends.
-    """
-
-    def construct_document(self, node: yaml.Node) -> Any:
-        self._check_unique_keys(node, [], set())
-        return super().construct_document(node)
-
-    def _check_unique_keys(self, node: yaml.Node, path: list[str], seen: set[int]) -> None:
-        if id(node) in seen:  # an alias of a node already walked (or of its own parent)
-            return
-        seen.add(id(node))
-        if isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                self._check_unique_keys(item, [*path, str(i)], seen)
-        elif isinstance(node, yaml.MappingNode):
-            lines: dict[Any, int] = {}
-            for key_node, value_node in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":
-                    continue
-                key = self.construct_object(key_node) if isinstance(key_node, yaml.ScalarNode) else id(key_node)
-                line = key_node.start_mark.line + 1
-                try:
-                    if key in lines:
-                        raise DuplicateKeyError(".".join([*path, str(key)]), str(key), lines[key], line)
-                    lines[key] = line
-                except TypeError:  # an unhashable key: the constructor refuses it with its own message
-                    continue
-                self._check_unique_keys(value_node, [*path, str(key)], seen)
 
 
 def _resolve_checkpoint_dir(data: Any, folder: Path) -> Any:
