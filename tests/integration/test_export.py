@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ml_dtypes
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from typer.testing import CliRunner
@@ -29,8 +29,8 @@ def make_state(step: int) -> dict:
     def arr(*shape, dtype=np.float32):
         return rng.standard_normal(shape).astype(dtype)
 
-    params = {"embed": arr(16, 8, dtype=ml_dtypes.bfloat16),
-              "layers": [{"wq": arr(8, 8, dtype=ml_dtypes.bfloat16), "norm": arr(8)} for _ in range(2)],
+    params = {"embed": arr(16, 8, dtype=jnp.bfloat16),
+              "layers": [{"wq": arr(8, 8, dtype=jnp.bfloat16), "norm": arr(8)} for _ in range(2)],
               "head": {"w": arr(8, 16), "scale": arr()}}
     return {"params": params, "opt_state": {"mu": arr(16, 8), "count": np.int32(step)}, "step": np.int32(step)}
 
