@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Callable
 
 import jax
@@ -32,6 +33,8 @@ from jax.experimental.pallas import tpu as pltpu
 from kernels import dispatch, generations
 from kernels.attention_chunked import chunked_attention
 from kernels.attention_mask import MaskBand, segment_block_bounds, segments_may_meet
+
+logger = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = (dispatch.PALLAS, dispatch.XLA, dispatch.CUDNN)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -67,13 +70,49 @@ class BlockSizes:
     def for_generation(cls, generation: generations.Generation) -> BlockSizes:
         return cls(*generation.attention)
 
-    def tiling(self, q_len: int, kv_len: int, *, backward: bool = False) -> Tiling:
-        """The blocks of one pass (forward, or ``backward``) fitted to the lengths (`generations.fit_block`)."""
+    def tiling(self, q_len: int, kv_len: int, *, backward: bool = False, head_dim: int = 0,
+               itemsize: int = 4) -> Tiling:
+        """The blocks of one pass (forward, or ``backward``) fitted to the lengths (`generations.fit_block`).
+
+        Blocks that would overflow the generation's VMEM limit at this ``head_dim`` are halved
+        first (the larger one, down to 8 queries and 128 keys, or what was asked if smaller).
+        """
         block_q = self.block_q_bwd or self.block_q if backward else self.block_q
         block_kv = self.block_kv_bwd or self.block_kv if backward else self.block_kv
+        limit = generations.current().vmem_limit_bytes
+        while vmem_bytes(block_q, block_kv, head_dim, itemsize) > limit:
+            if block_kv >= block_q and block_kv > 128 and block_kv % 256 == 0:
+                block_kv //= 2
+            elif block_q > 8 and block_q % 16 == 0:
+                block_q //= 2
+            else:
+                break
         q = generations.fit_block(q_len, block_q)
         kv = generations.fit_block(kv_len, block_kv, align=generations.lane_align(block_kv))
         return Tiling(q.block, kv.block, q.padded, kv.padded)
+
+
+def vmem_bytes(block_q: int, block_kv: int, head_dim: int, itemsize: int) -> int:
+    """VMEM that the largest pass (dK/dV) holds at these blocks, an upper estimate.
+
+    Double-buffered inputs q, dO ``[block_q, d]``, k, v and outputs dK, dV ``[block_kv, d]``,
+    the lse and di rows (lane-padded to 128), f32 accumulators, and about four f32
+    ``[block_q, block_kv]`` tiles (scores, probabilities, dP, dS).
+    """
+    io = 2 * itemsize * head_dim * (2 * block_q + 4 * block_kv) + 2 * 2 * 4 * 128 * block_q
+    return io + 4 * head_dim * max(block_q, 2 * block_kv) + 4 * 4 * block_q * block_kv
+
+
+def pallas_unsupported_reason(head_dim: int, itemsize: int, blocks: BlockSizes | None = None) -> str | None:
+    """Why the Pallas kernels cannot hold this ``head_dim`` in VMEM even at their smallest blocks, or None."""
+    blocks = blocks or BlockSizes.for_generation(generations.current())
+    smallest = min(blocks.block_q, blocks.block_q_bwd or blocks.block_q, 8)
+    smallest_kv = min(blocks.block_kv, blocks.block_kv_bwd or blocks.block_kv, 128)
+    need, generation = vmem_bytes(smallest, smallest_kv, head_dim, itemsize), generations.current()
+    if need <= generation.vmem_limit_bytes:
+        return None
+    return (f"{head_dim=} ({itemsize}-byte): {need / generations.MIB:.0f} MiB of VMEM at {smallest}x{smallest_kv} "
+            f"blocks, over the {generation.vmem_limit_bytes / generations.MIB:.0f} MiB limit of a {generation.name}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,16 +180,27 @@ def attention(
             impl = dispatch.XLA
     if impl == dispatch.PALLAS:
         blocks = block_sizes or BlockSizes.for_generation(generations.current())
+        reason = pallas_unsupported_reason(q.shape[-1], q.dtype.itemsize, blocks)
+        if reason is not None and implementation is not None:
+            raise ValueError(f"Pallas attention cannot run {reason}")
+        if reason is not None:  # the backend's default: the XLA path runs it
+            logger.warning("Attention runs on the XLA path: the Pallas kernel cannot hold %s", reason)
+            impl = dispatch.XLA
+    if impl == dispatch.PALLAS:
+        sizes = {"head_dim": q.shape[-1], "itemsize": q.dtype.itemsize}
+        tilings = (blocks.tiling(band.q_len, band.kv_len, **sizes),
+                   blocks.tiling(band.q_len, band.kv_len, backward=True, **sizes))
     else:
         blocks = block_sizes or CHUNKED_BLOCK_SIZES
-    return _attention(q, k, v, segment_ids, band=band, sm_scale=scale, implementation=impl, blocks=blocks)
+        tilings = blocks
+    return _attention(q, k, v, segment_ids, band=band, sm_scale=scale, implementation=impl, blocks=tilings)
 
 
 @functools.partial(jax.jit, static_argnames=("band", "sm_scale", "implementation", "blocks"))
-def _attention(q, k, v, segment_ids, *, band: MaskBand, sm_scale: float, implementation: str, blocks: BlockSizes):
+def _attention(q, k, v, segment_ids, *, band: MaskBand, sm_scale: float, implementation: str, blocks):
+    """``blocks``: the (forward, backward) `Tiling` pair for Pallas, the chunk `BlockSizes` for XLA."""
     if implementation == dispatch.PALLAS:
-        config = _Flash(band, sm_scale, blocks.tiling(band.q_len, band.kv_len),
-                        blocks.tiling(band.q_len, band.kv_len, backward=True))
+        config = _Flash(band, sm_scale, *blocks)
         out = _flash(q.swapaxes(1, 2), k.swapaxes(1, 2), v.swapaxes(1, 2), segment_ids, config)
         return out.swapaxes(1, 2)
     if implementation == dispatch.XLA:

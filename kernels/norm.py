@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import jax
@@ -24,6 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels import dispatch, generations
+
+logger = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = (dispatch.PALLAS, dispatch.XLA)
 
@@ -104,7 +107,11 @@ def _norm(x, weight, bias, *, eps, implementation, block_sizes):
     for name, param in (("weight", weight), ("bias", bias)):
         if param is not None and param.shape != (d,):
             raise ValueError(f"{name} must be [d] = {(d,)}, got {param.shape}")
-    if dispatch.resolve(implementation, valid=IMPLEMENTATIONS) == dispatch.XLA:
+    impl = dispatch.resolve(implementation, valid=IMPLEMENTATIONS)
+    if impl == dispatch.PALLAS and implementation is None and max_rows(d, x.dtype.itemsize) < 8:
+        logger.warning("The norm runs on the XLA path: rows of d=%d do not fit VMEM 8 at a time", d)
+        impl = dispatch.XLA
+    if impl == dispatch.XLA:
         # Not behind a jit of its own: under the caller's grad, a jit boundary made XLA
         # keep a full-size residual that it otherwise fuses away.
         return reference_norm(x, weight, bias, eps=eps)

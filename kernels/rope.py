@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import math
 
 import jax
@@ -24,6 +25,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from kernels import dispatch, generations
+
+logger = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = (dispatch.PALLAS, dispatch.XLA)
 
@@ -87,7 +90,13 @@ def apply_rope(
         raise ValueError(f"{head_dim=} must be even")
     if positions.shape != (batch, seq_len):
         raise ValueError(f"positions must be [batch, seq] = {(batch, seq_len)}, got {positions.shape}")
-    if dispatch.resolve(implementation, valid=IMPLEMENTATIONS) == dispatch.XLA:
+    impl = dispatch.resolve(implementation, valid=IMPLEMENTATIONS)
+    heads = x.shape[2]
+    if impl == dispatch.PALLAS and implementation is None and max_positions(heads, head_dim, x.dtype.itemsize) < 8:
+        logger.warning("RoPE runs on the XLA path: %d heads x head_dim=%d do not fit VMEM 8 positions at a time",
+                       heads, head_dim)
+        impl = dispatch.XLA
+    if impl == dispatch.XLA:
         return reference_rope(x, positions, base=base)  # inlined in the caller's jit, where XLA fuses it
     blocks = block_sizes or RopeBlockSizes(generations.current().rope_seq)
     fit = blocks.fit(seq_len, x.shape[2], head_dim, x.dtype.itemsize)
