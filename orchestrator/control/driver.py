@@ -325,8 +325,9 @@ class JobDriver(AutoscalingMixin):
     def record_missed(self, generation: int, history: list[dict]) -> int:
         """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
         known = {m.step for m in self.store.steps(self.job_id)}
+        # A step whose loss the worker has not read back yet (reads lag the step) is not recorded.
         missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"), h.get("at"))
-                  for h in history if h["step"] not in known]
+                  for h in history if h["step"] not in known and h.get("loss") is not None]
         self.store.record_steps(self.job_id, generation, missed)  # one transaction, each row at its own time
         return len(missed)
 
