@@ -343,8 +343,8 @@ def test_no_capacity_in_any_zone_reports_only_moves_the_lifecycle_allows(emulato
         (SliceState.WAITING, Seen("ACCEPTED"), (), SliceState.WAITING),
         # The last zone's refusal is the end of the request.
         (SliceState.WAITING, Seen("FAILED", error=(RESOURCE_EXHAUSTED, "no v4-32")), (), SliceState.GONE),
-        # A reclaim notice before the hosts joined: the table has no PROVISIONING -> PREEMPTING.
-        (SliceState.PROVISIONING, Seen("SUSPENDING", initiator="SERVICE", node="READY"), (), SliceState.PROVISIONING),
+        # A reclaim notice before every host joined: a notice all the same.
+        (SliceState.PROVISIONING, Seen("SUSPENDING", initiator="SERVICE", node="READY"), (), SliceState.PREEMPTING),
         (SliceState.READY, Seen("SUSPENDING", initiator="SERVICE", node="READY"), (), SliceState.PREEMPTING),
     ],
 )
@@ -374,8 +374,11 @@ def test_reclaim_reaches_poll_events(emulator, provider, joined):
     assert provider.poll_events() == []
     emulator.reclaim("s1")
     events = wait_for(provider.poll_events, what="an event")
-    assert [e.kind for e in events] == [SliceEventKind.RECLAIMED]
-    assert "SERVICE" in events[0].reason
+    while events[-1].kind is not SliceEventKind.RECLAIMED:  # a look within the grace saw the notice first
+        events += provider.poll_events()
+    assert [e.kind for e in events][-1] is SliceEventKind.RECLAIMED
+    assert set(e.kind for e in events) <= {SliceEventKind.PREEMPTION_NOTICE, SliceEventKind.RECLAIMED}
+    assert "SERVICE" in events[-1].reason
     wait_for(lambda: provider.poll_events() == [] and provider.get("s1").state is SliceState.GONE, what="GONE")
     assert "s1" not in joined.slices  # the hosts left with the nodes
     provider.release("s1")
@@ -524,3 +527,35 @@ def test_startup_script_rejects_a_worker_number_the_slice_lacks(tmp_path):
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     assert subprocess.run(["bash", str(script)], env=env, timeout=30).returncode == 1
     assert "not a host of v4-32" in (tmp_path / "log").read_text()
+
+
+def test_suspending_is_a_notice_within_the_grace_then_a_reclaim(joined):
+    """SUSPENDING (initiator SERVICE) with the nodes still up is a notice: the hosts have their grace to save."""
+    hooks = Hooks(on_node_ready=joined.ready, on_node_gone=joined.gone)
+    with running_emulator(time_scale=0.05, seed=7, hooks=hooks) as emu:  # a 1.5 s grace
+        p = make_provider(emu, joined, polling=Polling(poll_s=0.02, capacity_wait_s=60, request_timeout_s=5))
+        p.request(req())
+        p.wait_ready("s1", timeout_s=30)
+        emu.reclaim("s1")
+        events = wait_for(p.poll_events, what="the notice")
+        assert [e.kind for e in events] == [SliceEventKind.PREEMPTION_NOTICE], events
+        assert p.get("s1").state is SliceState.PREEMPTING
+        events = wait_for(p.poll_events, what="the reclaim")
+        assert [e.kind for e in events] == [SliceEventKind.RECLAIMED]
+        assert p.get("s1").state is SliceState.GONE
+        p.release("s1")
+
+
+def test_a_request_expires_in_the_cloud_at_its_valid_until(emulator, joined):
+    """The queue timeout is the queued resource's own validUntil: it fails there, unfilled, and
+    the provider's look calls it no capacity and leaves nothing behind."""
+    p = make_provider(emulator, joined, zones=(ZONE_A,), polling=Polling(poll_s=0.02, capacity_wait_s=600,
+                                                                          request_timeout_s=5))
+    emulator.stockout(ZONE_A, mode="wait")
+    p.request(SliceRequest(job_id="job-1", name="s1", tpu_type=V4_32, tier=Tier.SPOT, queue_timeout_s=1.0))
+    qr = wait_for(lambda: qr_of(emulator, "s1"), what="the queued resource")
+    assert qr["queueingPolicy"]["validUntilDuration"].startswith("1")
+    s = wait_for(lambda: (s := p.check("s1")).state.terminal and s, timeout_s=10, what="expiry")
+    assert s.state is SliceState.RELEASED
+    assert [e.kind for e in p.poll_events(slices=["s1"])] == [SliceEventKind.NO_CAPACITY]
+    wait_for(lambda: qr_of(emulator, "s1") is None, what="queued resource deleted")
