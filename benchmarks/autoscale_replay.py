@@ -1,0 +1,196 @@
+"""The real controller against its simulator, over replayed spot traces in compressed time.
+
+For each trace window a small autoscaled job (a tiny LM, v4-8 on spot or on-demand, a
+deadline) runs through the real controller on a local cluster whose spot capacity is
+the trace (`provider: local` with `capacity_trace:`, `--scale` trace seconds a wall
+second). When it ends, what it paid is read from the store: each slice's billed window
+(requests that waited and were refused are never billed), in trace time, at catalog
+prices. The same window is then replayed in `policies.simulator` (the product's mode:
+knowledge "own", make-before-break) with the restart costs and the speed the job
+measured, and the two costs are compared.
+
+    python benchmarks/autoscale_replay.py [--scale 60] [--steps 300]
+
+Writes benchmarks/results/autoscale_replay.json: per trace `controller_cost`,
+`simulator_cost`, `ratio`, `deadlines_met`, and the slice sequences of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from orchestrator import catalog  # noqa: E402
+from orchestrator.observe.goodput import billed_slices  # noqa: E402
+from orchestrator.state.events import EventKind  # noqa: E402
+from orchestrator.user.planning import job_options  # noqa: E402
+from policies.cost import CostPolicy  # noqa: E402
+from policies.restart_cost import RestartCost  # noqa: E402
+from policies.simulator import SimJob, simulate  # noqa: E402
+from policies.traces import load_trace  # noqa: E402
+
+TINY_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "vocab_size": 64}
+ACCELERATORS, TIERS = ["v4-8"], ["spot", "on-demand"]
+
+
+def write_trace(path: Path, counts: list[int], gap_s: float = 60.0) -> str:
+    path.write_text(json.dumps({"metadata": {"gap_seconds": gap_s}, "data": counts}))
+    return str(path)
+
+
+def outage_trace(up: int, down: int, cycles: int = 2, tail: int = 200) -> list[int]:
+    """`cycles` spot outages of `down` ticks, each after `up` ticks of capacity, then capacity."""
+    return ([1] * up + [0] * down) * cycles + [1] * tail
+
+
+def job_spec(name: str, trace: str, ckpt: Path, *, scale: float, start_s: float = 0.0, steps: int,
+             deadline_s: float, interval: int = 10) -> dict:
+    """A tiny autoscaled LM job whose spot capacity is `trace` replayed `scale` times faster."""
+    return {"name": name, "accelerator": "v4-8", "tier": "spot",
+            "workload": {"type": "lm", "steps": steps, "global_batch_size": 8, "seq_len": 16, "model": TINY_MODEL,
+                         "learning_rate": {"warmup_steps": 2}},
+            "checkpoint": {"interval_steps": interval, "directory": str(ckpt)},
+            "recovery": {"start_timeout_s": 120, "max_failures": 0},
+            "autoscaling": {"accelerators": ACCELERATORS, "tiers": TIERS},
+            "deadline": f"PT{int(deadline_s)}S",
+            "capacity_trace": {"path": trace, "time_scale": scale, "start_s": start_s}}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What the controller's run shows, in trace seconds and dollars."""
+
+    cost_usd: float
+    slices: list[tuple[str, str]]  # (accelerator, tier) of each billed slice, in order
+    finish_s: float  # from submission
+    deadline_met: bool
+    restart: RestartCost
+    tokens_per_s: float  # trace time
+    total_tokens: float
+    refused_billed: int  # requests that waited and were released unfilled, yet billed (must be 0)
+
+
+def measure(store, job_id: str, *, scale: float) -> Measured:
+    """The controller's figures for a finished job, from its store records, in trace time."""
+    job = store.job(job_id)
+    events = store.events(job_id)
+    end = events[-1].at
+    billed = billed_slices(events, end=end)
+    cost = sum((b.end - b.start) * scale / 3600 * b.usd_per_hour for b in billed)
+    states = {}
+    for e in events:
+        if e.kind is EventKind.SLICE:
+            states.setdefault(e.payload.name, []).append(e.payload.state)
+    never_up = {n for n, ss in states.items() if "READY" not in ss and "WAITING" in ss}
+    refused_billed = len(never_up & {b.name for b in billed})
+    changes = [e for e in events if e.kind is EventKind.STATE]
+    prov = [e.payload.provision_s for e in changes if e.to_state == "STARTING" and e.payload.provision_s is not None]
+    init = [e.payload.init_s for e in changes if e.to_state == "RUNNING" and e.payload.init_s is not None]
+    rest = [e.payload.restore_s + e.payload.compile_s for e in events if e.kind is EventKind.RESTORE]
+    saves = [e.payload.blocking_s for e in events if e.kind is EventKind.CHECKPOINT and e.payload.blocking_s]
+    steps = store.steps(job_id)
+    step_s = statistics.median([m.step_time_s for m in steps if m.step_time_s])
+    spec = job.spec
+    w = spec["workload"]
+    tokens_per_step = w["global_batch_size"] * w["seq_len"]
+    restart = RestartCost(provisioning_s=statistics.median(prov) * scale,
+                          startup_s=(statistics.median(rest) + statistics.median(init)) * scale,
+                          checkpoint_interval_s=spec["checkpoint"]["interval_steps"] * step_s * scale,
+                          save_s=(statistics.median(saves) if saves else 0.0) * scale)
+    finish_s = (end - job.created_at) * scale
+    deadline_s = _seconds(spec["deadline"])
+    return Measured(cost, [(b.accelerator, b.tier) for b in billed], finish_s,
+                    job.state.value == "SUCCEEDED" and finish_s <= deadline_s, restart,
+                    tokens_per_step / step_s / scale, float(w["steps"] * tokens_per_step), refused_billed)
+
+
+def _seconds(iso: str | float) -> float:
+    from pydantic import TypeAdapter
+    import datetime as dt
+
+    return TypeAdapter(dt.timedelta).validate_python(iso).total_seconds()
+
+
+def simulate_window(trace_path: str, m: Measured, *, start_s: float, deadline_s: float):
+    """The simulator's run of the same job on the same window, with the controller's measured costs."""
+    options = tuple(job_options(ACCELERATORS, TIERS, measured_tokens_per_s={"v4-8": m.tokens_per_s}))
+    job = SimJob(m.total_tokens, deadline_s, options)
+    return simulate(CostPolicy(), job, load_trace(trace_path), start_s=start_s, restart=m.restart,
+                    knowledge="own", release_first=False)
+
+
+def sim_slices(run) -> list[tuple[str, str]]:
+    """(accelerator, tier) of each slice the simulator ran, from its decisions."""
+    out = []
+    for d in run.decisions:
+        if d.option != "wait" and (not out or out[-1] != d.option):
+            out.append(d.option)
+    return out
+
+
+def replay(client, name: str, trace: str, workdir: Path, *, scale: float, steps: int, deadline_s: float,
+           start_s: float = 0.0, timeout_s: float = 900.0) -> dict:
+    """Run one window through the controller and the simulator; the figures of both."""
+    from orchestrator import JobSpec
+
+    spec = JobSpec.from_dict(job_spec(name, trace, workdir / f"ckpt-{name}", scale=scale, start_s=start_s,
+                                      steps=steps, deadline_s=deadline_s))
+    job = client.submit(spec)
+    st = job.wait(timeout_s=timeout_s)
+    m = measure(client.store, job.id, scale=scale)
+    run = simulate_window(trace, m, start_s=start_s, deadline_s=deadline_s)
+    return {"job": job.id, "state": st.state.value, "failures": client.store.job(job.id).failures,
+            "controller_cost": round(m.cost_usd, 4), "simulator_cost": round(run.cost_usd, 4),
+            "ratio": round(m.cost_usd / run.cost_usd, 4) if run.cost_usd else None,
+            "deadlines_met": {"controller": m.deadline_met, "simulator": run.deadline_met},
+            "controller_slices": [f"{a} {t}" for a, t in m.slices], "simulator_slices": sim_slices(run),
+            "controller_finish_s": round(m.finish_s, 1), "simulator_finish_s": run.finish_s,
+            "refused_billed": m.refused_billed,
+            "restart_s": {"provisioning": round(m.restart.provisioning_s, 1),
+                          "startup": round(m.restart.startup_s, 1)}}
+
+
+TRACES = {  # name -> (up ticks, down ticks) of a 60 s tick: two outages each
+    "short-outages": (12, 6),
+    "long-outages": (15, 20),
+    "flapping": (6, 4),
+}
+
+
+def main() -> None:
+    from benchmarks.common import fresh_client, machine, save
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scale", type=float, default=60.0, help="trace seconds per wall second")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--deadline-h", type=float, default=3.0, help="the jobs' deadline, trace hours")
+    args = p.parse_args()
+    client = fresh_client()
+    results = {}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, (up, down) in TRACES.items():
+                trace = write_trace(Path(tmp) / f"{name}.json", outage_trace(up, down))
+                t0 = time.time()
+                results[name] = replay(client, name, trace, Path(tmp), scale=args.scale, steps=args.steps,
+                                       deadline_s=args.deadline_h * 3600)
+                results[name]["wall_s"] = round(time.time() - t0, 1)
+                print(name, json.dumps(results[name]), flush=True)
+    finally:
+        client.down()
+    ratios = [r["ratio"] for r in results.values() if r["ratio"]]
+    save("autoscale_replay", {"machine": machine(), "scale": args.scale, "steps": args.steps,
+                              "traces": results, "mean_ratio": round(statistics.mean(ratios), 4) if ratios else None,
+                              "within_10_percent": all(abs(r - 1) <= 0.10 for r in ratios)})
+
+
+if __name__ == "__main__":
+    main()
