@@ -23,13 +23,15 @@ Transformer Models", 2022), per chip, in bytes:
   (n_kv_heads x head_dim), t the ``model`` axis (it splits heads and d_ff; the residual
   stream is replicated over it, no sequence parallelism):
 
-    no remat (``none``, ``everything_saveable``):   A = 4d + (3d + 3kv + 2f) / t
-        the block's input, the two norm outputs and the attention residual (4d); q, k, v,
-        rotated q and k, the attention output; the feed-forward's input to GELU and its
-        output (3d + 3kv + 2f, split over t). A mixture of experts keeps
-        top_k x 2f / t and the router's 2 x experts instead of 2f / t; a scan layer adds
-        2d + 5d / t (its norm output and residual; its two projections, the gate, the
-        gated input, the recurrence's output).
+    no remat (``none``, ``everything_saveable``):   A = 5d + (3d + 3kv + 6f) / t
+        the block's input, the two norm outputs, the attention's projected output and
+        residual (5d); q, k, v, rotated q and k, the attention output (3d + 3kv); the
+        feed-forward's up-projection, GELU's intermediates (its tanh form keeps four) and
+        its output (6f), split over t. These are the residuals the model's own program
+        keeps (`jax.ad_checkpoint.print_saved_residuals`; a test compares). A mixture of
+        experts keeps top_k x 6f / t and the router's 2 x experts instead of 6f / t; a
+        scan layer adds 2d + 5d / t (its norm output and residual; its two projections,
+        the gate, the gated input, the recurrence's output).
     ``full`` (``nothing_saveable``): only each block's input, d, and during the backward
     pass one block's A recomputed: L x d + A.
     ``dots_with_no_batch_dims_saveable`` and ``dots_saveable``: each block keeps its input
@@ -156,11 +158,11 @@ def _activation_elements_per_token(s: ModelShape, t: int, remat: str) -> float:
     """Elements kept per token for the whole model (all layers), with `remat` (see the module docstring)."""
     d, f, kv, L = s.d_model, s.d_ff, s.n_kv_heads * s.head_dim, s.n_layers
     k = min(s.moe_top_k, s.moe_experts)
-    ffn_full = (k * 2 * f) / t + 2 * s.moe_experts if s.moe_experts else 2 * f / t
+    ffn_full = (k * 6 * f) / t + 2 * s.moe_experts if s.moe_experts else 6 * f / t
     ffn_dots = (k * f) / t if s.moe_experts else f / t
     scan_full = 2 * d + 5 * d / t if s.scan_layer else 0.0
     scan_dots = d + 2 * d / t if s.scan_layer else 0.0
-    full = 4 * d + (3 * d + 3 * kv) / t + ffn_full + scan_full  # one block, nothing recomputed
+    full = 5 * d + (3 * d + 3 * kv) / t + ffn_full + scan_full  # one block, nothing recomputed
     policy = _SAME_AS.get(remat, remat)
     if policy == "none":
         return L * full

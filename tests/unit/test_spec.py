@@ -458,7 +458,7 @@ def test_remat_and_accumulation_change_the_verdict():
                                          mesh={"data": 1, "fsdp": -1}, gradient_accumulation=1)}
     (path, msg), = problems_of(base)
     assert path == "accelerator" and "activations dominate" in msg
-    for change in ({"remat": "full"}, {"gradient_accumulation": 4}, {"gradient_accumulation": "auto"}):
+    for change in ({"remat": "full"}, {"gradient_accumulation": 8}, {"gradient_accumulation": "auto"}):
         JobSpec.from_dict({"name": "a", **{**base, "workload": {**base["workload"], **change}}})
 
 
