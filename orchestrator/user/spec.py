@@ -178,16 +178,22 @@ GradientAccumulation = Annotated[Union[int, Literal["auto"]], BeforeValidator(_m
 AttentionBlock = Annotated[int, Field(gt=0, le=2**17, multiple_of=8)]  # tokens; a multiple of 8 (the sublanes)
 
 
-class KernelBlocks(_Frozen):
+class AttentionBlocks(_Frozen):
     """Attention tile sizes in tokens; one left out takes the kernels' default for the chip generation.
 
-    Speed and memory change with them, never the result; a block longer than the sequence is cut to it.
+    Speed and memory change with them, never the result; the kernels fit a block to the sequence.
     """
 
     block_q: AttentionBlock | None = None
     block_kv: AttentionBlock | None = None
     block_q_bwd: AttentionBlock | None = None  # the backward pass's tiles
     block_kv_bwd: AttentionBlock | None = None
+
+
+class KernelBlocks(_Frozen):
+    """Block sizes per op, as `kernels.blocks.KernelBlocks.from_mapping` takes them (``model_dump(exclude_none=True)``)."""
+
+    attention: AttentionBlocks | None = None
 
 
 class LmWorkload(_Frozen):

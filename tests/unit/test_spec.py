@@ -260,10 +260,19 @@ def test_training_settings_are_accepted_on_both_workloads(kind):
     w = JobSpec.from_dict({"name": "a", "workload": {
         "type": kind, **extra, "precision": {"compute": "bfloat16", "params": "float32"},
         "remat": "dots_with_no_batch_dims_saveable", "gradient_accumulation": 2,
-        "kernel_blocks": {"block_q": 512, "block_kv": 1024, "block_q_bwd": 256, "block_kv_bwd": 512}}}).workload
+        "kernel_blocks": {"attention": {"block_q": 512, "block_kv": 1024, "block_q_bwd": 256,
+                                        "block_kv_bwd": 512}}}}).workload
     assert (w.precision.compute, w.remat, w.gradient_accumulation) == ("bfloat16", "dots_with_no_batch_dims_saveable", 2)
-    assert (w.kernel_blocks.block_q, w.kernel_blocks.block_kv_bwd) == (512, 512)
+    assert (w.kernel_blocks.attention.block_q, w.kernel_blocks.attention.block_kv_bwd) == (512, 512)
     assert JobSpec.from_dict({"name": "a", "workload": w.model_dump(mode="json")}).workload == w  # as stored
+
+
+def test_kernel_blocks_are_what_the_kernels_take():
+    from kernels.blocks import KernelBlocks
+
+    w = JobSpec.from_dict({"name": "a", **lm(kernel_blocks={"attention": {"block_q": 1024, "block_kv_bwd": 256}})})
+    blocks = KernelBlocks.from_mapping(w.workload.kernel_blocks.model_dump(exclude_none=True))
+    assert (blocks.attention.block_q, blocks.attention.block_kv_bwd) == (1024, 256)
 
 
 def test_training_settings_defaults():
@@ -299,10 +308,12 @@ MICROBATCH_RULE = "must be a whole number of microbatches from 1 to 1,048,576, o
     ({"gradient_accumulation": 3},
      ("workload.gradient_accumulation", "3 microbatches do not divide the 4 rows each batch shard gets on v4-8 "
       "(global_batch_size 16 over data*fsdp=4); use a divisor of 4 or 'auto'")),
-    ({"kernel_blocks": {"block_q": 100}}, ("workload.kernel_blocks.block_q", "Input should be a multiple of 8")),
-    ({"kernel_blocks": {"block_kv_bwd": 0}}, ("workload.kernel_blocks.block_kv_bwd", "Input should be greater than 0")),
-    ({"kernel_blocks": {"block_size": 128}},
-     ("workload.kernel_blocks.block_size", "unknown key")),
+    ({"kernel_blocks": {"attention": {"block_q": 100}}},
+     ("workload.kernel_blocks.attention.block_q", "Input should be a multiple of 8")),
+    ({"kernel_blocks": {"attention": {"block_kv_bwd": 0}}},
+     ("workload.kernel_blocks.attention.block_kv_bwd", "Input should be greater than 0")),
+    ({"kernel_blocks": {"attention": {"block_size": 128}}},
+     ("workload.kernel_blocks.attention.block_size", "unknown key")),
 ], ids=["params-bf16", "compute", "remat", "ga-0", "ga-bool", "ga-str", "ga-float", "ga-divides", "block-8",
         "block-0", "block-key"])
 def test_training_settings_refused(fields, expected):
