@@ -48,6 +48,19 @@ def run_reference(cfg, devices: int, tmp_path: Path, *, env: dict | None = None)
     return json.loads(out.read_text())
 
 
+def run_workload_reference(spec, devices: int, tmp_path: Path) -> dict:
+    """Per-step losses and final parameter sums of `spec`'s workload (built-in or a user program) in one plain process."""
+    from orchestrator.control.launch import workload_for
+
+    t = spec.tpu_type
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    wl_file, out = tmp_path / "ref-workload.json", tmp_path / "ref-out.json"
+    wl_file.write_text(json.dumps(workload_for(spec, t.chips, t.hosts)))
+    subprocess.run([sys.executable, "-m", "workers.reference", "--workload", str(wl_file), "--devices", str(devices),
+                    "--out", str(out)], check=True, cwd=REPO, timeout=600)
+    return json.loads(out.read_text())
+
+
 def train_config(spec):
     """The TrainConfig the controller hands a job's hosts."""
     from orchestrator.control.launch import train_config as config_for

@@ -190,6 +190,8 @@ class Context:
         if self._dataset is None:
             from workers import tokens
 
+            if self.data is not None:  # names the file that is missing, truncated or too short, before step 0
+                tokens.check(self.data, vocab_size=None, seq_len=self.seq_len)
             self._dataset = tokens.open_dataset(self.data)
         return self._dataset
 
