@@ -60,6 +60,7 @@ class SimState:
     slices_started: int = 0
     decisions: list[DecisionRecord] = field(default_factory=list)
     records: list[SliceRecord] = field(default_factory=list)
+    asked: list[tuple[float, int]] = field(default_factory=list)  # (when, records written by then) of each look
     finish_s: float | None = None
     next_decision_s: float = 0.0
     unobserved_s: float = 0.0  # knowledge "trace": time at the previous capacity

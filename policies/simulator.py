@@ -103,6 +103,7 @@ class Run:
     decisions: tuple[DecisionRecord, ...] = ()
     refusals: int = 0  # requests let go unfilled (timed out, no longer wanted, or lost before READY)
     records: tuple[SliceRecord, ...] = ()  # every change of every slice, as the store would hold them
+    asked: tuple[tuple[float, int], ...] = ()  # each time the policy was asked, with how many records it had seen
 
     @property
     def deadline_met(self) -> bool:
@@ -167,7 +168,8 @@ def simulate(
         if _step(w, s, i):
             break
     return Run(policy.name, trace.name, start_s, job.total_tokens, job.deadline_s, s.cost, s.finish_s, s.trained,
-               s.lost, s.preemptions, s.slices_started, s.billed, tuple(s.decisions), s.refusals, tuple(s.records))
+               s.lost, s.preemptions, s.slices_started, s.billed, tuple(s.decisions), s.refusals, tuple(s.records),
+               tuple(s.asked))
 
 
 def _earlier_records(policy, job, trace, start_s, jobs, **kw) -> list[SliceRecord]:
@@ -218,9 +220,11 @@ def _step(w: _World, s: SimState, i: int) -> bool:
             s.availability = s.availability.observe(w.zone, w.spot_sizes, int(w.capacity[i - 1]), s.unobserved_s)
             s.unobserved_s = 0.0
         _decide(w, s, now, cap)
-    if s.held is None:
+    if s.held is None or not sl.train(s, now, w.dt, w.job.total_tokens, w.restart.save_s):
         return False
-    return sl.train(s, now, w.dt, w.job.total_tokens, w.restart.save_s)
+    if s.request is not None:  # done: a request still waiting is let go
+        sl.record(s, s.finish_s, s.request.name, s.request.option, "RELEASED")
+    return True
 
 
 def _snapshot(w: _World, s: SimState, now: float, cap: int) -> Snapshot:
@@ -239,6 +243,7 @@ def _snapshot(w: _World, s: SimState, now: float, cap: int) -> Snapshot:
 
 def _decide(w: _World, s: SimState, now: float, cap: int) -> None:
     """Ask the policy, and act on its answer (`policies.moves.next_move`)."""
+    s.asked.append((now, len(s.records)))
     decision = w.policy.decide(_snapshot(w, s, now, cap))
     s.next_decision_s = now + w.decision_interval_s
     r = s.request

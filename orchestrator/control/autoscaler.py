@@ -1,15 +1,27 @@
 """The running job's side of the cost policy: facts from the store in, a decision out.
 
-`decide_for(store, job_id, now=...)` builds a `policies.cost.Snapshot` from what the job
-has shown so far: its measured tokens/s on each slice type it ran on (the scaling model
-for the others), the preemptions it suffered (updating the policy's hazard prior), what
-its spot slices showed of the zone's capacity (time waiting for it, time up; a refusal in
-the last `REFUSAL_HOLDS_S` counts as no capacity of that size now), the restart
-costs it measured (provisioning, init, restore, compile, the time a save blocks), the
-money spent, and the tokens in its last committed checkpoint. The controller asks before each
-provisioning and every `DECISION_INTERVAL_S` while the job runs, and acts on the answer
-(records it as an `autoscale` event with the policy's reason, then provisions or
-resizes). Only jobs with an `autoscaling` section are autoscaled.
+`decide(store, job_id, now=..., current=..., waiting=...)` is what the job's driver
+calls: before provisioning, every `Clock.decision_interval_wall_s` while the job runs,
+and at once when its slice is lost or a request is let go. It builds the policy's
+`Snapshot` with `policies.knowledge.build_snapshot`, the function the trace simulator
+uses, from the same kind of records: the job's slice events read as
+`policies.slice_history.SliceRecord`s, with the slice events of earlier jobs in the
+same zone first (pooled capacity memory: slice events outlive their job, so the next
+job starts from what the last one learned). Besides those it hands in what only a
+running job measures: its tokens/s on each slice type it ran on (the scaling model for
+the others), the restart costs (provisioning, init, restore, compile, the time a save
+blocks), the money spent and the tokens in its last committed checkpoint.
+
+The answer is a `Choice`: the slice type and tier the policy wants (None: hold no slice,
+wait for spot), and the `policies.moves.Move` that gets the job there make-before-break
+(keep, request, request beside the running slice, switch onto a READY request, or
+release the running slice), with the request's wait limit. A refused or expired request
+is a capacity fact in the records, never a failure.
+
+Times: the store's are wall-clock; the policy's are seconds from the job's creation on
+the job's `Clock` (`clock_of`: a spot trace replayed at `time_scale` trace seconds a wall
+second runs the policy on trace time, so its decisions match the simulator's on that
+trace). Only jobs with an `autoscaling` section are autoscaled.
 """
 
 from __future__ import annotations
@@ -18,33 +30,65 @@ import statistics
 from dataclasses import dataclass, replace
 
 from orchestrator import catalog
-from orchestrator.observe.goodput import billed_slices, goodput
+from orchestrator.errors import UnknownAcceleratorError
+from orchestrator.observe.goodput import goodput
 from orchestrator.user.planning import DEFAULT_FLOPS_PER_TOKEN, job_options
 from orchestrator.user.spec import JobSpec, LmWorkload
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event, StepMetric, Store
-from policies.cost import (
-    REFUSAL_HOLDS_S,
-    CostPolicy,
-    Decision,
-    Option,
-    RestartCost,
-    Snapshot,
-    SpotAvailability,
-    SpotHazard,
-    spot_chips_known,
-)
+from policies.capacity_memory import POOL_HORIZON_S, chips_known, estimates, pooled
+from policies.clock import DECISION_INTERVAL_S, Clock
+from policies.cost import REFUSAL_HOLDS_S, CostPolicy, Decision, Option, RestartCost, Snapshot, SpotAvailability
+from policies.knowledge import Progress, build_snapshot
+from policies.moves import Move, next_move
+from policies.slice_history import SliceRecord, read_history
 
-DECISION_INTERVAL_S = 60.0
+__all__ = ["DECISION_INTERVAL_S", "NO_DEADLINE_S", "Choice", "clock_of", "decide", "decide_for", "slice_records",
+           "snapshot", "spot_availability", "spot_chips_now", "step_seconds", "with_checkpoint_interval"]
+
 NO_DEADLINE_S = 30 * 24 * 3600.0  # a job without a deadline still gets a horizon
 
 
 @dataclass(frozen=True)
 class Choice:
-    accelerator: str
-    tier: str
+    accelerator: str | None  # None: hold no slice, wait for spot
+    tier: str | None
     decision: Decision
     checkpoint_interval_steps: int | None = None  # how often the workers should save; None: the spec's
+    move: Move | None = None  # what to do with the job's slices to get there
+
+
+def clock_of(spec: JobSpec) -> Clock:
+    """The job's policy clock: trace time for a replayed capacity trace, else wall time."""
+    return Clock(spec.capacity_trace.time_scale) if spec.capacity_trace is not None else Clock()
+
+
+def zone_of(spec: JobSpec) -> str:
+    if spec.zone:
+        return spec.zone
+    return spec.gcp.zones[0] if spec.gcp is not None else "default"
+
+
+def _hosts(accelerator: str | None, chips: int) -> int:
+    try:
+        return catalog.lookup(accelerator).hosts if accelerator else max(chips // 4, 1)
+    except UnknownAcceleratorError:
+        return max(chips // 4, 1)
+
+
+def slice_records(events: list[Event], *, origin: float = 0.0, clock: Clock = Clock(),
+                  zone: str | None = None) -> list[SliceRecord]:
+    """The slice events among `events` as the policy's records: times in policy seconds from
+    `origin` on `clock`; `zone` (if given) for every record, else the event's own."""
+    out = []
+    for e in events:
+        p = e.payload if e.kind is EventKind.SLICE else None
+        if p is None or not p.name or not p.state or not p.chips:
+            continue
+        where = zone or getattr(p, "zone", None) or "default"
+        out.append(SliceRecord(clock.policy_s(e.at - origin), str(p.name), str(p.state), str(p.tier or "?"),
+                               int(p.chips), _hosts(p.accelerator, int(p.chips)), where))
+    return out
 
 
 def _flops_per_token(spec: JobSpec) -> float:
@@ -54,24 +98,43 @@ def _flops_per_token(spec: JobSpec) -> float:
     return w.model.shape().flops_per_token(w.seq_len)
 
 
-def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
-             spot_chips_available: int) -> Snapshot:
-    return _snapshot(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available)[0]
+def _option(options: tuple[Option, ...], which: tuple[str, str] | None) -> Option | None:
+    return None if which is None else next((o for o in options if (o.name, o.tier) == tuple(which)), None)
+
+
+def _restart(events: list[Event], spec: JobSpec, step_s: float | None, clock: Clock) -> RestartCost:
+    """Restart cost as measured (provisioning, init, restore, compile), the policy's defaults before
+    that; the checkpoint interval of the spec (the longest) and the time a save blocks, once measured."""
+    changes = [e for e in events if e.kind is EventKind.STATE]
+    prov = [e.payload.provision_s for e in changes if e.to_state == "STARTING" and e.payload.provision_s is not None]
+    init = [e.payload.init_s for e in changes if e.to_state == "RUNNING" and e.payload.init_s is not None]
+    rest = [r.restore_s + r.compile_s for r in (e.payload for e in events if e.kind is EventKind.RESTORE)]
+    saves = [e.payload.blocking_s for e in events if e.kind is EventKind.CHECKPOINT and e.payload.blocking_s is not None]
+    restart = RestartCost()
+    if prov and rest:
+        startup = statistics.median(rest) + (statistics.median(init) if init else 0.0)
+        restart = replace(restart, provisioning_s=clock.policy_s(statistics.median(prov)),
+                          startup_s=clock.policy_s(startup))
+    if step_s:
+        restart = replace(restart, checkpoint_interval_s=clock.policy_s(spec.checkpoint.interval_steps * step_s))
+    if saves:
+        restart = replace(restart, save_s=clock.policy_s(statistics.median(saves)))
+    return restart
 
 
 def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
-              spot_chips_available: int) -> tuple[Snapshot, JobSpec, float | None]:
-    """The snapshot, with the job's spec and its median step time (None before a few steps)."""
+              waiting: tuple[str, str] | None = None,
+              spot_chips_available: int | None = None) -> tuple[Snapshot, JobSpec, float | None, Clock]:
+    """The snapshot, with the job's spec, its median step time (None before a few steps) and its clock."""
     job = store.job(job_id)
     spec = JobSpec.model_validate({k: v for k, v in job.spec.items() if not k.startswith("_")})
-    auto = spec.autoscaling
-    w = spec.workload
+    clock, zone, w = clock_of(spec), zone_of(spec), spec.workload
     tokens_per_step = w.global_batch_size * w.seq_len if isinstance(w, LmWorkload) else 1
     total = (w.steps or 1) * tokens_per_step
     events = store.events(job_id)
     steps = store.steps(job_id)
 
-    # Measured speed per slice type: the step times of the generations that ran on it.
+    # Measured speed per slice type: the step times of the generations that ran on it (tokens per policy second).
     type_of_generation = {}
     slices = [e.payload for e in events if e.kind is EventKind.SLICE]
     for e in events:
@@ -83,98 +146,82 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
     for name in {v for v in type_of_generation.values() if v}:
         times = [m.step_time_s for m in steps if m.step_time_s and type_of_generation.get(m.generation) == name]
         if len(times) >= 3:
-            measured[name] = tokens_per_step / statistics.median(times)
-    options = job_options(auto.accelerators, [t.value for t in auto.tiers], flops_per_token=_flops_per_token(spec),
-                          measured_tokens_per_s=measured)
-
-    # Restart cost as measured (provisioning, init, restore, compile), the policy's defaults before that;
-    # the checkpoint interval of the spec (the longest) and the time a save blocks, once measured.
-    changes = [e for e in events if e.kind is EventKind.STATE]
-    prov = [e.payload.provision_s for e in changes if e.to_state == "STARTING" and e.payload.provision_s is not None]
-    init = [e.payload.init_s for e in changes if e.to_state == "RUNNING" and e.payload.init_s is not None]
-    rest = [r.restore_s + r.compile_s for r in (e.payload for e in events if e.kind is EventKind.RESTORE)]
-    saved = [e.payload for e in events if e.kind is EventKind.CHECKPOINT]
-    saves = [c.blocking_s for c in saved if c.blocking_s is not None]
-    restart = RestartCost()
-    if prov and rest:
-        restart = replace(restart, provisioning_s=statistics.median(prov),
-                          startup_s=statistics.median(rest) + (statistics.median(init) if init else 0.0))
+            measured[name] = tokens_per_step / clock.policy_s(statistics.median(times))
+    options = job_options(spec.autoscaling.accelerators, [t.value for t in spec.autoscaling.tiers],
+                          flops_per_token=_flops_per_token(spec), measured_tokens_per_s=measured, zone=zone)
     step_s = step_seconds(steps)
-    if step_s:
-        restart = replace(restart, checkpoint_interval_s=spec.checkpoint.interval_steps * step_s)
-    if saves:
-        restart = replace(restart, save_s=statistics.median(saves))
 
-    # The hazard prior, updated by what this job saw on spot: host-hours held and preemptions.
-    g = goodput(store, job_id, now=now)
-    spot_host_hours = sum((b.end - b.start) / 3600 * catalog.lookup(b.accelerator).hosts
-                          for b in billed_slices(events, end=now) if b.tier == "spot")
-    hazard = SpotHazard().observe("spot", "default", host_hours=spot_host_hours, preemptions=g.preemptions)
-
-    spot = [o for o in options if o.preemptible]
-    spot_sizes = sorted({o.chips for o in spot})
-    availability = spot_availability(events, now=now, sizes=spot_sizes, zone=spot[0].zone if spot else "default")
-    spot_chips_available = spot_chips_now(events, now=now, largest=spot_chips_available, sizes=spot_sizes)
-
+    now_s = clock.policy_s(now - job.created_at)
+    own = slice_records(events, origin=job.created_at, clock=clock, zone=zone)
+    since = job.created_at - clock.wall_s(POOL_HORIZON_S)
+    others = slice_records(store.slice_events(since=since, exclude_job=job_id), origin=job.created_at, clock=clock)
     done_steps = (steps[-1].step + 1) if steps else 0
-    committed = max([c.step for c in saved] + [0])
-    deadline = job.created_at + (spec.deadline.total_seconds() if spec.deadline else NO_DEADLINE_S)
-    holding = None
-    if current:
-        holding = next((o for o in options if o.name == current[0] and o.tier == current[1]), None)
-    snap = Snapshot(now_s=now, deadline_s=deadline, total_tokens=float(total),
-                    tokens_done=float(done_steps * tokens_per_step),
-                    tokens_committed=float(min(committed, done_steps) * tokens_per_step), options=options,
-                    spot_chips_available=spot_chips_available, current=holding, hazard=hazard,
-                    availability=availability, restart=restart,
-                    spent_usd=g.usd_total, budget_usd=spec.budget_usd, decision_interval_s=DECISION_INTERVAL_S)
-    return snap, spec, step_s
+    committed = max([e.payload.step or 0 for e in events if e.kind is EventKind.CHECKPOINT] + [0])
+    deadline_s = spec.deadline.total_seconds() if spec.deadline else NO_DEADLINE_S
+    progress = Progress(deadline_s, float(total), float(done_steps * tokens_per_step),
+                        float(min(committed, done_steps) * tokens_per_step),
+                        clock.policy_s(goodput(store, job_id, now=now).usd_total), spec.budget_usd)
+    snap = build_snapshot(now_s=now_s, progress=progress, options=options, restart=_restart(events, spec, step_s, clock),
+                          records=own, pooled_records=pooled(others, zone=zone, now_s=now_s),
+                          current=_option(options, current), waiting=_option(options, waiting),
+                          largest_spot_chips=spot_chips_available)
+    return snap, spec, step_s, clock
+
+
+def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
+             spot_chips_available: int | None = None, waiting: tuple[str, str] | None = None) -> Snapshot:
+    """The policy's snapshot of the job now (times in policy seconds from the job's creation)."""
+    return _snapshot(store, job_id, now=now, current=current, waiting=waiting,
+                     spot_chips_available=spot_chips_available)[0]
+
+
+def decide(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None = None,
+           waiting: tuple[str, str] | None = None, waiting_ready: bool = False,
+           spot_chips_available: int | None = None) -> Choice:
+    """The policy's choice for the job now, and the move that gets there.
+
+    `current`: (accelerator, tier) of the slice the workers run on, if any; `waiting`: of the
+    request waiting beside it, if any (`waiting_ready`: it is READY). `spot_chips_available`:
+    the largest spot slice the provider allows (the records take off what was refused).
+    The checkpoint interval comes back in steps (at the job's measured step time), never
+    longer than the spec's: the spec sets the longest interval, and spot slices that are
+    preempted often save more often. It applies to a slice being launched.
+    """
+    snap, spec, step_s, clock = _snapshot(store, job_id, now=now, current=current, waiting=waiting,
+                                          spot_chips_available=spot_chips_available)
+    decision = CostPolicy().decide(snap)
+    o: Option | None = decision.option
+    move = next_move(o, held=snap.current if current else None, waiting=_option(snap.options, waiting),
+                     waiting_ready=waiting_ready)
+    steps = None
+    if o is not None and step_s and decision.checkpoint_interval_s:
+        every = round(decision.checkpoint_interval_s / clock.policy_s(step_s))
+        steps = max(1, min(spec.checkpoint.interval_steps, every))
+    return Choice(o.name if o else None, o.tier if o else None, decision, steps, move)
+
+
+def decide_for(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None = None,
+               spot_chips_available: int | None = None) -> Choice | None:
+    """`decide` without a waiting request; None when the policy says to hold no slice (wait for spot)."""
+    choice = decide(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available)
+    return None if choice.accelerator is None else choice
 
 
 def spot_availability(events: list[Event], *, now: float, sizes: list[int],
                       zone: str = "default") -> SpotAvailability:
-    """What the job's own spot slices showed of the zone's capacity, on top of the policy's prior.
-
-    A spot slice waiting for capacity (or under a preemption notice) says that its size,
-    and every larger one, could not be had then; a spot slice that is up says that its
-    size, and every smaller one, could. Nothing is known of the time between slices.
-    """
-    availability = SpotAvailability()
-    for start, end, chips, up in _spot_observations(events, now):
-        which = [c for c in sizes if (c <= chips if up else c >= chips)]
-        availability = availability.observe(zone, which, chips if up else 0, end - start)
-    return availability
+    """What the job's own spot slices showed of the zone's capacity, on top of the policy's prior
+    (`events` and `now` on the store's clock)."""
+    history = read_history(slice_records(events, zone=zone), now)
+    return estimates(history, sizes=sizes)[0]
 
 
 def spot_chips_now(events: list[Event], *, now: float, largest: int, sizes: list[int],
                    recent_s: float = REFUSAL_HOLDS_S) -> int:
     """The largest spot slice worth asking for now: `largest` (what the provider allows), less
-    what the zone refused the job in the last `recent_s`.
-
-    A spot slice of the job that waited for capacity, or was reclaimed, that recently says
-    its size (and every larger one) cannot be had now; a spot slice up since then says its
-    size can. Without this, every decision would assume all of spot is there again, and a
-    job would queue for the same missing slice until its start timeout, decision after
-    decision. Returns 0 when no allowed size is left.
-    """
-    seen = [(end, chips, up) for _, end, chips, up in _spot_observations(events, now)]
-    return spot_chips_known(sizes, largest=largest, seen=seen, now=now, hold_s=recent_s)
-
-
-def _spot_observations(events: list[Event], now: float) -> list[tuple[float, float, int, bool]]:
-    """(start, end, chips, could be had) of each stretch a spot slice of the job spent waiting
-    for capacity or under a preemption notice (False), or up (True), oldest first."""
-    by_name: dict[str, list[Event]] = {}
-    for e in events:
-        if e.kind is EventKind.SLICE and e.payload.tier == "spot" and e.payload.chips and e.at <= now:
-            by_name.setdefault(e.payload.name, []).append(e)
-    seen = []
-    for evs in by_name.values():
-        for e, after in zip(evs, [*evs[1:], None]):
-            state, end = e.payload.state, (min(after.at, now) if after is not None else now)
-            if state in ("WAITING", "PREEMPTING", "READY") and end > e.at:
-                seen.append((e.at, end, int(e.payload.chips), state == "READY"))
-    return sorted(seen)
+    what the zone refused or took back from the job in the last `recent_s`, more any size up
+    since. Returns 0 when no allowed size is left."""
+    history = read_history(slice_records(events, zone="default"), now)
+    return chips_known(history, zone="default", sizes=sizes, largest=largest, now_s=now, hold_s=recent_s)
 
 
 def with_checkpoint_interval(spec: JobSpec, choice: Choice) -> JobSpec:
@@ -187,25 +234,6 @@ def with_checkpoint_interval(spec: JobSpec, choice: Choice) -> JobSpec:
 
 
 def step_seconds(steps: list[StepMetric]) -> float | None:
-    """The median step time over the job's last steps, once it has run a few."""
+    """The median step time over the job's last steps (wall seconds), once it has run a few."""
     times = [m.step_time_s for m in steps[-50:] if m.step_time_s]
     return statistics.median(times) if len(times) >= 3 else None
-
-
-def decide_for(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None = None,
-               spot_chips_available: int) -> Choice | None:
-    """The policy's choice for the job now; None when it says to hold no slice (wait for spot).
-
-    The policy's checkpoint interval comes back in steps (at the job's measured step
-    time), never longer than the spec's: the spec sets the longest interval, and spot
-    slices that are preempted often save more often.
-    """
-    snap, spec, step_s = _snapshot(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available)
-    decision = CostPolicy().decide(snap)
-    o: Option | None = decision.option
-    if o is None:
-        return None
-    steps = None
-    if step_s and decision.checkpoint_interval_s:
-        steps = max(1, min(spec.checkpoint.interval_steps, round(decision.checkpoint_interval_s / step_s)))
-    return Choice(o.name, o.tier, decision, steps)

@@ -73,6 +73,7 @@ class SliceChanged(Payload):
     tier: str | None = None
     state: str | None = None
     usd_per_hour: float | None = None
+    zone: str | None = None  # where the slice is (pooled capacity memory keys on it); None: the job's zone
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ CREATE TABLE IF NOT EXISTS events (
     data TEXT
 );
 CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
+CREATE INDEX IF NOT EXISTS events_kind_at ON events (kind, at);
 CREATE TABLE IF NOT EXISTS steps (
     job_id TEXT NOT NULL,
     step INTEGER NOT NULL,
@@ -269,6 +270,15 @@ class Store:
         if kind is not None:
             q, args = q + " AND kind=?", [*args, kind.value]
         rows = self._conn().execute(q + " ORDER BY seq", args).fetchall()
+        return [Event(r["seq"], r["job_id"], r["at"], EventKind(r["kind"]), r["from_state"], r["to_state"],
+                      r["reason"], json.loads(r["data"]) if r["data"] else None) for r in rows]
+
+    def slice_events(self, *, since: float, exclude_job: str | None = None) -> list[Event]:
+        """Slice events of every job since `since` (but `exclude_job`'s), oldest first: the
+        capacity memory pooled across jobs (slice events outlive their job)."""
+        rows = self._conn().execute(
+            "SELECT * FROM events WHERE kind=? AND at>=? AND job_id!=? ORDER BY at, seq",
+            (EventKind.SLICE.value, since, exclude_job or "")).fetchall()
         return [Event(r["seq"], r["job_id"], r["at"], EventKind(r["kind"]), r["from_state"], r["to_state"],
                       r["reason"], json.loads(r["data"]) if r["data"] else None) for r in rows]
 

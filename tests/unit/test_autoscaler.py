@@ -46,9 +46,17 @@ def _job(store: Store, preemptions: int, *, saves: list[float]) -> str:
     store.record_steps("auto", 1, [(k, 3.0, 1000.0, STEP_S) for k in range(10)], at=T0 + 120)
     for i, blocking in enumerate(saves):
         store.import_event("auto", "checkpoint", "saved", {"step": 5 + i, "blocking_s": blocking}, at=T0 + 121 + i)
-    for i in range(preemptions):
-        store.import_event("auto", "disruption", "preempted", {"kind": "preempted"}, at=T0 + 130 + i)
+    for i in range(preemptions):  # spot slices reclaimed (no notice): each a preemption
+        lost_slice(store, f"p{i}", "spot", at=T0 + 130 + i)
     return "auto"
+
+
+def lost_slice(store: Store, name: str, tier: str, *, at: float, job_id: str = "auto") -> None:
+    """A v4-16 slice that came up and was lost without being released: a reclaim on spot, a
+    host loss on on-demand."""
+    for state in ("REQUESTED", "READY", "GONE"):
+        store.import_event(job_id, "slice", f"slice {name} {state}", {"name": name, "accelerator": "v4-16",
+                                                                     "chips": 8, "tier": tier, "state": state}, at=at)
 
 
 def test_restart_cost_and_save_time_come_from_the_job(tmp_path):
@@ -77,6 +85,16 @@ def test_checkpoint_interval_shrinks_with_the_hazard_and_never_exceeds_the_spec(
         if choice.tier == "spot":  # the steps are the policy's seconds at the measured step time
             assert choice.checkpoint_interval_steps == round(choice.decision.checkpoint_interval_s / STEP_S)
     assert every["stormy"] < every["calm"]
+    # Lost on-demand hosts are no spot preemptions: the hazard is the calm job's.
+    hosts_lost = Store(tmp_path / "hosts.sqlite")
+    _job(hosts_lost, 0, saves=[DEFAULT_SAVE_S] * 3)
+    for i in range(40):
+        lost_slice(hosts_lost, f"d{i}", "on-demand", at=T0 + 130 + i)
+    snap = snapshot(hosts_lost, "auto", now=T0 + 200, current=("v4-16", "spot"), spot_chips_available=16)
+    calm_snap = snapshot(calm, "auto", now=T0 + 200, current=("v4-16", "spot"), spot_chips_available=16)
+    assert snap.hazard == calm_snap.hazard
+    assert decide_for(hosts_lost, "auto", now=T0 + 200, current=("v4-16", "spot"),
+                      spot_chips_available=16).checkpoint_interval_steps == every["calm"]
     # The launch uses the policy's interval; the stored spec keeps the user's.
     spec = JobSpec.model_validate({k: v for k, v in stormy.job("auto").spec.items() if not k.startswith("_")})
     launched = with_checkpoint_interval(spec, Choice("v4-16", "spot", choice.decision, every["stormy"]))

@@ -1,0 +1,166 @@
+"""One decision path: the simulator and the autoscaler build the policy's snapshot with the
+same function from the same kind of slice records, and so decide the same; the records'
+rules (refusals, reclaims, host losses) and make-before-break moves, table by table."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from orchestrator.control import autoscaler
+from orchestrator.user.planning import job_options
+from orchestrator.user.spec import JobSpec
+from orchestrator.state.store import Store
+from policies.cost import CostPolicy
+from policies.moves import QUEUE_TIMEOUT_S, MoveKind, next_move
+from policies.simulator import SimJob, simulate
+from policies.slice_history import SliceRecord, read_history
+from policies.slice_options import ON_DEMAND, SPOT
+from policies.traces import SpotTrace
+
+T0 = 1_000_000.0  # the store's clock at the job's creation (whole seconds: times compare exactly)
+SPEC = {
+    "name": "replayed", "accelerator": "v4-16", "tier": "spot",
+    "workload": {"type": "lm", "global_batch_size": 512, "seq_len": 1024,
+                 "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "vocab_size": 256}},
+    "autoscaling": {"accelerators": ["v4-16", "v4-32"], "tiers": ["spot", "on-demand"]},
+    "deadline": "PT6H",
+}
+ACCELERATOR = {8: "v4-16", 16: "v4-32"}
+
+
+def rec(at, name, state, tier=SPOT, chips=16):
+    return SliceRecord(at, name, state, tier, chips, chips // 4)
+
+
+@pytest.mark.parametrize("records, now, refusals, ups, preemptions", [
+    # a spot slice reclaimed without a notice: a refusal and a preemption, never "spot is up"
+    ([rec(0, "a", "REQUESTED"), rec(0, "a", "READY"), rec(100, "a", "GONE")], 200, [100], [], 1),
+    # with a notice first: the same
+    ([rec(0, "a", "READY"), rec(90, "a", "PREEMPTING"), rec(100, "a", "GONE")], 200, [100], [90], 1),
+    # a notice still running: refused now
+    ([rec(0, "a", "READY"), rec(90, "a", "PREEMPTING")], 95, [95], [90], 0),
+    # released by us: up until then, nothing lost
+    ([rec(0, "a", "READY"), rec(100, "a", "RELEASED")], 200, [], [100], 0),
+    # a request let go unfilled: a refusal when let go; still waiting: none yet
+    ([rec(0, "a", "REQUESTED"), rec(0, "a", "WAITING"), rec(300, "a", "RELEASED")], 400, [300], [], 0),
+    ([rec(0, "a", "REQUESTED"), rec(0, "a", "WAITING")], 400, [], [], 0),
+    # filled, then the capacity went before READY: a refusal, no preemption
+    ([rec(0, "a", "WAITING"), rec(50, "a", "PROVISIONING"), rec(80, "a", "GONE")], 100, [80], [], 0),
+    # filled and let go while provisioning: capacity was there, no refusal
+    ([rec(0, "a", "PROVISIONING"), rec(80, "a", "RELEASED")], 100, [], [], 0),
+    # an on-demand host lost: says nothing about spot
+    ([rec(0, "d", "READY", ON_DEMAND), rec(100, "d", "GONE", ON_DEMAND)], 200, [], [], 0),
+])
+def test_what_slice_records_say(records, now, refusals, ups, preemptions):
+    h = read_history(records, now)
+    assert [at for at, _, _, up in h.seen if not up] == refusals
+    assert [at for at, _, _, up in h.seen if up] == ups
+    assert sum(h.preemptions.values()) == preemptions
+    assert all(tier == SPOT for tier, _ in h.host_hours)
+
+
+def test_moves_are_make_before_break():
+    spot, od = _options()[1], _options()[3]  # v4-32 spot, v4-32 on-demand
+    small = _options()[0]
+    assert next_move(spot, held=None).kind is MoveKind.REQUEST
+    assert next_move(spot, held=None).wait_limit_s == QUEUE_TIMEOUT_S  # nothing runs: it times out
+    beside = next_move(spot, held=od)
+    assert beside.kind is MoveKind.REQUEST_BESIDE and beside.wait_limit_s is None and not beside.release_waiting
+    assert next_move(spot, held=od, waiting=spot).kind is MoveKind.KEEP  # still wanted: it waits on
+    assert next_move(spot, held=od, waiting=spot, waiting_ready=True).kind is MoveKind.SWITCH
+    dropped = next_move(od, held=od, waiting=spot)  # no longer wanted: released
+    assert dropped.kind is MoveKind.KEEP and dropped.release_waiting
+    other = next_move(small, held=od, waiting=spot)
+    assert other.kind is MoveKind.REQUEST_BESIDE and other.target == small and other.release_waiting
+    assert next_move(None, held=od).kind is MoveKind.RELEASE  # the policy would rather wait for spot
+    assert next_move(spot, held=None, waiting=spot).wait_limit_s == QUEUE_TIMEOUT_S  # its slice was lost
+
+
+def _spec() -> JobSpec:
+    return JobSpec.from_dict(SPEC)
+
+
+def _options():
+    spec = _spec()
+    flops = spec.workload.model.shape().flops_per_token(spec.workload.seq_len)
+    return job_options(["v4-16", "v4-32"], ["spot", "on-demand"], flops_per_token=flops)
+
+
+@dataclasses.dataclass
+class Recording:
+    """The cost policy, keeping every snapshot it was shown and what it answered."""
+
+    name: str = "policy"
+    seen: list = dataclasses.field(default_factory=list)
+
+    def decide(self, snap):
+        decision = CostPolicy().decide(snap)
+        self.seen.append((snap, decision))
+        return decision
+
+
+def test_one_recorded_history_gives_the_same_decisions_through_both_paths(tmp_path):
+    """The simulator replays a trace with two spot outages (own knowledge, make-before-break);
+    its slice records go into a real store as slice events, and at every moment the policy was
+    asked the autoscaler builds its snapshot from the store: the same snapshot (but the
+    progress, which a running job measures), so the same decision and the same move."""
+    options = _options()
+    tokens_per_step = 512 * 1024
+    hours = 3.0
+    steps = math.ceil(options[1].tokens_per_s * 3600 * hours / tokens_per_step)
+    deadline_s = 1.3 * 3600 * hours
+    job = SimJob(float(steps * tokens_per_step), deadline_s, options)
+    # spot up 40 min, out 2 h, up 1 h 40, out 2 h, then up
+    trace = SpotTrace("two outages", 300.0, (1,) * 8 + (0,) * 24 + (1,) * 20 + (0,) * 24 + (1,) * 200, 1)
+    policy = Recording()
+    run = simulate(policy, job, trace, knowledge="own")
+    assert run.deadline_met and run.preemptions == 1 and run.refusals >= 3
+    # the history holds a reclaim, refusals, a move to on-demand, and a spot request waiting
+    # beside it until the job switches back
+    assert [d.move.split(" ")[0] for d in run.decisions][-3:] == ["request", "request", "switch"]
+    assert run.decisions[-2].move.startswith("request beside")
+    assert run.decisions[-1].at_s - run.decisions[-2].at_s > 1800
+
+    store = Store(tmp_path / "db.sqlite")
+    spec = dict(SPEC, workload=dict(SPEC["workload"], steps=steps), deadline=f"PT{int(deadline_s)}S")
+    store.create_job("j", "replayed", JobSpec.from_dict(spec).model_dump(mode="json"), at=T0)
+    written = 0
+    compared = 0
+    for (now, seen), (snap, decision) in zip(run.asked, policy.seen, strict=True):
+        for r in run.records[written:seen]:
+            store.import_event("j", "slice", f"slice {r.name} {r.state}", {
+                "name": r.name, "accelerator": ACCELERATOR[r.chips], "chips": r.chips, "tier": r.tier,
+                "state": r.state}, at=T0 + r.at_s)
+        written = seen
+        if snap.current_ready_in_s > 0:  # the controller asks only once the workers run
+            continue
+        waiting = _waiting(run.records[:seen], snap.current)
+        current = (snap.current.name, snap.current.tier) if snap.current else None
+        auto = autoscaler.snapshot(store, "j", now=T0 + now, current=current,
+                                   waiting=(waiting.name, waiting.tier) if waiting else None)
+        progress = {"tokens_done": snap.tokens_done, "tokens_committed": snap.tokens_committed,
+                    "spent_usd": snap.spent_usd}
+        assert dataclasses.replace(auto, **progress) == snap, f"at {now} s"
+        assert CostPolicy().decide(dataclasses.replace(auto, **progress)) == decision
+        compared += 1
+    assert compared >= 20
+    # What the simulator did with each decision is the move the autoscaler hands the driver.
+    moves = {d.at_s: d.move for d in run.decisions if d.move != "switch"}
+    for (now, seen), (snap, decision) in zip(run.asked, policy.seen):
+        if now in moves and snap.current_ready_in_s == 0:
+            move = next_move(decision.option, held=snap.current, waiting=_waiting(run.records[:seen], snap.current))
+            assert str(move) == moves[now]
+
+
+def _waiting(records, current):
+    """The request waiting beside the running slice, read from the records, as the driver knows it."""
+    last = {}
+    for r in records:
+        last[r.name] = r
+    options = {(o.chips, o.tier): o for o in _options()}
+    live = [r for r in last.values() if r.state in ("REQUESTED", "WAITING", "PROVISIONING")]
+    waiting = [options[(r.chips, r.tier)] for r in live]
+    return next((o for o in waiting if o != current), None)
