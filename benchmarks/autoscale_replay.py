@@ -37,7 +37,7 @@ from policies.restart_cost import RestartCost  # noqa: E402
 from policies.simulator import SimJob, simulate  # noqa: E402
 from policies.traces import load_trace  # noqa: E402
 
-TINY_MODEL = {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "vocab_size": 64}
+TINY_MODEL = {"d_model": 64, "n_layers": 1, "n_heads": 4, "d_ff": 128}
 ACCELERATORS, TIERS = ["v4-8"], ["spot", "on-demand"]
 
 
@@ -55,7 +55,7 @@ def job_spec(name: str, trace: str, ckpt: Path, *, scale: float, start_s: float 
              deadline_s: float, interval: int = 10) -> dict:
     """A tiny autoscaled LM job whose spot capacity is `trace` replayed `scale` times faster."""
     return {"name": name, "accelerator": "v4-8", "tier": "spot",
-            "workload": {"type": "lm", "steps": steps, "global_batch_size": 8, "seq_len": 16, "model": TINY_MODEL,
+            "workload": {"type": "lm", "steps": steps, "global_batch_size": 16, "seq_len": 32, "model": TINY_MODEL,
                          "learning_rate": {"warmup_steps": 2}},
             "checkpoint": {"interval_steps": interval, "directory": str(ckpt)},
             "recovery": {"start_timeout_s": 120, "max_failures": 0},

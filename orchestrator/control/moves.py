@@ -40,10 +40,13 @@ class AutoscalingMixin:
         return max((t.chips for t in allowed), default=0)
 
     def _decide(self, spec: JobSpec, current: tuple[str, str] | None):
-        from orchestrator.control.autoscaler import decide_for
+        """The policy's choice (None: hold no slice, wait for spot), told of the request waiting beside."""
+        from orchestrator.control.autoscaler import decide
 
-        return decide_for(self.store, self.job_id, now=time.time(), current=current,
-                          spot_chips_available=self._spot_chips_available(spec))
+        waiting = self.att.waiting.key if self.att.waiting is not None else None
+        choice = decide(self.store, self.job_id, now=time.time(), current=current, waiting=waiting,
+                        spot_chips_available=self._spot_chips_available(spec))
+        return None if choice.accelerator is None else choice
 
     def _autoscale_before_provisioning(self, spec: JobSpec) -> JobSpec:
         """Let the cost policy choose the slice type and tier of the next attempt."""
@@ -82,7 +85,9 @@ class AutoscalingMixin:
         current = (spec.accelerator, spec.tier.value)
         choice = self._decide(spec, current)
         target = None if choice is None else (choice.accelerator, choice.tier)
-        if target is None or target == current:  # stay (None: the policy would wait for spot; the job trains on)
+        # Stay. None: the policy would rather hold nothing and wait for spot; the job trains on
+        # (it would save less to stop now than to run until spot is there again).
+        if target is None or target == current:
             if att.waiting is not None:
                 release(att.provider, att.waiting.name, "the policy no longer wants it")
                 att.waiting = None
