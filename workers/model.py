@@ -9,6 +9,8 @@ pick the implementation for the backend. Its dimensions are a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
@@ -16,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import kernels
 from kernels import dispatch
+from kernels.blocks import KernelBlocks
 from kernels import moe as moe_routing
 from policies.model_shape import ModelShape  # the shape of the model built here
 from policies.sharding import BATCH_AXES
@@ -84,15 +87,42 @@ def _per_shard(mesh: Mesh | None, implementation: str | None) -> bool:
     return dispatch.resolve(implementation, valid=(dispatch.PALLAS, dispatch.XLA, dispatch.CUDNN)) == dispatch.PALLAS
 
 
+@dataclass(frozen=True)
+class Numerics:
+    """How the model computes, none of which changes what it computes (beyond rounding).
+
+    - `compute_dtype`: the matmuls' and activations' type. The parameters stay float32
+      (the master copy the optimizer updates); each step reads a copy cast to this type,
+      and the kernels keep their softmax statistics and norm sums in float32; the logits
+      are cast to float32 before the loss.
+    - `remat`: "none", "full" (keep each block's input, recompute the rest in the
+      backward pass), or the name of a `jax.checkpoint_policies` policy.
+    - `blocks`: the kernels' block sizes (`kernels.blocks.KernelBlocks`); None: the chip's defaults.
+    """
+
+    compute_dtype: str = "float32"
+    remat: str = "none"
+    blocks: KernelBlocks | None = None
+
+    def checkpointed(self, fn):
+        if self.remat == "none":
+            return fn
+        policy = None if self.remat == "full" else getattr(jax.checkpoint_policies, self.remat)
+        return jax.checkpoint(fn, policy=policy, prevent_cse=False)  # under scan, CSE cannot undo it
+
+
 def forward(params: dict, tokens: jax.Array, shape: ModelShape, *, implementation: str | None = None,
-            mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array]:
-    """Logits [batch, seq, vocab] for int32 tokens [batch, seq], and the MoE auxiliary loss (0 without MoE).
+            mesh: Mesh | None = None, numerics: Numerics = Numerics()) -> tuple[jax.Array, jax.Array]:
+    """Logits [batch, seq, vocab] (float32) for int32 tokens [batch, seq], and the MoE auxiliary loss (0 without MoE).
 
     `mesh` (axes data, fsdp, model) is the one the batch is sharded over: batch rows over
     data and fsdp, heads over model. It is needed only to run Pallas kernels per shard.
     """
     b, s = tokens.shape
     hd = shape.head_dim
+    dtype = jnp.dtype(numerics.compute_dtype)
+    params = jax.tree.map(lambda p: p.astype(dtype), params)  # the float32 master's gradient flows back through it
+    blocks = numerics.blocks or KernelBlocks()
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     h = params["embed"][tokens]  # [batch, seq, d_model]
     impl, per_shard = implementation, _per_shard(mesh, implementation)
@@ -102,13 +132,15 @@ def forward(params: dict, tokens: jax.Array, shape: ModelShape, *, implementatio
 
     rows = BATCH_AXES
     tok, heads, vec = P(rows, None, None), P(rows, None, "model", None), P(None)
-    norm = on(lambda x, w: kernels.rms_norm(x, w, implementation=impl), (tok, vec), tok)
-    rope = on(lambda x, pos: kernels.apply_rope(x, pos, implementation=impl), (heads, P(rows, None)), heads)
-    attend = on(lambda q, k, v: kernels.attention(q, k, v, causal=True, implementation=impl), (heads,) * 3, heads)
-    scan = on(lambda a, x: kernels.linear_scan(a, x, implementation=impl), (tok, tok), tok)
+    norm = on(lambda x, w: kernels.rms_norm(x, w, implementation=impl, block_sizes=blocks.norm), (tok, vec), tok)
+    rope = on(lambda x, pos: kernels.apply_rope(x, pos, implementation=impl, block_sizes=blocks.rope),
+              (heads, P(rows, None)), heads)
+    attend = on(lambda q, k, v: kernels.attention(q, k, v, causal=True, implementation=impl,
+                                                  block_sizes=blocks.attention), (heads,) * 3, heads)
+    scan = on(lambda a, x: kernels.linear_scan(a, x, implementation=impl, block_sizes=blocks.scan), (tok, tok), tok)
 
     experts = on(lambda x, router, w_in, w_out: kernels.moe_ffn(x, router, w_in, w_out, top_k=shape.moe_top_k,
-                                                              implementation=impl)[0],
+                                                              implementation=impl, block_sizes=blocks.moe)[0],
                  (P(rows, None), P(), P(), P()), P(rows, None))
 
     def moe(x, router, w_in, w_out):
@@ -131,21 +163,21 @@ def forward(params: dict, tokens: jax.Array, shape: ModelShape, *, implementatio
         m = norm(h, p["mlp_norm"])
         if shape.moe_experts:
             y, layer_aux = moe(m.reshape(b * s, -1), p["router"], p["w_in"], p["w_out"])
-            h, aux = h + y.reshape(b, s, -1), aux + layer_aux
+            h, aux = h + y.reshape(b, s, -1), aux + layer_aux.astype(jnp.float32)
         else:
             h = h + jax.nn.gelu(m @ p["w_up"]) @ p["w_down"]
         return (h, aux), None
 
-    (h, aux), _ = jax.lax.scan(block, (h, jnp.float32(0.0)), params["layers"])
+    (h, aux), _ = jax.lax.scan(numerics.checkpointed(block), (h, jnp.float32(0.0)), params["layers"])
     h = norm(h, params["final_norm"])
-    return h @ params["unembed"], aux / shape.n_layers
+    return (h @ params["unembed"]).astype(jnp.float32), aux / shape.n_layers
 
 
 def loss_fn(params: dict, batch: jax.Array, shape: ModelShape, *, implementation: str | None = None,
-            mesh: Mesh | None = None) -> jax.Array:
-    """Mean next-byte cross-entropy of int32 tokens [batch, seq + 1]."""
+            mesh: Mesh | None = None, numerics: Numerics = Numerics()) -> jax.Array:
+    """Mean next-token cross-entropy of int32 tokens [batch, seq + 1], in float32."""
     inputs, targets = batch[:, :-1], batch[:, 1:]
-    logits, aux = forward(params, inputs, shape, implementation=implementation, mesh=mesh)
+    logits, aux = forward(params, inputs, shape, implementation=implementation, mesh=mesh, numerics=numerics)
     logz = jax.nn.logsumexp(logits, axis=-1)
     gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     return jnp.mean(logz - gold) + MOE_AUX_WEIGHT * aux

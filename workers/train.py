@@ -10,6 +10,7 @@ uninterrupted run would, on any mesh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -24,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 from policies.model_shape import ModelShape
 from policies.sharding import BATCH_AXES, PARAM_RULES
 from workers import api, runtime
-from workers.model import init_params, loss_fn, param_roles
+from kernels.blocks import KernelBlocks
+from workers.model import Numerics, init_params, loss_fn, param_roles
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +50,10 @@ class TrainConfig:
     checkpoint_keep: int = 3
     implementation: str | None = None
     data: str | None = None  # token files (`workers.tokens`); None: the standard library's bytes
+    precision: str = "float32"  # the compute dtype: float32, bfloat16, or auto (bfloat16 on TPU and GPU)
+    remat: str = "none"  # `workers.model.Numerics.remat`
+    microbatches: int = 1  # gradient accumulation: the global batch in this many parts, one update
+    kernel_blocks: dict | None = None  # `kernels.blocks.KernelBlocks.from_mapping`; None: the chip's defaults
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -111,9 +117,40 @@ class Trainer:
 
     # -- steps -------------------------------------------------------------------
 
+    def numerics(self) -> Numerics:
+        c = self.cfg
+        dtype = c.precision
+        if dtype == "auto":
+            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        return Numerics(compute_dtype=dtype, remat=c.remat, blocks=KernelBlocks.from_mapping(c.kernel_blocks))
+
+    def gradients(self, params: dict, batch: jax.Array) -> tuple[jax.Array, dict]:
+        """Mean loss and its gradient over `batch`, in `cfg.microbatches` parts summed in float32.
+
+        Microbatch j takes rows j, j + m, j + 2m, ... so each device splits its own rows (no
+        data moves) and every part spans the whole mesh. Equal parts make the mean of
+        their means the batch's mean, so the update is the full batch's (to rounding).
+        """
+        grad_fn = jax.value_and_grad(functools.partial(
+            loss_fn, shape=self.cfg.model, implementation=self.cfg.implementation, mesh=self.mesh,
+            numerics=self.numerics()))
+        m = self.cfg.microbatches
+        if m == 1:
+            return grad_fn(params, batch)
+        rows, width = batch.shape
+        parts = batch.reshape(rows // m, m, width).swapaxes(0, 1)  # [m, rows / m, width]
+        parts = jax.lax.with_sharding_constraint(parts, NamedSharding(self.mesh, P(None, BATCH_AXES, None)))
+
+        def add(carry, part):
+            loss, grads = grad_fn(params, part)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zero = (jnp.float32(0), jax.tree.map(jnp.zeros_like, params))
+        (loss, grads), _ = jax.lax.scan(add, zero, parts)
+        return loss / m, jax.tree.map(lambda g: g / m, grads)
+
     def _step(self, state: dict, batch: jax.Array) -> tuple[dict, jax.Array]:
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, self.cfg.model,
-                                                  implementation=self.cfg.implementation, mesh=self.mesh)
+        loss, grads = self.gradients(state["params"], batch)
         updates, opt_state = self.optimizer.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss

@@ -17,10 +17,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestrator import cluster
+from orchestrator import catalog, cluster
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
 from orchestrator.state.events import Launched
 from orchestrator.state.store import Store
+from orchestrator.user.fit import microbatches_for
 from orchestrator.user.spec import EntrypointWorkload, JobSpec, LmWorkload
 from policies.recovery import Outcome, OutcomeKind
 from policies.sharding import plan_mesh
@@ -35,7 +36,8 @@ def workload_for(spec: JobSpec, devices: int, hosts: int) -> dict:
     """What every host of a slice with `devices` chips on `hosts` hosts runs for `spec`."""
     w = spec.workload
     ckpt = spec.checkpoint.directory
-    common = {"fence_file": f"{ckpt}/.fence", "metadata_url": metadata_url(spec)}
+    common = {"fence_file": f"{ckpt}/.fence", "metadata_url": metadata_url(spec),
+              "peak_flops_per_chip": spec.tpu_type.peak_bf16_flops_per_chip}  # for MFU
     if isinstance(w, EntrypointWorkload):
         return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "checkpoint_dir": ckpt,
                 "workdir": spec.workdir, "training": training_settings(spec, devices, hosts), **common}
@@ -73,7 +75,15 @@ def train_config(spec: JobSpec, devices: int, hosts: int) -> TrainConfig:
         lr_peak=w.learning_rate.peak, lr_end=w.learning_rate.end, warmup_steps=w.learning_rate.warmup_steps,
         weight_decay=w.learning_rate.weight_decay, mesh_shape=plan.shape, checkpoint_dir=spec.checkpoint.directory,
         checkpoint_interval=spec.checkpoint.interval_steps, checkpoint_keep=spec.checkpoint.keep,
-        implementation=w.kernels)
+        implementation=w.kernels, data=w.data.path if w.data else None, precision=w.precision.compute,
+        remat=w.remat, microbatches=microbatches_for(spec, _slice_type(spec, devices).name),
+        kernel_blocks=w.kernel_blocks.model_dump(exclude_none=True) if w.kernel_blocks else None)
+
+
+def _slice_type(spec: JobSpec, devices: int) -> catalog.TpuType:
+    """The type of the job's generation with `devices` chips (a resize or a move changes the size)."""
+    t = spec.tpu_type
+    return next((o for o in catalog.same_generation(t) if o.chips == devices), t)
 
 
 def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: Attempt) -> Outcome | None:
