@@ -301,12 +301,13 @@ def print_ratios(rows: list[Row]) -> None:
         print(f"{r.op:<11} {r.shape:<36} {r.implementation:<7} {r.direction:<4} {r.seconds:9.4f}  {ratios}")
 
 
-def write_rows(path: Path, rows: list[Row]) -> None:
-    """``rows`` into ``path``, replacing the rows of their backend and keeping the others."""
+def write_rows(path: Path, rows: list[Row], ops: list[str] | None = None) -> None:
+    """``rows`` into ``path``, replacing the rows of their backend (and of ``ops``, if given), keeping the others."""
     backends = {r.backend for r in rows}
     kept = []
     if path.exists():
-        kept = [r for r in json.loads(path.read_text()) if r.get("backend", "cpu") not in backends]
+        kept = [r for r in json.loads(path.read_text())
+                if r.get("backend", "cpu") not in backends or (ops and r["op"] not in ops)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(kept + [dataclasses.asdict(r) for r in rows], indent=1) + "\n")
 
@@ -315,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer repeats")
     parser.add_argument("--gpu", action="store_true", help="bf16 attention at FA3 shapes and a bf16 MoE (GPU only)")
+    parser.add_argument("--ops", nargs="+", help="only these ops (their rows replace only theirs)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
@@ -340,12 +342,14 @@ def main(argv: list[str] | None = None) -> None:
             moe_case(rng, tokens=4096, d_model=512, d_ff=1024, experts=8, top_k=2),
             scan_case(rng, batch=4, time_steps=4096, dim=512)]
 
+    if args.ops:
+        cases = [case for case in cases if case.op in args.ops]
     print(f"{host}\n", flush=True)
     start = time.perf_counter()
     rows = []
     for case in cases:
         rows += run_case(case, repeats=repeats, host=host)
-        write_rows(args.out, rows)  # after every case, so a run cut short keeps what it measured
+        write_rows(args.out, rows, args.ops)  # after every case, so a run cut short keeps what it measured
     print_ratios(rows)
     print(f"\n{len(rows)} rows in {time.perf_counter() - start:.0f} s -> {args.out}")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,8 @@ from kernel_checks import IMPLEMENTATIONS, as_f32, assert_close, normal
 from kernels import GroupedMatmulBlockSizes, grouped_matmul
 from kernels.grouped_matmul import reference_grouped_matmul
 from kernels.moe import group_by_expert
+
+grouped_matmul_module = importlib.import_module("kernels.grouped_matmul")  # the package exports a function by that name
 
 
 def _layout(num_choices: int, num_experts: int, block_rows: int, seed: int = 0):
@@ -70,6 +73,22 @@ def test_matches_reference(implementation, dtype, num_choices, num_experts, k, n
     assert_close(got, *_references(dtype, num_choices, num_experts, k, n, blocks.block_rows), dtype=dtype)
     # The idle expert's weight gradient is written, as zeros (an unwritten block would be NaN here).
     assert not np.asarray(got[1][1][2]).any()
+
+
+@pytest.mark.parametrize("dtype, num_choices, num_experts, k, n, blocks", CASES)
+def test_ragged_dot_path_matches_reference(monkeypatch, dtype, num_choices, num_experts, k, n, blocks):
+    """The GPU's XLA path (``jax.lax.ragged_dot`` over the layout's groups), run here on the CPU."""
+    monkeypatch.setattr(grouped_matmul_module, "use_ragged_dot", lambda: True)
+    layout, (x, w, d_out) = _inputs(dtype, num_choices, num_experts, k, n, blocks.block_rows)
+    x = x.at[-1].set(1.0)  # a padding row that is not zero: its output must still be
+    kernel = functools.partial(grouped_matmul, tile_expert=layout.tile_expert, num_tiles=layout.num_tiles,
+                               implementation="xla", block_sizes=blocks)
+    got = _value_and_grads(kernel, x, w, d_out)
+    want = _references(dtype, num_choices, num_experts, k, n, blocks.block_rows)
+    assert not np.asarray(got[0][-1]).any()
+    got = (got[0], (got[1][0].at[-1].set(0.0), got[1][1]))  # the padding row's dx is free; its x was 0 there
+    assert_close(got, *want, dtype=dtype)
+    assert "ragged_dot" in str(jax.make_jaxpr(kernel)(x, w))
 
 
 def test_bad_block_sizes_are_rejected():
