@@ -58,7 +58,7 @@ prices each move in dollars, and it learns the zone's uptime and outage distribu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from policies.fluid_plan import Plan, PlanInputs, expected_plan_cost, plan_inputs
 from policies.restart_cost import DEFAULT_SAVE_S, RestartCost
@@ -170,8 +170,12 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
         return (o != snap.current, o is not None, o.usd_per_token if o else 0.0, o.chips if o else 0)
 
     chosen = min((v for v in values if score(v) <= best_score + tolerance), key=preference)
-    return _decision(snap, chosen.option, _reason(snap, chosen), chosen.cost_usd,
-                     snap.now_s + chosen.elapsed_s + chosen.plan.finish_after_s)
+    decision = _decision(snap, chosen.option, _reason(snap, chosen), chosen.cost_usd,
+                         snap.now_s + chosen.elapsed_s + chosen.plan.finish_after_s)
+    spot = chosen.plan.spot
+    if spot is not None and chosen.plan.spot_tokens > 0 and spot.chips > snap.spot_chips_available:
+        decision = replace(decision, wait_for=spot)  # the plan waits for it: keep it requested
+    return decision
 
 
 def _safety_net(snap, on_demand, od_finish_s, horizon_s, slack_s) -> Decision:

@@ -14,9 +14,8 @@ Rules both paths follow through this function:
 
 - spot the job may ask for now: `largest_spot_chips` (what the provider allows) less the
   sizes refused or reclaimed within `REFUSAL_HOLDS_S`, more any slice up since;
-- a request still waiting counts its size as obtainable: the policy chose it, and keeps
-  it while it still would (`policies.moves.next_move`), so a move waits beside the
-  running slice instead of being dropped at the next look;
+- a request still waiting says its size is missing now (the policy keeps it requested
+  while its plan waits for it: `Decision.wait_for`, `policies.moves.next_move`);
 - the hazard counts spot preemptions only; an on-demand host loss is none;
 - `restart.checkpoint_interval_s` is the job's own (longest) interval; the interval a
   running slice saves at was chosen when it started and is not changed while it runs.
@@ -58,7 +57,7 @@ class CapacityFeed:
 
 def build_snapshot(*, now_s: float, progress: Progress, options: tuple[Option, ...], restart: RestartCost,
                    records: Sequence[SliceRecord] = (), pooled_records: Sequence[SliceRecord] = (),
-                   current: Option | None = None, current_ready_in_s: float = 0.0, waiting: Option | None = None,
+                   current: Option | None = None, current_ready_in_s: float = 0.0,
                    largest_spot_chips: int | None = None, feed: CapacityFeed | None = None,
                    hazard: SpotHazard = SpotHazard(), availability: SpotAvailability = SpotAvailability(),
                    decision_interval_s: float = DECISION_INTERVAL_S) -> Snapshot:
@@ -73,8 +72,6 @@ def build_snapshot(*, now_s: float, progress: Progress, options: tuple[Option, .
     else:
         largest = max(sizes, default=0) if largest_spot_chips is None else largest_spot_chips
         chips = chips_known(history, zone=zone, sizes=sizes, largest=largest, now_s=now_s)
-        if waiting is not None and waiting.preemptible:
-            chips = max(chips, waiting.chips)
     return Snapshot(now_s, progress.deadline_s, progress.total_tokens, progress.tokens_done,
                     progress.tokens_committed, options, chips, current, current_ready_in_s, hazard, learned,
                     restart, progress.spent_usd, progress.budget_usd, decision_interval_s)

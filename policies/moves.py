@@ -1,25 +1,25 @@
 """What a decision means for the job's slices, make-before-break.
 
-The policy names the slice the job should run on (`Decision.option`, None: hold no
-slice and wait for spot). The job may hold a running slice and one request waiting
-beside it; `next_move` turns the choice into what the controller (or the simulator)
-does with them:
+The policy names the slice the job should run on now (`Decision.option`; None: hold no
+slice) and, when its plan waits for a spot size the zone cannot give now, that size
+(`Decision.wait_for`). The job holds at most a running slice and one request beside it;
+`next_move` turns the decision into what the controller (or the simulator) does:
 
-- KEEP: stay as is; a request still waiting for the choice goes on waiting.
-- REQUEST: nothing runs; request the target and start on it when it is READY.
-- REQUEST_BESIDE: request the target beside the running slice, which trains on while the
-  request waits; switch when it is READY. A waiting request costs nothing, so a move
-  never idles the job while capacity is looked for.
-- SWITCH: the waiting request is READY and still wanted: stop the workers at a committed
-  checkpoint, release the old slice, restore resharded on the new one.
-- RELEASE: the policy would rather hold nothing than pay for the running slice (it waits
-  for spot): stop at a committed checkpoint and release it. Nothing is lost.
+- `request`: ask for this slice. A move to another slice is requested beside the running
+  one, which trains on while the request waits; a spot size the plan waits for is kept
+  requested too (a probe: a queued request costs nothing until it is filled, it catches
+  capacity the moment it returns, and how long it waits is what the job learns of the
+  zone's outages). Nothing times out: a request waits until the policy stops wanting it.
+- `switch`: the waiting request is READY and is what the policy chooses: stop the workers
+  at a committed checkpoint, release the old slice, restore resharded on the new one.
+- `release_waiting`: the waiting request is no longer wanted: release it (never filled:
+  never billed). A request let go unfilled is a refusal of its size: a capacity fact the
+  policy learns from, never a failure.
+- `release_held`: the policy would rather hold nothing than pay for the running slice (it
+  waits for spot): stop at a committed checkpoint and release it. Nothing is lost.
 
-`release_waiting` says the waiting request is no longer wanted: release it (a request
-never filled was never billed). A request with nothing running beside it waits at most
-`wait_limit_s` (the queue timeout); then it is released and counts as a refusal of its
-size, a capacity fact for the policy, never a failure. Beside a running slice it waits
-until the policy stops choosing it.
+The controller asks again when a request turns READY, so a switch is always the policy's
+choice at that moment, not a stale one.
 """
 
 from __future__ import annotations
@@ -29,45 +29,61 @@ from dataclasses import dataclass
 
 from policies.slice_options import Option
 
-QUEUE_TIMEOUT_S = 300.0  # how long a request waits for capacity while nothing runs (policy seconds)
+QUEUE_TIMEOUT_S = 300.0  # release-first replays only: how long a request waits for capacity (policy seconds)
 
 
 class MoveKind(str, enum.Enum):
+    """The move's main part, for records and logs."""
+
     KEEP = "keep"
     REQUEST = "request"
-    REQUEST_BESIDE = "request_beside"
+    REQUEST_BESIDE = "request beside"
     SWITCH = "switch"
     RELEASE = "release"
 
 
 @dataclass(frozen=True)
 class Move:
-    kind: MoveKind
-    target: Option | None  # the slice the job should end up on (None: none, waiting for spot)
-    release_waiting: bool = False  # release the request waiting beside (never filled: never billed)
-    wait_limit_s: float | None = None  # release the (new or kept) request unless READY within this; None: no limit
+    target: Option | None  # the slice the job should run on (None: none, waiting for spot)
+    switch: bool = False  # the waiting request is READY and is the target: move onto it now
+    release_held: bool = False  # stop at a checkpoint and release the running slice
+    release_waiting: bool = False  # release the waiting request
+    request: Option | None = None  # request this, beside the running slice if one is kept
+
+    @property
+    def kind(self) -> MoveKind:
+        if self.switch:
+            return MoveKind.SWITCH
+        if self.release_held:
+            return MoveKind.RELEASE
+        if self.request is not None:
+            return MoveKind.REQUEST_BESIDE if self.beside else MoveKind.REQUEST
+        return MoveKind.KEEP
+
+    beside: bool = False  # `request` is made while a running slice trains on
 
     def __str__(self) -> str:
-        what = self.kind.value.replace("_", " ")
-        if self.target is not None:
+        what = self.kind.value
+        if self.kind is MoveKind.SWITCH or (self.kind is MoveKind.KEEP and self.target is not None):
             what += f" {self.target.label}"
-        return what + (" (release the waiting request)" if self.release_waiting else "")
+        if self.request is not None:
+            what += f"{'' if self.kind in (MoveKind.REQUEST, MoveKind.REQUEST_BESIDE) else '; request'} " \
+                    f"{self.request.label}"
+        return what + ("; release the waiting request" if self.release_waiting else "")
 
 
 def next_move(target: Option | None, *, held: Option | None, waiting: Option | None = None,
-              waiting_ready: bool = False, queue_timeout_s: float = QUEUE_TIMEOUT_S) -> Move:
-    """The move that takes a job holding `held` (running) and `waiting` (requested, READY if
-    `waiting_ready`) to the policy's choice `target`."""
-    keep_request = waiting is not None and target == waiting and target != held
-    release_waiting = waiting is not None and not keep_request
-    limit = None if held is not None else queue_timeout_s
-    if target is None:
-        kind = MoveKind.RELEASE if held is not None else MoveKind.KEEP
-    elif target == held:
-        kind = MoveKind.KEEP
-    elif keep_request:
-        kind = MoveKind.SWITCH if waiting_ready else MoveKind.KEEP
+              waiting_ready: bool = False, wait_for: Option | None = None) -> Move:
+    """The move that takes a job running `held` with `waiting` requested beside it (READY if
+    `waiting_ready`) to the policy's choice: run `target`, and keep `wait_for` requested."""
+    if waiting_ready and waiting is not None and target == waiting and target != held:
+        return Move(target, switch=True)
+    if target is not None and target != held:
+        want = target  # a move: requested beside the running slice
+    elif wait_for is not None and wait_for != held:
+        want = wait_for  # the spot size the plan waits for
     else:
-        kind = MoveKind.REQUEST if held is None else MoveKind.REQUEST_BESIDE
-    wants_request = kind in (MoveKind.REQUEST, MoveKind.REQUEST_BESIDE) or (keep_request and not waiting_ready)
-    return Move(kind, target, release_waiting, limit if wants_request else None)
+        want = None
+    release_held = target is None and held is not None
+    return Move(target, False, release_held, waiting is not None and waiting != want,
+                want if want != waiting else None, beside=held is not None and not release_held)

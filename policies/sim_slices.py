@@ -26,11 +26,11 @@ class DecisionRecord:
 
 @dataclass
 class Request:
-    """A slice asked for and not yet trained on: WAITING for capacity, then PROVISIONING."""
+    """A slice asked for and not yet trained on: WAITING for capacity, PROVISIONING, then READY
+    until the policy switches onto it (or lets it go)."""
 
     option: Option
     name: str
-    interval_s: float  # the checkpoint interval the policy chose for it
     state: str = "WAITING"
     ready_s: float = 0.0  # PROVISIONING: when it is READY
     expires_s: float | None = None  # WAITING: released unfilled then (None: while the policy wants it)
@@ -70,19 +70,20 @@ def record(s: SimState, at_s: float, name: str, option: Option, state: str) -> N
     s.records.append(SliceRecord(at_s, name, state, option.tier, option.chips, option.hosts, option.zone))
 
 
-def ask(s: SimState, option: Option, now: float, interval_s: float, wait_limit_s: float | None) -> None:
+def ask(s: SimState, option: Option, now: float, wait_limit_s: float | None) -> None:
     """A new request; it waits for capacity (`advance` fills it)."""
     name = f"s{sum(1 for r in s.records if r.state == 'REQUESTED') + 1}"
-    s.request = Request(option, name, interval_s, expires_s=None if wait_limit_s is None else now + wait_limit_s)
+    s.request = Request(option, name, expires_s=None if wait_limit_s is None else now + wait_limit_s)
     record(s, now, name, option, "REQUESTED")
 
 
-def advance(s: SimState, now: float, cap: int, prov_s: float, startup_steps: int) -> bool:
-    """The request at `now` with `cap` spot chips in the zone: fills, provisions, turns READY
-    (the job switches onto it), vanishes or expires. True if it was let go unfilled (a refusal)."""
+def advance(s: SimState, now: float, cap: int, prov_s: float) -> str | None:
+    """The request at `now` with `cap` spot chips in the zone: fills, provisions, turns READY,
+    vanishes or expires. Returns "ready" when it turned READY (the policy is asked whether to
+    switch), "refused" when it was let go unfilled, else None."""
     r = s.request
-    if r is None:
-        return False
+    if r is None or r.state == "READY":
+        return None
     fits = not r.option.preemptible or cap >= r.option.chips
     if r.state == "WAITING":
         if fits:
@@ -90,37 +91,39 @@ def advance(s: SimState, now: float, cap: int, prov_s: float, startup_steps: int
             record(s, now, r.name, r.option, "PROVISIONING")
         elif r.expires_s is not None and now >= r.expires_s - 1e-9:
             release_request(s, now)
-            return True
+            return "refused"
         else:
             if not r.queued:  # no capacity for it: it waits in the zone's queue, unbilled
                 record(s, now, r.name, r.option, "WAITING")
                 r.queued = True
-            return False
+            return None
     if not fits:  # the capacity that filled it went before it was READY
         record(s, now, r.name, r.option, "GONE")
         s.request, s.refusals = None, s.refusals + 1
-        return True
+        return "refused"
     if now >= r.ready_s - 1e-9:
-        switch(s, now, startup_steps)
-    return False
+        r.state = "READY"
+        record(s, now, r.name, r.option, "READY")
+        return "ready"
+    return None
 
 
 def release_request(s: SimState, now: float) -> None:
-    """Let the request go (never READY: never billed)."""
+    """Let the request go (in the simulator a request is billed only once the job trains on it)."""
     r = s.request
     record(s, now, r.name, r.option, "RELEASED")
-    s.request, s.refusals = None, s.refusals + 1
+    s.request = None
+    if r.state == "WAITING":  # let go unfilled: a refusal
+        s.refusals += 1
 
 
-def switch(s: SimState, now: float, startup_steps: int) -> None:
-    """The request is READY: stop the held slice at a checkpoint, release it, start up on the new one."""
+def switch(s: SimState, now: float, startup_steps: int, interval_s: float) -> None:
+    """Onto the READY request: stop the held slice at a checkpoint, release it, start up on the new one."""
     r = s.request
-    record(s, now, r.name, r.option, "READY")
     if s.held is not None:
         stop(s, now)
-        s.decisions.append(DecisionRecord(now, r.option.label, "requested slice READY", "switch"))
     s.held, s.held_name, s.request = r.option, r.name, None
-    s.startup_steps, s.interval_s = startup_steps, r.interval_s
+    s.startup_steps, s.interval_s = startup_steps, interval_s
     s.slices_started += 1
 
 

@@ -4,7 +4,7 @@ The simulated world (one job, one zone):
 
 - Time advances in steps of at most `MAX_STEP_S` (the trace's tick split evenly). The
   policy is asked for a decision, seeing only the past and the present, at the start of
-  the job, when the job's slice is preempted or a request is let go unfilled, and
+  the job, when the job's slice is preempted, a request turns READY or is lost, and
   otherwise every `policies.clock.DECISION_INTERVAL_S`, as the controller asks it.
 - Spot capacity comes from the trace (see `policies.traces`); on-demand is always there.
 - The job's slices move through the store's slice lifecycle and each change is a
@@ -13,14 +13,15 @@ The simulated world (one job, one zone):
   READY; the job then starts up on it for `startup_s` (billed, no progress; both rounded
   up to whole steps) and trains at its `tokens_per_s`.
 - Moves are make-before-break (`policies.moves`): a move requests the new slice beside
-  the running one, which trains on while the request waits; when the request is READY
-  the running slice stops at a checkpoint (nothing lost) and is released. A request the
-  policy no longer chooses is released; one with nothing running beside it is released
-  after `queue_timeout_s`. A request let go unfilled is a refusal: a capacity fact the
-  policy learns from, never a failure. `release_first=True` replays the older way
-  (release the running slice, then request), for comparison.
+  the running one, which trains on while the request waits, and a spot size the policy's
+  plan waits for stays requested; when a request is READY the policy is asked, and if it
+  chooses it the running slice stops at a checkpoint (nothing lost) and is released. A
+  request the policy no longer wants is released. A request let go unfilled is a
+  refusal: a capacity fact the policy learns from, never a failure. `release_first=True`
+  replays the older way (release the running slice, then request; a request waits at
+  most `queue_timeout_s`), for comparison.
 - A slice checkpoints after every interval of training: the interval the policy chose
-  for it when it was requested (`Decision.checkpoint_interval_s`), or
+  for it when the job switched onto it (`Decision.checkpoint_interval_s`), or
   `RestartCost.checkpoint_interval_s` for a policy that does not choose; it is kept
   while the slice runs, as the controller launches workers with it. Each save costs
   `RestartCost.save_s` of billed time without progress.
@@ -212,10 +213,10 @@ def _step(w: _World, s: SimState, i: int) -> bool:
     preempted = s.held is not None and s.held.preemptible and cap < s.held.chips
     if preempted:
         sl.preempt(s, now, w.restart.saves_on_notice)
-    refused = sl.advance(s, now, cap, w.restart.provisioning_s, w.startup_steps)
+    event = sl.advance(s, now, cap, w.restart.provisioning_s)
     if w.feed and i > 0:
         s.unobserved_s += w.dt
-    if i == 0 or changed or preempted or refused or now >= s.next_decision_s - 1e-9:
+    if i == 0 or changed or preempted or event is not None or now >= s.next_decision_s - 1e-9:
         if w.feed and i > 0:  # capacity was constant since the last decision point (a change is one)
             s.availability = s.availability.observe(w.zone, w.spot_sizes, int(w.capacity[i - 1]), s.unobserved_s)
             s.unobserved_s = 0.0
@@ -231,12 +232,11 @@ def _snapshot(w: _World, s: SimState, now: float, cap: int) -> Snapshot:
     """What the policy knows now, built as the autoscaler builds it."""
     r = s.request
     current, ready_in = s.held, s.startup_steps * w.dt
-    if current is None and r is not None and r.state == "PROVISIONING":  # the slice the job will train on
-        current, ready_in = r.option, r.ready_s - now + w.restart.startup_s
+    if current is None and r is not None and r.state != "WAITING":  # the slice the job will train on
+        current, ready_in = r.option, max(r.ready_s - now, 0.0) + w.restart.startup_s
     progress = Progress(w.job.deadline_s, w.job.total_tokens, s.done, s.committed, s.cost, w.job.budget_usd)
     return build_snapshot(now_s=now, progress=progress, options=w.job.options, restart=w.restart,
                           records=s.records, pooled_records=w.memory, current=current, current_ready_in_s=ready_in,
-                          waiting=r.option if r is not None else None,
                           feed=CapacityFeed(cap, s.availability) if w.feed else None, hazard=w.hazard,
                           availability=s.availability, decision_interval_s=w.decision_interval_s)
 
@@ -248,18 +248,19 @@ def _decide(w: _World, s: SimState, now: float, cap: int) -> None:
     s.next_decision_s = now + w.decision_interval_s
     r = s.request
     move = next_move(decision.option, held=s.held, waiting=r.option if r is not None else None,
-                     queue_timeout_s=w.queue_timeout_s)
+                     waiting_ready=r is not None and r.state == "READY",
+                     wait_for=None if w.release_first else decision.wait_for)
     if move.kind is not MoveKind.KEEP or move.release_waiting:
         label = move.target.label if move.target is not None else "wait"
         s.decisions.append(DecisionRecord(now, label, decision.reason, str(move)))
+    every_s = decision.checkpoint_interval_s or w.restart.checkpoint_interval_s  # for the target, at its launch
+    if move.switch:
+        sl.switch(s, now, w.startup_steps, every_s)
+        return
     if move.release_waiting:
         sl.release_request(s, now)
-    if move.kind is MoveKind.RELEASE or (move.kind is MoveKind.REQUEST_BESIDE and w.release_first):
+    if move.release_held or (move.request is not None and move.beside and w.release_first):
         sl.stop(s, now)
-    if move.kind in (MoveKind.REQUEST, MoveKind.REQUEST_BESIDE):
-        every_s = decision.checkpoint_interval_s or w.restart.checkpoint_interval_s
-        limit = w.queue_timeout_s if w.release_first else move.wait_limit_s
-        sl.ask(s, move.target, now, every_s, limit)
-        sl.advance(s, now, cap, w.restart.provisioning_s, w.startup_steps)
-    elif s.request is not None and move.wait_limit_s is not None and s.request.expires_s is None:
-        s.request.expires_s = now + move.wait_limit_s  # nothing runs beside it any more
+    if move.request is not None:
+        sl.ask(s, move.request, now, w.queue_timeout_s if w.release_first else None)
+        sl.advance(s, now, cap, w.restart.provisioning_s)

@@ -12,8 +12,8 @@ and zone. For spot slices `read_history` takes from them:
 - a refusal (size missing at a moment): a request let go or lost before it was ever
   READY (a queue timeout, a request no longer wanted, a fill that vanished), and a
   READY or PREEMPTING slice lost without being released: a reclaim, with or without a
-  notice first, is never read as "spot is up". A request still waiting is no refusal
-  yet: it was asked for because the size was thought obtainable, and it may yet fill;
+  notice first, is never read as "spot is up"; and a request still waiting or a notice
+  still running: the size is missing now;
 - exposure and preemptions for the hazard: host-hours READY or PREEMPTING, and losses
   after READY.
 
@@ -86,8 +86,8 @@ def read_history(records: Iterable[SliceRecord], now_s: float) -> History:
             if r.state in (UP, "PREEMPTING"):
                 host_hours[key] = host_hours.get(key, 0.0) + r.hosts * (end - r.at_s) / 3600
                 was_ready = True
-            if r.state == "PREEMPTING" and after is None:
-                seen.append((now_s, r.zone, r.chips, False))  # a notice: going now
+            if r.state in DOWN and after is None:
+                seen.append((now_s, r.zone, r.chips, False))  # still waiting, or a notice: missing now
             if after is not None and after.state in ENDED and r.state not in ENDED:
                 if after.state == "GONE" or r.state == "WAITING":  # reclaimed or vanished, or let go unfilled
                     seen.append((after.at_s, r.zone, r.chips, False))

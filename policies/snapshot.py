@@ -47,6 +47,7 @@ class Decision:
     resize: bool = False  # replaces a slice the job holds
     within_budget: bool = True
     checkpoint_interval_s: float | None = None  # how often to checkpoint on `option`
+    wait_for: Option | None = None  # a spot slice the plan waits for that the zone cannot give now (keep it requested)
 
 
 def slice_hazard_per_hour(option: Option, snap: Snapshot) -> float:

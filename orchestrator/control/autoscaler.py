@@ -13,10 +13,11 @@ the others), the restart costs (provisioning, init, restore, compile, the time a
 blocks), the money spent and the tokens in its last committed checkpoint.
 
 The answer is a `Choice`: the slice type and tier the policy wants (None: hold no slice,
-wait for spot), and the `policies.moves.Move` that gets the job there make-before-break
-(keep, request, request beside the running slice, switch onto a READY request, or
-release the running slice), with the request's wait limit. A refused or expired request
-is a capacity fact in the records, never a failure.
+wait for spot), and the `policies.moves.Move` that gets the job there make-before-break:
+what to request (beside the running slice, if any: a move, or the spot size the
+policy's plan waits for), whether to switch onto a READY request, to release the waiting
+request, or to release the running slice. A refused request is a capacity fact in the
+records, never a failure.
 
 Times: the store's are wall-clock; the policy's are seconds from the job's creation on
 the job's `Clock` (`clock_of`: a spot trace replayed at `time_scale` trace seconds a wall
@@ -123,7 +124,6 @@ def _restart(events: list[Event], spec: JobSpec, step_s: float | None, clock: Cl
 
 
 def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
-              waiting: tuple[str, str] | None = None,
               spot_chips_available: int | None = None) -> tuple[Snapshot, JobSpec, float | None, Clock]:
     """The snapshot, with the job's spec, its median step time (None before a few steps) and its clock."""
     job = store.job(job_id)
@@ -163,16 +163,14 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
                         clock.policy_s(goodput(store, job_id, now=now).usd_total), spec.budget_usd)
     snap = build_snapshot(now_s=now_s, progress=progress, options=options, restart=_restart(events, spec, step_s, clock),
                           records=own, pooled_records=pooled(others, zone=zone, now_s=now_s),
-                          current=_option(options, current), waiting=_option(options, waiting),
-                          largest_spot_chips=spot_chips_available)
+                          current=_option(options, current), largest_spot_chips=spot_chips_available)
     return snap, spec, step_s, clock
 
 
 def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
-             spot_chips_available: int | None = None, waiting: tuple[str, str] | None = None) -> Snapshot:
+             spot_chips_available: int | None = None) -> Snapshot:
     """The policy's snapshot of the job now (times in policy seconds from the job's creation)."""
-    return _snapshot(store, job_id, now=now, current=current, waiting=waiting,
-                     spot_chips_available=spot_chips_available)[0]
+    return _snapshot(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available)[0]
 
 
 def decide(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None = None,
@@ -181,18 +179,18 @@ def decide(store: Store, job_id: str, *, now: float, current: tuple[str, str] | 
     """The policy's choice for the job now, and the move that gets there.
 
     `current`: (accelerator, tier) of the slice the workers run on, if any; `waiting`: of the
-    request waiting beside it, if any (`waiting_ready`: it is READY). `spot_chips_available`:
+    request beside it, if any (`waiting_ready`: it is READY; ask again when it turns READY). `spot_chips_available`:
     the largest spot slice the provider allows (the records take off what was refused).
     The checkpoint interval comes back in steps (at the job's measured step time), never
     longer than the spec's: the spec sets the longest interval, and spot slices that are
     preempted often save more often. It applies to a slice being launched.
     """
-    snap, spec, step_s, clock = _snapshot(store, job_id, now=now, current=current, waiting=waiting,
+    snap, spec, step_s, clock = _snapshot(store, job_id, now=now, current=current,
                                           spot_chips_available=spot_chips_available)
     decision = CostPolicy().decide(snap)
     o: Option | None = decision.option
-    move = next_move(o, held=snap.current if current else None, waiting=_option(snap.options, waiting),
-                     waiting_ready=waiting_ready)
+    move = next_move(o, held=snap.current, waiting=_option(snap.options, waiting), waiting_ready=waiting_ready,
+                     wait_for=decision.wait_for)
     steps = None
     if o is not None and step_s and decision.checkpoint_interval_s:
         every = round(decision.checkpoint_interval_s / clock.policy_s(step_s))

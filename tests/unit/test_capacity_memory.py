@@ -113,7 +113,8 @@ def test_the_simulators_pooled_mode_starts_from_the_jobs_before():
     assert own.deadline_met and pool.deadline_met
     assert first_look["own"].availability.counts == {} and first_look["own"].hazard.counts == {}
     learned = first_look["pooled"].availability
-    assert learned.fraction("default", 16) < learned.prior_fraction  # the job before saw the outage
+    seen = learned.counts[("default", 16)]  # the job before saw spot up, then waited for it
+    assert seen.observed_h > 1.0 and 0 < seen.available_h < seen.observed_h
     assert first_look["pooled"].hazard.counts[(SPOT, "default")].preemptions == 1  # and its reclaim
     assert all(r.at_s >= 0 for r in pool.records)  # the earlier jobs' records are memory, not this run's
     # A refusal a minute before the job starts still holds: it does not queue for that size.

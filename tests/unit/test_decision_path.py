@@ -14,7 +14,7 @@ from orchestrator.user.planning import job_options
 from orchestrator.user.spec import JobSpec
 from orchestrator.state.store import Store
 from policies.cost import CostPolicy
-from policies.moves import QUEUE_TIMEOUT_S, MoveKind, next_move
+from policies.moves import MoveKind, next_move
 from policies.simulator import SimJob, simulate
 from policies.slice_history import SliceRecord, read_history
 from policies.slice_options import ON_DEMAND, SPOT
@@ -44,9 +44,9 @@ def rec(at, name, state, tier=SPOT, chips=16):
     ([rec(0, "a", "READY"), rec(90, "a", "PREEMPTING")], 95, [95], [90], 0),
     # released by us: up until then, nothing lost
     ([rec(0, "a", "READY"), rec(100, "a", "RELEASED")], 200, [], [100], 0),
-    # a request let go unfilled: a refusal when let go; still waiting: none yet
+    # a request let go unfilled: a refusal when let go; still waiting: missing now
     ([rec(0, "a", "REQUESTED"), rec(0, "a", "WAITING"), rec(300, "a", "RELEASED")], 400, [300], [], 0),
-    ([rec(0, "a", "REQUESTED"), rec(0, "a", "WAITING")], 400, [], [], 0),
+    ([rec(0, "a", "REQUESTED"), rec(0, "a", "WAITING")], 400, [400], [], 0),
     # filled, then the capacity went before READY: a refusal, no preemption
     ([rec(0, "a", "WAITING"), rec(50, "a", "PROVISIONING"), rec(80, "a", "GONE")], 100, [80], [], 0),
     # filled and let go while provisioning: capacity was there, no refusal
@@ -63,20 +63,24 @@ def test_what_slice_records_say(records, now, refusals, ups, preemptions):
 
 
 def test_moves_are_make_before_break():
-    spot, od = _options()[1], _options()[3]  # v4-32 spot, v4-32 on-demand
-    small = _options()[0]
-    assert next_move(spot, held=None).kind is MoveKind.REQUEST
-    assert next_move(spot, held=None).wait_limit_s == QUEUE_TIMEOUT_S  # nothing runs: it times out
+    small, _, spot, od = _options()  # v4-16 spot, v4-16 on-demand, v4-32 spot, v4-32 on-demand
+    assert str(next_move(spot, held=None)) == "request v4-32 spot"
     beside = next_move(spot, held=od)
-    assert beside.kind is MoveKind.REQUEST_BESIDE and beside.wait_limit_s is None and not beside.release_waiting
-    assert next_move(spot, held=od, waiting=spot).kind is MoveKind.KEEP  # still wanted: it waits on
+    assert beside.kind is MoveKind.REQUEST_BESIDE and beside.request == spot and not beside.release_waiting
+    # the plan waits for spot the zone cannot give now: it stays requested beside the running slice
+    assert next_move(od, held=od, wait_for=spot).request == spot
+    assert next_move(od, held=od, waiting=spot, wait_for=spot).kind is MoveKind.KEEP
+    assert next_move(None, held=None, waiting=spot, wait_for=spot).kind is MoveKind.KEEP  # waiting for spot
+    # READY and chosen: switch; READY and not chosen, or no longer waited for: released
     assert next_move(spot, held=od, waiting=spot, waiting_ready=True).kind is MoveKind.SWITCH
-    dropped = next_move(od, held=od, waiting=spot)  # no longer wanted: released
-    assert dropped.kind is MoveKind.KEEP and dropped.release_waiting
+    assert next_move(od, held=od, waiting=spot, waiting_ready=True).release_waiting
+    dropped = next_move(od, held=od, waiting=spot)
+    assert dropped.kind is MoveKind.KEEP and dropped.release_waiting and dropped.request is None
     other = next_move(small, held=od, waiting=spot)
-    assert other.kind is MoveKind.REQUEST_BESIDE and other.target == small and other.release_waiting
-    assert next_move(None, held=od).kind is MoveKind.RELEASE  # the policy would rather wait for spot
-    assert next_move(spot, held=None, waiting=spot).wait_limit_s == QUEUE_TIMEOUT_S  # its slice was lost
+    assert other.kind is MoveKind.REQUEST_BESIDE and other.request == small and other.release_waiting
+    # the policy would rather hold nothing: release the running slice, keep waiting for spot
+    release = next_move(None, held=od, waiting=spot, wait_for=spot)
+    assert release.kind is MoveKind.RELEASE and release.release_held and not release.release_waiting
 
 
 def _spec() -> JobSpec:
@@ -118,11 +122,13 @@ def test_one_recorded_history_gives_the_same_decisions_through_both_paths(tmp_pa
     policy = Recording()
     run = simulate(policy, job, trace, knowledge="own")
     assert run.deadline_met and run.preemptions == 1 and run.refusals >= 3
-    # the history holds a reclaim, refusals, a move to on-demand, and a spot request waiting
-    # beside it until the job switches back
-    assert [d.move.split(" ")[0] for d in run.decisions][-3:] == ["request", "request", "switch"]
-    assert run.decisions[-2].move.startswith("request beside")
-    assert run.decisions[-1].at_s - run.decisions[-2].at_s > 1800
+    # the history holds a reclaim, refusals, a move to on-demand with spot requested beside it,
+    # and the switch back to spot once a request is READY
+    kinds = [d.move.split(";")[0] for d in run.decisions]
+    assert "switch v4-16 on-demand" in kinds and any(k.startswith("request beside") for k in kinds)
+    assert kinds[-1].startswith("switch") and "spot" in kinds[-1]
+    od = next(r for r in run.records if r.tier == ON_DEMAND and r.state == "READY")
+    assert any(r.state == "WAITING" and r.tier == SPOT and r.at_s > od.at_s for r in run.records)
 
     store = Store(tmp_path / "db.sqlite")
     spec = dict(SPEC, workload=dict(SPEC["workload"], steps=steps), deadline=f"PT{int(deadline_s)}S")
@@ -137,10 +143,8 @@ def test_one_recorded_history_gives_the_same_decisions_through_both_paths(tmp_pa
         written = seen
         if snap.current_ready_in_s > 0:  # the controller asks only once the workers run
             continue
-        waiting = _waiting(run.records[:seen], snap.current)
         current = (snap.current.name, snap.current.tier) if snap.current else None
-        auto = autoscaler.snapshot(store, "j", now=T0 + now, current=current,
-                                   waiting=(waiting.name, waiting.tier) if waiting else None)
+        auto = autoscaler.snapshot(store, "j", now=T0 + now, current=current)
         progress = {"tokens_done": snap.tokens_done, "tokens_committed": snap.tokens_committed,
                     "spent_usd": snap.spent_usd}
         assert dataclasses.replace(auto, **progress) == snap, f"at {now} s"
@@ -148,19 +152,26 @@ def test_one_recorded_history_gives_the_same_decisions_through_both_paths(tmp_pa
         compared += 1
     assert compared >= 20
     # What the simulator did with each decision is the move the autoscaler hands the driver.
-    moves = {d.at_s: d.move for d in run.decisions if d.move != "switch"}
+    moves = {d.at_s: d.move for d in run.decisions}
     for (now, seen), (snap, decision) in zip(run.asked, policy.seen):
         if now in moves and snap.current_ready_in_s == 0:
-            move = next_move(decision.option, held=snap.current, waiting=_waiting(run.records[:seen], snap.current))
+            waiting, ready = _waiting(run.records[:seen], snap.current)
+            move = next_move(decision.option, held=snap.current, waiting=waiting, waiting_ready=ready,
+                             wait_for=decision.wait_for)
             assert str(move) == moves[now]
 
 
 def _waiting(records, current):
-    """The request waiting beside the running slice, read from the records, as the driver knows it."""
-    last = {}
+    """The request beside the running slice (and whether it is READY), read from the records,
+    as the driver knows it: the live slice that is not the one the job trains on."""
+    last, trained_on = {}, set()
     for r in records:
         last[r.name] = r
     options = {(o.chips, o.tier): o for o in _options()}
-    live = [r for r in last.values() if r.state in ("REQUESTED", "WAITING", "PROVISIONING")]
-    waiting = [options[(r.chips, r.tier)] for r in live]
-    return next((o for o in waiting if o != current), None)
+    live = [r for r in last.values() if r.state not in ("GONE", "RELEASED")]
+    running = [r for r in live if r.state == "READY" and options[(r.chips, r.tier)] == current]
+    trained_on = {r.name for r in running[:1]}
+    rest = [r for r in live if r.name not in trained_on]
+    if not rest:
+        return None, False
+    return options[(rest[-1].chips, rest[-1].tier)], rest[-1].state == "READY"

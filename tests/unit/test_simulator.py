@@ -278,13 +278,13 @@ def test_knowledge_of_its_own_slices_only_queues_and_learns_refusals():
     fed = simulate(knows, job, trace)
     own = simulate(learns, job, trace, knowledge="own", queue_timeout_s=900.0)
     assert knows.seen[0] == (0.0, 0)  # a capacity feed shows none at once
-    # Its own slices show nothing at first: spot is assumed there, and the request queues; while
-    # it waits its size counts as obtainable. After 15 min in the queue with nothing running it
-    # is released, and the next decision sees that size refused.
-    assert learns.seen[:5] == [(0.0, 16), (300.0, 16), (600.0, 16), (900.0, 0), (1200.0, 16)]
-    assert own.refusals == 3  # at 15, 30 and 45 min; the fourth request fills at 60 min
+    # Its own slices show nothing at first: spot is assumed there, and the request queues; from
+    # then on the waiting request says that size is missing, until it is filled and READY.
+    assert learns.seen[:3] == [(0.0, 16), (300.0, 0), (600.0, 0)]
+    assert (3720.0, 16) in learns.seen  # READY after 2 min of provisioning: the policy is asked, and switches
+    assert own.refusals == 0
     states = [(r.at_s, r.state) for r in own.records if r.name == "s1"]
-    assert states == [(0.0, "REQUESTED"), (0.0, "WAITING"), (900.0, "RELEASED")]
+    assert states[:4] == [(0.0, "REQUESTED"), (0.0, "WAITING"), (3600.0, "PROVISIONING"), (3720.0, "READY")]
     # Queued time is not billed; the slice starts when capacity comes, as with the feed.
     assert own.cost_usd == pytest.approx(fed.cost_usd) and own.finish_s == pytest.approx(fed.finish_s)
     assert own.slices_started == fed.slices_started == 1
@@ -294,7 +294,7 @@ def test_knowledge_of_its_own_slices_only_queues_and_learns_refusals():
 
 def test_a_spot_request_queued_beside_the_running_slice_keeps_the_job_training():
     """Make-before-break: the on-demand slice trains on while the spot request waits in the
-    queue (no timeout beside a running slice), and the job switches when the spot slice is
+    queue (it waits while the policy wants it), and the job switches when the spot slice is
     READY; release_first=True (the older way) gives the on-demand slice up first and idles
     while the request waits."""
     @dataclasses.dataclass(frozen=True)
@@ -302,7 +302,7 @@ def test_a_spot_request_queued_beside_the_running_slice_keeps_the_job_training()
         name: str = "on-demand, then spot"
 
         def decide(self, snap):
-            target = OD32 if snap.now_s == 0 else SPOT32
+            target = OD32 if snap.now_s < 300 else SPOT32
             return FixedPolicy(target).decide(dataclasses.replace(snap, spot_chips_available=SPOT32.chips))
 
     trace = trace_of([0] * 12 + [1] * 200, gap_s=300)  # spot comes after an hour
@@ -314,9 +314,9 @@ def test_a_spot_request_queued_beside_the_running_slice_keeps_the_job_training()
     restart = quantized_restart(RestartCost(), step_seconds(trace))
     ready = 3600.0 + restart.provisioning_s  # capacity at 60 min, then provisioning
     assert [(d.option, d.move) for d in beside.decisions] == [
-        (OD32.label, f"request {OD32.label}"), (SPOT32.label, f"request beside {SPOT32.label}"),
-        (SPOT32.label, "switch")]
-    assert beside.decisions[2].at_s == pytest.approx(ready)
+        (OD32.label, f"request {OD32.label}"), (OD32.label, f"switch {OD32.label}"),
+        (SPOT32.label, f"request beside {SPOT32.label}"), (SPOT32.label, f"switch {SPOT32.label}")]
+    assert beside.decisions[3].at_s == pytest.approx(ready)
     # the old slice is released only when the new one is READY, and trained until then
     spot_ready = next(r.at_s for r in beside.records if r.name == "s2" and r.state == "READY")
     od_released = next(r.at_s for r in beside.records if r.name == "s1" and r.state == "RELEASED")
