@@ -72,3 +72,52 @@ def test_sharded_pallas_training_equals_unsharded_xla(tmp_path):
                            env={INTERPRET_ENV: "generic"})
     assert len(pallas["losses"]) == SHARDED.steps
     assert_losses_close(pallas["losses"], xla["losses"], rtol=2e-5)
+
+
+ODD_SHAPES = dataclasses.replace(
+    CFG, seq_len=200, steps=2,
+    kernel_blocks={"attention": {"block_q": 128, "block_kv": 128, "block_q_bwd": 64, "block_kv_bwd": 64},
+                   "norm": {"block_rows": 256}, "rope": {"block_seq": 128},
+                   "scan": {"block_time": 128, "block_dim": 128}})
+
+
+def test_lengths_the_blocks_do_not_divide_train_alike_on_pallas_and_xla(tmp_path):
+    """seq_len 200 with 128-blocks (attention, RoPE, scan: fitted and padded) and 400 rows with block_rows 256."""
+    xla = run_reference(dataclasses.replace(ODD_SHAPES, implementation="xla"), devices=1, tmp_path=tmp_path / "x")
+    pallas = run_reference(dataclasses.replace(ODD_SHAPES, implementation="pallas"), devices=1,
+                           tmp_path=tmp_path / "p")
+    assert len(pallas["losses"]) == ODD_SHAPES.steps
+    assert_losses_close(pallas["losses"], xla["losses"], rtol=2e-5)
+
+
+def test_the_job_s_kernel_blocks_reach_the_kernels_fitted_to_the_lengths():
+    """Traced only: the Pallas calls of one training gradient use the blocks fitted from ODD_SHAPES's settings."""
+    import jax
+    import jax.numpy as jnp
+
+    from kernels import KernelBlocks
+    from workers.model import Numerics, init_params, loss_fn
+
+    cfg = ODD_SHAPES
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg.model))
+    batch = jax.ShapeDtypeStruct((cfg.global_batch_size, cfg.seq_len + 1), jnp.int32)
+    numerics = Numerics(blocks=KernelBlocks.from_mapping(cfg.kernel_blocks))
+    grad = jax.grad(lambda p, b: loss_fn(p, b, cfg.model, implementation="pallas", numerics=numerics))
+
+    def calls(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn.params["grid_mapping"]
+            for param in eqn.params.values():
+                for inner in (param if isinstance(param, (tuple, list)) else (param,)):
+                    inner = getattr(inner, "jaxpr", None)
+                    if inner is not None:
+                        yield from calls(getattr(inner, "jaxpr", inner))
+
+    first_blocks = {tuple(getattr(b, "block_size", None) for b in m.block_mappings[0].block_shape)
+                    for m in calls(jax.make_jaxpr(grad)(params, batch).jaxpr)}
+    head_dim = cfg.model.d_model // cfg.model.n_heads
+    assert (None, None, 104, head_dim) in first_blocks  # attention forward: 200 queries as 2 x 104 (padded to 208)
+    assert (None, None, 40, head_dim) in first_blocks  # attention backward: 64 asked, 200 = 5 x 40
+    assert (200, cfg.model.d_model) in first_blocks  # the norm: 2 x 200 = 400 rows, 256 asked -> 200
+    assert (None, 104, 1) in first_blocks  # RoPE's positions: 104 of 208
