@@ -15,6 +15,12 @@ window the blocks outside the band are not in the grid at all; inside a row, ste
 the row's last block repeat its index (no copy on a TPU) and skip the compute with
 ``pl.when``, as do block pairs whose segment id ranges do not meet. The dK/dV grid does
 the same by columns.
+
+Lengths: each pass (forward; dQ and dK/dV) fits its own blocks to the lengths
+(`kernels.generations.fit_block`) and pads q, k and v to whole blocks; padded keys are
+masked, padded queries are cut off (their zero cotangents add nothing to dK and dV), so
+any length runs. Default blocks come from the chip generation, and blocks too large for
+its VMEM at the given ``head_dim`` are halved.
 """
 
 from __future__ import annotations
