@@ -84,12 +84,20 @@ def make_optimizer(cfg: Config, steps: int) -> optax.GradientTransformation:
 
 
 def make_train_step(cfg: Config, optimizer: optax.GradientTransformation):
-    def train_step(state: dict, batch: jax.Array) -> tuple[dict, jax.Array]:
+    def train_step(state: dict, batch: jax.Array) -> tuple[dict, dict]:
         loss, grads = jax.value_and_grad(loss_fn)(state["params"], batch, cfg)
         updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}, loss
+        new_state = {"params": optax.apply_updates(state["params"], updates), "opt_state": opt_state}
+        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
 
     return train_step
+
+
+def flops_per_step(params: dict, cfg: Config, ctx: api.Context) -> float:
+    """Model FLOPs of a training step: 6 per parameter per token, plus attention's 12 * layers * d * seq."""
+    n = sum(x.size for x in jax.tree.leaves(params)) - params["positions"].size  # a lookup, no FLOPs
+    per_token = 6 * n + 12 * cfg.n_layers * cfg.d_model * ctx.seq_len
+    return per_token * ctx.seq_len * ctx.global_batch_size
 
 
 def main(ctx: api.Context) -> None:
@@ -103,10 +111,10 @@ def main(ctx: api.Context) -> None:
 
     state = ctx.restore_or_init(init)  # the newest checkpoint, resharded onto this slice; or fresh
     train_step = jax.jit(make_train_step(cfg, optimizer), donate_argnums=0)
-    with ctx.loop(state) as loop:
+    with ctx.loop(state, flops_per_step=flops_per_step(state["params"], cfg, ctx)) as loop:  # for MFU
         for step in loop:
-            state, loss = train_step(loop.state, ctx.batch(step))
-            loop.done(state, loss=loss)
+            state, metrics = train_step(loop.state, ctx.batch(step))
+            loop.done(state, **metrics)  # loss, and any metric of the program's own
 
 
 if __name__ == "__main__":

@@ -315,7 +315,8 @@ class JobDriver(AutoscalingMixin):
     def _record_step(self, generation: int, r: StepDone) -> None:
         att = self.att
         att.last_step = r.step
-        self.store.record_steps(self.job_id, generation, [(r.step, r.loss, r.tokens_per_s, r.step_time_s)])
+        self.store.record_steps(self.job_id, generation,
+                                [(r.step, r.loss, r.tokens_per_s, r.step_time_s, None, r.metrics)])
         if not att.resumed and att.disrupted_at is not None:
             att.resumed = True
             seconds = time.time() - att.disrupted_at
@@ -326,7 +327,7 @@ class JobDriver(AutoscalingMixin):
         """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
         known = {m.step for m in self.store.steps(self.job_id)}
         # A step whose loss the worker has not read back yet (reads lag the step) is not recorded.
-        missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"), h.get("at"))
+        missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"), h.get("at"), h.get("metrics"))
                   for h in history if h["step"] not in known and h.get("loss") is not None]
         self.store.record_steps(self.job_id, generation, missed)  # one transaction, each row at its own time
         return len(missed)

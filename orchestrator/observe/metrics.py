@@ -12,6 +12,8 @@ Exported (all gauges unless marked as counters):
 - orchestrator_job_state{job,state} 1 for the job's state, 0 for every other state
 - orchestrator_job_completed_steps{job}: steps done (the last reported step + 1)
 - orchestrator_job_tokens_per_second{job}, orchestrator_job_loss{job}: of the last reported step
+- orchestrator_job_mfu_ratio{job}, orchestrator_job_tflops_per_chip{job}, orchestrator_job_hbm_bytes{job,kind},
+  orchestrator_job_metric{job,name} (the program's own, from `loop.done(state, loss=..., name=value)`): the same
 - orchestrator_job_goodput_ratio{job}: productive time / wall time
 - orchestrator_job_time_seconds{job,category}: wall time by goodput category
 - orchestrator_job_cost_dollars_total{job,accelerator,tier} (counter)
@@ -76,6 +78,15 @@ class JobCollector(Collector):
             m.loss.add_metric([job.id], last.loss)
             if last.tokens_per_s is not None:
                 m.tokens_per_second.add_metric([job.id], last.tokens_per_s)
+            for name, value in sorted(last.metrics.items()):
+                if name == "mfu":
+                    m.mfu.add_metric([job.id], value)
+                elif name == "tflops_per_chip":
+                    m.tflops.add_metric([job.id], value)
+                elif name.startswith("hbm_") and name.endswith("_gib"):
+                    m.hbm.add_metric([job.id, name[4:-4]], value * 1024 ** 3)
+                else:
+                    m.user.add_metric([job.id, name], value)
         g = self._goodput(job)
         m.goodput.add_metric([job.id], g.goodput_fraction)
         for category, seconds in g.seconds().items():
@@ -109,6 +120,14 @@ class _Families:
         self.tokens_per_second = GaugeMetricFamily(f"{p}_tokens_per_second", "Throughput of the last step.",
                                                    labels=["job_id"])
         self.loss = GaugeMetricFamily(f"{p}_loss", "Training loss of the last step.", labels=["job_id"])
+        self.mfu = GaugeMetricFamily(f"{p}_mfu_ratio", "Model FLOPs utilisation of the last step (of the bf16 peak).",
+                                     labels=["job_id"])
+        self.tflops = GaugeMetricFamily(f"{p}_tflops_per_chip", "Model TFLOP/s per chip of the last step.",
+                                        labels=["job_id"])
+        self.hbm = GaugeMetricFamily(f"{p}_hbm_bytes", "Accelerator memory of host 0's first device (in_use, peak, limit).",
+                                     labels=["job_id", "kind"])
+        self.user = GaugeMetricFamily(f"{p}_metric", "The program's own metrics of the last step.",
+                                      labels=["job_id", "name"])
         self.goodput = GaugeMetricFamily(f"{p}_goodput_ratio", "Productive step time over wall time.", labels=["job_id"])
         self.time = GaugeMetricFamily(f"{p}_time_seconds", "Wall time by goodput category.",
                                       labels=["job_id", "category"])

@@ -14,6 +14,7 @@ import datetime as dt
 import html
 import io
 import json
+import statistics
 import os
 import tempfile
 import time
@@ -77,6 +78,7 @@ class ReportSeries:
     generation: tuple[int, ...]
     loss: tuple[float, ...]
     tokens_per_s: tuple[float | None, ...]
+    metrics: tuple[dict, ...]  # each step's other figures (MFU, HBM, the program's own)
     slices: tuple[BilledSlice, ...]
     chips_at: tuple[float, ...]  # a step function: `chips[i]` chips held from `chips_at[i]` on
     chips: tuple[int, ...]
@@ -101,7 +103,7 @@ def report_series(store: Store, job_id: str, *, now: float | None = None) -> Rep
         states=tuple(iv for iv in state_intervals(job, events, now=now) if iv.end > iv.start),
         step_at=tuple(s.at for s in steps), step=tuple(s.step for s in steps),
         generation=tuple(s.generation for s in steps), loss=tuple(s.loss for s in steps),
-        tokens_per_s=tuple(s.tokens_per_s for s in steps), slices=slices,
+        tokens_per_s=tuple(s.tokens_per_s for s in steps), metrics=tuple(s.metrics for s in steps), slices=slices,
         chips_at=tuple(changes), chips=tuple(sum(s.chips for s in slices if s.start <= t < s.end) for t in changes),
         cost_at=tuple(changes), cost_usd=tuple(sum(s.usd_until(t) for s in slices) for t in changes),
         markers=tuple(_markers(events)), goodput=g)
@@ -246,12 +248,35 @@ img {{ max-width: 100%; }}
      src="data:image/png;base64,{base64.b64encode(png).decode()}">
 <h2>Goodput</h2>
 <table class="goodput"><tr><th>category</th><th>time</th><th>share</th></tr>{rows}</table>
+<h2>Training</h2>
+<table class="training">{training_rows(s)}</table>
 <h2>Events</h2>
 <table class="events">
 <tr><th>time</th><th>since submission</th><th>kind</th><th>state</th><th>reason</th><th>data</th></tr>
 {event_rows}</table>
 </body></html>
 """
+
+
+def training_rows(s: ReportSeries) -> str:
+    """Median throughput and MFU, peak HBM, and the last value of each of the program's own metrics."""
+    e = html.escape
+
+    def median(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    def of(name: str) -> list[float]:
+        return [m[name] for m in s.metrics if name in m]
+
+    rows = [("tokens/s (median)", median([t for t in s.tokens_per_s if t is not None]), ",.0f"),
+            ("MFU (median, of the bf16 peak)", median(of("mfu")), ".1%"),
+            ("model TFLOP/s per chip (median)", median(of("tflops_per_chip")), ".3g"),
+            ("HBM peak (GiB, host 0's first device)", max(of("hbm_peak_gib"), default=None), ".2f")]
+    last = s.metrics[-1] if s.metrics else {}
+    rows += [(f"{name} (last step)", value, ".4g") for name, value in sorted(last.items())
+             if name not in ("mfu", "tflops_per_chip") and not name.startswith("hbm_")]
+    return "".join(f"<tr><td>{e(label)}</td><td>{'-' if v is None else format(v, fmt)}</td></tr>"
+                   for label, v, fmt in rows)
 
 
 # -- pieces of the picture ---------------------------------------------------------------

@@ -13,7 +13,7 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -21,7 +21,7 @@ from orchestrator.errors import IllegalTransitionError, JobNotFoundError
 from orchestrator.state.events import PAYLOADS, EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.states import JOB_TRANSITIONS, JobState, SliceState, check_slice
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: steps.metrics
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -60,6 +60,7 @@ CREATE TABLE IF NOT EXISTS steps (
     tokens_per_s REAL,
     step_time_s REAL,
     at REAL NOT NULL,
+    metrics TEXT,
     PRIMARY KEY (job_id, step)
 );
 CREATE TABLE IF NOT EXISTS slices (
@@ -117,6 +118,13 @@ class StepMetric:
     tokens_per_s: float | None
     step_time_s: float | None
     at: float
+    # The program's own metrics and the loop's (tflops_per_chip, mfu, hbm_in_use_gib, hbm_peak_gib).
+    metrics: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_row(cls, row) -> "StepMetric":
+        *values, metrics = tuple(row)
+        return cls(*values, json.loads(metrics) if metrics else {})
 
 
 class Store:
@@ -131,6 +139,11 @@ class Store:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif int(row[0]) > SCHEMA_VERSION:
                 raise RuntimeError(f"{self.path} has schema version {row[0]}; this version reads {SCHEMA_VERSION}")
+            elif int(row[0]) < SCHEMA_VERSION:  # a store of an older version: add what it lacks
+                columns = {c[1] for c in db.execute("PRAGMA table_info(steps)")}
+                if "metrics" not in columns:
+                    db.execute("ALTER TABLE steps ADD COLUMN metrics TEXT")
+                db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -283,31 +296,33 @@ class Store:
                       r["reason"], json.loads(r["data"]) if r["data"] else None) for r in rows]
 
     def record_steps(self, job_id: str, generation: int, rows: list[tuple], *, at: float | None = None) -> None:
-        """Upsert (step, loss, tokens/s, step time[, at]) rows; a recomputed step keeps the newest generation's value.
+        """Upsert (step, loss, tokens/s, step time[, at[, metrics]]) rows; a recomputed step keeps the newest
+        generation's value.
 
         A row without its own time gets `at` (default now).
         """
         now = time.time() if at is None else at
         values = []
         for row in rows:
-            step, loss, tps, dt, row_at = (*row, None)[:5]
-            values.append((job_id, step, generation, loss, tps, dt, now if row_at is None else row_at))
+            step, loss, tps, dt, row_at, metrics = (*row, None, None)[:6]
+            values.append((job_id, step, generation, loss, tps, dt, now if row_at is None else row_at,
+                           json.dumps(metrics) if metrics else None))
         with self._tx() as db:
             db.executemany(
-                "INSERT OR REPLACE INTO steps (job_id, step, generation, loss, tokens_per_s, step_time_s, at) "
-                "VALUES (?,?,?,?,?,?,?)", values)
+                "INSERT OR REPLACE INTO steps (job_id, step, generation, loss, tokens_per_s, step_time_s, at, metrics) "
+                "VALUES (?,?,?,?,?,?,?,?)", values)
 
     def steps(self, job_id: str) -> list[StepMetric]:
         rows = self._conn().execute(
-            "SELECT step, generation, loss, tokens_per_s, step_time_s, at FROM steps WHERE job_id=? ORDER BY step",
-            (job_id,)).fetchall()
-        return [StepMetric(*tuple(r)) for r in rows]
+            "SELECT step, generation, loss, tokens_per_s, step_time_s, at, metrics FROM steps WHERE job_id=? "
+            "ORDER BY step", (job_id,)).fetchall()
+        return [StepMetric.from_row(r) for r in rows]
 
     def last_step(self, job_id: str) -> StepMetric | None:
         row = self._conn().execute(
-            "SELECT step, generation, loss, tokens_per_s, step_time_s, at FROM steps WHERE job_id=? "
+            "SELECT step, generation, loss, tokens_per_s, step_time_s, at, metrics FROM steps WHERE job_id=? "
             "ORDER BY step DESC LIMIT 1", (job_id,)).fetchone()
-        return StepMetric(*tuple(row)) if row else None
+        return StepMetric.from_row(row) if row else None
 
     # -- slices ----------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from rich.table import Table
 from typer.core import TyperGroup
 
 from orchestrator.user.client import Client, JobStatus
-from orchestrator.user.progress import watch
+from orchestrator.user.progress import user_metrics, utilisation, watch
 from orchestrator.errors import OrchestratorError, RequestError
 from orchestrator.user.spec import JobSpec, json_schema
 from orchestrator.state.states import JobState
@@ -147,6 +147,10 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
         out.print(f"  {st.accelerator} {st.tier}   step {st.step}/{st.total_steps or '?'}   "
                   f"loss {_fmt(st.loss, '.4f')}   tokens/s {_fmt(st.tokens_per_s, ',.0f')}   "
                   f"preemptions {st.preemptions}   failures {st.failures}", highlight=False)
+        if utilisation(st.metrics):
+            out.print(" " + utilisation(st.metrics), highlight=False)
+        if user_metrics(st.metrics):
+            out.print(f"  metrics: {user_metrics(st.metrics)}", highlight=False)
         from orchestrator.observe.goodput import goodput, summary_line
 
         out.print("  " + summary_line(goodput(client.store, st.id)), highlight=False)

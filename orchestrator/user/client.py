@@ -17,6 +17,8 @@ Examples::
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 from dataclasses import dataclass, replace
@@ -51,6 +53,8 @@ class JobStatus:
     created_at: float
     updated_at: float
     queue_position: int | None = None  # place in the admission queue while QUEUED (1 = next)
+    # The last step's other figures: mfu, tflops_per_chip, hbm_in_use_gib, hbm_peak_gib, the program's own.
+    metrics: dict = dataclasses.field(default_factory=dict)
     cluster: str | None = None  # for a job not yet ended: "up", "gone" (nothing runs it), "remote" (unknown here)
 
     @property
@@ -445,7 +449,7 @@ def _status(job: JobRecord, last: StepMetric | None) -> JobStatus:
         tier=spec.get("tier", "?"), step=(last.step + 1) if last else 0,
         total_steps=(spec.get("workload") or {}).get("steps"), loss=last.loss if last else None,
         tokens_per_s=last.tokens_per_s if last else None, preemptions=job.preemptions, failures=job.failures,
-        error=job.error, created_at=job.created_at, updated_at=job.updated_at)
+        error=job.error, created_at=job.created_at, updated_at=job.updated_at, metrics=last.metrics if last else {})
 
 
 __all__ = ["CLUSTER_GONE", "Client", "Job", "JobStatus", "JobNotFoundError"]

@@ -59,6 +59,30 @@ def _updates(job: Job, poll_s: float) -> Iterator[tuple[JobStatus, list[Event], 
         time.sleep(poll_s)
 
 
+LOOP_METRICS = ("mfu", "tflops_per_chip", "hbm_in_use_gib", "hbm_peak_gib", "hbm_limit_gib")
+
+
+def utilisation(metrics: dict) -> str:
+    """"  MFU 41.2% (113.3 TFLOP/s/chip)  HBM 12.1 GiB (peak 14.0 of 31.7)" from what the step reported; "" if none."""
+    out = ""
+    if "mfu" in metrics:
+        out += f"  MFU {100 * metrics['mfu']:.1f}%"
+    if "tflops_per_chip" in metrics:
+        out += f" ({metrics['tflops_per_chip']:.3g} TFLOP/s/chip)"
+    if "hbm_in_use_gib" in metrics:
+        out += f"  HBM {metrics['hbm_in_use_gib']:.1f} GiB"
+        extra = [f"peak {metrics['hbm_peak_gib']:.1f}" if "hbm_peak_gib" in metrics else "",
+                 f"of {metrics['hbm_limit_gib']:.1f}" if "hbm_limit_gib" in metrics else ""]
+        if any(extra):
+            out += f" ({' '.join(e for e in extra if e)})"
+    return out
+
+
+def user_metrics(metrics: dict) -> str:
+    """The program's own metrics, "accuracy 0.512, grad_norm 1.03"."""
+    return ", ".join(f"{k} {v:.4g}" for k, v in sorted(metrics.items()) if k not in LOOP_METRICS)
+
+
 def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0,
           on_poll: Callable[[Progress | None], None] | None = None) -> JobStatus:
     """Show the job until it ends; `mode` is "auto" (bar on a terminal, lines otherwise), "json" or "quiet"."""
@@ -70,7 +94,8 @@ def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0
                 print(json.dumps({"event": e.kind.value, "at": e.at, "state": e.to_state, "reason": e.reason,
                                   "data": e.data}), flush=True)
             print(json.dumps({"job": st.id, "state": st.state.value, "step": st.step, "total_steps": st.total_steps,
-                              "loss": st.loss, "tokens_per_s": st.tokens_per_s, "eta_s": eta, "usd": round(usd, 4),
+                              "loss": st.loss, "tokens_per_s": st.tokens_per_s, "metrics": st.metrics, "eta_s": eta,
+                              "usd": round(usd, 4),
                               "preemptions": st.preemptions}), flush=True)
             if on_poll:
                 on_poll(None)
@@ -85,7 +110,8 @@ def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0
             if st.step > printed and (st.step // every > printed // every or st.done):
                 printed = st.step
                 console.print(f"step {st.step}/{st.total_steps or '?'}  loss {_fmt(st.loss, '.4f')}  "
-                              f"tokens/s {_fmt(st.tokens_per_s, ',.0f')}  ${usd:,.2f}", highlight=False)
+                              f"tokens/s {_fmt(st.tokens_per_s, ',.0f')}{utilisation(st.metrics)}  ${usd:,.2f}",
+                              highlight=False)
             if on_poll:
                 on_poll(None)
         return st

@@ -128,6 +128,8 @@ def test_html_report_embeds_the_picture_the_goodput_table_and_the_events(store, 
     assert re.search(r"<td>productive</td><td>30.0s</td><td>27.3%</td>", goodput_table)
     assert all(f"<td>{c.replace('_', ' ')}</td>" in goodput_table for c in CATEGORIES)
     assert "reclaimed (preemption 1 of at most 3)" in page and "restored step 8" in page
+    training = page[page.index('<table class="training">'):]
+    assert re.search(r"<td>tokens/s \(median\)</td><td>[\d,]+</td>", training)
     assert "http://" not in page and "https://" not in page  # self-contained: nothing fetched on opening
 
 
