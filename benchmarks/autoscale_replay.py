@@ -28,7 +28,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator import catalog  # noqa: E402
 from orchestrator.observe.goodput import billed_slices  # noqa: E402
 from orchestrator.state.events import EventKind  # noqa: E402
 from orchestrator.user.planning import job_options  # noqa: E402

@@ -32,7 +32,6 @@ from orchestrator.state.events import (CheckpointSaved, Disrupted, LostWork, Not
                                        StateChange)
 from orchestrator.state.states import JobState, SliceState
 from orchestrator.user.spec import JobSpec
-from policies.moves import QUEUE_TIMEOUT_S
 from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
 from workers.protocol import Noticed, Ready, Report, Saved, StepDone, Timings
 
@@ -117,6 +116,8 @@ class JobDriver(AutoscalingMixin):
             except CapacityError as e:  # waiting never spends max_failures
                 refused, refusals = str(e), refusals + 1
                 queued_since = queued_since or t0
+                if spec.autoscaling is not None:  # a capacity fact for the policy, which is asked again at once
+                    refused = None
             except ProvisioningError as e:
                 return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
         att.slice, att.next_slice = att.next_slice, None
@@ -237,6 +238,9 @@ class JobDriver(AutoscalingMixin):
                 return s
             if kind is Look.REFUSED:
                 raise CapacityError(why, slice_name=w.name)
+            if not self._still_wanted(spec):
+                release(att.provider, w.name, "the policy no longer wants it")
+                raise CapacityError(f"the policy no longer wants {w.accelerator} {w.tier}", slice_name=w.name)
             job = self.store.job(self.job_id)
             if s.state in (SliceState.REQUESTED, SliceState.WAITING):
                 started = time.monotonic()  # the start timeout counts from when capacity came
@@ -260,13 +264,12 @@ class JobDriver(AutoscalingMixin):
         return self._clock(spec).wall_seconds(spec.queue_timeout.total_seconds()) if spec.queue_timeout else None
 
     def _queue_limit_s(self, spec: JobSpec) -> float | None:
-        """How long (wall seconds) a request with nothing running beside it may wait for capacity:
-        an autoscaled job's goes back to the policy after the policy's queue timeout (the size
-        is then missing, for a while); any other job waits up to its `queue_timeout`."""
-        clock = self._clock(spec)
+        """How long (wall seconds) a request may wait for capacity before it expires: an
+        autoscaled job's waits while the policy wants it (asked every decision interval);
+        any other job's up to its `queue_timeout` (None: no limit)."""
         if spec.autoscaling is not None:
-            return clock.wall_seconds(spec.queue_timeout.total_seconds() if spec.queue_timeout else QUEUE_TIMEOUT_S)
-        return clock.wall_seconds(spec.queue_timeout.total_seconds()) if spec.queue_timeout else None
+            return None
+        return self._user_queue_limit_s(spec)
 
     def transition(self, target: JobState, reason: str, *, data: StateChange | None = None) -> None:
         try:

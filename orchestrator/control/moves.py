@@ -1,14 +1,25 @@
-"""The driver's side of autoscaling: ask the policy, and move make-before-break.
+"""The driver's side of autoscaling: ask the policy, and do the move it names, make-before-break.
 
-Before each provisioning the policy chooses the slice (type and tier) of the attempt.
-While the job runs it is asked every decision interval (scaled by the job's clock when
-it replays a capacity trace); a choice other than the running slice is requested
-*beside* it, and the job trains on while the request waits. Once the new slice is READY
-the workers stop at a committed checkpoint, the old slice is released and the next
-launch restores resharded on the new one. A request the policy no longer wants is
-released (never filled: never billed); one refused or expired goes back to the policy,
-its size marked missing by the slice events the store keeps, and spends nothing of
-`max_failures`.
+The policy (`orchestrator.control.autoscaler.decide`) answers with a `policies.moves.Move`
+for the job's slices: the running one and at most one request waiting beside it. The
+driver does it:
+
+- `request`: ask for that slice without waiting for it. Beside a running slice the job
+  trains on while the request waits; nothing times out: a request waits while the policy
+  wants it (a spot size the plan waits for stays requested, so capacity is caught the
+  moment it returns).
+- `switch`: the waiting request is READY and still the choice: the workers stop at a
+  committed checkpoint, the old slice is released, the next launch restores resharded on
+  the new one. The policy is asked the moment a request turns READY.
+- `release_waiting`: give the request back (never filled: never billed). A request let go
+  unfilled, or one the provider refused or expired, is a capacity fact in the store's
+  slice events, never a failure.
+- `release_held`: stop at a committed checkpoint and release the running slice; the next
+  attempt asks the policy what to request (the spot size it waits for).
+
+The policy is asked before each provisioning, every decision interval (on the job's
+clock: trace time when it replays a capacity trace), and at once when a request is
+refused or turns READY.
 """
 
 from __future__ import annotations
@@ -39,95 +50,127 @@ class AutoscalingMixin:
             allowed = [t for t in allowed if t.hosts <= self.plane.provider.max_hosts]
         return max((t.chips for t in allowed), default=0)
 
-    def _decide(self, spec: JobSpec, current: tuple[str, str] | None):
-        """The policy's choice (None: hold no slice, wait for spot), told of the request waiting beside."""
+    def _decide(self, spec: JobSpec, current: tuple[str, str] | None, *, ready: bool = False):
+        """The policy's `Choice`, told of the running slice and of the request waiting beside it."""
         from orchestrator.control.autoscaler import decide
 
         waiting = self.att.waiting.key if self.att.waiting is not None else None
-        choice = decide(self.store, self.job_id, now=time.time(), current=current, waiting=waiting,
-                        spot_chips_available=self._spot_chips_available(spec))
-        return None if choice.accelerator is None else choice
+        return decide(self.store, self.job_id, now=time.time(), current=current, waiting=waiting,
+                      waiting_ready=ready and waiting is not None,
+                      spot_chips_available=self._spot_chips_available(spec))
 
     def _autoscale_before_provisioning(self, spec: JobSpec) -> JobSpec:
-        """Let the cost policy choose the slice type and tier of the next attempt."""
+        """Let the cost policy choose the slice of the next attempt: the one to run on, or the
+        spot size it would wait for (requested, it waits unbilled for capacity)."""
         from orchestrator.control.autoscaler import with_checkpoint_interval
 
         choice = self._choice = self._decide(spec, None)
-        if choice is None:
+        d, move = choice.decision, choice.move
+        if move is not None and move.release_waiting and self.att.waiting is not None:
+            release(self.att.provider, self.att.waiting.name, "the policy no longer wants it")
+            self.att.waiting = None
+        want = (choice.accelerator, choice.tier)
+        if choice.accelerator is None and move is not None and move.request is not None:
+            want = (move.request.name, move.request.tier)  # wait for spot: keep its size requested
+        elif choice.accelerator is None and self.att.waiting is not None:
+            want = self.att.waiting.key
+        elif choice.accelerator is None:
             self.store.add_event(self.job_id, Autoscaled(), "the policy would wait for spot capacity; asking for "
                                  f"{spec.accelerator} {spec.tier.value} as the spec says (a queued request waits "
                                  "for capacity)")
             return spec
-        d = choice.decision
         every = choice.checkpoint_interval_steps
         saving = f"; checkpoint every {every} steps" if every else ""
-        self.store.add_event(self.job_id, Autoscaled(choice.accelerator, choice.tier, d.expected_cost_usd, d.reason,
-                                                     every),
-                             f"run {choice.accelerator} {choice.tier}{saving}: {d.reason}")
-        if (choice.accelerator, choice.tier) != (spec.accelerator, spec.tier.value):
-            raw = dict(self.store.job(self.job_id).spec, accelerator=choice.accelerator, tier=choice.tier)
-            self.store.update_spec(self.job_id, raw)
+        verb = "run" if choice.accelerator is not None else "wait for"
+        self.store.add_event(self.job_id, Autoscaled(*want, d.expected_cost_usd, d.reason, every),
+                             f"{verb} {want[0]} {want[1]}{saving}: {d.reason}")
+        if want != (spec.accelerator, spec.tier.value):
+            self.store.update_spec(self.job_id, dict(self.store.job(self.job_id).spec, accelerator=want[0],
+                                                     tier=want[1]))
             spec = self.spec()
-        return with_checkpoint_interval(spec, choice)
+        return with_checkpoint_interval(spec, choice) if choice.accelerator is not None else spec
+
+    def _still_wanted(self, spec: JobSpec) -> bool:
+        """While nothing runs and a request waits: is it still what the policy wants? (Asked every
+        decision interval; when not, the request is released and the driver asks again.)"""
+        att, now = self.att, time.monotonic()
+        if spec.autoscaling is None or now < att.next_decision:
+            return True
+        att.next_decision = now + self._clock(spec).wall_seconds(DECISION_INTERVAL_S)
+        choice = self._decide(spec, None)
+        if choice.move is None or (choice.accelerator is None and choice.move.request is None):
+            return True  # the policy names nothing to run or wait for: the request the spec says stays
+        return not choice.move.release_waiting
 
     def _autoscale_while_running(self) -> None:
-        """Once a poll: follow a request waiting beside the slice; every decision interval, ask the policy."""
+        """Once a poll: follow the request beside the slice; every decision interval (or when the
+        request is refused or READY), ask the policy and do its move."""
         att = self.att
-        if att.waiting is not None and att.notice is None:
-            self._follow_waiting()
+        turned_ready = self._follow_waiting() if att.waiting is not None and att.notice is None else False
         now = time.monotonic()
-        if not att.started or att.notice or now < att.next_decision:
+        if not att.started or att.notice or (now < att.next_decision and not turned_ready):
             return
         spec = self.spec()
         att.next_decision = now + self._clock(spec).wall_seconds(DECISION_INTERVAL_S)
         if spec.autoscaling is None:
             return
-        current = (spec.accelerator, spec.tier.value)
-        choice = self._decide(spec, current)
-        target = None if choice is None else (choice.accelerator, choice.tier)
-        # Stay. None: the policy would rather hold nothing and wait for spot; the job trains on
-        # (it would save less to stop now than to run until spot is there again).
-        if target is None or target == current:
-            if att.waiting is not None:
-                release(att.provider, att.waiting.name, "the policy no longer wants it")
-                att.waiting = None
+        choice = self._decide(spec, (spec.accelerator, spec.tier.value), ready=att.next_slice is not None)
+        move, d = choice.move, choice.decision
+        if move is None:
             return
-        if att.waiting is not None and att.waiting.key == target:
-            return  # still wanted: it goes on waiting
-        if att.waiting is not None:
-            release(att.provider, att.waiting.name, f"the policy wants {target[0]} {target[1]} instead")
-            att.waiting = None
-        d = choice.decision
-        self.store.add_event(self.job_id, Autoscaled(choice.accelerator, choice.tier, d.expected_cost_usd, d.reason),
-                             f"move to {choice.accelerator} {choice.tier}, requested beside {att.slice.name}: "
-                             f"{d.reason}")
-        att.requests += 1
-        name = f"{self.job_id}-{att.generation + 1}m{att.requests}"
-        try:
-            att.waiting = request(att.provider, self.job_id, name, spec, *target,
-                                  created_at=self.store.job(self.job_id).created_at, limit_s=None)
-        except CapacityError as e:  # refused at once: a capacity fact, asked about again next interval
-            log.info("job %s: request for %s %s refused: %s", self.job_id, *target, e)
-        except ProvisioningError as e:
-            log.warning("job %s: could not request %s %s: %s", self.job_id, *target, e)
+        if move.switch and att.next_slice is not None:
+            self._switch(d.reason)
+            return
+        if move.release_waiting and att.waiting is not None:
+            release(att.provider, att.waiting.name, "the policy no longer wants it")
+            att.waiting, att.next_slice = None, None
+        if move.release_held:
+            self.store.add_event(self.job_id, Autoscaled(None, None, d.expected_cost_usd, d.reason),
+                                 f"release {att.slice.name} and wait for spot: {d.reason}")
+            att.resize_to, att.resize_tier = spec.accelerator, spec.tier.value
+            att.stop_requested(f"the policy releases the slice: {d.reason}")
+            return
+        if move.request is not None and att.waiting is None:
+            o = move.request
+            self.store.add_event(self.job_id, Autoscaled(o.name, o.tier, d.expected_cost_usd, d.reason),
+                                 f"request {o.name} {o.tier} beside {att.slice.name}: {d.reason}")
+            att.requests += 1
+            name = f"{self.job_id}-{att.generation + 1}m{att.requests}"
+            try:
+                att.waiting = request(att.provider, self.job_id, name, spec, o.name, o.tier,
+                                      created_at=self.store.job(self.job_id).created_at, limit_s=None)
+            except CapacityError as e:  # refused at once: a capacity fact, asked about again next interval
+                log.info("job %s: request for %s %s refused: %s", self.job_id, o.name, o.tier, e)
+            except ProvisioningError as e:
+                log.warning("job %s: could not request %s %s: %s", self.job_id, o.name, o.tier, e)
 
-    def _follow_waiting(self) -> None:
-        """One look at the request beside the running slice: READY switches, a refusal asks the policy again."""
+    def _follow_waiting(self) -> bool:
+        """One look at the request beside the running slice; True when it is READY (the policy is
+        asked at once whether to switch). A refusal asks the policy at once, that size missing."""
         att = self.att
+        if att.next_slice is not None:
+            return False  # READY already, the policy kept the running slice for now
         w = att.waiting
         kind, s, why = look(att.provider, w)
         if kind is Look.WAITING:
-            return
-        att.waiting = None
+            return False
         if kind is Look.REFUSED:
+            att.waiting = None
             log.info("job %s: slice %s (%s %s) refused: %s", self.job_id, w.name, w.accelerator, w.tier, why)
-            att.next_decision = 0.0  # the policy hears of it at once, with that size missing
-            return
+            att.next_decision = 0.0
+            return False
         att.next_slice, att.next_ready_at = s, time.time()
         att.next_provision_s = time.monotonic() - w.since
+        return True
+
+    def _switch(self, why: str) -> None:
+        """Stop the workers at a committed checkpoint; the next launch goes to the READY request."""
+        att = self.att
+        w, s = att.waiting, att.next_slice
+        att.waiting = None
         att.resize_to, att.resize_tier = w.accelerator, w.tier
         reason = f"slice {s.name} ({w.accelerator} {w.tier}) is ready beside {att.slice.name}"
-        self.store.add_event(self.job_id, ResizeAsked(att.slice.tpu_type.name, w.accelerator, w.tier, reason,
-                                                      att.last_step + 1),
-                             f"{reason}: checkpointing, then switching")
+        self.store.add_event(self.job_id, ResizeAsked(att.slice.tpu_type.name, w.accelerator, w.tier,
+                                                      f"{reason}: {why}", att.last_step + 1),
+                             f"{reason}: checkpointing, then switching ({why})")
         att.stop_requested(f"move to {w.accelerator} {w.tier}: {reason}")
