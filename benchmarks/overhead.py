@@ -1,11 +1,17 @@
-"""Orchestration overhead: tokens/s of the example job run by the orchestrator vs. a bare script.
+"""Orchestration overhead: tokens/s of a job run by the orchestrator vs. the same step in a bare loop.
 
-Both run the same train step on the same 4 CPU devices with the same checkpoints; the
-bare run is `python -m workers.reference` (no Ray, no controller). Runs alternate
-(bare, orchestrated, bare, orchestrated) and each side keeps its best, because this
+Two pairs, each on the same 4 CPU devices:
+
+- the built-in trainer (`examples/tiny-lm.yaml`): orchestrated vs. `python -m
+  workers.reference` (the same trainer, no Ray, no controller, same checkpoints);
+- a user's own program (`examples/user-train`, on token files made by `data prepare`):
+  submitted as its job file says, through the training API, vs. its own `train_step` in
+  a bare jitted loop with no API (`benchmarks/user_bare.py`, no checkpoints).
+
+Runs alternate (bare, orchestrated, ...) and each side keeps its best, because this
 machine is shared and noisy. Steady state: the first steps (compile, warm-up) are skipped.
 
-    python benchmarks/overhead.py [--steps 60]
+    python benchmarks/overhead.py [--steps 60] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -26,6 +32,28 @@ from orchestrator.control.launch import train_config  # noqa: E402
 from workers.train import TrainConfig  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-lm.yaml"
+USER_EXAMPLE = EXAMPLE.parent / "user-train"
+SKIP = 3
+
+
+def user_bare(spec: JobSpec, data: str) -> float:
+    w = spec.workload
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d) / "out.json"
+        subprocess.run([sys.executable, str(Path(__file__).parent / "user_bare.py"), "--data", data,
+                        "--steps", str(w.steps), "--skip", str(SKIP), "--devices", "4", "--seq-len", str(w.seq_len),
+                        "--batch", str(w.global_batch_size), "--args", json.dumps(w.args), "--out", str(out)],
+                       check=True, cwd=EXAMPLE.parents[1])
+        return json.loads(out.read_text())["tokens_per_s"]
+
+
+def user_spec(steps: int, data: str, name: str) -> JobSpec:
+    import yaml
+
+    d = yaml.safe_load((USER_EXAMPLE / "job.yaml").read_text())
+    d["workload"].update(steps=steps, data={"path": data})
+    d["checkpoint"] = {**d["checkpoint"], "interval_steps": max(1, steps // 3)}
+    return JobSpec.from_dict({**d, "name": name, "workdir": str(USER_EXAMPLE)})
 
 
 def bare(cfg: TrainConfig) -> float:
@@ -42,7 +70,7 @@ def orchestrated(client, spec: JobSpec, tokens_per_step: int) -> float:
     job = client.submit(spec)
     st = job.wait(timeout_s=900)
     assert st.state is JobState.SUCCEEDED, st.reason
-    return steady_tokens_per_s([m.step_time_s for m in job.metrics()], tokens_per_step)
+    return steady_tokens_per_s([m.step_time_s for m in job.metrics()], tokens_per_step, skip=SKIP)
 
 
 def main() -> None:
@@ -56,8 +84,12 @@ def main() -> None:
     spec = JobSpec.from_dict(data)
     cfg = train_config(spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
         update={"directory": "/unused"})}), 4, 1)
+    from orchestrator.user.data_prepare import prepare
+
+    tokens = tempfile.mkdtemp(prefix="overhead-tokens-") + "/data"
+    prepare(EXAMPLE.parents[1] / "orchestrator", tokens, vocab_size=1024, pattern="*.py")  # as the README says
     client = fresh_client()
-    bares, orchs = [], []
+    bares, orchs, user_bares, user_apis = [], [], [], []
     try:
         for r in range(args.rounds):
             bares.append(bare(cfg))
@@ -65,11 +97,19 @@ def main() -> None:
                                           "checkpoint": {**data["checkpoint"], "directory": None}})
             orchs.append(orchestrated(client, run_spec, cfg.tokens_per_step))
             print(f"round {r}: bare {bares[-1]:,.0f} tokens/s, orchestrated {orchs[-1]:,.0f} tokens/s", flush=True)
+            uspec = user_spec(args.steps, tokens, f"overhead-user-{r}")
+            user_bares.append(user_bare(uspec, tokens))
+            user_apis.append(orchestrated(client, uspec, uspec.workload.seq_len * uspec.workload.global_batch_size))
+            print(f"round {r}: user bare loop {user_bares[-1]:,.0f} tokens/s, user program under the API "
+                  f"{user_apis[-1]:,.0f} tokens/s", flush=True)
     finally:
         client.down()
     save("overhead", {"tokens_per_s_orchestrated": max(orchs), "tokens_per_s_bare": max(bares),
-                      "ratio": max(orchs) / max(bares), "rounds": {"bare": bares, "orchestrated": orchs},
-                      "steps": args.steps, "machine": machine()})
+                      "ratio": max(orchs) / max(bares),
+                      "tokens_per_s_user_api": max(user_apis), "tokens_per_s_user_bare": max(user_bares),
+                      "user_api_ratio": max(user_apis) / max(user_bares),
+                      "rounds": {"bare": bares, "orchestrated": orchs, "user_bare": user_bares, "user_api": user_apis},
+                      "steps": args.steps, "skip": SKIP, "machine": machine()})
 
 
 if __name__ == "__main__":
