@@ -1,17 +1,12 @@
-"""What a user entrypoint (`workload.entrypoint: module:function`) receives on each host."""
+"""The older name of what a user entrypoint receives: `WorkerContext` is now `workers.api.Context`.
 
-from __future__ import annotations
+Programs written for the 7-field context (rank, num_hosts, args, checkpoint_dir,
+stop_requested, may_write, report) keep working unchanged: those fields are all on
+`workers.api.Context`, which adds the mesh, `restore_or_init`, the step loop and the
+dataset. To migrate, import `from workers import api` and let `ctx.loop` save, stop and
+report instead of doing it by hand (see `examples/user-train/train.py`).
+"""
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from workers.api import Context as WorkerContext
 
-
-@dataclass(frozen=True)
-class WorkerContext:
-    rank: int  # this host's worker id (0 is the coordinator)
-    num_hosts: int
-    args: dict[str, Any] = field(default_factory=dict)
-    checkpoint_dir: str | None = None
-    stop_requested: Callable[[], bool] = lambda: False  # True once a preemption notice arrived
-    may_write: Callable[[], bool] = lambda: True  # False once a newer generation of the job was launched
-    report: Callable[..., None] = lambda step, loss, tokens_per_s=None: None  # progress for `status`
+__all__ = ["WorkerContext"]
