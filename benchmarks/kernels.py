@@ -1,7 +1,7 @@
 """Kernel benchmarks: each op's dispatched path against independent baselines, in one run.
 
-    python benchmarks/kernels.py            # about 10 minutes on a 2-core CPU
-    python benchmarks/kernels.py --quick    # smaller shapes, a few minutes
+    python benchmarks/kernels.py            # about 4 minutes on a 2-core CPU
+    python benchmarks/kernels.py --quick    # smaller shapes, under a minute
     python benchmarks/kernels.py --gpu      # on a GPU: bf16 attention at FlashAttention-3 shapes and a bf16 MoE
 
 Baselines, each timed in the same run as the path it is compared with:

@@ -9,8 +9,12 @@ Vocabulary, shared by every op in `kernels`:
   memory-efficient path (online softmax over key/value chunks), for the others the
   fused XLA expression of the op.
 - ``"cudnn"``: attention only, ``jax.nn.dot_product_attention(implementation="cudnn")``.
-- ``None``: automatic: ``"pallas"`` on TPU; on GPU ``"cudnn"`` for attention where cuDNN
-  supports the case and ``"xla"`` otherwise; ``"xla"`` on CPU.
+- ``None``: automatic: ``"pallas"`` on TPU (``"xla"`` for an op whose rows are too wide for
+  the chip's VMEM even at the smallest block, see `kernels.shapes`); on GPU ``"cudnn"`` for
+  attention where cuDNN supports the case and ``"xla"`` otherwise; ``"xla"`` on CPU.
+
+The grouped matmul's ``"xla"`` path is ``jax.lax.ragged_dot`` on a GPU (a grouped GEMM) and
+a loop over row tiles elsewhere.
 """
 
 from __future__ import annotations
