@@ -94,7 +94,7 @@ def value_of(action: Option | None, snap: Snapshot, view: PlanInputs, lookahead_
         cost, plan = expected_plan_cost(view, horizon_s - lookahead_s, remaining, None)
         return ActionValue(None, cost, plan, lookahead_s)
     r = snap.restart
-    overhead_s = snap.current_ready_in_s if action == snap.current else r.overhead_s
+    overhead_s = snap.overhead_s(action)
     billed_overhead_s = min(overhead_s, r.startup_s)  # startup is the billed tail of a restart
     run_s = max(lookahead_s - overhead_s, 0.0)
     hazard = next((s.hazard_per_hour for s in view.spot if s.option == action), 0.0)
@@ -139,8 +139,7 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
     spot_now = [o for o in snap.options if o.preemptible and o.chips <= snap.spot_chips_available]
 
     def od_finish_s(d: Option) -> float:  # from now, if the job moves to (or stays on) d
-        overhead = snap.current_ready_in_s if d == snap.current else snap.restart.overhead_s
-        return overhead + snap.restart.train_s(live_left, d.tokens_per_s)
+        return snap.overhead_s(d) + snap.restart.train_s(live_left, d.tokens_per_s)
 
     if on_demand:
         fastest = max(on_demand, key=lambda o: o.tokens_per_s)

@@ -34,6 +34,13 @@ class Snapshot:
     spent_usd: float = 0.0
     budget_usd: float | None = None
     decision_interval_s: float = 60.0  # time until the policy is asked again
+    ready: Option | None = None  # a requested slice that is READY beside the current one: only its startup is left
+
+    def overhead_s(self, option: Option) -> float:
+        """Time before `option` trains if the job moves to it (or stays on it) now."""
+        if option == self.current:
+            return self.current_ready_in_s
+        return self.restart.startup_s if option == self.ready else self.restart.overhead_s
 
 
 @dataclass(frozen=True)

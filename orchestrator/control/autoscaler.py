@@ -124,7 +124,8 @@ def _restart(events: list[Event], spec: JobSpec, step_s: float | None, clock: Cl
 
 
 def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
-              spot_chips_available: int | None = None) -> tuple[Snapshot, JobSpec, float | None, Clock]:
+              spot_chips_available: int | None = None,
+              ready: tuple[str, str] | None = None) -> tuple[Snapshot, JobSpec, float | None, Clock]:
     """The snapshot, with the job's spec, its median step time (None before a few steps) and its clock."""
     job = store.job(job_id)
     spec = JobSpec.model_validate({k: v for k, v in job.spec.items() if not k.startswith("_")})
@@ -163,14 +164,17 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
                         clock.policy_s(goodput(store, job_id, now=now).usd_total), spec.budget_usd)
     snap = build_snapshot(now_s=now_s, progress=progress, options=options, restart=_restart(events, spec, step_s, clock),
                           records=own, pooled_records=pooled(others, zone=zone, now_s=now_s),
-                          current=_option(options, current), largest_spot_chips=spot_chips_available)
+                          current=_option(options, current), ready=_option(options, ready),
+                          largest_spot_chips=spot_chips_available)
     return snap, spec, step_s, clock
 
 
 def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
-             spot_chips_available: int | None = None) -> Snapshot:
-    """The policy's snapshot of the job now (times in policy seconds from the job's creation)."""
-    return _snapshot(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available)[0]
+             spot_chips_available: int | None = None, ready: tuple[str, str] | None = None) -> Snapshot:
+    """The policy's snapshot of the job now (times in policy seconds from the job's creation);
+    `ready`: a request READY beside the running slice."""
+    return _snapshot(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available,
+                     ready=ready)[0]
 
 
 def decide(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None = None,
@@ -179,14 +183,16 @@ def decide(store: Store, job_id: str, *, now: float, current: tuple[str, str] | 
     """The policy's choice for the job now, and the move that gets there.
 
     `current`: (accelerator, tier) of the slice the workers run on, if any; `waiting`: of the
-    request beside it, if any (`waiting_ready`: it is READY; ask again when it turns READY). `spot_chips_available`:
-    the largest spot slice the provider allows (the records take off what was refused).
+    request beside it, if any (`waiting_ready`: it is READY; ask again when it turns READY).
+    `spot_chips_available`: the largest spot slice the provider allows (the records take off
+    what was refused).
     The checkpoint interval comes back in steps (at the job's measured step time), never
     longer than the spec's: the spec sets the longest interval, and spot slices that are
     preempted often save more often. It applies to a slice being launched.
     """
     snap, spec, step_s, clock = _snapshot(store, job_id, now=now, current=current,
-                                          spot_chips_available=spot_chips_available)
+                                          spot_chips_available=spot_chips_available,
+                                          ready=waiting if waiting_ready else None)
     decision = CostPolicy().decide(snap)
     o: Option | None = decision.option
     move = next_move(o, held=snap.current, waiting=_option(snap.options, waiting), waiting_ready=waiting_ready,

@@ -144,7 +144,9 @@ def test_one_recorded_history_gives_the_same_decisions_through_both_paths(tmp_pa
         if snap.current_ready_in_s > 0:  # the controller asks only once the workers run
             continue
         current = (snap.current.name, snap.current.tier) if snap.current else None
-        auto = autoscaler.snapshot(store, "j", now=T0 + now, current=current)
+        waiting, ready = _waiting(run.records[:seen], snap.current)
+        auto = autoscaler.snapshot(store, "j", now=T0 + now, current=current,
+                                   ready=(waiting.name, waiting.tier) if ready else None)
         progress = {"tokens_done": snap.tokens_done, "tokens_committed": snap.tokens_committed,
                     "spent_usd": snap.spent_usd}
         assert dataclasses.replace(auto, **progress) == snap, f"at {now} s"
