@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 PEAKS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12}
 
 PRESETS = {  # the built-in model's shape, seq_len, global batch
-    "100m": (dict(d_model=768, n_layers=12, n_heads=12, n_kv_heads=12, d_ff=3072, vocab_size=256), 1024, 32),
+    "100m": (dict(d_model=768, n_layers=14, n_heads=12, n_kv_heads=12, d_ff=3072, vocab_size=256), 2048, 16),
     "tiny": (dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256), 64, 8),
 }
 
