@@ -85,3 +85,50 @@ def test_a_gcp_job_waits_queued_while_no_zone_has_capacity(client, tmp_path):
     finally:
         emu.stop()
         backing.close()
+
+
+def test_a_metadata_notice_on_gcp_saves_the_agreed_step(client, tmp_path):
+    """The metadata server's preemption event is a notice: every host stops after the same step
+    with that step's checkpoint committed, so the restart loses nothing."""
+    from orchestrator.emulator.metadata import FakeMetadataServer
+
+    backing = RayBackedNodes(client.home, read_cluster(client.home).address)
+    emu = serve(time_scale=0.02, hooks=backing.hooks())
+    metadata = FakeMetadataServer()
+    try:
+        spec = tiny_spec("gcp-notice", "v4-16", tmp_path, steps=40, interval=100, provider="gcp",
+                         gcp={"project": "test-project", "zones": ["us-central2-b"], "endpoint": emu.url},
+                         recovery={"start_timeout_s": 120, "metadata_url": metadata.url})
+        job = client.submit(spec)
+        deadline = time.monotonic() + 300
+        while not (job.status().state is JobState.RUNNING and job.status().step >= 5):
+            assert time.monotonic() < deadline and not job.status().done, job.status().reason
+            time.sleep(0.1)
+        metadata.set("instance/preempted", "TRUE")
+        while not [e for e in job.events() if e.kind == "notice"]:
+            assert time.monotonic() < deadline and not job.status().done, job.status().reason
+            time.sleep(0.1)
+        metadata.set("instance/preempted", "FALSE")  # the next slice's hosts are not preempted
+        st = job.wait(timeout_s=420)
+        assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-2000:])
+        disruption = [e for e in job.events() if e.kind == "disruption"]
+        assert len(disruption) == 1 and disruption[0].data["kind"] == "preempted", disruption
+        # The interval (100) is past the job's end: only the notice's save can have kept the steps.
+        lost = [e.data["steps"] for e in job.events() if e.kind == "lost_work"]
+        assert lost == [0], lost
+    finally:
+        metadata.close()
+        emu.stop()
+        backing.close()
+
+
+def test_hosts_on_gcp_watch_the_metadata_server_by_default():
+    from orchestrator import JobSpec
+    from orchestrator.control.launch import metadata_url
+    from workers.notices import GCE_METADATA_URL
+
+    gcp = JobSpec.from_dict({"name": "x", "provider": "gcp", "gcp": {"project": "p", "zones": ["z"]}})
+    assert metadata_url(gcp) == GCE_METADATA_URL
+    assert metadata_url(JobSpec.from_dict({"name": "x"})) is None
+    own = JobSpec.from_dict({"name": "x", "recovery": {"metadata_url": "http://127.0.0.1:1/v1"}})
+    assert metadata_url(own) == "http://127.0.0.1:1/v1"

@@ -106,3 +106,26 @@ def test_two_slice_adoption_keeps_the_running_one(tmp_path):
     # No launch of this generation on any live slice: nothing is adopted, both are released.
     running, beside = running_slice(store, job, [recs[0]])
     assert running is None and [r["name"] for r in beside] == ["j-3m1"]
+
+
+def test_queue_timeout_counts_across_refusals(tmp_path):
+    """A spot job without autoscaling waits for capacity up to its queue_timeout, counted from its
+    first refusal, not reset by each new request; it says why it waits in its status."""
+    import threading
+
+    from orchestrator.control.queue import AdmissionQueue
+    from orchestrator.state.states import JobState
+    from orchestrator.user.spec import JobSpec
+    from policies.recovery import OutcomeKind
+
+    p, store = provider_with_store(tmp_path)
+    spec = JobSpec.from_dict({"name": "j", "queue_timeout": "PT5M"})
+    store.create_job("k", "k", spec.model_dump(mode="json"))
+    q = AdmissionQueue(store, p)
+    now = time.monotonic()
+    assert q.wait_turn("k", spec, threading.Event(), refused="no spot", refusals=1, since=now - 10,
+                       limit_s=60) is None  # admitted: 10 s of a 60 s limit
+    job = store.job("k")
+    assert job.state is JobState.QUEUED and "no capacity: no spot" in job.reason
+    ended = q.wait_turn("k", spec, threading.Event(), refused="no spot", refusals=2, since=now - 61, limit_s=60)
+    assert ended is not None and ended.kind is OutcomeKind.PROVISION_FAILED and "queue_timeout" in ended.reason
