@@ -3,8 +3,10 @@
 What a user would write without the tool: the program's `init`, `make_train_step` and
 optimizer from `examples/user-train/train.py`, the same batches (token rows of step s
 for seed 0) put on a mesh of this process's devices, one jitted step after another,
-timed after `--skip` warm-up steps. `benchmarks/overhead.py` runs it beside the same
-program submitted to the orchestrator.
+timed after `--skip` warm-up steps, the loss read after each (as a loop that logs it
+does; queuing every step unread also stalls XLA's CPU collectives when 4 devices share
+2 busy cores). `benchmarks/overhead.py` runs it beside the same program submitted to the
+orchestrator.
 
     python benchmarks/user_bare.py --data DIR --steps 60 --devices 4 --out bare.json
 """
@@ -64,11 +66,12 @@ def main() -> None:
             t0 = time.perf_counter()
         batch = jax.device_put(dataset.rows(0, step, a.batch, a.seq_len, slice(None)), rows)
         state, metrics = step_fn(state, batch)
+        loss = float(metrics["loss"])
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
     tokens = a.batch * a.seq_len * (a.steps - a.skip)
     Path(a.out).write_text(json.dumps({"tokens_per_s": tokens / seconds, "seconds": seconds,
-                                       "final_loss": float(metrics["loss"])}))
+                                       "final_loss": loss}))
 
 
 if __name__ == "__main__":
