@@ -231,6 +231,8 @@ class LocalProvider:
         cluster.stop_groups(self.home, pgids, grace_s=5.0)  # every host at once, not one grace period after another
         if s is not None and s.state is not SliceState.RELEASED:
             with self._lock:
+                if self._slices[name].state is SliceState.PREEMPTING:  # reclaimed: given back early, under notice
+                    self._set(self._slices[name], SliceState.GONE)
                 self._set(self._slices[name], SliceState.RELEASED)
             log.info("released slice %s (%d hosts)", name, len(pgids))
 

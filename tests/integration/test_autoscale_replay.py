@@ -35,7 +35,7 @@ def first(history, state):
 
 
 def test_autoscaled_job_moves_make_before_break_over_two_spot_outages(client, tmp_path):
-    trace = write_trace(tmp_path / "two-outages.json", outage_trace(up=12, down=15))
+    trace = write_trace(tmp_path / "two-outages.json", outage_trace(up=12, down=6))
     spec = JobSpec.from_dict(job_spec("replay", trace, tmp_path / "ckpt", scale=SCALE, steps=STEPS,
                                       deadline_s=DEADLINE_S))
     job = client.submit(spec)

@@ -346,7 +346,10 @@ class GcpTpuProvider:
             cur = self._tracked[name]
             if not cur.released:  # asked for anew meanwhile
                 return
-            cur = self._tracked[name] = move(cur, SliceState.RELEASED)
+            gone = move(cur, SliceState.GONE) if cur.state is SliceState.PREEMPTING else None
+            cur = self._tracked[name] = move(gone or cur, SliceState.RELEASED)
+        if gone is not None:  # reclaimed: deleted early, under its notice
+            self._changed(SliceState.PREEMPTING, gone)
         self._changed(t.state, cur)
 
     def _teardown_quietly(self, name: str, why: str) -> None:
