@@ -22,6 +22,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def load_example(path: Path):
+    """The user's module, loaded from its file (it is not a package of this project)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("user_train", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", required=True)
@@ -44,8 +55,7 @@ def main() -> None:
 
     from workers.tokens import open_dataset
 
-    sys.path.insert(0, str(ROOT / "examples" / "user-train"))
-    import train as user
+    user = load_example(ROOT / "examples" / "user-train" / "train.py")
 
     dataset = open_dataset(a.data)
     cfg = user.Config(**{**json.loads(a.args), "vocab_size": dataset.vocab_size})
