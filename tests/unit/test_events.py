@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.errors import IllegalTransitionError
 from orchestrator.state import events as ev
-from orchestrator.state.events import PAYLOADS, EventKind
+from orchestrator.state.events import EventKind
 from orchestrator.state.store import Store
 from tests.conftest import REPO
 
