@@ -82,6 +82,11 @@ class Context:
     checkpoint_interval: int = 20  # on spot, the cost policy's interval
     checkpoint_keep: int = 3
     peak_flops_per_chip: float | None = None  # the slice type's bf16 peak, for MFU
+    # The job file's numerics, for the program to honour: `compute_dtype` resolves "auto".
+    precision: str = "float32"
+    remat: str = "none"
+    microbatches: int = 1  # gradient accumulation: parts of the global batch a step
+    kernel_blocks: dict | None = None  # `kernels.KernelBlocks.from_mapping` takes it
     # Hooks to the host (defaults: a plain process with no controller).
     stop_requested: Callable[[], bool] = lambda: False  # True once this host got a notice
     may_write: Callable[[], bool] = lambda: True  # False once a newer generation was launched
@@ -96,6 +101,13 @@ class Context:
         self.unreadable: tuple[int, ...] = ()
         self.restore_s = 0.0
         self.last_loop: Loop | None = None
+
+    @property
+    def compute_dtype(self) -> str:
+        """`precision` on this backend: "auto" is bfloat16 on TPU and GPU, float32 on CPU."""
+        if self.precision != "auto":
+            return self.precision
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
     # -- the old context's report, kept for programs that call it --------------
 

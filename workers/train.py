@@ -119,10 +119,8 @@ class Trainer:
 
     def numerics(self) -> Numerics:
         c = self.cfg
-        dtype = c.precision
-        if dtype == "auto":
-            dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
-        return Numerics(compute_dtype=dtype, remat=c.remat, blocks=KernelBlocks.from_mapping(c.kernel_blocks))
+        return Numerics(compute_dtype=self.ctx.compute_dtype, remat=c.remat,
+                        blocks=KernelBlocks.from_mapping(c.kernel_blocks))
 
     def gradients(self, params: dict, batch: jax.Array) -> tuple[jax.Array, dict]:
         """Mean loss and its gradient over `batch`, in `cfg.microbatches` parts summed in float32.
@@ -195,7 +193,8 @@ def context_for(cfg: TrainConfig, **hooks) -> api.Context:
     return api.Context(steps=cfg.steps, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
                        seed=cfg.seed, mesh_shape=tuple(cfg.mesh_shape), data=cfg.data,
                        checkpoint_dir=cfg.checkpoint_dir, checkpoint_interval=cfg.checkpoint_interval,
-                       checkpoint_keep=cfg.checkpoint_keep, **hooks)
+                       checkpoint_keep=cfg.checkpoint_keep, precision=cfg.precision, remat=cfg.remat,
+                       microbatches=cfg.microbatches, kernel_blocks=cfg.kernel_blocks, **hooks)
 
 
 param_checksums = api.param_checksums

@@ -35,6 +35,7 @@ class Config:
     max_len: int = 1024
     learning_rate: float = 3e-3
     warmup_steps: int = 10
+    dtype: str = "float32"  # the compute dtype: the job file's workload.precision (ctx.compute_dtype)
 
 
 def init_params(key: jax.Array, cfg: Config) -> dict:
@@ -74,7 +75,8 @@ def forward(params: dict, tokens: jax.Array, cfg: Config) -> jax.Array:
 
 
 def loss_fn(params: dict, batch: jax.Array, cfg: Config) -> jax.Array:
-    logits = forward(params, batch[:, :-1], cfg)
+    params = jax.tree.map(lambda p: p.astype(cfg.dtype), params)  # float32 master weights, compute in cfg.dtype
+    logits = forward(params, batch[:, :-1], cfg).astype(jnp.float32)
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
@@ -102,7 +104,7 @@ def flops_per_step(params: dict, cfg: Config, ctx: api.Context) -> float:
 
 def main(ctx: api.Context) -> None:
     """What every host runs: the user's model and step, inside the orchestrator's loop."""
-    cfg = Config(**{**ctx.args, "vocab_size": ctx.dataset.vocab_size})
+    cfg = Config(**{**ctx.args, "vocab_size": ctx.dataset.vocab_size, "dtype": ctx.compute_dtype})
     optimizer = make_optimizer(cfg, ctx.steps)
 
     def init(key):

@@ -61,7 +61,10 @@ def training_settings(spec: JobSpec, devices: int, hosts: int) -> dict:
                      global_batch_size=w.global_batch_size or devices)
     return {"steps": w.steps, "seq_len": w.seq_len, "global_batch_size": w.global_batch_size, "seed": w.seed,
             "mesh_shape": list(plan.shape), "data": w.data.path if w.data else None,
-            "checkpoint_interval": spec.checkpoint.interval_steps, "checkpoint_keep": spec.checkpoint.keep}
+            "checkpoint_interval": spec.checkpoint.interval_steps, "checkpoint_keep": spec.checkpoint.keep,
+            "precision": w.precision.compute, "remat": w.remat,
+            "microbatches": microbatches_for(spec, _slice_type(spec, devices).name),
+            "kernel_blocks": w.kernel_blocks.model_dump(exclude_none=True) if w.kernel_blocks else None}
 
 
 def train_config(spec: JobSpec, devices: int, hosts: int) -> TrainConfig:

@@ -233,7 +233,9 @@ class EntrypointWorkload(_Frozen):
     seed: Seed = 0
     mesh: MeshWishes = MeshWishes()
     data: DataConfig | None = None  # None: the bytes of Python's standard library, if the program asks for data
-    # The same training settings as the built-in trainer's, for the program to honour (`ctx`).
+    # The same training settings as the built-in trainer's, for the program to honour: they reach it
+    # as ctx.precision (ctx.compute_dtype resolves auto), ctx.remat, ctx.microbatches (auto: 1, its
+    # model is its own) and ctx.kernel_blocks.
     precision: Precision = Precision()
     remat: Remat = "none"
     gradient_accumulation: GradientAccumulation = "auto"
