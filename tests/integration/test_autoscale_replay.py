@@ -15,10 +15,12 @@ from orchestrator import JobSpec, JobState
 from benchmarks.autoscale_replay import job_spec, measure, outage_trace, sim_slices, simulate_window, write_trace
 from tests.conftest import assert_losses_close, run_reference, train_config
 
-SCALE = 20.0  # trace seconds a wall second: a 60 s tick lasts 3 s
-STEPS = 12000
-DEADLINE_S = 3000.0  # trace seconds, about 1.75x the job's time on one undisturbed slice
-COST_TOLERANCE = 0.35  # controller cost within 35% of the simulator's (restarts vary with the machine's load)
+SCALE = 40.0  # trace seconds a wall second: a 60 s tick lasts 1.5 s (the test takes about 3.5 min)
+STEPS = 20000
+DEADLINE_S = 7500.0  # trace seconds, about 1.75x the job's time on one undisturbed slice
+# The controller's cost within 35% of the simulator's: measured 1.29x here (the controller
+# acts a decision poll later, and restarts vary with the machine's load); see the replay benchmark.
+COST_TOLERANCE = 0.35
 
 
 def slice_history(job) -> dict[str, list[tuple[float, str, str]]]:
@@ -73,5 +75,6 @@ def test_autoscaled_job_moves_make_before_break_over_two_spot_outages(client, tm
     # The simulator, replaying the same window with the restart costs and speed the job measured.
     run = simulate_window(trace, m, start_s=0.0, deadline_s=DEADLINE_S)
     assert run.deadline_met
-    print("controller", tiers, m.cost_usd, "simulator", sim_slices(run), run.cost_usd)
+    sim_tiers = [label.split()[-1] for label in sim_slices(run)]
+    assert sim_tiers[:3] == tiers[:3] == ["spot", "on-demand", "spot"], (sim_tiers, tiers)
     assert abs(m.cost_usd / run.cost_usd - 1) <= COST_TOLERANCE, (m.cost_usd, run.cost_usd)
