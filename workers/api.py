@@ -301,10 +301,10 @@ class Loop:
         self.state = state
         self.step += 1
         ctx = self.ctx
+        self._flush()  # the previous step, before a save can wait for this one
         stop = bool(ctx.agreed_stop()) if ctx.agreed_stop else bool(ctx.stop_requested())  # all hosts ask
         if self.step % ctx.checkpoint_interval == 0 or self.step == self.total or stop:
             self._save()
-        self._flush()
         self._pending = _Pending(self.step - 1, loss, metrics)
         if stop:
             self.stopped = True

@@ -200,7 +200,11 @@ class HostWorker:
 
     def _hooks(self, workload: dict) -> dict:
         """This worker's side of the training API's context (`workers.api.Context`)."""
-        return dict(rank=self.rank, num_hosts=self.num_hosts, peak_flops_per_chip=workload.get("peak_flops_per_chip"),
+        import jax
+
+        # MFU against the slice type's peak means something only on its chips (CPU devices stand in locally).
+        peak = workload.get("peak_flops_per_chip") if jax.default_backend() == "tpu" else None
+        return dict(rank=self.rank, num_hosts=self.num_hosts, peak_flops_per_chip=peak,
                     stop_requested=self._notice.is_set, may_write=self._may_write,
                     agreed_stop=self._any_host_noticed, send=self._send)
 

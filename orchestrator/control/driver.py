@@ -359,7 +359,8 @@ class JobDriver(AutoscalingMixin):
         if unreadable:
             what += f" (fell back: checkpoint {', '.join(map(str, unreadable))} unreadable)"
         self.store.add_event(self.job_id, Restored(t.restore_s, t.compile_s, restored, unreadable),
-                             f"{what}; compile took {t.compile_s:.1f} s")
+                             f"{what}; " + (f"compile took {t.compile_s:.1f} s" if t.compile_s else
+                                            "the program compiles in its first step"))
         if att.disrupted_step is not None:
             lost = max(0, att.disrupted_step - (restored or 0))
             times = [m.step_time_s for m in self.store.steps(self.job_id) if m.step_time_s]

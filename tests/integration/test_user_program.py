@@ -39,8 +39,9 @@ def test_the_user_example_trains_reports_and_exports(client, tmp_path):
     losses = [m.loss for m in job.metrics()]
     assert len(losses) == 16 and np.mean(losses[-4:]) < np.mean(losses[:4]) - 0.3, losses
 
-    # The program's own metric, and MFU from the FLOPs the program states (against v4's 275 TFLOP/s).
-    assert st.metrics["grad_norm"] > 0 and 0 < st.metrics["mfu"] < 0.01 and st.metrics["tflops_per_chip"] > 0
+    # The program's own metric, and TFLOP/s per chip from the FLOPs the program states (no MFU: CPU devices
+    # stand in for the chips, whose peak it would be measured against).
+    assert st.metrics["grad_norm"] > 0 and st.metrics["tflops_per_chip"] > 0 and "mfu" not in st.metrics
     registry = CollectorRegistry()
     registry.register(JobCollector(client.store))
     prom = generate_latest(registry).decode()
