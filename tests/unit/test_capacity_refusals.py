@@ -129,3 +129,20 @@ def test_queue_timeout_counts_across_refusals(tmp_path):
     assert job.state is JobState.QUEUED and "no capacity: no spot" in job.reason
     ended = q.wait_turn("k", spec, threading.Event(), refused="no spot", refusals=2, since=now - 61, limit_s=60)
     assert ended is not None and ended.kind is OutcomeKind.PROVISION_FAILED and "queue_timeout" in ended.reason
+
+
+def test_a_job_file_names_its_capacity_trace(tmp_path):
+    """`capacity_trace.path` is taken from the job file's folder; a bad one is an error naming the field."""
+    from orchestrator.errors import SpecError
+    from orchestrator.user.spec import JobSpec
+
+    trace_file(tmp_path, [1, 0])
+    (tmp_path / "job.yaml").write_text("name: demo\ncapacity_trace: {path: trace.json, time_scale: 60}\n")
+    spec = JobSpec.from_yaml(tmp_path / "job.yaml")
+    assert spec.capacity_trace.path == str(tmp_path / "trace.json") and spec.capacity_trace.time_scale == 60
+    (tmp_path / "bad.yaml").write_text("name: demo\ncapacity_trace: {path: missing.json}\n")
+    with pytest.raises(SpecError, match="capacity_trace.path"):
+        JobSpec.from_yaml(tmp_path / "bad.yaml")
+    with pytest.raises(SpecError, match="capacity_trace"):
+        JobSpec.from_dict({"name": "x", "provider": "gcp", "gcp": {"project": "p", "zones": ["z"]},
+                           "capacity_trace": {"path": str(tmp_path / "trace.json")}})
