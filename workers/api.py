@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -323,6 +324,9 @@ class Loop:
         if p is None:
             return
         loss = _scalar(p.loss)  # waits for the step
+        if not math.isfinite(loss):  # deterministic from here on: restarting would only spend money
+            raise FloatingPointError(f"step {p.step}: the loss is {loss}; training cannot go on from a non-finite "
+                                     "loss (a learning rate too high, or tokens beyond the vocabulary?)")
         metrics = {k: _scalar(v) for k, v in p.metrics.items()}
         now = time.perf_counter()
         step_time, self._ready_at = now - self._ready_at, now

@@ -435,6 +435,9 @@ class JobSpec(_Frozen):
                              f"global_batch_size * (seq_len + 1) must be below 2**31 = {MAX_TOKENS_PER_STEP:,} "
                              f"tokens a step (int32 indexing), got {w.global_batch_size} * {w.seq_len + 1} = "
                              f"{tokens:,}"))
+        if w.data is None and m.vocab_size < 256:
+            problems.append(("workload.model.vocab_size",
+                             f"must be at least 256 to train on the default data (bytes), got {m.vocab_size}"))
         if m.moe_experts and m.moe_top_k > m.moe_experts:
             problems.append(("workload.model.moe_top_k", f"must be at most moe_experts={m.moe_experts}"))
         if m.d_model % m.n_heads:

@@ -109,3 +109,9 @@ def test_mfu_is_the_stated_flops_over_the_peak(fp32_run):
         per_chip = flops / r.step_time_s / chips
         assert r.metrics["tflops_per_chip"] == pytest.approx(per_chip / 1e12, rel=1e-9)
         assert r.metrics["mfu"] == pytest.approx(per_chip / 1e12, rel=1e-9)  # the context's peak: 1 TFLOP/s
+
+
+def test_a_non_finite_loss_stops_training_with_the_step():
+    cfg = config(lr_peak=1e6, lr_end=1e6, warmup_steps=0, steps=40)  # diverges within a few steps
+    with pytest.raises(FloatingPointError, match=r"step \d+: the loss is (nan|inf)"):
+        train(cfg)

@@ -482,3 +482,9 @@ def test_microbatches_resolved_per_slice():
     assert counts["v4-16"] > counts["v4-32"] > counts["v4-64"] >= 1  # more chips: fewer rows each
     assert microbatches_for(JobSpec.from_dict({"name": "a"}), "v4-8") == 1
     assert microbatches_for(JobSpec.from_dict({"name": "a", **lm(gradient_accumulation=2)}), "v4-8") == 2
+
+
+def test_a_vocabulary_below_the_default_bytes_is_refused():
+    with pytest.raises(SpecError) as e:
+        JobSpec.from_dict({"name": "v", "workload": {"type": "lm", "model": {"vocab_size": 100}}})
+    assert "workload.model.vocab_size" in str(e.value) and "at least 256" in str(e.value)
