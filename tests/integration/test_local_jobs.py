@@ -128,7 +128,8 @@ def test_two_jobs_at_once_keep_to_their_own_slices(client, tmp_path):
 
 
 def test_slice_too_big_for_the_provider_fails_clearly(client, tmp_path):
-    spec = tiny_spec("huge", "v4-128", tmp_path, workload={"type": "lm", "global_batch_size": 64, "steps": 2})
+    spec = tiny_spec("huge", "v4-128", tmp_path, workload={"type": "lm", "global_batch_size": 64, "steps": 2,
+                                                               "learning_rate": {"warmup_steps": 1}})
     job = client.submit(spec)
     st = job.wait(timeout_s=60)
     assert st.state is JobState.FAILED

@@ -49,7 +49,8 @@ def test_ray_itself_carries_the_spec_error(client):
 def pending_job(client, job_id: str, tmp_path, **workload) -> str:
     """A job the store holds as PENDING but no controller runs: resizable by no one."""
     spec = JobSpec.from_dict({"name": "waiting", "accelerator": "v4-8",
-                              "workload": {"type": "lm", "steps": 5, "seq_len": 32, **workload},
+                              "workload": {"type": "lm", "steps": 5, "seq_len": 32,
+                                           "learning_rate": {"warmup_steps": 2}, **workload},
                               "checkpoint": {"directory": str(tmp_path / job_id)}})
     client.store.create_job(job_id, spec.name, spec.model_dump(mode="json"))
     return job_id
