@@ -6,7 +6,8 @@ Two pairs, each on the same 4 CPU devices:
   workers.reference` (the same trainer, no Ray, no controller, same checkpoints);
 - a user's own program (`examples/user-train`, on token files made by `data prepare`):
   submitted as its job file says, through the training API, vs. its own `train_step` in
-  a bare jitted loop with no API (`benchmarks/user_bare.py`, no checkpoints).
+  a bare jitted loop with no API (`benchmarks/user_bare.py`) saving the same checkpoints with
+  orbax (the ratio's baseline, as the built-in pair's), and once without saves.
 
 Runs alternate (bare, orchestrated, ...) and each side keeps its best, because this
 machine is shared and noisy. Steady state: the first steps (compile, warm-up) are skipped.
@@ -36,13 +37,15 @@ USER_EXAMPLE = EXAMPLE.parent / "user-train"
 SKIP = 3
 
 
-def user_bare(spec: JobSpec, data: str) -> float:
+def user_bare(spec: JobSpec, data: str, *, saves: bool) -> float:
+    """The user's step in a bare loop; `saves`: with the job's checkpoints, as the orchestrated run has."""
     w = spec.workload
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "out.json"
+        ckpt = ["--checkpoint-dir", f"{d}/ckpt", "--interval", str(spec.checkpoint.interval_steps)] if saves else []
         subprocess.run([sys.executable, str(Path(__file__).parent / "user_bare.py"), "--data", data,
                         "--steps", str(w.steps), "--skip", str(SKIP), "--devices", "4", "--seq-len", str(w.seq_len),
-                        "--batch", str(w.global_batch_size), "--args", json.dumps(w.args), "--out", str(out)],
+                        "--batch", str(w.global_batch_size), "--args", json.dumps(w.args), "--out", str(out), *ckpt],
                        check=True, cwd=EXAMPLE.parents[1])
         return json.loads(out.read_text())["tokens_per_s"]
 
@@ -89,7 +92,7 @@ def main() -> None:
     tokens = tempfile.mkdtemp(prefix="overhead-tokens-") + "/data"
     prepare(EXAMPLE.parents[1] / "orchestrator", tokens, vocab_size=1024, pattern="*.py")  # as the README says
     client = fresh_client()
-    bares, orchs, user_bares, user_apis = [], [], [], []
+    bares, orchs, user_bares, user_nosave, user_apis = [], [], [], [], []
     try:
         for r in range(args.rounds):
             bares.append(bare(cfg))
@@ -98,9 +101,11 @@ def main() -> None:
             orchs.append(orchestrated(client, run_spec, cfg.tokens_per_step))
             print(f"round {r}: bare {bares[-1]:,.0f} tokens/s, orchestrated {orchs[-1]:,.0f} tokens/s", flush=True)
             uspec = user_spec(args.steps, tokens, f"overhead-user-{r}")
-            user_bares.append(user_bare(uspec, tokens))
+            user_bares.append(user_bare(uspec, tokens, saves=True))
+            user_nosave.append(user_bare(uspec, tokens, saves=False))
             user_apis.append(orchestrated(client, uspec, uspec.workload.seq_len * uspec.workload.global_batch_size))
-            print(f"round {r}: user bare loop {user_bares[-1]:,.0f} tokens/s, user program under the API "
+            print(f"round {r}: user bare loop {user_bares[-1]:,.0f} tokens/s ({user_nosave[-1]:,.0f} without saves), "
+                  f"user program under the API "
                   f"{user_apis[-1]:,.0f} tokens/s", flush=True)
     finally:
         client.down()
@@ -108,7 +113,10 @@ def main() -> None:
                       "ratio": max(orchs) / max(bares),
                       "tokens_per_s_user_api": max(user_apis), "tokens_per_s_user_bare": max(user_bares),
                       "user_api_ratio": max(user_apis) / max(user_bares),
-                      "rounds": {"bare": bares, "orchestrated": orchs, "user_bare": user_bares, "user_api": user_apis},
+                      "tokens_per_s_user_bare_no_saves": max(user_nosave),
+                      "user_api_ratio_vs_no_saves": max(user_apis) / max(user_nosave),
+                      "rounds": {"bare": bares, "orchestrated": orchs, "user_bare": user_bares,
+                                 "user_bare_no_saves": user_nosave, "user_api": user_apis},
                       "steps": args.steps, "skip": SKIP, "machine": machine()})
 
 

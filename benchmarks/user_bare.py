@@ -3,7 +3,8 @@
 What a user would write without the tool: the program's `init`, `make_train_step` and
 optimizer from `examples/user-train/train.py`, the same batches (token rows of step s
 for seed 0) put on a mesh of this process's devices, one jitted step after another,
-timed after `--skip` warm-up steps, the loss read after each (as a loop that logs it
+timed after `--skip` warm-up steps (with `--checkpoint-dir`, saved as the job's checkpoint
+settings say, with orbax, asynchronously, as a user's script would), the loss read after each (as a loop that logs it
 does; queuing every step unread also stalls XLA's CPU collectives when 4 devices share
 2 busy cores). `benchmarks/overhead.py` runs it beside the same program submitted to the
 orchestrator.
@@ -42,6 +43,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--args", default="{}", help="the job's workload.args as JSON")
+    p.add_argument("--checkpoint-dir", default=None, help="save as a user's script would: orbax, async, every --interval")
+    p.add_argument("--interval", type=int, default=20)
     p.add_argument("--out", required=True)
     a = p.parse_args()
 
@@ -69,6 +72,12 @@ def main() -> None:
 
     state = jax.jit(init, out_shardings=NamedSharding(mesh, P()))(jax.random.key(0))
     step_fn = jax.jit(user.make_train_step(cfg, optimizer), donate_argnums=0)
+    manager = None
+    if a.checkpoint_dir:
+        import orbax.checkpoint as ocp
+
+        manager = ocp.CheckpointManager(a.checkpoint_dir, options=ocp.CheckpointManagerOptions(
+            max_to_keep=3, enable_async_checkpointing=True, create=True))
     t0 = None
     for step in range(a.steps):
         if step == a.skip:
@@ -77,6 +86,10 @@ def main() -> None:
         batch = jax.device_put(dataset.rows(0, step, a.batch, a.seq_len, slice(None)), rows)
         state, metrics = step_fn(state, batch)
         loss = float(metrics["loss"])
+        if manager and ((step + 1) % a.interval == 0 or step + 1 == a.steps):
+            manager.save(step + 1, args=ocp.args.StandardSave(state))
+    if manager:
+        manager.wait_until_finished()
     jax.block_until_ready(state)
     seconds = time.perf_counter() - t0
     tokens = a.batch * a.seq_len * (a.steps - a.skip)
