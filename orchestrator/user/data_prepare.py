@@ -7,7 +7,7 @@ one document; the EOS token goes between documents, so a training row that spans
 files sees where one ends. Files are read as UTF-8 in chunks of whole lines (about 1 MiB),
 so a large file never has to fit in memory; the chunks of a file are encoded together.
 
-The output folder is written atomically (`workers.tokens.TokenWriter`): a failure part
+The output folder is written atomically (`workers.token_writer.TokenWriter`): a failure part
 way leaves nothing at the output, and an existing non-empty folder is replaced only with
 `force`.
 
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from workers.tokens import DataError, TokenWriter, refuse_existing
+from workers.token_writer import TokenWriter, refuse_existing
+from workers.tokens import DataError
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from workers import data, tokens
-from workers.tokens import DataError, TokenWriter, check, open_dataset
+from workers.token_writer import TokenWriter
+from workers.tokens import DataError, check, open_dataset
 
 VOCAB = 300
 
