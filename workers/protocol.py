@@ -29,6 +29,10 @@ class Timings:
     unreadable: tuple[int, ...] = ()  # checkpoints it fell back past
 
 
+# The metrics the training API's loop adds to a step's own (`workers.api.Loop`); any other name is the program's.
+LOOP_METRICS = ("mfu", "tflops_per_chip", "hbm_in_use_gib", "hbm_peak_gib", "hbm_limit_gib")
+
+
 @dataclass(frozen=True)
 class StepDone:
     step: int

@@ -14,8 +14,8 @@ import datetime as dt
 import html
 import io
 import json
-import statistics
 import os
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ from orchestrator.observe.goodput import (CATEGORIES, BilledSlice, Goodput, Stat
                                   disruptions, format_duration, state_intervals, summary_line)
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event, Store
+from workers.protocol import LOOP_METRICS
 
 FORMATS = (".png", ".html")
 
@@ -273,8 +274,7 @@ def training_rows(s: ReportSeries) -> str:
             ("model TFLOP/s per chip (median)", median(of("tflops_per_chip")), ".3g"),
             ("HBM peak (GiB, host 0's first device)", max(of("hbm_peak_gib"), default=None), ".2f")]
     last = s.metrics[-1] if s.metrics else {}
-    rows += [(f"{name} (last step)", value, ".4g") for name, value in sorted(last.items())
-             if name not in ("mfu", "tflops_per_chip") and not name.startswith("hbm_")]
+    rows += [(f"{name} (last step)", value, ".4g") for name, value in sorted(last.items()) if name not in LOOP_METRICS]
     return "".join(f"<tr><td>{e(label)}</td><td>{'-' if v is None else format(v, fmt)}</td></tr>"
                    for label, v, fmt in rows)
 

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from orchestrator.user.client import Job, JobStatus
+from workers.protocol import LOOP_METRICS
 from orchestrator.observe.goodput import goodput
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event
@@ -57,9 +58,6 @@ def _updates(job: Job, poll_s: float) -> Iterator[tuple[JobStatus, list[Event], 
         if st.done:
             return
         time.sleep(poll_s)
-
-
-LOOP_METRICS = ("mfu", "tflops_per_chip", "hbm_in_use_gib", "hbm_peak_gib", "hbm_limit_gib")
 
 
 def utilisation(metrics: dict) -> str:
