@@ -75,6 +75,13 @@ def test_autoscaled_job_moves_make_before_break_over_two_spot_outages(client, tm
     # The simulator, replaying the same window with the restart costs and speed the job measured.
     run = simulate_window(trace, m, start_s=0.0, deadline_s=DEADLINE_S)
     assert run.deadline_met
+    # Tier by tier: a move between two spot sizes (which one depends on the speeds this run measured)
+    # is one spot period in both.
     sim_tiers = [label.split()[-1] for label in sim_slices(run)]
-    assert sim_tiers[:3] == tiers[:3] == ["spot", "on-demand", "spot"], (sim_tiers, tiers)
+    assert tier_periods(sim_tiers)[:3] == tier_periods(tiers)[:3] == ["spot", "on-demand", "spot"], (sim_tiers, tiers)
     assert abs(m.cost_usd / run.cost_usd - 1) <= COST_TOLERANCE, (m.cost_usd, run.cost_usd)
+
+
+def tier_periods(tiers: list[str]) -> list[str]:
+    """The tiers in the order held, a run of slices of one tier counted once: spot, spot, on-demand -> spot, on-demand."""
+    return [t for i, t in enumerate(tiers) if i == 0 or t != tiers[i - 1]]
