@@ -40,6 +40,12 @@ class Outcome:
 
 # -- classifying an attempt ----------------------------------------------------------------
 
+# How an INFRA_LOST outcome's reason begins or ends when a worker, not its host, went
+# (`orchestrator.observe.timeline.disruption_cause` tells them apart by these).
+WORKER_DIED = "a worker died"
+WORKER_UNREACHABLE = "a worker is unreachable"
+HUNG = "(hung)"
+
 
 class HostResult(Protocol):
     """How one host's training ended (`workers.protocol.WorkerResult` is one)."""
@@ -83,7 +89,7 @@ def classify_failure(failure: Outcome, *, host_lost: str | None, unreachable: st
     if host_lost is not None:
         return Outcome(OutcomeKind.INFRA_LOST, host_lost, at=failure.at)
     if unreachable is not None:
-        return Outcome(OutcomeKind.INFRA_LOST, f"a worker is unreachable ({unreachable})", at=failure.at)
+        return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} ({unreachable})", at=failure.at)
     return failure
 
 

@@ -49,15 +49,38 @@ class Controller:
         self._drivers: dict[str, JobDriver] = {}
         self._lock = threading.Lock()
         self._metrics = self._serve_metrics()
+        self._dashboard = self._serve_dashboard()
+        (self.home.root / "metrics.json").write_text(json.dumps(
+            {"url": self.metrics_url(), "dashboard": self._dashboard.url if self._dashboard else None}))
         self._reconcile()
 
     def _serve_metrics(self):
-        """Prometheus metrics of every job, on 127.0.0.1; the URL is recorded in the state directory."""
+        """Prometheus metrics of every job, on 127.0.0.1 (the URL is recorded in the state directory's metrics.json)."""
         from orchestrator.observe.metrics import serve_metrics
 
         server, port = serve_metrics(self.store, host="127.0.0.1", port=0)
-        (self.home.root / "metrics.json").write_text(json.dumps({"url": f"http://127.0.0.1:{port}/metrics"}))
         log.info("metrics on http://127.0.0.1:%d/metrics", port)
+        return server
+
+    def _serve_dashboard(self):
+        """The dashboard on 127.0.0.1, behind the cluster's token; its URL goes beside the metrics URL.
+
+        A restarted controller serves it on the port the last one used, if that port is free,
+        so an open page goes on updating.
+        """
+        from orchestrator.observe.dashboard import serve_dashboard
+
+        try:
+            previous = json.loads((self.home.root / "metrics.json").read_text()).get("dashboard") or ""
+            port = int(previous.rstrip("/").rsplit(":", 1)[1]) if previous else 0
+        except (OSError, ValueError, IndexError, AttributeError):
+            port = 0
+        try:
+            server = serve_dashboard(self.store, self.home, actions=self, port=port)
+        except Exception:  # the jobs matter more than their page: run without it, and say so
+            log.exception("could not serve the dashboard")
+            return None
+        log.info("dashboard on %s", server.url)
         return server
 
     # -- API (called through Ray) -------------------------------------------------
@@ -67,6 +90,10 @@ class Controller:
 
     def metrics_url(self) -> str:
         return f"http://127.0.0.1:{self._metrics.port}/metrics"
+
+    def dashboard_url(self) -> str | None:
+        """The dashboard's address (without the token: `orchestrator dashboard` adds it), or None if it failed."""
+        return self._dashboard.url if self._dashboard else None
 
     def submit(self, spec: dict, workdir: str | None = None) -> str:
         """Record a job and start its driver; returns its id. `workdir` fills `spec.workdir` if unset."""

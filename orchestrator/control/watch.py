@@ -17,7 +17,7 @@ from orchestrator.control.attempt import Attempt
 from orchestrator.providers.base import SliceEventKind
 from orchestrator.state.store import Store
 from orchestrator.user.spec import JobSpec
-from policies.recovery import Outcome, OutcomeKind, classify_failure, results_outcome
+from policies.recovery import HUNG, WORKER_DIED, Outcome, OutcomeKind, classify_failure, results_outcome
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Ca
         try:
             results = ray.get([w.result.remote() for w in att.workers], timeout=0.5)
         except ray.exceptions.RayActorError as e:
-            return Outcome(OutcomeKind.INFRA_LOST, f"a worker died ({type(e).__name__})")
+            return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_DIED} ({type(e).__name__})")
         except ray.exceptions.GetTimeoutError:
             results = None  # slow to answer; the heartbeat timeout below decides whether it hangs
         if results is not None:
@@ -58,7 +58,7 @@ def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Ca
                 return Outcome(OutcomeKind.PREEMPTED, f"preemption notice ({att.notice}); no checkpoint within "
                                                       f"the {grace:.0f} s grace window")
         if att.started and time.monotonic() - att.last_progress > hang_limit:
-            return Outcome(OutcomeKind.INFRA_LOST, f"no progress for {hang_limit:.0f} s (hung)")
+            return Outcome(OutcomeKind.INFRA_LOST, f"no progress for {hang_limit:.0f} s {HUNG}")
         on_poll()
         time.sleep(POLL_S)
 

@@ -380,9 +380,40 @@ def up() -> None:
 
     ray.get(client.controller().ping.remote())
     client.close(stop_owned_cluster=False)
-    metrics = json.loads((client.home.root / "metrics.json").read_text())["url"]
-    out.print(f"cluster up at {info.address} (state in {client.home.root}); metrics at {metrics}; "
-              f"stop it with: orchestrator down", highlight=False)
+    urls = json.loads((client.home.root / "metrics.json").read_text())
+    out.print(f"cluster up at {info.address} (state in {client.home.root})", highlight=False)
+    out.print(f"metrics at {urls['url']}", highlight=False)
+    if urls.get("dashboard"):
+        out.print(f"dashboard at {urls['dashboard']} (`orchestrator dashboard` prints its login link)", highlight=False)
+    out.print("stop it with: orchestrator down", highlight=False)
+
+
+@app.command()
+def dashboard(open_browser: bool = typer.Option(False, "--open", help="Also open it in the web browser.")) -> None:
+    """Print the dashboard's login link (all jobs, live); starts the local cluster if none runs.
+
+    The link carries the cluster's token once: the page logs in, keeps a session cookie and
+    drops the token from the address. Keep the link to yourself as you would the token.
+    """
+    import ray
+
+    from orchestrator.cluster import ensure_token
+
+    client = Client()
+    try:
+        url = ray.get(client.controller().dashboard_url.remote(), timeout=60)
+    finally:
+        client.close(stop_owned_cluster=False)
+    if url is None:
+        _fail(f"the controller could not serve the dashboard; see {client.home.root / 'logs' / 'controller.log'}", 1)
+    ensure_token(client.home)
+    token = client.home.token_file.read_text().strip()
+    link = f"{url}?token={token}"
+    print(link, flush=True)  # plain print: a terminal must not wrap or style the one line to copy
+    if open_browser:
+        import webbrowser
+
+        webbrowser.open(link)
 
 
 @app.command()

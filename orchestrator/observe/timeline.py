@@ -1,0 +1,166 @@
+"""What happened to a job, as a person reads it: labelled markers, disruption causes, a move under way.
+
+Shared by the report (`orchestrator.observe.report`), the dashboard
+(`orchestrator.observe.dashboard`) and the terminal (`orchestrator status`), so the three
+name each event the same way. Pure functions over store rows.
+
+Marker kinds (each has its own colour and line style wherever it is drawn):
+
+- ``preemption``: the provider took the slice back (with or without a notice)
+- ``host_lost``: a host of the slice vanished
+- ``worker_crash``: a worker process died, or stopped answering, on a host still up
+- ``hung``: no progress for the heartbeat timeout
+- ``failure``: the job's own code raised on healthy hosts
+- ``restore``: the workers restored a checkpoint
+- ``checkpoint``: a checkpoint was saved
+- ``move``: a resize or a move to another slice type or tier
+- ``adoption``: a restarted controller adopted the running workers
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from orchestrator.state.events import EventKind
+from orchestrator.state.states import JobState, SliceState
+from orchestrator.state.store import Event, JobRecord, StepMetric, Store
+from policies.recovery import HUNG, WORKER_DIED, WORKER_UNREACHABLE
+
+MARKER_KINDS = ("preemption", "host_lost", "worker_crash", "hung", "failure", "restore", "checkpoint", "move",
+                "adoption")
+MARKER_TITLES = {"preemption": "preemption", "host_lost": "host lost", "worker_crash": "worker crash",
+                 "hung": "worker hung", "failure": "program failed", "restore": "restore",
+                 "checkpoint": "checkpoint saved", "move": "move", "adoption": "controller adopted"}
+DISRUPTION_KINDS = ("preemption", "host_lost", "worker_crash", "hung", "failure")
+
+
+@dataclass(frozen=True)
+class Marker:
+    at: float  # Unix seconds
+    step: int | None  # the step it happened at (the first step after it), where known
+    kind: str  # one of MARKER_KINDS
+    label: str  # short, for the picture ("preempted", "restored step 40")
+    reason: str = ""  # the event's own sentence
+
+
+def disruption_cause(kind: str | None, reason: str | None) -> str | None:
+    """The marker kind of a disruption (an `OutcomeKind` value and its reason), or None if not one.
+
+    A host that vanished and a worker process that died on a host still up are both
+    INFRA_LOST to the recovery rules (both count against `max_preemptions`), but they
+    are different stories: the reason says which.
+    """
+    reason = reason or ""
+    if kind == "preempted":
+        return "preemption"
+    if kind == "app_failed":
+        return "failure"
+    if kind == "infra_lost":
+        if reason.startswith((WORKER_DIED, WORKER_UNREACHABLE)):
+            return "worker_crash"
+        if reason.rstrip().endswith(HUNG):
+            return "hung"
+        return "host_lost"
+    return None
+
+
+def step_at(steps_at: list[float], steps: list[int], t: float) -> int | None:
+    """The step a job had reached (steps done) at time `t`, from its step rows (sorted by time)."""
+    i = bisect.bisect_right(steps_at, t)
+    return steps[i - 1] + 1 if i else (0 if steps else None)
+
+
+def markers(events: list[Event], steps: list[StepMetric] | None = None, *,
+            checkpoints: bool = True) -> list[Marker]:
+    """Every marker of the job's life, oldest first (see the module doc); `steps` places the
+    markers whose event names no step."""
+    rows = sorted(steps or [], key=lambda s: s.at)
+    steps_at, step_no = [s.at for s in rows], [s.step for s in rows]
+
+    def where(e: Event, step: int | None) -> int | None:
+        return int(step) if step is not None else step_at(steps_at, step_no, e.at)
+
+    out: list[Marker] = []
+    recorded = any(e.kind is EventKind.DISRUPTION for e in events)
+    has_resize_events = any(e.kind is EventKind.RESIZE for e in events)
+    for e in events:
+        k = e.kind
+        if k is EventKind.DISRUPTION:
+            p = e.payload
+            cause = disruption_cause(p.kind, p.reason)
+            if cause is not None:
+                after = None if p.step is None else int(p.step) + 1
+                out.append(Marker(e.at, where(e, after), cause, _CAUSE_LABEL[cause], e.reason))
+        elif k is EventKind.STATE and e.to_state == "RECOVERING" and not recorded:  # an older store's record
+            cause = disruption_cause(e.payload.outcome, e.reason)
+            if cause is not None:
+                out.append(Marker(e.at, where(e, None), cause, _CAUSE_LABEL[cause], e.reason))
+        elif k is EventKind.STATE and e.to_state == "RESIZING" and not has_resize_events:
+            out.append(Marker(e.at, where(e, None), "move", "resizing", e.reason))
+        elif k is EventKind.RESTORE and e.payload.restored_step is not None:  # a fresh start is nothing to mark
+            step = int(e.payload.restored_step)
+            out.append(Marker(e.at, step, "restore", f"restored step {step}", e.reason))
+        elif k is EventKind.CHECKPOINT and checkpoints and e.payload.step is not None:
+            step = int(e.payload.step)
+            out.append(Marker(e.at, step, "checkpoint", f"saved step {step}", e.reason))
+        elif k is EventKind.RESIZE:
+            r = e.payload
+            tier = f" {r.tier}" if r.tier else ""
+            out.append(Marker(e.at, where(e, r.step), "move", f"move {r.from_accelerator or '?'} → {r.to or '?'}{tier}",
+                              e.reason))
+        elif k is EventKind.ADOPTED:
+            out.append(Marker(e.at, where(e, None), "adoption", "controller restarted, adopted", e.reason))
+    return sorted(out, key=lambda m: m.at)
+
+
+_CAUSE_LABEL = {"preemption": "preempted", "host_lost": "host lost", "worker_crash": "worker crashed",
+                "hung": "worker hung", "failure": "program failed"}
+
+
+# -- a move under way ----------------------------------------------------------------------
+
+_WAITING_PHASE = {SliceState.REQUESTED.value: "requesting the slice",
+                  SliceState.WAITING.value: "waiting for capacity",
+                  SliceState.PROVISIONING.value: "starting its hosts",
+                  SliceState.READY.value: "slice ready, switching at the next checkpoint"}
+
+
+def move_line(store: Store, job: JobRecord) -> str | None:
+    """What a move of the job is doing now ("moving to v4-32 spot: waiting for capacity"), or None.
+
+    A move is under way from a resize (the user's, or a switch the cost policy makes) or a
+    request waiting beside the running slice (make-before-break), until the job runs again.
+    """
+    if job.state.terminal or job.state in (JobState.PENDING, JobState.RECOVERING):
+        return None
+    events = store.events(job.id)
+    running_since = max((e.seq for e in events if e.kind is EventKind.STATE and e.to_state == "RUNNING"), default=0)
+    asked = [e for e in events if e.kind is EventKind.RESIZE and e.seq > running_since]
+    live = store.slices(job_id=job.id, live_only=True)
+    if job.state is JobState.RUNNING:
+        launched = [e.payload.slice for e in events if e.kind is EventKind.LAUNCHED
+                    and e.payload.generation == job.generation]
+        running = launched[-1] if launched else None
+        beside = [r for r in live if r["name"] != running]
+        if asked:
+            r = asked[-1].payload
+            target = f"{r.to} {r.tier}" if r.tier else str(r.to)
+            step = f" (step {r.step})" if r.step is not None else ""
+            return f"moving to {target}: checkpointing{step}, then the old slice goes"
+        if beside:
+            b = beside[-1]
+            return f"moving to {b['accelerator']} {b['tier']}: {_WAITING_PHASE.get(b['state'], b['state'].lower())}"
+        return None
+    # RESIZING, QUEUED, PROVISIONING, STARTING: only after a resize since the job last ran
+    moved = [e for e in events if e.kind is EventKind.STATE and e.to_state == "RESIZING" and e.seq > running_since]
+    if not moved and not asked:
+        return None
+    target = f"{job.spec.get('accelerator', '?')} {job.spec.get('tier', '')}".strip()
+    phase = {JobState.RESIZING: "releasing the old slice",
+             JobState.QUEUED: "waiting for capacity",
+             JobState.PROVISIONING: "provisioning",
+             JobState.STARTING: "starting the workers, then restoring resharded"}[job.state]
+    if job.state is JobState.PROVISIONING and live:
+        phase = _WAITING_PHASE.get(live[-1]["state"], phase) if live[-1]["state"] != "READY" else phase
+    return f"moving to {target}: {phase}"
