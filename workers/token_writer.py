@@ -65,14 +65,17 @@ class TokenWriter:
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
         return self
 
-    def add(self, tokens) -> None:
-        """Append one document (a sequence of token ids), preceded by EOS unless it is the first."""
+    def add(self, tokens, *, continues: bool = False) -> None:
+        """Append one document (a sequence of token ids), preceded by EOS unless it is the first;
+        with `continues`, append more of the last document (a long one is written a part at a time)."""
         ids = np.asarray(tokens, dtype=np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= self.vocab_size):
-            raise DataError(str(self.out), f"document {self._docs} has token ids outside [0, {self.vocab_size})")
-        if self._docs:
-            ids = np.concatenate([[self.eos_id], ids])
-        self._docs += 1
+            raise DataError(str(self.out), f"document {self._docs - continues} has token ids outside "
+                                           f"[0, {self.vocab_size})")
+        if not (continues and self._docs):
+            if self._docs:
+                ids = np.concatenate([[self.eos_id], ids])
+            self._docs += 1
         arr = ids.astype(DTYPES[self.dtype])
         while arr.size:
             if self._current is None or self._current[2] == self.shard_tokens:

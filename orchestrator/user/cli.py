@@ -281,10 +281,22 @@ def data_prepare(src: Path = typer.Argument(..., help="A folder of text files (s
     from orchestrator.user.data_prepare import prepare
     from workers.tokens import DataError
 
-    try:
-        summary = prepare(src, output, vocab_size=vocab_size, tokenizer=tokenizer, pattern=pattern, force=force)
-    except DataError as e:
-        _fail(str(e))
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=err, transient=True) as bars:  # on a terminal only; gone once done
+        tasks: dict[str, int] = {}
+
+        def progress(what: str, done: int, total: int) -> None:
+            if what not in tasks:
+                tasks[what] = bars.add_task(what, total=total)
+            bars.update(tasks[what], completed=done)
+
+        try:
+            summary = prepare(src, output, vocab_size=vocab_size, tokenizer=tokenizer, pattern=pattern, force=force,
+                              progress=progress)
+        except DataError as e:
+            _fail(str(e))
     out.print(summary.line(), highlight=False)
 
 

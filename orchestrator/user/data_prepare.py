@@ -4,8 +4,12 @@ The tokenizer is a byte-level BPE trained here, on the same files, with the `tok
 library (or a `tokenizer.json` the user gives); nothing is downloaded. Byte-level means
 every input, in any language or none, encodes without an unknown token. Each text file is
 one document; the EOS token goes between documents, so a training row that spans two
-files sees where one ends. Files are read as UTF-8 in chunks of whole lines (about 1 MiB),
-so a large file never has to fit in memory; the chunks of a file are encoded together.
+files sees where one ends. Files are streamed as UTF-8 in chunks of whole lines (about 1 MiB),
+so a large file never has to fit in memory, nor does a file of one very long line: a line
+longer than a chunk is cut before a space, and a run of more than `MAX_WORD` characters
+without one (which the BPE's work grows with the square of) is cut into pieces of that
+length. Ordinary text is tokenized as it would be whole. `progress` hears how many bytes
+of how many each pass (training the tokenizer, encoding) has read.
 
 The output folder is written atomically (`workers.token_writer.TokenWriter`): a failure part
 way leaves nothing at the output, and an existing non-empty folder is replaced only with
@@ -19,7 +23,10 @@ Example::
 
 from __future__ import annotations
 
+import codecs
 import logging
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -30,7 +37,9 @@ from workers.tokens import DataError
 log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
-CHUNK_BYTES = 1 << 20
+CHUNK_BYTES = 1 << 18
+MAX_WORD = 1024  # characters without whitespace; a longer run is cut (see the module's docstring)
+ENCODE_BYTES = 1 << 20  # text encoded at once (about 200 MB of the library's working memory); written before the next
 MIN_VOCAB = 257  # the 256 bytes and EOS
 MAX_VOCAB = 1 << 20
 
@@ -65,8 +74,11 @@ def find_files(src: str | Path, pattern: str) -> list[Path]:
     return files
 
 
+Progress = Callable[[str, int, int], None]  # (what: "training"/"encoding", bytes read, bytes in all)
+
+
 def prepare(src: str | Path, out: str | Path, *, vocab_size: int | None = None, tokenizer: str | Path | None = None,
-            pattern: str = "*.txt", force: bool = False) -> Summary:
+            pattern: str = "*.txt", force: bool = False, progress: Progress | None = None) -> Summary:
     """Tokenize every file matching `pattern` under `src` into token files at `out`; see the module's docstring."""
     if tokenizer is not None and vocab_size is not None:
         raise DataError(str(tokenizer), "a given tokenizer has its own vocabulary: leave out --vocab-size")
@@ -77,17 +89,23 @@ def prepare(src: str | Path, out: str | Path, *, vocab_size: int | None = None, 
     files = find_files(src, pattern)
     out = Path(out)
     refuse_existing(out, force=force)  # before the work, not after it
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else train_tokenizer(files, vocab_size)
+    total = sum(_size(p) for p in files)
+    tok = (load_tokenizer(tokenizer) if tokenizer is not None
+           else train_tokenizer(files, vocab_size, progress=_Meter("training", total, progress)))
     eos_id = tok.token_to_id(EOS)
     if eos_id is None:
         raise DataError(str(tokenizer), f"has no {EOS} token to put between documents")
     documents = 0
+    meter = _Meter("encoding", total, progress)
     with TokenWriter(out, vocab_size=tok.get_vocab_size(), eos_id=eos_id, force=force) as writer:
         for path in files:
-            ids = [i for enc in tok.encode_batch(list(read_chunks(path))) for i in enc.ids]
-            if ids:
-                writer.add(ids)
-                documents += 1
+            started = False
+            for batch in _batches(read_chunks(path, meter)):
+                ids = [i for enc in tok.encode_batch(batch) for i in enc.ids]
+                if ids:
+                    writer.add(ids, continues=started)
+                    documents += not started
+                    started = True
         if not documents:
             raise DataError(str(src), f"the {len(files)} file(s) matching {pattern!r} hold no text")
         writer.set_tokenizer(tok.to_str())
@@ -96,31 +114,101 @@ def prepare(src: str | Path, out: str | Path, *, vocab_size: int | None = None, 
                    vocab_size=index.vocab_size, eos_id=eos_id, dtype=index.dtype, trained=tokenizer is None)
 
 
-def read_chunks(path: Path) -> Iterator[str]:
-    """The file's text in chunks of whole lines of about `CHUNK_BYTES`; a DataError names a file that is not UTF-8."""
-    lines = 0
+def _size(path: Path) -> int:
     try:
-        with open(path, "rb") as f:  # decoded line by line, so an error can say which line
-            chunk: list[str] = []
-            size = 0
-            for raw in f:
-                lines += 1
-                line = raw.decode("utf-8")
-                chunk.append(line)
-                size += len(line)
-                if size >= CHUNK_BYTES:
-                    yield "".join(chunk)
-                    chunk, size = [], 0
-            if chunk:
-                yield "".join(chunk)
-    except UnicodeDecodeError as e:
-        raise DataError(str(path), f"is not UTF-8 text (line {lines}: {e.reason}); convert it or leave it "
-                                   "out with --pattern") from None
+        return path.stat().st_size
     except OSError as e:
         raise DataError(str(path), f"cannot be read: {e.strerror or e}") from None
 
 
-def train_tokenizer(files: list[Path], vocab_size: int):
+class _Meter:
+    """Counts the bytes a pass has read, and tells `progress` (at most once per `CHUNK_BYTES`, and at the end)."""
+
+    def __init__(self, what: str, total: int, progress: Progress | None):
+        self.what, self.total, self.progress, self.done, self._told = what, total, progress, 0, -1
+
+    def add(self, n: int) -> None:
+        self.done += n
+        if self.progress is not None and (self.done - self._told >= CHUNK_BYTES or self.done >= self.total):
+            self._told = self.done
+            self.progress(self.what, self.done, self.total)
+
+
+def _batches(chunks: Iterator[str]) -> Iterator[list[str]]:
+    """Chunks in lists of about `ENCODE_BYTES`, so a file's tokens are written a batch at a time."""
+    batch, size = [], 0
+    for chunk in chunks:
+        batch.append(chunk)
+        size += len(chunk)
+        if size >= ENCODE_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
+
+
+_LAST_SPACE = re.compile(r"\s(?=\S*\Z)")
+_LONG_WORD = re.compile(r"\S{%d,}" % (MAX_WORD + 1))
+
+
+def read_chunks(path: Path, meter: _Meter | None = None) -> Iterator[str]:
+    """The file's text in chunks of about `CHUNK_BYTES`, streamed; a DataError names a file that is not UTF-8.
+
+    A chunk ends at a line's end, or for a line longer than a chunk before a space in it;
+    a run of more than `MAX_WORD` characters without whitespace comes in chunks of its own
+    of at most `MAX_WORD` (see the module's docstring).
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line, text = 1, ""
+    try:
+        with open(path, "rb") as f:
+            while True:
+                raw = f.read(CHUNK_BYTES)
+                pending = len(decoder.getstate()[0])
+                try:
+                    text += decoder.decode(raw, final=not raw)
+                except UnicodeDecodeError as e:  # which line: the newlines before the bad byte
+                    line += raw[:max(0, e.start - pending)].count(b"\n")
+                    raise DataError(str(path), f"is not UTF-8 text (line {line}: {e.reason}); convert it or leave "
+                                               "it out with --pattern") from None
+                line += raw.count(b"\n")
+                if meter is not None:
+                    meter.add(len(raw))
+                while len(text) >= CHUNK_BYTES or (not raw and text):
+                    chunk, text = _cut(text, final=not raw)
+                    yield from _split_long_words(chunk)
+                if not raw:
+                    return
+    except OSError as e:
+        raise DataError(str(path), f"cannot be read: {e.strerror or e}") from None
+
+
+def _cut(text: str, *, final: bool) -> tuple[str, str]:
+    """The first chunk of `text` and the rest: up to a line's end, else before a space, else `CHUNK_BYTES` long."""
+    if final and len(text) <= CHUNK_BYTES:
+        return text, ""
+    head = text[:CHUNK_BYTES]
+    end = head.rfind("\n") + 1
+    if not end and (space := _LAST_SPACE.search(head)) is not None and space.start() > 0:
+        end = space.start()  # the space starts the next chunk, as the byte-level pre-tokenizer would group it
+    end = end or CHUNK_BYTES
+    return text[:end], text[end:]
+
+
+def _split_long_words(chunk: str) -> Iterator[str]:
+    """`chunk`, with every run of more than `MAX_WORD` non-space characters in pieces of its own."""
+    start = 0
+    for m in _LONG_WORD.finditer(chunk):
+        if m.start() > start:
+            yield chunk[start:m.start()]
+        for i in range(m.start(), m.end(), MAX_WORD):
+            yield chunk[i:min(i + MAX_WORD, m.end())]
+        start = m.end()
+    if start < len(chunk):
+        yield chunk[start:]
+
+
+def train_tokenizer(files: list[Path], vocab_size: int, *, progress: _Meter | None = None):
     """A byte-level BPE with `vocab_size` tokens (fewer if the text has fewer merges to offer), EOS first."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -129,7 +217,7 @@ def train_tokenizer(files: list[Path], vocab_size: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator((chunk for path in files for chunk in read_chunks(path)), trainer)
+    tok.train_from_iterator((chunk for path in files for chunk in read_chunks(path, progress)), trainer)
     log.info("trained a byte-level BPE of %d tokens on %d file(s)", tok.get_vocab_size(), len(files))
     return tok
 

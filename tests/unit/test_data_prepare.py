@@ -113,6 +113,87 @@ def test_bad_input_is_one_error_line_exit_2_and_writes_nothing(src, tmp_path, ho
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+
+# -- long lines: streamed, in bounded memory, with progress ----------------------------
+
+
+def tokens_of(out) -> np.ndarray:
+    index = json.loads((out / "index.json").read_text())
+    return np.concatenate([np.fromfile(out / f["name"], dtype=index["dtype"]) for f in index["files"]])
+
+
+def test_a_long_line_is_cut_before_spaces_and_tokenizes_as_whole(tmp_path, home, monkeypatch):
+    """Chunks of a line longer than a chunk end before a space: the same tokens as the line encoded whole."""
+    import orchestrator.user.data_prepare as dp
+
+    words = ["lorem", "ipsum", "dolor", "sit", "amet,", "café", "東京", "x=1;", "  ", "\t"]
+    line = " ".join(words[(i * 7) % len(words)] for i in range(3000))  # ~15,000 characters, no newline
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text(line + "\n" + line[:500], encoding="utf-8")
+    monkeypatch.setattr(dp, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(dp, "ENCODE_BYTES", 3000)
+    chunks = list(dp.read_chunks(tmp_path / "src" / "a.txt"))
+    assert "".join(chunks) == line + "\n" + line[:500] and len(chunks) >= 15
+    assert all(len(c) <= 1000 for c in chunks) and all(c[0].isspace() for c in chunks[1:14])
+    dp.prepare(tmp_path / "src", tmp_path / "one", vocab_size=400)
+    tok = Tokenizer.from_file(str(tmp_path / "one" / "tokenizer.json"))
+    assert tokens_of(tmp_path / "one").tolist() == tok.encode(line + "\n" + line[:500]).ids
+
+
+def test_a_run_without_spaces_is_cut_into_words_of_max_word(tmp_path, monkeypatch):
+    import orchestrator.user.data_prepare as dp
+
+    (tmp_path / "a.txt").write_text("ab " + "x" * 2500 + " cd\n", encoding="utf-8")
+    assert list(dp.read_chunks(tmp_path / "a.txt")) == ["ab ", "x" * 1024, "x" * 1024, "x" * 452, " cd\n"]
+
+
+def test_one_line_of_megabytes_is_linear_bounded_and_shows_progress(tmp_path):
+    """1 MB of letters in one line took over 300 s, and 30 MB used 1.8 GB: a separate process, timed and measured."""
+    rng = np.random.default_rng(0)
+    src = tmp_path / "src"
+    src.mkdir()
+    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
+    (src / "word.txt").write_bytes(rng.choice(letters, 1_000_000).tobytes())  # one "word" of 1 MB
+    text = rng.choice(np.array([b"the ", b"cat ", b"sat ", b"on ", b"a ", b"mat. "], dtype=object), 1_500_000)
+    (src / "line.txt").write_bytes(b"".join(text))  # ~6 MB in one line
+    script = (f"import resource, time\n"
+              f"from orchestrator.user.data_prepare import prepare\n"
+              f"seen = []\n"
+              f"t = time.perf_counter()\n"
+              f"s = prepare({str(src)!r}, {str(tmp_path / 'out')!r}, vocab_size=1024, progress=lambda *a: seen.append(a))\n"
+              f"print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024, s.documents)\n"
+              f"print(seen)\n")
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True)
+    seconds, peak_mib, documents = r.stdout.splitlines()[0].split()
+    assert int(documents) == 2
+    assert float(seconds) < 120, seconds  # about 10 s on a quiet 2-core machine
+    assert int(peak_mib) < 600, peak_mib  # about 250 MiB; the same 6 MB line took 1.4 GB before
+    seen = eval(r.stdout.splitlines()[1])
+    total = sum(p.stat().st_size for p in src.iterdir())
+    for what in ("training", "encoding"):
+        done = [d for w, d, t in seen if w == what and t == total]
+        assert len(done) > 5 and done == sorted(done) and done[-1] == total, (what, done)
+    assert tokens_of(tmp_path / "out").size > 1_000_000
+
+
+def test_the_command_shows_progress_on_a_terminal(src, tmp_path, home, monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import orchestrator.user.cli as cli
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli, "err", Console(file=screen, force_terminal=True, width=100))
+    r = run("data", "prepare", src, "-o", tmp_path / "tokens", "--vocab-size", 300)
+    assert r.exit_code == 0, r.output
+    assert "training" in screen.getvalue() and "encoding" in screen.getvalue()
+    assert r.stdout.startswith(f"wrote {tmp_path / 'tokens'}: ")  # the summary alone on stdout
+
+
 # -- the check at submit --------------------------------------------------------------
 
 
