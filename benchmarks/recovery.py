@@ -75,7 +75,7 @@ def main() -> None:
         }
         from orchestrator.observe.report import write_report
 
-        write_report(client.store, job.id, RESULTS / "recovery-report.png")  # the README's picture
+        write_report(client.store, job.id, RESULTS / "recovery-report.png", force=True)  # the README's picture
     finally:
         client.down()
     result = {k: statistics.median(v) for k, v in per_kill.items()}

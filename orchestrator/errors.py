@@ -69,9 +69,9 @@ class JobNotFoundError(RequestError, KeyError):
 class JobStateError(RequestError):
     """An action the job's current state does not allow, e.g. resizing a job that is not RUNNING."""
 
-    def __init__(self, job_id: str, state: str, action: str, allowed: tuple[str, ...]):
+    def __init__(self, job_id: str, state: str, action: str, allowed: tuple[str, ...], *, why: str | None = None):
         self.job_id, self.state, self.action, self.allowed = job_id, state, action, allowed
-        super().__init__(f"job {job_id} is {state}; only a {' or '.join(allowed)} job can be {action}")
+        super().__init__(f"job {job_id} is {state}; " + (why or f"only a {' or '.join(allowed)} job can be {action}"))
 
 
 class OutputFileError(RequestError, ValueError):

@@ -82,8 +82,13 @@ def _cancel_leftover_jobs(request):
     if "client" not in request.fixturenames:
         return
     c = request.getfixturevalue("client")
+    from orchestrator.errors import JobStateError
+
     for job in c.store.jobs(active_only=True):
-        c.cancel(job.id)
+        try:
+            c.cancel(job.id)
+        except JobStateError:  # it ended meanwhile
+            pass
     deadline = time.monotonic() + 120
     while c.store.jobs(active_only=True) and time.monotonic() < deadline:
         time.sleep(0.5)

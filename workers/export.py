@@ -107,6 +107,8 @@ def save(tree: Any, out: str | Path, *, config: dict, force: bool = False) -> Ex
     from safetensors.numpy import save_file
 
     out = Path(out)
+    if out.is_symlink():  # dangling or not: the rename at the end would fail, or replace the link, not its target
+        raise ExportError(str(out), "is a symbolic link; give the path of a folder (its target is left alone)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise ExportError(str(out), "exists and is not empty (--force replaces it)")
     tensors, structure = flatten(tree)

@@ -110,16 +110,20 @@ def report_series(store: Store, job_id: str, *, now: float | None = None) -> Rep
         markers=tuple(_markers(events)), goodput=g)
 
 
-def write_report(store: Store, job_id: str, path: Path | str, *, now: float | None = None) -> Path:
+def write_report(store: Store, job_id: str, path: Path | str, *, now: float | None = None,
+                 force: bool = False) -> Path:
     """Write job `job_id`'s report to `path`: a `.png` picture or a self-contained `.html` page.
 
     The file appears whole or not at all (see `write_atomically`); `OutputFileError` if `path`
-    cannot be written, checked before the picture is drawn.
+    cannot be written, or exists and `force` does not allow to replace it (as `export` and
+    `data prepare` do), checked before the picture is drawn.
     """
     path = Path(path)
     if path.suffix.lower() not in FORMATS:
         raise OutputFileError(path, f"a report's file name must end in {' or '.join(FORMATS)}")
     check_output_path(path)
+    if path.exists() and not force:
+        raise OutputFileError(path, "exists (--force replaces it)")
     series = report_series(store, job_id, now=now)
     png = render_png(series)
     if path.suffix.lower() == ".png":

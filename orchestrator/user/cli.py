@@ -3,13 +3,16 @@
 Exit codes: 0 the job succeeded (or the command did what it said), 1 the job failed
 or was cancelled, or the cluster failed; 2 a usage or validation error. An error the
 orchestrator raises on purpose (`OrchestratorError`) is shown as `error:` lines, one per
-problem, never as a traceback; any other exception is a bug and keeps its traceback.
+problem, never as a traceback; any other exception is a bug and keeps its traceback. A
+reader that stops reading early (`orchestrator schema | head`) ends the command quietly
+with exit code 0: the rest of the output is dropped.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -32,11 +35,25 @@ class _Commands(TyperGroup):
 
     def invoke(self, ctx: typer.Context):
         try:
-            return super().invoke(ctx)
+            try:
+                return super().invoke(ctx)
+            finally:
+                sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's last flush
         except OrchestratorError as e:
             for line in str(e).splitlines() or [type(e).__name__]:
                 _print_error(line)
             ctx.exit(EXIT_USAGE if isinstance(e, RequestError) else EXIT_JOB_FAILED)
+        except BrokenPipeError:  # the reader stopped reading (`| head`): what it wanted, it has
+            _drop_stdout()
+            ctx.exit(EXIT_OK)
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so nothing after a closed pipe fails on it again."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # not a real file (a test's runner): nothing to redirect
+        pass
 
 
 app = typer.Typer(cls=_Commands, add_completion=False, no_args_is_help=True,
@@ -255,12 +272,13 @@ def resize(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
 
 @app.command()
 def report(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
-           output: Path = typer.Option(..., "--output", "-o", help="A .png or .html file to write.")) -> None:
+           output: Path = typer.Option(..., "--output", "-o", help="A .png or .html file to write."),
+           force: bool = typer.Option(False, "--force", help="Replace an existing file.")) -> None:
     """Write a picture of a job's life: loss, throughput, slices, cost, disruptions, goodput."""
     from orchestrator.observe.report import write_report
 
     client = Client()
-    path = write_report(client.store, client.job(job_id).id, output)
+    path = write_report(client.store, client.job(job_id).id, output, force=force)
     out.print(f"wrote {path}", highlight=False)
 
 

@@ -18,6 +18,7 @@ Examples::
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -211,7 +212,7 @@ class Client:
 
         Raises `JobNotFoundError`, `JobStateError` (not SUCCEEDED, and neither `step` nor
         `latest`), `workers.export.ExportError` (no such checkpoint or step; `out` not empty
-        without `force`).
+        without `force`, a symbolic link, or inside or around any job's checkpoint folder).
 
         Example::
 
@@ -232,7 +233,26 @@ class Client:
                   "model": workload.get("model") if builtin else None,
                   "data": (workload.get("data") or {}).get("path")}
         directory = (spec.get("checkpoint") or {}).get("directory") or str(self.home.default_checkpoint_dir(job.name))
+        self._refuse_checkpoint_folders(out)
         return export_checkpoint(directory, out, step=step, config=config, force=force)
+
+    def _refuse_checkpoint_folders(self, out: str | Path) -> None:
+        """An ExportError if `out` is inside, is, or holds a job's checkpoint folder: writing (or with
+        --force replacing) it there would break that job's checkpoints, and its next export or restore."""
+        from workers.export import ExportError
+
+        mine = Path(os.path.realpath(out))
+        for job in self.store.jobs():
+            folder = (job.spec.get("checkpoint") or {}).get("directory") or self.home.default_checkpoint_dir(job.name)
+            if "://" in str(folder):  # a bucket: not a path on this machine
+                continue
+            theirs = Path(os.path.realpath(folder))
+            if mine == theirs or theirs in mine.parents:
+                raise ExportError(str(out), f"is inside the checkpoint folder of job {job.id} ({folder}); "
+                                            "write the export elsewhere")
+            if mine in theirs.parents:
+                raise ExportError(str(out), f"holds the checkpoint folder of job {job.id} ({folder}); "
+                                            "write the export elsewhere")
 
     def job(self, job_id: str) -> Job:
         """A job by id, unique id prefix, or name (its newest job)."""
@@ -263,7 +283,16 @@ class Client:
         return replace(st, queue_position=queue_position(self.store, job), cluster=self.cluster_state())
 
     def cancel(self, job_id: str) -> None:
-        job_id = self.store.find_job(job_id).id
+        """Ask the job to stop: its hosts checkpoint the current step and stop, its slice is released.
+
+        Raises `JobNotFoundError`, and `JobStateError` for a job that has already ended
+        (SUCCEEDED, FAILED or CANCELLED): there is nothing to cancel.
+        """
+        job = self.store.find_job(job_id)
+        if job.state.terminal:
+            raise JobStateError(job.id, job.state.value, "cancelled",
+                                tuple(s.value for s in JobState if not s.terminal), why="it has ended: nothing to cancel")
+        job_id = job.id
         self.store.update_job(job_id, cancel_requested=1)  # seen by the controller even if Ray is unreachable
         if cluster.read_cluster(self.home) is not None or self.address is not None:
             self._ask("cancel", job_id)

@@ -195,3 +195,41 @@ def test_export_command_without_checkpoints_is_one_line(home, tmp_path):
     assert r.exit_code == 2 and r.stderr.strip() == f"error: {tmp_path / 'empty'}: holds no committed checkpoint"
     r = run("export", "no-such-job", "-o", tmp_path / "out")
     assert r.exit_code == 2 and r.stderr.strip() == "error: no job 'no-such-job'"
+
+
+def test_export_onto_a_symbolic_link_is_one_line_and_its_target_untouched(checkpoint, home, tmp_path):
+    job(home, "tiny-abc123", checkpoint, *RUN, JobState.SUCCEEDED)
+    dangling = tmp_path / "dangling"
+    dangling.symlink_to(tmp_path / "nowhere")
+    r = run("export", "tiny", "-o", dangling)
+    assert (r.exit_code, r.stderr) == (2, f"error: {dangling}: is a symbolic link; give the path of a folder (its "
+                                          "target is left alone)\n")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("keep me")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "mine")
+    r = run("export", "tiny", "-o", link, "--force")
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: {link}: is a symbolic link")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["keep.txt"] and link.is_symlink()
+    assert not (tmp_path / "nowhere").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dangling", "home", "link", "mine"]  # nothing half-written
+
+
+def test_export_into_a_jobs_checkpoint_folder_is_refused(checkpoint, home, tmp_path):
+    """A step-named folder there broke that job's next export ("holds neither a 'state' nor a 'default' item")."""
+    import shutil
+
+    other = tmp_path / "other-ckpt"
+    shutil.copytree(checkpoint, other)
+    job(home, "tiny-abc123", checkpoint, *RUN, JobState.SUCCEEDED)
+    job(home, "other-def456", other, *RUN, JobState.SUCCEEDED)
+    for out, says in [(other / "7", f"is inside the checkpoint folder of job other-def456 ({other})"),
+                      (other / "weights", f"is inside the checkpoint folder of job other-def456 ({other})"),
+                      (other, f"is inside the checkpoint folder of job other-def456 ({other})"),
+                      (checkpoint / "w", f"is inside the checkpoint folder of job tiny-abc123 ({checkpoint})"),
+                      (tmp_path, f"holds the checkpoint folder of job other-def456 ({other})")]:
+        r = run("export", "tiny", "-o", out, "--force")
+        assert (r.exit_code, r.stderr) == (2, f"error: {out}: {says}; write the export elsewhere\n"), out
+    assert sorted(p.name for p in other.iterdir()) == sorted(p.name for p in checkpoint.iterdir())
+    r = run("export", "other", "-o", tmp_path / "out")  # the other job still exports
+    assert r.exit_code == 0, r.output

@@ -213,10 +213,13 @@ def test_report_into_a_missing_folder_or_onto_a_directory_is_one_line(tmp_path, 
                                                  ".html"])
 
 
-def test_report_replaces_a_file_whole_and_leaves_no_temporary_file(tmp_path, reported_job):
+def test_report_replaces_a_file_only_with_force_whole_and_leaves_no_temporary_file(tmp_path, reported_job):
     out_file = tmp_path / "r.html"
     out_file.write_text("old report")
-    r = run("report", reported_job, "-o", str(out_file))
+    r = run("report", reported_job, "-o", str(out_file))  # as export and data prepare: not without --force
+    assert (r.exit_code, error_lines(r)) == (2, [f"error: {out_file}: exists (--force replaces it)"])
+    assert out_file.read_text() == "old report"
+    r = run("report", reported_job, "-o", str(out_file), "--force")
     assert r.exit_code == 0 and r.stdout == f"wrote {out_file}\n"
     assert out_file.read_text().startswith("<!doctype html>") and out_file.stat().st_mode & 0o777 == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "r.html"]
@@ -228,3 +231,30 @@ def test_report_of_a_job_without_steps_is_one_line(tmp_path, home):
     assert (r.exit_code, error_lines(r)) == (2, [f"error: job '{job}' has no recorded steps yet; there is nothing "
                                                  "to plot"])
     assert not (tmp_path / "r.png").exists()
+
+
+# -- cancel of an ended job; a reader that stops reading ---------------------------------------
+
+
+@pytest.mark.parametrize("state", [JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED])
+def test_cancel_of_an_ended_job_is_one_line_exit_2(home, state):
+    store = Store(home / "state.db")
+    job = tiny_job(store, "tiny-abc123", *(RUNNING if state is JobState.SUCCEEDED else ()), state)
+    r = run("cancel", "tiny")
+    assert (r.exit_code, r.stdout) == (2, "")
+    assert error_lines(r) == [f"error: job {job} is {state.value}; it has ended: nothing to cancel"]
+    assert not store.job(job).cancel_requested and store.job(job).state is state
+    assert not (home / "cluster.json").exists()  # no cluster was started to be asked
+
+
+def test_a_reader_that_stops_reading_ends_the_command_quietly_exit_0(home):
+    """`orchestrator schema | head`: the reader went before the output was written."""
+    p = subprocess.Popen([sys.executable, "-m", "orchestrator.user.cli", "schema"], cwd=REPO, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env={**os.environ, "ORCHESTRATOR_HOME": str(home)})
+    p.stdout.close()  # before it writes: every write meets a closed pipe
+    _, stderr = p.communicate(timeout=120)
+    assert (p.returncode, stderr.decode()) == (0, "")
+    r = subprocess.run(f"{sys.executable} -m orchestrator.user.cli schema | head -n 2", shell=True, cwd=REPO,
+                       capture_output=True, text=True, timeout=120, executable="/bin/bash",
+                       env={**os.environ, "ORCHESTRATOR_HOME": str(home)})
+    assert (r.stdout, r.stderr) == ('{\n  "$defs": {\n', "")
