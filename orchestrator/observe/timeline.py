@@ -20,6 +20,7 @@ Marker kinds (each has its own colour and line style wherever it is drawn):
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 
 from orchestrator.state.events import EventKind
@@ -116,6 +117,16 @@ def markers(events: list[Event], steps: list[StepMetric] | None = None, *,
 
 _CAUSE_LABEL = {"preemption": "preempted", "host_lost": "host lost", "worker_crash": "worker crashed",
                 "hung": "worker hung", "failure": "program failed"}
+
+
+def wall_time(store: Store, job: JobRecord, *, now: float | None = None) -> float:
+    """Seconds from the job's submission to its end (its last state change), or to `now` while it runs."""
+    if job.state.terminal:
+        changes = store.events(job.id, kind=EventKind.STATE)
+        end = changes[-1].at if changes else job.updated_at
+    else:
+        end = time.time() if now is None else now
+    return max(0.0, end - job.created_at)
 
 
 # -- a move under way ----------------------------------------------------------------------

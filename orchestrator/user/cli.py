@@ -20,11 +20,11 @@ from typing import Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 from typer.core import TyperGroup
 
 from orchestrator.user.client import Client, JobStatus
 from orchestrator.user.progress import user_metrics, utilisation, watch
+from orchestrator.user.terminal import fit_fields, table, unique_prefixes, wrap
 from orchestrator.errors import OrchestratorError, RequestError
 from orchestrator.user.spec import JobSpec, json_schema
 from orchestrator.state.states import JobState
@@ -157,29 +157,18 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
             data["events"] = [vars(e) for e in job.events()]
         print(json.dumps(data, indent=2, default=str))
     else:
-        where = f", position {st.queue_position} in the queue" if st.queue_position else ""
-        out.print(f"[bold]{st.id}[/bold]  {st.state.value}{where}  ({escape(st.reason)})", highlight=False)
-        if st.stalled:
-            out.print(f"  [yellow]{escape(st.stalled)}[/yellow]", highlight=False)
-        out.print(f"  {st.accelerator} {st.tier}   step {st.step}/{st.total_steps or '?'}   "
-                  f"loss {_fmt(st.loss, '.4f')}   tokens/s {_fmt(st.tokens_per_s, ',.0f')}   "
-                  f"preemptions {st.preemptions}   failures {st.failures}", highlight=False)
-        if utilisation(st.metrics):
-            out.print(" " + utilisation(st.metrics), highlight=False)
-        if user_metrics(st.metrics):
-            out.print(f"  metrics: {user_metrics(st.metrics)}", highlight=False)
-        from orchestrator.observe.goodput import goodput, summary_line
+        from orchestrator.observe.goodput import goodput
 
-        out.print("  " + summary_line(goodput(client.store, st.id)), highlight=False)
+        for line in status_lines(st, goodput(client.store, st.id), width=out.width):
+            out.print(line, markup=False, highlight=False)
         if st.error and st.state is JobState.FAILED:
             out.print("  last error:", highlight=False)
             out.print(st.error, markup=False, highlight=False)
         if events:
-            table = Table("time", "event", "state", "reason", box=None)
             for e in job.events():
-                state = f"{e.from_state or ''} -> {e.to_state}" if e.to_state else ""
-                table.add_row(_time(e.at), e.kind.value, state, e.reason)
-            out.print(table)
+                what = f"{e.from_state or ''} -> {e.to_state}" if e.to_state else e.kind.value
+                for line in wrap(f"{_time(e.at)}  {what}: {e.reason}", out.width, hanging=" " * 14):
+                    out.print(line, markup=False, highlight=False)
     if st.done and st.state is not JobState.SUCCEEDED:
         raise typer.Exit(EXIT_JOB_FAILED)
 
@@ -194,20 +183,67 @@ def _status_dict(st: JobStatus) -> dict:
     return d
 
 
+def status_lines(st: JobStatus, g, *, width: int) -> list[str]:
+    """`status JOB` as lines of at most `width` columns (see `orchestrator.user.terminal`)."""
+    from orchestrator.observe.goodput import format_duration
+
+    where = f", position {st.queue_position} in the queue" if st.queue_position else ""
+    lines = wrap(f"{st.id}  {st.state.value}{where}  ({st.reason})", width, hanging="  ")
+    for note in (st.moving, st.stalled):
+        if note:
+            lines += wrap(note, width, indent="  ", hanging="    ")
+    wall = ("wall time " if st.done else "running for ") + format_duration(st.wall_s or 0.0)
+    lines += fit_fields([f"{st.accelerator} {st.tier}", f"step {st.step}/{st.total_steps or '?'}",
+                         f"loss {_fmt(st.loss, '.4f')}", f"{_fmt(st.tokens_per_s, ',.0f')} tokens/s", wall],
+                        width, indent="  ", sep="   ")
+    by = ", ".join(f"{a} {t} ${usd:,.2f}" for (a, t), usd in sorted(g.usd_by.items()))
+    lines += fit_fields([f"goodput {g.goodput_fraction:.1%}", f"cost ${g.usd_total:,.2f}" + (f" ({by})" if by else "")],
+                        width, indent="  ", sep="   ")
+    lines += fit_fields([_count(g.preemptions, "preemption"), _count(g.failures, "failure"),
+                         _count(g.restarts, "restart"), f"{g.productive_steps} steps kept",
+                         f"{g.lost_steps} recomputed"], width, indent="  ", sep=", ")
+    if utilisation(st.metrics):
+        lines += fit_fields(utilisation(st.metrics).split("  "), width, indent="  ")
+    if user_metrics(st.metrics):
+        lines += wrap(f"metrics: {user_metrics(st.metrics)}", width, indent="  ", hanging="    ")
+    return lines
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
+
+
 def _print_jobs(jobs: list[JobStatus], as_json: bool) -> None:
     if as_json:
         print(json.dumps([_status_dict(s) for s in jobs], indent=2))
         return
-    table = Table("id", "state", "accelerator", "tier", "step", "loss", "created", box=None)
-    for s in jobs:
-        state = s.state.value + (f" #{s.queue_position}" if s.queue_position else "")
-        table.add_row(s.id, state, s.accelerator, s.tier, f"{s.step}/{s.total_steps or '?'}",
-                      _fmt(s.loss, ".4f"), dt.datetime.fromtimestamp(s.created_at).strftime("%Y-%m-%d %H:%M"))
-    out.print(table)
+    for line in jobs_lines(jobs, width=out.width):
+        out.print(line, markup=False, highlight=False)
     stalled = [s for s in jobs if s.stalled]
     if stalled:
-        out.print(f"[yellow]{len(stalled)} job(s) not ended, but {escape(stalled[0].stalled)}[/yellow]",
-                  highlight=False)
+        for line in wrap(f"{len(stalled)} job(s) not ended, but {stalled[0].stalled}", out.width):
+            out.print(f"[yellow]{escape(line)}[/yellow]", highlight=False)
+
+
+def jobs_lines(jobs: list[JobStatus], *, width: int) -> list[str]:
+    """`list` as a table of at most `width` columns: full ids where they fit, else each id's shortest
+    unique prefix (every command takes it as JOB); the created and loss columns go first when narrow."""
+    from orchestrator.observe.goodput import format_duration
+
+    if not jobs:
+        return ["no jobs yet"]
+
+    def rows(ids: dict[str, str]) -> list[list[str]]:
+        return [[ids[s.id], s.state.value + (f" #{s.queue_position}" if s.queue_position else ""),
+                 f"{s.accelerator} {s.tier}", f"{s.step}/{s.total_steps or '?'}", _fmt(s.loss, ".4f"),
+                 format_duration(s.wall_s or 0.0),
+                 dt.datetime.fromtimestamp(s.created_at).strftime("%m-%d %H:%M")] for s in jobs]
+
+    headers = ["id", "state", "slice", "step", "loss", "wall time", "created"]
+    full = table(headers, rows({s.id: s.id for s in jobs}), width, right=(3, 4, 5), drop_order=())
+    if max(map(len, full)) <= width:
+        return full
+    return table(headers, rows(unique_prefixes([s.id for s in jobs])), width, right=(3, 4, 5), drop_order=(6, 4))
 
 
 @app.command("list")
@@ -373,7 +409,7 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
          deadline_hours: Optional[float] = typer.Option(None, help="Overrides the job file's deadline.")) -> None:
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
     from orchestrator.user.fit import slice_fit
-    from orchestrator.user.planning import plan_job, render_memory, render_plan
+    from orchestrator.user.planning import moves_lines, plan_job, render_memory, render_plan
     from orchestrator.user.spec import AutoscalingConfig, LmWorkload
     from policies.traces import TraceError
 
@@ -395,6 +431,8 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     except TraceError as e:
         _fail(str(e))
     out.print(render_plan(result))
+    for line in moves_lines(result, width=out.width):
+        out.print(line, markup=False, highlight=False)
     out.print(render_memory([slice_fit(spec, name) for name in auto.accelerators]))
 
 

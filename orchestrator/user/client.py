@@ -276,11 +276,13 @@ class Client:
     def _status_of(self, job: JobRecord) -> JobStatus:
         """The job's status, with its place in the queue and, while not ended, whether a cluster runs it."""
         from orchestrator.control.queue import queue_position
+        from orchestrator.observe.timeline import move_line, wall_time
 
-        st = _status(job, self.store.last_step(job.id))
+        st = replace(_status(job, self.store.last_step(job.id)), wall_s=wall_time(self.store, job))
         if st.done:
             return st
-        return replace(st, queue_position=queue_position(self.store, job), cluster=self.cluster_state())
+        return replace(st, queue_position=queue_position(self.store, job), cluster=self.cluster_state(),
+                       moving=move_line(self.store, job))
 
     def cancel(self, job_id: str) -> None:
         """Ask the job to stop: its hosts checkpoint the current step and stop, its slice is released.

@@ -39,6 +39,8 @@ class JobStatus:
     # The last step's other figures: mfu, tflops_per_chip, hbm_in_use_gib, hbm_peak_gib, the program's own.
     metrics: dict = dataclasses.field(default_factory=dict)
     cluster: str | None = None  # for a job not yet ended: "up", "gone" (nothing runs it), "remote" (unknown here)
+    wall_s: float | None = None  # from submission to its end, or to now while it has not ended
+    moving: str | None = None  # what a move to another slice is doing now ("moving to v4-32 spot: waiting for capacity")
 
     @property
     def done(self) -> bool:

@@ -7,7 +7,7 @@ is meant to be a few lines over it::
     from orchestrator.user.planning import plan_job, render_plan
     plan = plan_job(tpu_types=["v4-16", "v4-32", "v4-64"], tiers=["spot", "on-demand"],
                     total_tokens=20e9, deadline_hours=36, budget_usd=800, trace_path=None)
-    rich.console.Console().print(render_plan(plan))   # or print(plan_text(plan))
+    print(plan_text(plan, width=80))   # the table, then the policy's moves
 
 `plan_job` replays the job on a spot capacity trace (the user's, or without one a
 synthetic trace drawn from the policy's own priors) from `windows` evenly spaced
@@ -142,7 +142,7 @@ def _usd(x: float) -> str:
 
 
 def render_plan(plan: JobPlan) -> Table:
-    """A rich Table: one row per option and one for the policy, then the policy's moves as caption."""
+    """A rich Table: one row per option and one for the policy (`moves_lines` says what the policy did)."""
     budget = "no budget" if plan.budget_usd is None else f"budget {_usd(plan.budget_usd)}"
     table = Table(title=f"{plan.total_tokens / 1e9:g}B tokens, deadline {plan.deadline_hours:g} h, {budget} "
                         f"(trace {plan.trace}, {plan.windows} windows)")
@@ -160,12 +160,19 @@ def render_plan(plan: JobPlan) -> Table:
             "-" if o.within_budget is None else "ok" if o.within_budget else "over",
             style="bold" if o is plan.policy else None,
         )
-    moves = [f"{m.at_s / 3600:6.2f} h  {m.option}: {m.reason}" for m in plan.policy_moves[:12]]
-    if len(plan.policy_moves) > 12:
-        moves.append(f"... {len(plan.policy_moves) - 12} more moves")
-    table.caption = "cost policy, first window:\n" + "\n".join(moves)
-    table.caption_justify = "left"
     return table
+
+
+def moves_lines(plan: JobPlan, *, width: int = 120) -> list[str]:
+    """The policy's moves in the first window, each wrapped to `width` under its time."""
+    from orchestrator.user.terminal import wrap
+
+    lines = ["cost policy, first window:"]
+    for m in plan.policy_moves[:12]:
+        lines += wrap(f"{m.at_s / 3600:6.2f} h  {m.option}: {m.reason}", width, hanging=" " * 10)
+    if len(plan.policy_moves) > 12:
+        lines.append(f"  and {len(plan.policy_moves) - 12} more moves")
+    return lines
 
 
 def render_memory(fits: Sequence[SliceFit]) -> Table:
@@ -191,4 +198,6 @@ def plan_text(plan: JobPlan, *, width: int = 120) -> str:
     """`render_plan` as plain text (for logs and tests)."""
     console = Console(width=width, file=io.StringIO(), record=True, color_system=None)
     console.print(render_plan(plan))
+    for line in moves_lines(plan, width=width):
+        console.print(line, markup=False, highlight=False)
     return console.export_text()

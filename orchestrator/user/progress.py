@@ -13,9 +13,10 @@ import time
 from typing import Callable, Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn
 
 from orchestrator.user.client import Job, JobStatus
+from orchestrator.user.terminal import wrap
 from workers.protocol import LOOP_METRICS
 from orchestrator.observe.goodput import goodput
 from orchestrator.state.events import EventKind
@@ -113,20 +114,84 @@ def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0
             if on_poll:
                 on_poll(None)
         return st
-    with Progress(TextColumn("{task.fields[state]:<12}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("loss {task.fields[loss]}  tok/s {task.fields[tps]}  ETA {task.fields[eta]}  "
-                             "${task.fields[usd]}"), TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task("job", total=None, state="PENDING", loss="-", tps="-", eta="-", usd="0.00")
+    with LiveBar(console) as bar:
         for st, new, usd, eta in _updates(job, poll_s):
             for e in new:
                 if e.kind in SHOWN or (e.kind is EventKind.STATE and e.to_state in ("RECOVERING", "RESIZING",
                                                                                     "FAILED")):
-                    progress.console.print(f"[dim]{time.strftime('%H:%M:%S', time.localtime(e.at))}[/dim] "
-                                           f"{_event_line(e)}", highlight=False)
-            progress.update(task, completed=st.step, total=st.total_steps, state=st.state.value,
-                            loss=_fmt(st.loss, ".4f"), tps=_fmt(st.tokens_per_s, ",.0f"),
-                            eta="-" if eta is None else time.strftime("%H:%M:%S", time.gmtime(eta)),
-                            usd=f"{usd:,.2f}")
+                    bar.event(e)
+            bar.update(st, usd, eta)
             if on_poll:
-                on_poll(progress)
+                on_poll(bar.progress)
         return st
+
+
+class LiveBar:
+    """The live progress line, laid out for the console's width (see `bar_fields`); events print above it."""
+
+    MIN_BAR = 10
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.progress = Progress(TextColumn("{task.fields[state]}"), BarColumn(bar_width=None),
+                                 TextColumn("{task.fields[count]}"), TextColumn("{task.fields[stats]}"),
+                                 console=console, expand=True)
+        self._task = self.progress.add_task("job", total=None, state="PENDING".ljust(10), count="0/?", stats="")
+        self._started = time.monotonic()
+
+    def __enter__(self) -> "LiveBar":
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.stop()
+
+    def event(self, e: Event) -> None:
+        stamp = time.strftime("%H:%M:%S", time.localtime(e.at))
+        for line in wrap(f"{stamp} {_event_line(e)}", self.console.width, hanging=" " * 9):
+            self.progress.console.print(line, markup=False, highlight=False)
+
+    def update(self, st: JobStatus, usd: float, eta: float | None) -> None:
+        state, count, stats = bar_fields(st, usd, eta, time.monotonic() - self._started,
+                                         width=self.console.width, min_bar=self.MIN_BAR)
+        self.progress.update(self._task, completed=st.step, total=st.total_steps, state=state, count=count,
+                             stats=stats)
+
+
+def bar_fields(st: JobStatus, usd: float, eta: float | None, elapsed_s: float, *, width: int,
+               min_bar: int = LiveBar.MIN_BAR) -> tuple[str, str, str]:
+    """(state, step count, figures) of the progress line, leaving the bar at least `min_bar` columns.
+
+    The step count is never shortened; the figures drop what does not fit, least needed first:
+    the elapsed time, the loss's fourth decimal, tokens/s, the ETA, the dollars.
+    """
+    state = st.state.value.ljust(10)
+    count = f"{st.step}/{st.total_steps or '?'}"
+    loss4, loss3 = _fmt(st.loss, ".4f"), _fmt(st.loss, ".3f")
+    tps = "-" if st.tokens_per_s is None else _short(st.tokens_per_s)
+    left = "-" if eta is None else _clock(eta)
+    spent = f"${usd:,.2f}"
+    choices = [f"loss {loss4}  {tps} tok/s  ETA {left}  {spent}  {_clock(elapsed_s)}",
+               f"loss {loss4}  {tps} tok/s  ETA {left}  {spent}",
+               f"loss {loss3}  {tps} tok/s  ETA {left}  {spent}",
+               f"loss {loss3}  ETA {left}  {spent}",
+               f"loss {loss3}  {spent}",
+               f"loss {loss3}", ""]
+    room = width - len(state) - len(count) - min_bar - 3  # three gaps of one column between the four columns
+    return state, count, next(c for c in choices if len(c) <= room)
+
+
+def _short(x: float) -> str:
+    """12,345 -> "12.3k"; 1,234,567 -> "1.23M"; small numbers as they are."""
+    if x >= 1e6:
+        return f"{x / 1e6:.3g}M"
+    if x >= 1e4:
+        return f"{x / 1e3:.3g}k"
+    return f"{x:,.0f}"
+
+
+def _clock(seconds: float) -> str:
+    """1:02:03 or 2:03."""
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
