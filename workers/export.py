@@ -24,6 +24,16 @@ Example::
 
     exported = export_checkpoint("/ckpt/tiny-lm", "weights/", job={"id": "tiny-lm-3f2a1c"})
     params, config = load("weights/")
+
+The structure saved is what orbax keeps of the pytree: nested dicts and lists with string
+keys. A program's own pytree types (an `nnx.State`, whose leaves' paths end in `value`, a
+dataclass, any registered pytree) come back as themselves with `like=`: a pytree of that
+structure (its leaves anything: the initial parameters, `jax.ShapeDtypeStruct`s) whose
+leaves are matched to the tensors by key path::
+
+    model = MyModel(nnx.Rngs(0))
+    params, config = load("weights/", like=nnx.state(model, nnx.Param))
+    nnx.update(model, params)
 """
 
 from __future__ import annotations
@@ -141,8 +151,18 @@ def _json_default(x: Any) -> Any:
     raise TypeError(f"{type(x).__name__} is not JSON")
 
 
-def load(folder: str | Path) -> tuple[Any, dict]:
-    """The exported pytree (NumPy arrays, in nested dicts and lists as trained) and the config."""
+def load(folder: str | Path, *, like: Any = None) -> tuple[Any, dict]:
+    """The exported pytree and the config.
+
+    Without `like`: NumPy arrays in nested dicts and lists, as orbax kept the trained tree.
+    With `like`: the tree of `like`'s own structure and types (an `nnx.State`, a flax
+    dict, a dataclass, any registered pytree), each leaf the tensor its key path names
+    (a JAX array where `like`'s leaf is one, else NumPy; the dtype as exported). A path
+    is matched whole, else without the `value` parts that flax's variables add (so a
+    pure dict and an `nnx.State` load each other's exports). `ExportError` names the
+    leaves that `like` has and the export does not, those it has and `like` does not,
+    and any shape that differs.
+    """
     from safetensors.numpy import load_file
 
     folder = Path(folder)
@@ -157,10 +177,67 @@ def load(folder: str | Path) -> tuple[Any, dict]:
         raise ExportError(str(folder / CONFIG), f"not an export's config (expected \"format\": \"{FORMAT}\")")
     tensors = load_file(str(folder / WEIGHTS))
     structure = config.pop("tree")
+    if like is not None:
+        return like_tree(like, tensors, where=str(folder)), config
     try:
         return unflatten(structure, tensors), config
     except KeyError as e:
         raise ExportError(str(folder / WEIGHTS), f"has no tensor {e.args[0]!r} that config.json names") from None
+
+
+def _path_name(path: tuple) -> tuple[str, ...]:
+    """A JAX key path as the parts of a tensor name: dict keys, sequence indices and attribute names, as text."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):  # DictKey, SequenceKey / FlattenedIndexKey, GetAttrKey
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return tuple(parts)
+
+
+def _without_values(parts: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(p for p in parts if p != "value")
+
+
+def like_tree(like: Any, tensors: dict[str, np.ndarray], *, where: str = "<export>") -> Any:
+    """`like`'s structure with each leaf replaced by the tensor of the same path (see `load`)."""
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(like)
+    names = {tuple(n.split("/")): n for n in tensors}
+    wanted = [_path_name(path) for path, _ in leaves]
+    if not all(w in names for w in wanted):  # not whole: try without flax's "value" parts, if that is unambiguous
+        loose = {}
+        for parts, n in names.items():
+            loose.setdefault(_without_values(parts), []).append(n)
+        if all(len(v) == 1 for v in loose.values()) and len({_without_values(w) for w in wanted}) == len(wanted):
+            names = {w: loose[_without_values(w)][0] for w in wanted if _without_values(w) in loose}
+    missing = ["/".join(w) for w in wanted if w not in names]
+    unused = sorted(set(tensors) - {names[w] for w in wanted if w in names})
+    problems = []
+    if missing:
+        problems.append(f"has no tensor for {len(missing)} leaf(s) of `like`: {_few(missing)}")
+    if unused:
+        problems.append(f"has {len(unused)} tensor(s) that `like` has no leaf for: {_few(unused)}")
+    out = []
+    for w, (_, leaf) in zip(wanted, leaves):
+        if w not in names:
+            continue
+        t = tensors[names[w]]
+        shape = getattr(leaf, "shape", None)
+        if shape is not None and tuple(shape) != t.shape:
+            problems.append(f"{names[w]}: shape {t.shape} in the export, {tuple(shape)} in `like`")
+        out.append(jax.numpy.asarray(t) if isinstance(leaf, jax.Array) else t)
+    if problems:
+        raise ExportError(where, "does not fit `like`: " + "; ".join(problems))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 # -- from a checkpoint -------------------------------------------------------------------

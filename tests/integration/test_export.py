@@ -233,3 +233,87 @@ def test_export_into_a_jobs_checkpoint_folder_is_refused(checkpoint, home, tmp_p
     assert sorted(p.name for p in other.iterdir()) == sorted(p.name for p in checkpoint.iterdir())
     r = run("export", "other", "-o", tmp_path / "out")  # the other job still exports
     assert r.exit_code == 0, r.output
+
+
+# -- back into the program's own pytree: load(..., like=) ----------------------------------
+
+
+def save_like_a_worker(directory: Path, step: int, state) -> None:
+    """The workers' layout (`workers.checkpoints`): items `state` and `meta`."""
+    import orbax.checkpoint as ocp
+
+    mngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(create=True))
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"step": step})))
+    mngr.wait_until_finished()
+    mngr.close()
+
+
+def test_an_nnx_state_loads_back_as_an_nnx_state(tmp_path):
+    """Without `like` an nnx.State comes back as {'value': array} leaves under string keys, which
+    nnx.replace_by_pure_dict refuses; with `like` it is the program's own State, or its pure dict."""
+    import jax
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(16, 8, rngs=rngs)
+            self.layers = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(2)])
+            self.norm = nnx.LayerNorm(8, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.embed(x)
+            for layer in self.layers:
+                h = layer(h)
+            return self.norm(h)
+
+    trained = Model(nnx.Rngs(0))
+    save_like_a_worker(tmp_path / "ckpt", 5, {"params": nnx.state(trained, nnx.Param), "step": np.int32(5)})
+    export.export_checkpoint(tmp_path / "ckpt", tmp_path / "w")
+    raw, _ = export.load(tmp_path / "w")
+    assert set(raw["layers"]) == {"0", "1"} and set(raw["layers"]["0"]["kernel"]) == {"value"}
+    with pytest.raises(ValueError):
+        nnx.replace_by_pure_dict(nnx.state(Model(nnx.Rngs(1)), nnx.Param), raw)
+
+    fresh = Model(nnx.Rngs(1))
+    params, config = export.load(tmp_path / "w", like=nnx.state(fresh, nnx.Param))
+    assert isinstance(params, nnx.State) and config["step"] == 5
+    nnx.update(fresh, params)
+    x = np.arange(6).reshape(2, 3)
+    assert np.array_equal(np.asarray(fresh(x)), np.asarray(trained(x)))  # the very model that was trained
+    pure, _ = export.load(tmp_path / "w", like=nnx.state(Model(nnx.Rngs(2)), nnx.Param).to_pure_dict())
+    assert set(pure["layers"]) == {0, 1} and isinstance(pure["layers"][1]["kernel"], jax.Array)
+    other = Model(nnx.Rngs(3))
+    state = nnx.state(other, nnx.Param)
+    nnx.replace_by_pure_dict(state, pure)  # what flax's own docs do with a pure dict, no glue
+    nnx.update(other, state)
+    assert np.array_equal(np.asarray(other(x)), np.asarray(trained(x)))
+
+
+def test_like_gives_back_any_registered_pytree_and_names_what_does_not_fit(checkpoint, tmp_path):
+    import dataclasses
+
+    import jax
+
+    @dataclasses.dataclass
+    class Head:
+        w: object
+        scale: object
+
+    jax.tree_util.register_dataclass(Head, data_fields=["w", "scale"], meta_fields=[])
+    export.export_checkpoint(checkpoint, tmp_path / "w")
+    want = make_state(6)["params"]
+    like = {"embed": jax.ShapeDtypeStruct((16, 8), jnp.bfloat16), "layers": [{"wq": 0, "norm": 0}] * 2,
+            "head": Head(w=np.zeros((8, 16)), scale=np.zeros(()))}
+    got, _ = export.load(tmp_path / "w", like=like)
+    assert isinstance(got["head"], Head) and isinstance(got["layers"], list)
+    assert_same_tree(got["head"].w, want["head"]["w"]) and got["embed"].dtype == jnp.bfloat16
+    assert_same_tree(got["layers"], want["layers"])
+
+    like["head"] = Head(w=np.zeros((8, 8)), scale=np.zeros(()))
+    like["extra"] = np.zeros(3)
+    del like["embed"]
+    with pytest.raises(export.ExportError) as e:
+        export.load(tmp_path / "w", like=like)
+    assert str(e.value) == (f"{tmp_path / 'w'}: does not fit `like`: has no tensor for 1 leaf(s) of `like`: extra; "
+                            "has 1 tensor(s) that `like` has no leaf for: embed; head/w: shape (8, 16) in the export, "
+                            "(8, 8) in `like`")
