@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 from orchestrator.cluster.home import Home, node_mark
 from orchestrator.errors import ClusterError
@@ -68,6 +69,28 @@ def _is_node(pid: int, mark: bytes, home_entry: bytes) -> bool:
             return bool(_NODE_MODULES & set(f.read().split(b"\0"))) and home_entry in env
     except OSError:  # gone, or not ours to read
         return False
+
+
+def marked_pids(home: Home) -> list[int]:
+    """Every live process (of this user: others' environments cannot be read) carrying `home`'s node mark."""
+    entry = f"{MARK_ENV}={node_mark(home)}".encode()
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/environ", "rb") as f:
+                    if entry in f.read().split(b"\0"):
+                        pids.append(int(name))
+            except OSError:
+                continue
+    return pids
+
+
+def leftover_nodes(root: str | Path) -> list[int]:
+    """The live processes of nodes started from any state directory under `root` (those with a token),
+    found by their node mark: on a shared machine another user's nodes, or another run's, are not among them."""
+    return sorted({pid for token in Path(root).rglob("auth_token") if token.is_file()
+                   for pid in marked_pids(Home(token.parent))})
 
 
 def session_is_ours(home: Home, sid: int) -> bool:

@@ -180,3 +180,26 @@ def test_a_node_started_before_nodes_carried_the_mark_is_still_ours(home):
         for p in (old, other_home, shell):
             p.kill()
             p.wait()
+
+
+def test_ci_stops_only_the_nodes_of_its_own_state_directories(tmp_path):
+    """`.ci/run` ends leftover nodes by their node mark under its own temporary folder, not by a
+    command-line pattern (`pkill -f orchestrator.cluster.raynode`) that matches anyone's nodes."""
+    from orchestrator.cluster.processes import leftover_nodes
+
+    ours = cluster.Home(tmp_path / "run" / "pytest" / "test-a" / "home").ensure()
+    cluster.ensure_token(ours)
+    theirs = cluster.Home(tmp_path / "elsewhere" / "home").ensure()
+    cluster.ensure_token(theirs)
+    fake_node = [sys.executable, "-c", "import time; time.sleep(300)", "-m", "orchestrator.cluster.raynode"]
+    procs = [subprocess.Popen(fake_node, start_new_session=True, env={**os.environ, cluster.MARK_ENV: mark})
+             for mark in (cluster.node_mark(ours), cluster.node_mark(theirs), "not-a-mark")]
+    try:
+        assert leftover_nodes(tmp_path / "run") == [procs[0].pid]
+        assert leftover_nodes(tmp_path / "nothing-here") == []
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    script = (REPO / ".ci" / "run").read_text()
+    assert "leftover_nodes" in script and "pkill" not in script and "pgrep" not in script
