@@ -23,7 +23,9 @@ Categories, in seconds:
   step time (the runtime's connections and first execution; 1-2 s on a 2-host slice).
 - restore: `restore_s` of restore events (reading a checkpoint, or initialising the
   parameters on a fresh start).
-- compile: `compile_s` of restore events.
+- compile: `compile_s` of restore events. A launch whose restore event has no compile
+  time (a user's program: `jax.jit` compiles in its first step) counts that first
+  step's warm-up as compile instead of runtime_init.
 - checkpoint_save: `blocking_s` of checkpoint events (the part of a save training waits for).
 - lost_work: `seconds` of lost_work events: steps thrown away by a disruption and
   computed again, carved out of the run that first computed them.
@@ -300,10 +302,13 @@ def _claims(intervals: list[StateInterval], events: list[Event],
         if iv.base_category == "provisioning":
             for w0, w1 in _waiting_windows(events, iv.end):
                 claim(i, "waiting_for_capacity", max(0.0, min(w1, iv.end) - max(w0, iv.start)))
+    compiles_in_first_step = set()  # intervals whose launch compiled its step in the first step
     for e in events:
         if e.kind is EventKind.RESTORE:
             claim(_work_interval(intervals, starts, e.at), "restore", e.payload.restore_s)
             claim(_work_interval(intervals, starts, e.at), "compile", e.payload.compile_s)
+            if not e.payload.compile_s:
+                compiles_in_first_step.add(_work_interval(intervals, starts, e.at))
         elif e.kind is EventKind.CHECKPOINT:
             claim(_work_interval(intervals, starts, e.at), "checkpoint_save", e.payload.blocking_s)
         elif e.kind is EventKind.LOST_WORK:
@@ -318,7 +323,7 @@ def _claims(intervals: list[StateInterval], events: list[Event],
     for s in kept:
         i, dt = _work_interval(intervals, starts, s.at), s.step_time_s or 0.0
         warm_up = max(0.0, dt - median) if first_step[s.generation] == s.step else 0.0
-        claim(i, "runtime_init", warm_up)
+        claim(i, "compile" if i in compiles_in_first_step else "runtime_init", warm_up)
         claim(i, "productive", dt - warm_up)
     return claims, kept
 

@@ -1,10 +1,16 @@
 """One job's report: a picture of its run, as a PNG or as a self-contained HTML page.
 
-The picture, top to bottom, against time since submission: the job's state, loss,
-throughput, the slices held (chips, coloured by tier), cumulative cost; disruptions,
-restores and resizes as labelled vertical lines across all of them; and where the wall time went (the
-goodput categories) as one stacked bar. The HTML page adds the goodput table and the
-job's event list, with the picture inlined, so it can be mailed or attached as one file.
+The picture, top to bottom: loss against step (a disrupted run that restored right draws
+the curve an undisturbed one would, so this is where to check it by eye); then against
+time since submission: the job's state, loss, throughput, the slices held (chips,
+coloured by tier), cumulative cost; and where the wall time went (the goodput
+categories) as one stacked bar. Every event worth a marker
+(`orchestrator.observe.timeline`: preemptions, host losses, worker crashes, hangs,
+program failures, restores, checkpoint saves, moves, controller adoptions, profile
+captures) is a vertical line in its kind's colour and style, on the step panel at its step
+and on the time panels at its time; each is labelled on the two loss panels, and the
+legend names every kind with its count. The HTML page adds the goodput table and the job's
+event list, with the picture inlined, so it can be mailed or attached as one file.
 """
 
 from __future__ import annotations
@@ -27,27 +33,33 @@ from matplotlib.transforms import blended_transform_factory
 
 from orchestrator.errors import OutputFileError, RequestError
 from orchestrator.observe.goodput import (CATEGORIES, BilledSlice, Goodput, StateInterval, billed_slices, compute_goodput,
-                                  disruptions, format_duration, state_intervals, summary_line)
+                                  format_duration, state_intervals, summary_line)
+from orchestrator.observe.timeline import MARKER_TITLES, Marker, markers as timeline_markers
 from orchestrator.state.events import EventKind
-from orchestrator.state.store import Event, Store
+from orchestrator.state.store import Event, StepMetric, Store
 from workers.protocol import LOOP_METRICS
 
 FORMATS = (".png", ".html")
 
-_MARKER_STYLE = {  # kind -> (colour, line style)
+_MARKER_STYLE = {  # kind (orchestrator.observe.timeline) -> (colour, line style)
     "preemption": ("#d62728", "--"),
+    "host_lost": ("#8c1a1a", "--"),
+    "worker_crash": ("#e377c2", "--"),
+    "hung": ("#bcbd22", "--"),
     "failure": ("#ff7f0e", "--"),
     "restore": ("#2ca02c", ":"),
-    "resize": ("#9467bd", "-."),
+    "checkpoint": ("#7f7f7f", (0, (1, 3))),
+    "move": ("#9467bd", "-."),
+    "adoption": ("#17becf", (0, (8, 2, 1, 2))),
+    "profile": ("#1f77b4", ":"),
 }
+_MARKER_TITLES = {**MARKER_TITLES, "profile": "profile capture"}
+MAX_LABELLED_CHECKPOINTS = 30  # beyond this many saves, their lines are named by the legend alone
 _STATE_COLOUR = {"PENDING": "#bdbdbd", "QUEUED": "#e0e0e0", "PROVISIONING": "#9ecae1", "STARTING": "#3182bd",
                  "RUNNING": "#2ca02c", "RECOVERING": "#d62728", "RESIZING": "#9467bd"}
 _TIER_COLOUR = {"spot": "#ff9f1c", "on-demand": "#1f77b4", "reserved": "#2ca02c"}
 _CATEGORY_COLOUR = dict(zip(CATEGORIES, ["#2ca02c", "#bdbdbd", "#9ecae1", "#3182bd", "#9467bd", "#17becf",
                                          "#8c564b", "#d62728", "#eeeeee"]))
-_DISRUPTION_MARKERS = {"preempted": ("preemption", "preempted"), "infra_lost": ("preemption", "host lost"),
-                     "app_failed": ("failure", "app failed")}
-
 
 class NoStepsError(RequestError, ValueError):
     """A report was asked for a job that has not reported a single training step."""
@@ -55,13 +67,6 @@ class NoStepsError(RequestError, ValueError):
     def __init__(self, job_id: str):
         self.job_id = job_id
         super().__init__(f"job {job_id!r} has no recorded steps yet; there is nothing to plot")
-
-
-@dataclass(frozen=True)
-class Marker:
-    at: float
-    kind: str  # a key of _MARKER_STYLE
-    label: str
 
 
 @dataclass(frozen=True)
@@ -107,7 +112,7 @@ def report_series(store: Store, job_id: str, *, now: float | None = None) -> Rep
         tokens_per_s=tuple(s.tokens_per_s for s in steps), metrics=tuple(s.metrics for s in steps), slices=slices,
         chips_at=tuple(changes), chips=tuple(sum(s.chips for s in slices if s.start <= t < s.end) for t in changes),
         cost_at=tuple(changes), cost_usd=tuple(sum(s.usd_until(t) for s in slices) for t in changes),
-        markers=tuple(_markers(events)), goodput=g)
+        markers=tuple(_markers(events, steps)), goodput=g)
 
 
 def write_report(store: Store, job_id: str, path: Path | str, *, now: float | None = None,
@@ -173,25 +178,38 @@ def write_atomically(path: Path, data: bytes) -> None:
 
 
 def render_png(s: ReportSeries) -> bytes:
-    """The picture (see the module doc) as PNG bytes, 1100 x 1300 pixels."""
-    fig = Figure(figsize=(11, 13), dpi=100, layout="constrained")
+    """The picture (see the module doc) as PNG bytes, 1100 x 1600 pixels."""
+    fig = Figure(figsize=(11, 16), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)  # Agg, without pyplot: no global figure registry, safe off the main thread
-    grid = fig.add_gridspec(6, 1, height_ratios=[0.35, 3, 2, 1.6, 1.8, 0.9])
-    ax_loss = fig.add_subplot(grid[1])
-    ax_states, ax_tps, ax_chips, ax_cost = (fig.add_subplot(grid[i], sharex=ax_loss) for i in (0, 2, 3, 4))
+    grid = fig.add_gridspec(8, 1, height_ratios=[3, 0.3, 0.35, 1.6, 1.6, 1.4, 1.3, 0.9])
+    ax_step = fig.add_subplot(grid[0])
+    ax_loss = fig.add_subplot(grid[3])
+    ax_states, ax_tps, ax_chips, ax_cost = (fig.add_subplot(grid[i], sharex=ax_loss) for i in (2, 4, 5, 6))
     unit, unit_s = _time_unit(s.end - s.start)
     x = _elapsed(s.start, unit_s)
 
-    _plot_states(ax_states, s.states, x)
     dots = "." if len(s.step) <= 300 else ""  # thousands of dots would hide the line
     for gen in sorted(set(s.generation)):
         rows = [i for i, g in enumerate(s.generation) if g == gen]
+        line, = ax_step.plot([s.step[i] + 1 for i in rows], [s.loss[i] for i in rows], dots + "-", ms=3, lw=1,
+                             label=f"generation {gen}")
         ax_loss.plot([x(s.step_at[i]) for i in rows], [s.loss[i] for i in rows], dots + "-", ms=3, lw=1,
-                     label=f"generation {gen}")
+                     color=line.get_color())
         tps = [i for i in rows if s.tokens_per_s[i] is not None]
-        ax_tps.plot([x(s.step_at[i]) for i in tps], [s.tokens_per_s[i] for i in tps], dots + "-", ms=3, lw=1)
+        ax_tps.plot([x(s.step_at[i]) for i in tps], [s.tokens_per_s[i] for i in tps], dots + "-", ms=3, lw=1,
+                    color=line.get_color())
+    ax_step.set_ylabel("loss")
+    ax_step.set_xlabel("step")
+    ax_step.set_xlim(0, max(s.step) + 1 + max(1, 0.01 * max(s.step)))
+    ax_step.set_title("loss against step: after a disruption the curve goes on as if nothing happened", fontsize=10,
+                      loc="left")
+    ax_step.grid(alpha=0.3)
+    legend = ax_step.legend(loc="upper right", fontsize=8, title="workers", title_fontsize=8)
+    _plot_markers(ax_step, s.markers, lambda m: m.step, labelled=True)
+
+    _plot_states(ax_states, s.states, x)
+    ax_states.set_title("against time since submission", fontsize=10, loc="left")
     ax_loss.set_ylabel("loss")
-    ax_loss.legend(loc="upper right", fontsize=8)
     ax_tps.set_ylabel("tokens / s")
     ax_tps.set_ylim(bottom=0)
     _plot_slices(ax_chips, s, x)
@@ -213,8 +231,10 @@ def render_png(s: ReportSeries) -> bytes:
     for ax in (ax_loss, ax_tps, ax_chips, ax_cost):
         ax.grid(alpha=0.3)
     for ax in (ax_states, ax_loss, ax_tps, ax_chips, ax_cost):
-        _plot_markers(ax, s.markers, x, labelled=ax is ax_loss)
-    _plot_goodput(fig.add_subplot(grid[5]), s.goodput)
+        _plot_markers(ax, s.markers, lambda m: x(m.at), labelled=ax is ax_loss)
+    _marker_legend(fig.add_subplot(grid[1]), s.markers)
+    ax_step.add_artist(legend)
+    _plot_goodput(fig.add_subplot(grid[7]), s.goodput)
     started = dt.datetime.fromtimestamp(s.start).astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
     fig.suptitle(f"{s.name} ({s.job_id}): {s.state}\nsubmitted {started}, {format_duration(s.goodput.wall_s)} "
                  f"wall time, ${s.goodput.usd_total:,.2f}, {s.step[-1] + 1} steps", fontsize=12)
@@ -286,17 +306,8 @@ def training_rows(s: ReportSeries) -> str:
 # -- pieces of the picture ---------------------------------------------------------------
 
 
-def _markers(events: list[Event]) -> list[Marker]:
-    out = [Marker(at, *_DISRUPTION_MARKERS[kind]) for at, kind in disruptions(events) if kind in _DISRUPTION_MARKERS]
-    has_resize_events = any(e.kind is EventKind.RESIZE for e in events)
-    for e in events:
-        if e.kind is EventKind.STATE and e.to_state == "RESIZING" and not has_resize_events:
-            out.append(Marker(e.at, "resize", "resizing"))
-        elif e.kind is EventKind.RESTORE and e.payload.restored_step is not None:  # a fresh start is no event to mark
-            out.append(Marker(e.at, "restore", f"restored step {e.payload.restored_step}"))
-        elif e.kind is EventKind.RESIZE:
-            r = e.payload
-            out.append(Marker(e.at, "resize", f"resize {r.from_accelerator or '?'} → {r.to or '?'}"))
+def _markers(events: list[Event], steps: list[StepMetric]) -> list[Marker]:
+    out = timeline_markers(events, steps)
     return sorted(out, key=lambda m: m.at)
 
 
@@ -329,14 +340,44 @@ def _plot_slices(ax, s: ReportSeries, x) -> None:
         ax.legend(loc="upper right", fontsize=8, title="tier", title_fontsize=8)
 
 
-def _plot_markers(ax, markers: tuple[Marker, ...], x, *, labelled: bool) -> None:
+def _plot_markers(ax, markers: tuple[Marker, ...], where, *, labelled: bool) -> None:
+    """Each marker as a vertical line at `where(marker)` (skipped where that is None); with `labelled`,
+    its label beside it, inside the axes whichever edge it is near, staggered where labels would meet."""
+    from matplotlib.lines import Line2D  # noqa: F401  (kept beside the legend's use)
+
     on_top = blended_transform_factory(ax.transData, ax.transAxes)  # x in data, y in axes fractions
-    for m in markers:
-        colour, style = _MARKER_STYLE[m.kind]
-        ax.axvline(x(m.at), color=colour, ls=style, lw=1.2)
-        if labelled:
-            ax.text(x(m.at), 0.98, f" {m.label}", transform=on_top, rotation=90, ha="right", va="top",
-                    fontsize=8, color=colour)
+    placed = [(where(m), m) for m in markers if where(m) is not None]
+    many_saves = sum(m.kind == "checkpoint" for _, m in placed) > MAX_LABELLED_CHECKPOINTS
+    lo, hi = ax.get_xlim()
+    span = (hi - lo) or 1.0
+    last_x, row = None, 0
+    for pos, m in placed:
+        colour, style = _MARKER_STYLE.get(m.kind, ("#000000", "-"))
+        ax.axvline(pos, color=colour, ls=style, lw=1.0 if m.kind == "checkpoint" else 1.2)
+        if not labelled or (m.kind == "checkpoint" and many_saves):
+            continue
+        row = row + 1 if last_x is not None and (pos - last_x) / span < 0.025 else 0
+        last_x = pos
+        near_left = (pos - lo) / span < 0.03
+        ax.text(pos, 0.98 - 0.34 * (row % 3), f" {m.label} " if near_left else f"{m.label} ", transform=on_top,
+                rotation=90, ha="left" if near_left else "right", va="top", fontsize=7.5, color=colour,
+                clip_on=False, bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.6, "pad": 0.5})
+
+
+def _marker_legend(ax, markers: tuple[Marker, ...]) -> None:
+    """One line naming each kind of marker drawn, with its line style and how many there are."""
+    from matplotlib.lines import Line2D
+
+    ax.axis("off")
+    kinds = [k for k in _MARKER_STYLE if any(m.kind == k for m in markers)]
+    if not kinds:
+        ax.text(0.0, 0.5, "no disruptions, restores, saves, moves or adoptions", transform=ax.transAxes,
+                fontsize=8, color="#7f7f7f", va="center")
+        return
+    handles = [Line2D([], [], color=_MARKER_STYLE[k][0], ls=_MARKER_STYLE[k][1], lw=1.5) for k in kinds]
+    labels = [f"{_MARKER_TITLES.get(k, k)} ({sum(m.kind == k for m in markers)})" for k in kinds]
+    ax.legend(handles, labels, loc="center", ncol=min(len(kinds), 5), fontsize=8, frameon=False,
+              handlelength=3)
 
 
 def _plot_goodput(ax, g: Goodput) -> None:

@@ -35,7 +35,7 @@ def _steps(store, job_id, generation, first, last, first_at, every=2.0):
                            at=first_at + (k - first) * every)
 
 
-def preempted_job(store: Store, job_id: str = "job-p") -> str:
+def preempted_job(store: Store, job_id: str = "job-p", *, compile_s: tuple[float, float] = (3.0, 2.0)) -> str:
     """110 s: queue 5 s, wait 10 s for capacity, run steps 0-9, preempted at step 10 with the last
     checkpoint at 8, relaunched on an on-demand slice, steps 8-19 (8 and 9 computed again), succeeded.
 
@@ -53,7 +53,7 @@ def preempted_job(store: Store, job_id: str = "job-p") -> str:
     store.import_event(job_id, "launched", "1 worker", {"slice": "s1", "nodes": ["n1"], "generation": 1}, at=t + 30)
     store.transition(job_id, J.RUNNING, "all hosts joined", data=StateChange(init_s=9.0, generation=1), at=t + 35)
     store.import_event(job_id, "restore", "started from scratch",
-                    {"restore_s": 2.0, "compile_s": 3.0, "restored_step": None}, at=t + 40)
+                    {"restore_s": 2.0, "compile_s": compile_s[0], "restored_step": None}, at=t + 40)
     _steps(store, job_id, 1, 0, 9, t + 42)  # steps 0-9 reported at t+42 ... t+60
     store.import_event(job_id, "checkpoint", "saved step 8", {"step": 8, "blocking_s": 0.5}, at=t + 56.5)
     _slice(store, job_id, t + 62, "s1", "PREEMPTING")
@@ -68,7 +68,7 @@ def preempted_job(store: Store, job_id: str = "job-p") -> str:
     _slice(store, job_id, t + 74, "s2", "READY", tier="on-demand")
     store.transition(job_id, J.STARTING, "slice s2 ready", data=StateChange(provision_s=10.0, slice="s2"), at=t + 74)
     store.transition(job_id, J.RUNNING, "all hosts joined", data=StateChange(init_s=5.0, generation=2), at=t + 80)
-    store.import_event(job_id, "restore", "restored step 8", {"restore_s": 1.0, "compile_s": 2.0, "restored_step": 8},
+    store.import_event(job_id, "restore", "restored step 8", {"restore_s": 1.0, "compile_s": compile_s[1], "restored_step": 8},
                     at=t + 85)
     store.import_event(job_id, "lost_work", "lost 2 steps (from step 10 back to 8)",  # as the controller writes it
                     {"steps": 2, "seconds": 3.0, "from_step": 10, "to_step": 8}, at=t + 85)
@@ -281,6 +281,21 @@ def test_the_first_step_of_each_launch_pays_its_warm_up_to_runtime_init(store):
     _assert_adds_up(g)
     assert g.productive_s == pytest.approx(30.0)  # 20 kept steps at the median, as before
     assert g.runtime_init_s == pytest.approx(16.0 + 2.5 + 4.0)
+
+
+def test_a_user_programs_first_step_compile_counts_as_compile(store):
+    """A restore event without a compile time (a user's program compiles in its first step): that
+    step's warm-up is compile, not runtime init."""
+    preempted_job(store, compile_s=(0.0, 0.0))
+    slow = {0: 1, 8: 2}
+    for step, generation in slow.items():
+        row = next(m for m in store.steps("job-p") if m.step == step)
+        store.record_steps("job-p", generation, [(step, row.loss, row.tokens_per_s, STEP_S + 6.0)], at=row.at)
+    g = goodput(store, "job-p")
+    _assert_adds_up(g)
+    assert g.compile_s == pytest.approx(2 * 6.0)  # each launch's first step beyond the median
+    assert g.runtime_init_s == pytest.approx(16.0)  # STARTING only
+    assert g.productive_s == pytest.approx(30.0)
 
 
 def test_a_slice_is_not_billed_while_it_waits_in_the_queue(store):

@@ -104,7 +104,9 @@ def test_report_series_holds_what_the_picture_shows(store):
                                              "PROVISIONING", "STARTING", "RUNNING"]
     assert s.step == tuple(range(20)) and s.generation == (1,) * 8 + (2,) * 12
     assert s.loss[-1] == pytest.approx(5.0 / 20)
-    assert [(m.kind, m.label) for m in s.markers] == [("preemption", "preempted"), ("restore", "restored step 8")]
+    assert [(m.kind, m.step, m.label) for m in s.markers] == [
+        ("checkpoint", 8, "saved step 8"), ("preemption", 10, "preempted"), ("restore", 8, "restored step 8"),
+        ("checkpoint", 16, "saved step 16")]
     assert [(sl.accelerator, sl.tier, sl.chips) for sl in s.slices] == [("v4-8", "spot", 4), ("v4-8", "on-demand", 4)]
     # The spot slice holds its chips once out of the queue (T0 + 16), the on-demand one from its request.
     assert list(zip(s.chips_at, s.chips)) == [(T0, 0), (T0 + 16, 4), (T0 + 63, 0), (T0 + 64, 4), (T0 + 110, 0)]
@@ -117,7 +119,7 @@ def test_png_report_is_a_picture_of_sensible_size(store, tmp_path):
     data = path.read_bytes()
     assert data[:8] == PNG_SIGNATURE and 30_000 < len(data) < 2_000_000
     width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk comes first
-    assert (width, height) == (1100, 1300)
+    assert (width, height) == (1100, 1600)
 
 
 def test_html_report_embeds_the_picture_the_goodput_table_and_the_events(store, tmp_path):

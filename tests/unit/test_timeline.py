@@ -1,0 +1,76 @@
+"""Markers as the report, the dashboard and `status` name them: causes told apart, every kind labelled."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.observe.report import _MARKER_STYLE, report_series, write_report
+from orchestrator.observe.timeline import MARKER_KINDS, MARKER_TITLES, disruption_cause, markers, move_line
+from orchestrator.state.events import Adopted, Disrupted, Launched, ResizeAsked, StateChange
+from orchestrator.state.states import JobState
+from orchestrator.state.store import Store
+from tests.unit.test_goodput import T0, preempted_job
+
+
+@pytest.mark.parametrize("kind,reason,cause", [
+    ("preempted", "spot slice s1 reclaimed", "preemption"),
+    ("infra_lost", "host 1 of slice s1 is gone", "host_lost"),
+    ("infra_lost", "a worker died (ActorDiedError)", "worker_crash"),
+    ("infra_lost", "a worker is unreachable (GetTimeoutError)", "worker_crash"),
+    ("infra_lost", "no progress for 120 s (hung)", "hung"),
+    ("app_failed", "ValueError: boom", "failure"),
+    ("provision_failed", "no slice", None),
+])
+def test_a_crashed_worker_is_not_a_lost_host(kind, reason, cause):
+    assert disruption_cause(kind, reason) == cause
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = Store(tmp_path / "state.db")
+    preempted_job(s, "job-p")
+    at = T0 + 95
+    s.add_event("job-p", Disrupted("infra_lost", 12, "a worker died (ActorDiedError)", 2), "worker", at=at)
+    s.add_event("job-p", Disrupted("infra_lost", 13, "host 0 of slice s2 is gone", 2), "host", at=at + 1)
+    s.add_event("job-p", Adopted(), "the controller restarted and adopted the running generation 2", at=at + 2)
+    s.add_event("job-p", ResizeAsked("v4-8", "v4-16", "spot", "requested", 15), "resize", at=at + 3)
+    return s
+
+
+def test_every_kind_of_marker_is_placed_and_labelled(store):
+    found = markers(store.events("job-p"), store.steps("job-p"))
+    kinds = [m.kind for m in found]
+    assert {"checkpoint", "preemption", "restore", "worker_crash", "host_lost", "adoption", "move"} <= set(kinds)
+    assert all(m.label and m.step is not None for m in found)
+    adoption = next(m for m in found if m.kind == "adoption")
+    assert adoption.step == 14  # placed at the steps done when it happened (step 13 was reported at that moment)
+    assert next(m for m in found if m.kind == "move").label == "move v4-8 → v4-16 spot"
+    assert set(MARKER_KINDS) <= set(MARKER_TITLES) and set(MARKER_KINDS) <= set(_MARKER_STYLE)
+
+
+def test_the_report_draws_them_all(store, tmp_path):
+    s = report_series(store, "job-p")
+    assert {"worker_crash", "host_lost", "adoption", "move", "checkpoint"} <= {m.kind for m in s.markers}
+    assert write_report(store, "job-p", tmp_path / "r.png").stat().st_size > 30_000
+
+
+def test_status_says_what_a_move_is_doing(tmp_path):
+    s = Store(tmp_path / "state.db")
+    s.create_job("j-1", "j", {"accelerator": "v4-8", "tier": "spot", "workload": {"steps": 10}})
+    for state in (JobState.PROVISIONING, JobState.STARTING):
+        s.transition("j-1", state, "x")
+    s.add_event("j-1", Launched("j-1-1", ["n"], [1], 1), "launched")
+    s.transition("j-1", JobState.RUNNING, "x", data=StateChange(generation=1), generation=1)
+    s.put_slice("j-1-1", "j-1", "local", "v4-8", "spot", "REQUESTED", {})
+    s.put_slice("j-1-1", "j-1", "local", "v4-8", "spot", "READY", {})
+    assert move_line(s, s.job("j-1")) is None
+    s.put_slice("j-1-2m1", "j-1", "local", "v4-32", "spot", "REQUESTED", {})  # make-before-break: beside it
+    s.put_slice("j-1-2m1", "j-1", "local", "v4-32", "spot", "WAITING", {})
+    assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: waiting for capacity"
+    s.add_event("j-1", ResizeAsked("v4-8", "v4-32", "spot", "ready", 5), "switching")
+    assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: checkpointing (step 5), then the old slice goes"
+    s.update_spec("j-1", {"accelerator": "v4-32", "tier": "spot", "workload": {"steps": 10}})
+    s.transition("j-1", JobState.RESIZING, "moving")
+    assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: releasing the old slice"
+    s.transition("j-1", JobState.QUEUED, "waiting")
+    assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: waiting for capacity"
