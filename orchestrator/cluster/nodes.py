@@ -92,6 +92,17 @@ def free_port() -> int:
     raise ClusterError(f"no free port on 127.0.0.1 in {_PORT_RANGE[0]}-{_PORT_RANGE[1]}")
 
 
+def loopback_node_args() -> list[str]:
+    """`ray start` arguments of a node that shares this machine with others: on 127.0.0.1, its own ports."""
+    return ["--disable-usage-stats", "--node-ip-address=127.0.0.1", "--object-store-memory", str(128 * 1024 * 1024),
+            f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
+            # Workers bind a port the kernel assigns: every node's workers share Ray's default
+            # range on this one machine, and two nodes could hand out the same port.
+            "--min-worker-port=0", "--max-worker-port=0"]
+
+
 def _ray_start(home: Home, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     ensure_token(home)
     env = {**os.environ, **ray_env(home), **(env or {}), MARK_ENV: node_mark(home)}
@@ -101,14 +112,8 @@ def _ray_start(home: Home, args: list[str], log_path: Path, env: dict[str, str] 
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_path, "ab")
     try:
-        cmd = [sys.executable, "-m", "orchestrator.cluster.raynode", "start", "--block", "--disable-usage-stats",
-               "--node-ip-address=127.0.0.1", "--object-store-memory", str(128 * 1024 * 1024),
-               f"--dashboard-agent-listen-port={free_port()}", f"--metrics-export-port={free_port()}",
-               f"--runtime-env-agent-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-               f"--node-manager-port={free_port()}", f"--object-manager-port={free_port()}",
-               # Workers bind a port the kernel assigns: every node's workers share Ray's default
-               # range on this one machine, and two nodes could hand out the same port.
-               "--min-worker-port=0", "--max-worker-port=0", *args]
+        cmd = [sys.executable, "-m", "orchestrator.cluster.raynode", "start", "--block", *loopback_node_args(),
+               *args]
         # The node runs in a session of its own (its id is the returned pid) and is not our child:
         # a shell starts it in the background and exits. Ray kills a worker's child processes
         # when the worker dies, and the controller (a Ray worker) starts nodes: as its children,

@@ -18,6 +18,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import catalog, cluster
+from orchestrator.control import shipping
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
 from orchestrator.state.events import Launched
 from orchestrator.state.store import Store
@@ -103,9 +104,11 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
         return Outcome(OutcomeKind.PROVISION_FAILED,
                        f"the {t.hosts} workers of slice {s.name} could not all be placed within {timeout:.0f} s "
                        f"(each needs {t.chips_per_host} TPU chips on its own host)", transient=True)
+    code = shipping.kept(home.job_dir(job_id))
+    env = shipping.runtime_env(code)  # the hosts import only what is shipped with the job
     actor = ray.remote(HostWorker)
     att.workers = [
-        actor.options(num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8,
+        actor.options(num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8, runtime_env=env,
                       scheduling_strategy=PlacementGroupSchedulingStrategy(att.pg, placement_group_bundle_index=i),
                       name=worker_name(s.name, att.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
         .remote(job_id=job_id, generation=att.generation, rank=i, num_hosts=t.hosts,
@@ -119,6 +122,8 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
                     f"{t.hosts} workers of generation {att.generation} on slice {s.name}")
     coordinator = ray.get(att.workers[0].coordinator_address.remote(), timeout=120) if t.hosts > 1 else None
     workload = workload_for(spec, t.chips, t.hosts)
+    if code is not None:
+        workload["workdir"] = None  # the shipped copy (the runtime environment's working_dir), not the folder
     share_key = secrets.token_bytes(32)  # seals what hosts hand each other through the coordinator
     ray.get(att.workers[0].start.remote(coordinator, workload, share_key), timeout=120)
     if coordinator is not None:  # the others join once host 0 listens (an early one waits out a backoff)

@@ -4,6 +4,13 @@ When a node becomes READY, each of its hosts joins the local cluster as its own 
 with the resources and labels a real TPU VM's startup script gives it; when the node is
 preempted or deleted, those Ray nodes go (a preemption kills them outright, as a VM
 power-off does).
+
+Two ways to be a host:
+- ``share_nothing=True`` (what a real slice is like): each host is an `EmulatedVm` that runs
+  the startup script the provider wrote into the node's metadata, in namespaces where none of
+  this machine's files are (the state directory, the job's folder, the checkpoints, the
+  project's sources). Its Ray token comes from the fake Secret Manager (`secrets`).
+- otherwise a plain local Ray node started from this process's environment (fast, shares the disk).
 """
 
 from __future__ import annotations
@@ -11,8 +18,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
 
 from orchestrator import catalog, cluster
+from orchestrator.emulator.vm import EmulatedVm
 from orchestrator.emulator.world import Hooks
 from orchestrator.providers.base import host_node_labels, host_node_resources
 
@@ -20,42 +29,53 @@ log = logging.getLogger(__name__)
 
 
 class RayBackedNodes:
-    def __init__(self, home: cluster.Home, address: str):
+    def __init__(self, home: cluster.Home, address: str, *, share_nothing: bool = False,
+                 secrets: dict[str, str] | None = None, hide: list[Path] = ()):
         self.home, self.address = home, address
+        self.share_nothing, self.secrets, self.hide = share_nothing, dict(secrets or {}), list(hide)
         self._lock = threading.Lock()
-        self._groups: dict[str, list[int]] = {}
+        self._groups: dict[str, list[int | EmulatedVm]] = {}
 
     def hooks(self) -> Hooks:
         return Hooks(on_node_ready=self.node_ready, on_node_gone=self.node_gone)
 
     START_RETRIES = 3
 
-    def node_ready(self, node_id: str, accelerator_type: str, worker_count: int, labels: dict[str, str]) -> None:
+    def node_ready(self, node_id: str, accelerator_type: str, worker_count: int, labels: dict[str, str],
+                   metadata: dict[str, str] | None = None) -> None:
         t = catalog.lookup(accelerator_type)
+        script = (metadata or {}).get("startup-script")
+        if self.share_nothing and not script:
+            log.error("emulated node %s has no startup-script: its hosts cannot boot", node_id)
+            return
 
-        def start(w: int) -> int:
+        def start(w: int) -> int | EmulatedVm:
+            log_path = self.home.root / "logs" / "emulator" / node_id / f"host-{w}.log"
+            if self.share_nothing:
+                return EmulatedVm(self.home, node_id, w, script, log_path=log_path, secrets=self.secrets,
+                                  hide=self.hide)
             return cluster.start_host_node(self.home, address=self.address,
                                            resources=host_node_resources(t, node_id, w),
-                                           labels=host_node_labels(t, node_id, w),
-                                           log_path=self.home.root / "logs" / "emulator" / node_id / f"host-{w}.log")
+                                           labels=host_node_labels(t, node_id, w), log_path=log_path)
 
-        pgids = [start(w) for w in range(worker_count)]
+        hosts = [start(w) for w in range(worker_count)]
         with self._lock:
-            self._groups[node_id] = pgids
+            self._groups[node_id] = hosts
         # A booting VM comes up; a local raylet on a busy machine can miss Ray's 30 s
         # registration and exit. Start such a host again, as LocalProvider does.
         tries = [0] * worker_count
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
             with self._lock:
-                if self._groups.get(node_id) is not pgids:
+                if self._groups.get(node_id) is not hosts:
                     return  # gone meanwhile
-                dead = [w for w, g in enumerate(pgids) if not cluster.group_alive(g)]
+                dead = [w for w, h in enumerate(hosts) if not _alive(h)]
                 for w in dead:
                     if tries[w] < self.START_RETRIES:
                         tries[w] += 1
                         log.warning("emulated node %s: host %d exited while starting; again (%d)", node_id, w, tries[w])
-                        pgids[w] = start(w)
+                        _stop(self.home, hosts[w], hard=True)
+                        hosts[w] = start(w)
             if not dead and self._joined(node_id) == worker_count:
                 log.info("emulated node %s: %d hosts joined the Ray cluster", node_id, worker_count)
                 return
@@ -70,10 +90,21 @@ class RayBackedNodes:
 
     def node_gone(self, node_id: str, reason: str) -> None:
         with self._lock:
-            pgids = self._groups.pop(node_id, [])
-        for pgid in pgids:
-            cluster.stop_group(self.home, pgid, hard=(reason == "preempted"))
+            hosts = self._groups.pop(node_id, [])
+        for host in hosts:
+            _stop(self.home, host, hard=(reason == "preempted"))
 
     def close(self) -> None:
         for node_id in list(self._groups):
             self.node_gone(node_id, "deleted")
+
+
+def _alive(host: int | EmulatedVm) -> bool:
+    return host.alive() if isinstance(host, EmulatedVm) else cluster.group_alive(host)
+
+
+def _stop(home: cluster.Home, host: int | EmulatedVm, *, hard: bool) -> None:
+    if isinstance(host, EmulatedVm):
+        host.kill()  # a VM deleted or preempted is powered off either way; its disk goes with it
+    else:
+        cluster.stop_group(home, host, hard=hard)

@@ -42,12 +42,13 @@ Record = QueuedResourceRecord | NodeRecord | OperationRecord
 class Hooks:
     """Callbacks from the emulator to whoever backs its nodes (e.g. with local Ray nodes).
 
-    on_node_ready(node_id, accelerator_type, worker_count, labels): the node is READY.
+    on_node_ready(node_id, accelerator_type, worker_count, labels, metadata): the node is READY; `metadata`
+        is its instance metadata as requested (``startup-script`` among it).
     on_node_gone(node_id, reason): its VMs are down; reason is preempted, terminated or deleted.
     on_preemption_notice(node_id): a reclaim began; the VMs go down after the grace period.
     """
 
-    on_node_ready: Callable[[str, str, int, dict[str, str]], None] | None = None
+    on_node_ready: Callable[[str, str, int, dict[str, str], dict[str, str]], None] | None = None
     on_node_gone: Callable[[str, str], None] | None = None
     on_preemption_notice: Callable[[str], None] | None = None
 
@@ -188,7 +189,8 @@ class World:
             announced = True
             labels = dict(node.spec.labels)
             self._call_hook(
-                self.hooks.on_node_ready, node.node_id, node.spec.accelerator_type, node.worker_count, labels
+                self.hooks.on_node_ready, node.node_id, node.spec.accelerator_type, node.worker_count, labels,
+                dict(node.spec.metadata),
             )
         elif target in m.NODE_DOWN and announced:
             announced = False

@@ -16,19 +16,38 @@ from __future__ import annotations
 
 import json
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from orchestrator.catalog import TpuType
 from orchestrator.providers.base import host_node_labels, host_node_resources
 
-METADATA_URL = "http://metadata.google.internal/computeMetadata/v1/instance/attributes/agent-worker-number"
+# GCE_METADATA_HOST is the variable Google's own libraries read to find the metadata server.
+METADATA_URL = ("http://${GCE_METADATA_HOST:-metadata.google.internal}"
+                "/computeMetadata/v1/instance/attributes/agent-worker-number")
 
-# Pinned as in constraints.txt: workers must run the versions the controller runs.
-DEFAULT_REQUIREMENTS = (
-    "ray[default]==2.60.0",
-    "jax[tpu]==0.10.2",
-    "orbax-checkpoint==0.12.8",
-)
+# What the hosts import from outside the project (`workers`, `kernels` and `policies` are
+# shipped with every job, see `orchestrator.control.shipping`): the distributions, with the
+# extras a TPU VM needs.
+WORKER_DISTRIBUTIONS = {
+    "ray": "ray[default]", "jax": "jax[tpu]", "jaxlib": "jaxlib", "orbax-checkpoint": "orbax-checkpoint",
+    "optax": "optax", "numpy": "numpy", "etils": "etils[epath]", "fsspec": "fsspec", "gcsfs": "gcsfs",
+    "google-cloud-storage": "google-cloud-storage", "safetensors": "safetensors", "pydantic": "pydantic",
+}
+
+
+def worker_requirements() -> tuple[str, ...]:
+    """The worker environment, pinned to the versions this controller runs (installed from the
+    project's constraints.txt): a host must unpickle what the controller sends and write
+    checkpoints the controller's tools read."""
+    from importlib import metadata
+
+    pins = []
+    for dist, requirement in WORKER_DISTRIBUTIONS.items():
+        try:
+            pins.append(f"{requirement}=={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:  # an optional one (gcsfs without the [gcs] extra)
+            continue
+    return tuple(pins)
 
 
 @dataclass(frozen=True)
@@ -36,18 +55,23 @@ class WorkerSetup:
     """What a TPU VM needs to become a worker host of the orchestrator's Ray cluster.
 
     head_address: the Ray head's ``host:port`` as reachable from the TPU VMs' network.
-    requirements: pip requirements of the worker environment; add the project itself
-        here (a wheel in GCS or a git URL) so hosts can import ``workers``.
+    requirements: pip requirements of the worker environment (default: `worker_requirements`,
+        the controller's own versions). The project's code is not among them: it is shipped
+        with each job as a Ray runtime environment.
     ray_token_secret: a Secret Manager secret holding the Ray cluster token (``ray
         get-auth-token``), or None when the cluster runs without token authentication.
+    ray_command, ray_args: how the host runs ``ray start`` (default ``<venv>/bin/ray``) and
+        extra arguments (an emulated VM on this machine keeps its node on 127.0.0.1).
     """
 
     head_address: str
-    requirements: tuple[str, ...] = DEFAULT_REQUIREMENTS
+    requirements: tuple[str, ...] = field(default_factory=worker_requirements)
     venv: str = "/opt/tpu-orchestrator/venv"
     python: str = "python3"
     ray_token_secret: str | None = None
     log_file: str = "/var/log/tpu-orchestrator-startup.log"
+    ray_command: str | None = None
+    ray_args: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         host, sep, port = self.head_address.rpartition(":")
@@ -73,13 +97,15 @@ def startup_script(setup: WorkerSetup, tpu_type: TpuType, slice_name: str) -> st
             "export RAY_AUTH_TOKEN\n"
         )
     venv = q(setup.venv)
+    ray = setup.ray_command or f"{venv}/bin/ray"
+    extra = "".join(f" {q(a)}" for a in setup.ray_args)
     return f"""#!/bin/bash
 # Written by tpu-orchestrator for slice {slice_name} ({tpu_type.name}, {tpu_type.hosts} hosts):
 # installs the worker environment and joins the Ray cluster at {setup.head_address}.
 set -euo pipefail
 exec >>{q(setup.log_file)} 2>&1
 
-WORKER_ID="$(curl -sSf --retry 10 --retry-connrefused -H 'Metadata-Flavor: Google' {q(METADATA_URL)})"
+WORKER_ID="$(curl -sSf --retry 10 --retry-connrefused -H 'Metadata-Flavor: Google' "{METADATA_URL}")"
 case "$WORKER_ID" in
 {chr(10).join(cases)}
   *) echo "worker number '$WORKER_ID' is not a host of {tpu_type.name}" >&2; exit 1 ;;
@@ -91,7 +117,7 @@ if [ ! -x {venv}/bin/ray ]; then
   {venv}/bin/pip install --quiet {" ".join(q(r) for r in setup.requirements)}
 fi
 
-{token}{venv}/bin/ray stop --force >/dev/null 2>&1 || true
-{venv}/bin/ray start --address={q(setup.head_address)} --resources="$RESOURCES" --labels="$LABELS"
+{token}{ray} stop --force >/dev/null 2>&1 || true
+{ray} start --address={q(setup.head_address)} --resources="$RESOURCES" --labels="$LABELS"{extra}
 echo "worker $WORKER_ID of {slice_name} joined {setup.head_address}"
 """

@@ -260,7 +260,8 @@ class JobSpec(_Frozen):
 
 
 def _resolve_checkpoint_dir(data: Any, folder: Path) -> Any:
-    """`data` with relative paths (checkpoint.directory, workload.data.path) taken from `folder`, the job file's."""
+    """`data` with relative paths (checkpoint.directory, workload.data.path, workdir) taken from `folder`, the
+    job file's; an entrypoint job's `workdir` defaults to that folder."""
     def resolved(value: Any) -> Any:
         if not isinstance(value, str) or not value.strip() or "\0" in value or "://" in value:
             return None  # nothing to resolve, or a value the validator refuses with its own message
@@ -278,6 +279,10 @@ def _resolve_checkpoint_dir(data: Any, folder: Path) -> Any:
     trace = data.get("capacity_trace")
     if isinstance(trace, dict) and resolved(trace.get("path")):
         data = {**data, "capacity_trace": {**trace, "path": resolved(trace["path"])}}
+    if isinstance(workload, dict) and workload.get("type") == "entrypoint" and data.get("workdir") is None:
+        data = {**data, "workdir": str(folder.resolve())}  # the folder an entrypoint is imported from and shipped
+    elif resolved(data.get("workdir")):
+        data = {**data, "workdir": resolved(data["workdir"])}
     return data
 
 

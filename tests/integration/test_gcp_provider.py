@@ -65,7 +65,8 @@ class JoinedHosts:
         self._lock = threading.Lock()
         self.slices: dict[str, int] = {}
 
-    def ready(self, node_id: str, accelerator_type: str, worker_count: int, labels: dict[str, str]) -> None:
+    def ready(self, node_id: str, accelerator_type: str, worker_count: int, labels: dict[str, str],
+              metadata: dict[str, str]) -> None:
         with self._lock:
             self.slices[node_id] = worker_count
 

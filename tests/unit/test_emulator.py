@@ -165,7 +165,7 @@ def test_reclaim_suspends_then_preempts_and_calls_the_hooks_in_order():
         assert client.get_node(name=NODE_NAME).state.name == "READY"  # the grace period
         wait_state(client, QR_NAME, QRState.SUSPENDED)
         assert client.get_node(name=NODE_NAME).state.name == "PREEMPTED"
-    assert calls == [("ready", "q1", "v4-16", 2, {"job": "j1"}), ("notice", "q1"), ("gone", "q1", "preempted")]
+    assert calls == [("ready", "q1", "v4-16", 2, {"job": "j1"}, {}), ("notice", "q1"), ("gone", "q1", "preempted")]
 
 
 def test_a_failing_hook_is_logged_and_the_emulator_goes_on(caplog):

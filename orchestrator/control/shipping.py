@@ -1,0 +1,137 @@
+"""The code a job's hosts run goes with the job: the project's worker packages and the user's folder.
+
+A TPU VM has what its startup script installed (Ray, JAX, orbax, ... at the versions
+pinned in `orchestrator.providers.startup.worker_requirements`) and nothing of the
+machine that submitted the job. So every launch hands its workers a Ray runtime
+environment, the mechanism Ray users already know:
+
+- ``py_modules``: `workers`, `kernels` and `policies` exactly as the controller runs them,
+  each a content-addressed package in Ray's GCS store, unpacked once per node;
+- ``working_dir``: an entrypoint job's folder, packed when the job is submitted (the folder
+  may be gone by the time a slice is ready, or hours later at a preemption), kept in the
+  job's state directory and uploaded again whenever Ray has dropped it (Ray frees a package
+  no actor references, and a restarted cluster starts with an empty store).
+
+The local provider ships the same way, so a job that runs locally runs on share-nothing hosts.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from orchestrator.errors import SpecError
+
+log = logging.getLogger(__name__)
+
+PROJECT_PACKAGES = ("workers", "kernels", "policies")  # what hosts import; `workers` imports no `orchestrator`
+PROJECT_EXCLUDES = ["__pycache__", "*.pyc", "traces/"]  # policies/traces: the simulator's data, not the hosts'
+
+# Never part of a job's code: version control, environments, caches, data and checkpoints
+# (which belong in object storage). A .gitignore or .rayignore in the folder is honoured too.
+FOLDER_EXCLUDES = [".git", ".hg", ".svn", "__pycache__", "*.pyc", ".venv*", "venv", "env", ".tox", ".nox",
+                   ".mypy_cache", ".pytest_cache", ".ruff_cache", "node_modules", "data", "checkpoints",
+                   "*.orbax-checkpoint-tmp*", "wandb", "*.safetensors", "*.ckpt", "*.npz"]
+MAX_FOLDER_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Package:
+    """A packed folder: Ray's content-addressed URI (``gcs://_ray_pkg_<sha1>.zip``) and the zip itself."""
+
+    uri: str
+    data: bytes
+    files: int
+
+
+def pack_folder(folder: str | Path, *, source: str = "<spec>", limit: int = MAX_FOLDER_BYTES) -> Package:
+    """Pack a job's folder for its hosts; `SpecError` naming the folder if it is missing or too big.
+
+    The size is checked before anything is zipped, on the files that would be shipped.
+    """
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes, create_package, get_uri_for_package
+
+    folder = Path(folder).resolve()
+    if not folder.is_dir():
+        raise SpecError(source, [("workdir", f"the job's folder {folder} is not a directory")])
+    sizes: list[int] = []
+    _dir_travel(folder, [_get_excludes(folder, FOLDER_EXCLUDES)],
+                lambda p: sizes.append(p.stat().st_size) if p.is_file() else None, include_gitignore=True,
+                logger=log)
+    total = sum(sizes)
+    if total > limit:
+        raise SpecError(source, [("workdir", f"the job's folder {folder} holds {_mib(total)} to ship to every host "
+                                             f"(limit {_mib(limit)}): keep data and checkpoints in object storage, "
+                                             f"or list large files in a .gitignore or .rayignore there")])
+    with tempfile.TemporaryDirectory(prefix="tpu-orchestrator-pack-") as tmp:
+        target = Path(tmp) / "code.zip"
+        create_package(str(folder), target, include_gitignore=True, excludes=FOLDER_EXCLUDES, logger=log)
+        return Package(uri=get_uri_for_package(target), data=target.read_bytes(), files=len(sizes))
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+# -- kept by the controller --------------------------------------------------------------
+
+def keep(package: Package, job_dir: Path) -> None:
+    """Store a job's packed folder in its state directory (written whole, then renamed)."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    tmp = job_dir / f".code.zip.tmp-{os.getpid()}"
+    tmp.write_bytes(package.data)
+    tmp.replace(job_dir / "code.zip")
+    (job_dir / "code.uri").write_text(package.uri)
+
+
+def kept(job_dir: Path) -> Package | None:
+    """The job's packed folder, if it has one."""
+    uri_file, zip_file = job_dir / "code.uri", job_dir / "code.zip"
+    if not (uri_file.exists() and zip_file.exists()):
+        return None
+    return Package(uri=uri_file.read_text().strip(), data=zip_file.read_bytes(), files=-1)
+
+
+# -- at each launch -----------------------------------------------------------------------
+
+def runtime_env(job_code: Package | None) -> dict:
+    """The runtime environment of a job's workers: the project's packages, and the job's folder if it has one.
+
+    Each package is uploaded to Ray's store if it is not there (any more).
+    """
+    from ray._private.runtime_env.packaging import package_exists, pin_runtime_env_uri, upload_package_to_gcs
+
+    env: dict = {"py_modules": [_project_package(name) for name in PROJECT_PACKAGES]}
+    if job_code is not None:
+        pin_runtime_env_uri(job_code.uri)
+        if not package_exists(job_code.uri):
+            upload_package_to_gcs(job_code.uri, job_code.data)
+            log.info("uploaded the job's folder %s (%d bytes) to the cluster", job_code.uri, len(job_code.data))
+        env["working_dir"] = job_code.uri
+    return env
+
+
+def _project_package(name: str) -> str:
+    from ray._private.runtime_env.packaging import upload_package_if_needed
+
+    path, uri = _project_uri(name)
+    with tempfile.TemporaryDirectory(prefix="tpu-orchestrator-pack-") as scratch:
+        upload_package_if_needed(uri, scratch, str(path), include_gitignore=False, include_parent_dir=True,
+                                 excludes=PROJECT_EXCLUDES, logger=log)
+    return uri
+
+
+@functools.cache
+def _project_uri(name: str) -> tuple[Path, str]:
+    """Where this process imports package `name` from, and the URI of its contents (the code cannot
+    change under a running controller)."""
+    import importlib
+
+    from ray._private.runtime_env.packaging import get_uri_for_directory
+
+    path = Path(importlib.import_module(name).__file__).parent
+    return path, get_uri_for_directory(str(path), include_gitignore=False, excludes=PROJECT_EXCLUDES)
