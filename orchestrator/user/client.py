@@ -25,6 +25,7 @@ from pathlib import Path
 
 from orchestrator import catalog, cluster
 from orchestrator.catalog import Tier
+from orchestrator.cluster.driver_output import keep_ray_quiet
 from orchestrator.errors import ClusterError, JobNotFoundError, JobStateError, OrchestratorError, SpecError
 from orchestrator.user.spec import JobSpec
 from orchestrator.state.states import JobState
@@ -63,6 +64,7 @@ class Client:
             address = info.address
         else:
             address = self.address
+        keep_ray_quiet(self.home)  # Ray's own messages go to logs/driver.log, not to the user's terminal
         try:
             ray.init(address=address, namespace=cluster.NAMESPACE, logging_level=logging.WARNING,
                      log_to_driver=False, configure_logging=False)
