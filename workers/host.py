@@ -213,6 +213,8 @@ class HostWorker:
         from workers.api import param_checksums
 
         if loop.stopped and not loop.completed:
+            log.warning("stopped after step %d with its checkpoint committed (%s)", loop.step,
+                        self._notice_reason or "another host's notice")
             return WorkerResult(Ending.STOPPED, self.rank, steps=loop.step, notice=self._notice_reason)
         state = loop.state
         params = state["params"] if isinstance(state, dict) and "params" in state else state

@@ -3,12 +3,16 @@
 - The GCE metadata server: ``instance/preempted`` turns TRUE, or
   ``instance/maintenance-event`` leaves NONE; both long-polled with
   ``?wait_for_change=true``. The URL is configurable so tests run a local fake.
-- SIGTERM to the worker process (what a VM's shutdown, or Kubernetes, sends first).
+- SIGTERM to the worker process (what a VM's shutdown, or Kubernetes, sends first). On a
+  multi-host slice `jax.distributed.initialize` starts XLA's preemption notifier, which
+  takes SIGTERM over in C and so silenced ours; `chain_sigterm` (run after it) gives the
+  signal back to ours, which calls XLA's in turn: both hear every SIGTERM.
 - The controller (`HostWorker.request_stop`), when the provider reports a reclaim.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import signal
 import threading
@@ -63,8 +67,76 @@ class MetadataWatcher:
 
 def install_sigterm(on_notice) -> bool:
     """Turn SIGTERM into a notice; False where signals cannot be set (not the main thread)."""
+    global _ours
+
+    def handler(signum, frame) -> None:
+        on_notice("SIGTERM")
+        _call_chained(signum)
+
     try:
-        signal.signal(signal.SIGTERM, lambda signum, frame: on_notice("SIGTERM"))
-        return True
+        signal.signal(signal.SIGTERM, handler)
     except ValueError:
         return False
+    _ours = _action()
+    return True
+
+
+# -- SIGTERM beside XLA's preemption notifier -------------------------------------------------
+#
+# Python's handlers run on the main thread, called from Python's own C-level handler. A C
+# library that calls sigaction() itself replaces that one, and Python still believes its
+# handler is set (signal.getsignal says so). XLA's preemption notifier does that when
+# `jax.distributed.initialize` starts it: its handler marks the notice for JAX's preemption
+# sync manager (`multihost_utils.reached_preemption_sync_point`, orbax's save on preemption).
+
+
+class _Sigaction(ctypes.Structure):  # struct sigaction, Linux (glibc and musl): handler, mask, flags, restorer
+    _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16), ("flags", ctypes.c_int),
+                ("restorer", ctypes.c_void_p)]
+
+
+_SA_SIGINFO = 4
+_ours: _Sigaction | None = None  # Python's C-level SIGTERM handler, as `install_sigterm` left it
+_chained = None  # (the C handler that had taken SIGTERM over, called after ours; whether it takes siginfo)
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+def _action() -> _Sigaction | None:
+    libc, act = _libc(), _Sigaction()
+    if libc is None or libc.sigaction(signal.SIGTERM, None, ctypes.byref(act)) != 0:
+        return None
+    return act
+
+
+def chain_sigterm() -> str | None:
+    """Give SIGTERM back to the handler `install_sigterm` set, if C code took it over since,
+    and have ours call the one that took it (XLA's preemption notifier): both hear every
+    SIGTERM. Returns what it did, for the log; None when nothing had taken the signal."""
+    global _chained
+    now = _action()
+    if _ours is None or now is None or now.handler == _ours.handler:
+        return None
+    if now.handler not in (None, 0, 1):  # SIG_DFL, SIG_IGN: nothing to call
+        siginfo = bool(now.flags & _SA_SIGINFO)
+        kind = (ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p) if siginfo
+                else ctypes.CFUNCTYPE(None, ctypes.c_int))
+        _chained = (kind(now.handler), siginfo)
+    if _libc().sigaction(signal.SIGTERM, ctypes.byref(_ours), None) != 0:
+        return None
+    return f"SIGTERM: the project's notice first, then the handler at {now.handler:#x} (JAX's preemption notifier)"
+
+
+def _call_chained(signum: int) -> None:
+    if _chained is None:
+        return
+    fn, siginfo = _chained
+    try:
+        fn(signum, None, None) if siginfo else fn(signum)
+    except Exception as e:  # never let the chained handler cost us the notice
+        log.warning("the chained SIGTERM handler failed: %s", e)

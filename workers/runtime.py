@@ -55,6 +55,10 @@ def initialize(*, coordinator_address: str | None, num_processes: int, process_i
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, initialization_timeout=timeout_s,
                                coordinator_bind_address=coordinator_address)
+    from workers.notices import chain_sigterm
+
+    if chained := chain_sigterm():  # XLA's preemption notifier took SIGTERM over: ours first again, then it
+        log.info(chained)
     if jax.config.jax_cpu_collectives_implementation == "gloo":
         _pin_gloo(host_address or coordinator_address.rsplit(":", 1)[0])
 

@@ -167,3 +167,23 @@ def test_more_preemptions_than_the_budget(client, tmp_path):
     assert st.state is JobState.FAILED
     assert st.reason.startswith("2 preemptions or host losses, more than max_preemptions=1")
     assert not client.store.slices(job_id=job.id, live_only=True)
+
+
+def test_sigterm_to_one_worker_of_a_two_host_slice_is_a_notice(client, tmp_path, reference):
+    """On a multi-host slice XLA's preemption notifier took SIGTERM over, and a SIGTERM gave no notice:
+    now both hear it, and every host stops after the same step, that step's checkpoint committed."""
+    job = client.submit(chaos_spec("sigterm", tmp_path))
+    wait_step(job, 9)
+    os.kill(kinds(job, "launched")[-1].data["pids"][1], signal.SIGTERM)
+    wait_for(lambda: kinds(job, "disruption"), 120, "the notice to end the attempt")
+    assert_same_model(job, reference)
+    [notice] = kinds(job, "notice")
+    assert notice.data["rank"] == 1 and "(SIGTERM)" in notice.reason, notice.reason
+    d = kinds(job, "disruption")[0]
+    assert d.data["kind"] == "preempted" and "preemption notice (host 1: SIGTERM)" in d.reason, d.reason
+    step = d.data["step"] + 1  # steps done
+    stops = [line for line in job.logs().splitlines() if "stopped after step" in line]
+    assert sorted(line.split("]")[0] for line in stops) == ["[host-0", "[host-1"], stops
+    assert all(f"stopped after step {step} with its checkpoint committed" in line for line in stops), stops
+    assert kinds(job, "restore")[1].data["restored_step"] == step
+    assert kinds(job, "lost_work")[0].data["steps"] == 0 and job.status().preemptions == 1
