@@ -20,7 +20,10 @@ _MESSAGES = logging.getLogger("ray.driver_messages")  # a child of "ray": writte
 
 
 def keep_ray_quiet(home: Home) -> Path:
-    """Send Ray's driver-side messages and log records to `home`'s logs/driver.log (idempotent); returns its path."""
+    """Send Ray's driver-side messages and log records to `home`'s logs/driver.log (idempotent); returns its path.
+
+    Call it before `ray.init` and again after it: connecting sets Ray's logging up anew.
+    """
     import ray._private.worker as ray_worker
 
     path = home.root / "logs" / "driver.log"
@@ -45,9 +48,8 @@ def keep_ray_quiet(home: Home) -> Path:
 
 def _to_log(data: dict, ignore_prefix: bool = False) -> None:
     """Ray's `print_to_stdstream`, into the log: each line with the process it came from."""
-    for line in data.get("lines") or []:
-        _MESSAGES.warning("(%s) %s", data.get("pid", "?"), line) if data.get("is_err") else \
-            _MESSAGES.info("(%s) %s", data.get("pid", "?"), line)
+    for line in data.get("lines") or []:  # at WARNING: `ray.init(logging_level=WARNING)` drops anything less
+        _MESSAGES.warning("(%s) %s", data.get("pid", "?"), line)
 
 
 _to_log._orchestrator = True

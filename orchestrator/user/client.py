@@ -72,6 +72,7 @@ class Client:
             if self._owns_cluster:  # leave nothing running behind a failed start
                 cluster.stop_cluster(self.home)
             raise ClusterError(f"cannot reach the Ray cluster at {address}: {e}") from None
+        keep_ray_quiet(self.home)  # again: connecting set Ray's logging up anew
         self._connected = True
         try:
             self._ensure_controller(address)
