@@ -34,7 +34,7 @@ from matplotlib.transforms import blended_transform_factory
 from orchestrator.errors import OutputFileError, RequestError
 from orchestrator.observe.goodput import (CATEGORIES, BilledSlice, Goodput, StateInterval, billed_slices, compute_goodput,
                                   format_duration, state_intervals, summary_line)
-from orchestrator.observe.timeline import MARKER_TITLES, Marker, markers as timeline_markers
+from orchestrator.observe.timeline import MARKER_TITLES, SAVE, Marker, markers as timeline_markers
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event, StepMetric, Store
 from workers.protocol import LOOP_METRICS
@@ -343,18 +343,16 @@ def _plot_slices(ax, s: ReportSeries, x) -> None:
 def _plot_markers(ax, markers: tuple[Marker, ...], where, *, labelled: bool) -> None:
     """Each marker as a vertical line at `where(marker)` (skipped where that is None); with `labelled`,
     its label beside it, inside the axes whichever edge it is near, staggered where labels would meet."""
-    from matplotlib.lines import Line2D  # noqa: F401  (kept beside the legend's use)
-
     on_top = blended_transform_factory(ax.transData, ax.transAxes)  # x in data, y in axes fractions
     placed = [(where(m), m) for m in markers if where(m) is not None]
-    many_saves = sum(m.kind == "checkpoint" for _, m in placed) > MAX_LABELLED_CHECKPOINTS
+    many_saves = sum(m.kind == SAVE for _, m in placed) > MAX_LABELLED_CHECKPOINTS
     lo, hi = ax.get_xlim()
     span = (hi - lo) or 1.0
     last_x, row = None, 0
     for pos, m in placed:
         colour, style = _MARKER_STYLE.get(m.kind, ("#000000", "-"))
-        ax.axvline(pos, color=colour, ls=style, lw=1.0 if m.kind == "checkpoint" else 1.2)
-        if not labelled or (m.kind == "checkpoint" and many_saves):
+        ax.axvline(pos, color=colour, ls=style, lw=1.0 if m.kind == SAVE else 1.2)
+        if not labelled or (m.kind == SAVE and many_saves):
             continue
         row = row + 1 if last_x is not None and (pos - last_x) / span < 0.025 else 0
         last_x = pos

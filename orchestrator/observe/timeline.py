@@ -34,6 +34,7 @@ MARKER_TITLES = {"preemption": "preemption", "host_lost": "host lost", "worker_c
                  "hung": "worker hung", "failure": "program failed", "restore": "restore",
                  "checkpoint": "checkpoint saved", "move": "move", "adoption": "controller adopted"}
 DISRUPTION_KINDS = ("preemption", "host_lost", "worker_crash", "hung", "failure")
+SAVE = "checkpoint"  # the marker kind of a checkpoint save (a marker kind, not an event kind)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,10 @@ this test, never skips it.
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -24,6 +27,7 @@ import ray
 
 from orchestrator import JobState
 from tests.browser import Browser, require_chromium
+from tests.conftest import REPO
 from tests.integration.test_local_jobs import tiny_spec
 
 
@@ -60,6 +64,12 @@ def test_dashboard_in_a_browser_while_a_job_runs(client, tmp_path, evil_site):
     url = ray.get(client.controller().dashboard_url.remote(), timeout=60)
     assert url and url.startswith("http://127.0.0.1:")
     token = client.home.token_file.read_text().strip()
+    # What `orchestrator dashboard` prints: the one link that logs in. The address is also beside the metrics'.
+    printed = subprocess.run([sys.executable, "-m", "orchestrator.user.cli", "dashboard"], cwd=REPO, timeout=120,
+                             capture_output=True, text=True, env={**os.environ, "ORCHESTRATOR_HOME": str(client.home.root)})
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout.strip() == f"{url}?token={token}"
+    assert json.loads((client.home.root / "metrics.json").read_text())["dashboard"] == url
     job = client.submit(tiny_spec("dash", "v4-8", tmp_path, steps=2000, interval=500))
 
     # Without the token nothing is served: not the page, not the data.

@@ -110,6 +110,9 @@ def test_login_sets_a_session_that_opens_every_page(served):
         assert headers["Cache-Control"] == "no-store" and headers["X-Frame-Options"] == "DENY"
         assert "script-src 'self'" in headers["Content-Security-Policy"]
     assert request(server, "GET", "/nope", headers={"Cookie": cookie})[0] == 404
+    status, headers, _ = request(server, "GET", "/job/run", headers={"Cookie": cookie})  # a name or prefix
+    assert status == 303 and headers["Location"] == "/job/run-0a0b0c"
+    assert request(server, "GET", "/job/nope-1", headers={"Cookie": cookie})[0] == 404
 
 
 def test_a_cookie_signed_with_another_token_is_refused(served, tmp_path):

@@ -282,8 +282,10 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/":
             return self._html(_page("jobs.html").replace("{{csrf}}", csrf))
         if path.startswith("/job/"):
-            job_id = self._job_id(path[len("/job/"):])
-            self.data.store.job(job_id)  # 404 if unknown
+            given = self._job_id(path[len("/job/"):])
+            job_id = self.data.store.find_job(given).id  # 404 if unknown; a prefix or a name goes to its job
+            if job_id != given:
+                return self._send(HTTPStatus.SEE_OTHER, b"", "text/plain", extra={"Location": f"/job/{job_id}"})
             return self._html(_page("job.html").replace("{{csrf}}", csrf).replace("{{job}}", job_id))
         if path.startswith("/static/"):
             name = path[len("/static/"):]
