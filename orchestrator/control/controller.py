@@ -239,7 +239,7 @@ class Controller:
                              s.tpu_type.usd_per_hour(s.tier))
         try:
             self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
-                                 {"pgids": pgids, "hosts": [h.resource for h in s.hosts]}, event=event)
+                                 {"pgids": pgids, "hosts": [h.resource for h in s.hosts], "zone": s.zone}, event=event)
         except IllegalTransitionError as e:  # a provider's bug: keep the record as it was, and say so
             log.error("job %s: the store refused a slice move: %s", s.job_id, e)
 
