@@ -231,7 +231,7 @@ def render_png(s: ReportSeries) -> bytes:
     for ax in (ax_loss, ax_tps, ax_chips, ax_cost):
         ax.grid(alpha=0.3)
     for ax in (ax_states, ax_loss, ax_tps, ax_chips, ax_cost):
-        _plot_markers(ax, s.markers, lambda m: x(m.at), labelled=ax is ax_loss)
+        _plot_markers(ax, s.markers, lambda m: x(m.at), labelled=ax is ax_loss, label_saves=False)
     _marker_legend(fig.add_subplot(grid[1]), s.markers)
     ax_step.add_artist(legend)
     _plot_goodput(fig.add_subplot(grid[7]), s.goodput)
@@ -340,9 +340,10 @@ def _plot_slices(ax, s: ReportSeries, x) -> None:
         ax.legend(loc="upper right", fontsize=8, title="tier", title_fontsize=8)
 
 
-def _plot_markers(ax, markers: tuple[Marker, ...], where, *, labelled: bool) -> None:
+def _plot_markers(ax, markers: tuple[Marker, ...], where, *, labelled: bool, label_saves: bool = True) -> None:
     """Each marker as a vertical line at `where(marker)` (skipped where that is None); with `labelled`,
-    its label beside it, inside the axes whichever edge it is near, staggered where labels would meet."""
+    its label beside it, inside the axes whichever edge it is near, staggered where labels would meet.
+    Checkpoint saves are labelled only with `label_saves` (and while there are few of them)."""
     on_top = blended_transform_factory(ax.transData, ax.transAxes)  # x in data, y in axes fractions
     placed = [(where(m), m) for m in markers if where(m) is not None]
     many_saves = sum(m.kind == SAVE for _, m in placed) > MAX_LABELLED_CHECKPOINTS
@@ -352,7 +353,7 @@ def _plot_markers(ax, markers: tuple[Marker, ...], where, *, labelled: bool) -> 
     for pos, m in placed:
         colour, style = _MARKER_STYLE.get(m.kind, ("#000000", "-"))
         ax.axvline(pos, color=colour, ls=style, lw=1.0 if m.kind == SAVE else 1.2)
-        if not labelled or (m.kind == SAVE and many_saves):
+        if not labelled or (m.kind == SAVE and (many_saves or not label_saves)):
             continue
         row = row + 1 if last_x is not None and (pos - last_x) / span < 0.025 else 0
         last_x = pos

@@ -146,7 +146,7 @@ function markerPlugin(getMarkers, axis) {
     const ctx = u.ctx, {top, height} = u.bbox;
     ctx.save();
     ctx.font = `${Math.round(10 * devicePixelRatio)}px system-ui, sans-serif`;
-    let lastX = -1e9, row = 0;
+    const rows = [], rowH = 12 * devicePixelRatio, maxRows = Math.max(1, Math.floor((height - 6) / rowH / 2));
     for (const m of getMarkers()) {
       const v = axis === "step" ? m.step : m.minutes;
       if (v === null || v === undefined) continue;
@@ -156,12 +156,16 @@ function markerPlugin(getMarkers, axis) {
       ctx.strokeStyle = colour; ctx.fillStyle = colour; ctx.setLineDash(dash.map(d => d * devicePixelRatio));
       ctx.lineWidth = devicePixelRatio;
       ctx.beginPath(); ctx.moveTo(x, top); ctx.lineTo(x, top + height); ctx.stroke();
-      if (m.kind !== "checkpoint") {  // saves are many: their lines say enough; the legend names them
-        row = x - lastX < 70 * devicePixelRatio ? row + 1 : 0; lastX = x;
-        const w = ctx.measureText(m.label).width, right = x + 3 + w > u.bbox.left + u.bbox.width;
-        ctx.textAlign = right ? "right" : "left";
-        ctx.fillText(m.label, right ? x - 3 : x + 3, top + (12 + 12 * (row % 4)) * devicePixelRatio);
-      }
+      if (m.kind === "checkpoint") continue;  // saves are many: their lines say enough; the legend names them
+      // Each label goes on the first row where it meets no other (rows fill the upper half of the plot).
+      const w = ctx.measureText(m.label).width, right = x + 3 + w > u.bbox.left + u.bbox.width;
+      const from = right ? x - 3 - w : x + 3, to = from + w;
+      let row = rows.findIndex(end => end < from - 4);
+      if (row < 0 && rows.length < maxRows) row = rows.length;
+      if (row < 0) row = rows.indexOf(Math.min(...rows));
+      rows[row] = to;
+      ctx.textAlign = right ? "right" : "left";
+      ctx.fillText(m.label, right ? x - 3 : x + 3, top + rowH * (row + 1));
     }
     ctx.restore();
   }}};

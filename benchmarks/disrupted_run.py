@@ -1,0 +1,134 @@
+"""A disrupted run on a local cluster of its own, for the README's pictures.
+
+One 2-host job is disrupted in every way the local cluster can show: a worker process
+killed (a worker crash), a preemption notice (SIGTERM to a worker), a host removed (host
+lost), a worker frozen (SIGSTOP) past the heartbeat timeout (it answers nothing on a host
+still up: another worker crash), the controller killed (Ray restarts it and the new one
+adopts the running workers), and a resize to a smaller slice (a move). Two other jobs share the cluster: one runs, one waits in the queue for hosts.
+While they run, headless Chromium takes the dashboard's jobs page and the job's page;
+at the end the job's report is drawn.
+
+    python benchmarks/disrupted_run.py --out benchmarks/results
+
+writes dashboard-jobs.png, dashboard-job.png and report-disrupted.png there (about 5 minutes
+on 2 cores; needs Debian's chromium for the screenshots).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODEL = {"d_model": 64, "n_layers": 1, "n_heads": 4, "d_ff": 128}
+
+
+def spec(name: str, accelerator: str, ckpt: Path, steps: int, interval: int, batch: int = 16, **extra):
+    from orchestrator import JobSpec
+
+    return JobSpec.from_dict({
+        "name": name, "accelerator": accelerator,
+        "workload": {"type": "lm", "steps": steps, "global_batch_size": batch, "seq_len": 32, "model": MODEL,
+                     "learning_rate": {"warmup_steps": 10}},
+        "checkpoint": {"interval_steps": interval, "directory": str(ckpt / name)},
+        "recovery": {"start_timeout_s": 180, "heartbeat_timeout_s": 45, "max_preemptions": 20, "max_failures": 10}, **extra})
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = ap.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="disrupted-run-"))
+    os.environ["ORCHESTRATOR_HOME"] = str(home)
+
+    import ray
+
+    from orchestrator import Client
+    from orchestrator.cluster import kill_host
+    from orchestrator.observe.report import write_report
+
+    client = Client(home=home)
+    client.connect()
+    try:
+        job = client.submit(spec("gru-lm-disruption", "v4-16", home, steps=2500, interval=100))
+        other = client.submit(spec("tiny-lm", "v4-8", home, steps=200000, interval=5000))
+
+        def running_at(step: int) -> None:
+            while True:
+                st = job.status()
+                if st.done:
+                    raise SystemExit(f"the job ended early: {st.state.value} {st.reason}")
+                if st.state.value == "RUNNING" and st.step >= step:
+                    return
+                time.sleep(0.1)
+
+        def pids() -> list[int]:
+            return [e.data["pids"] for e in job.events() if e.kind.value == "launched"][-1]
+
+        running_at(150)
+        print("a worker process killed", flush=True)
+        os.kill(pids()[1], signal.SIGKILL)
+        running_at(job.status().step + 150)
+        print("a preemption notice (SIGTERM to a worker)", flush=True)
+        os.kill(pids()[0], signal.SIGTERM)
+        running_at(job.status().step + 150)
+        print("a host removed", flush=True)
+        kill_host(client.home, client.store.slices(job_id=job.id, live_only=True)[0]["data"]["pgids"][1])
+        running_at(job.status().step + 150)
+        print("a worker frozen", flush=True)
+        frozen = pids()[1]
+        os.kill(frozen, signal.SIGSTOP)
+        running_at(job.status().step + 150)
+        print("the controller killed", flush=True)
+        ray.kill(client.controller(), no_restart=False)
+        time.sleep(5)
+        running_at(job.status().step + 100)
+        queued = client.submit(spec("big-lm", "v4-64", home, steps=100, interval=50, batch=64))
+        print("resize to v4-8", flush=True)
+        client.resize(job.id, "v4-8", reason="a smaller slice is enough now")
+        running_at(job.status().step + 100)
+        shots(client, job.id, args.out)
+        st = job.wait(timeout_s=1200)
+        print("job", st.state.value, st.reason, flush=True)
+        for j in (other, queued):
+            if not j.status().done:
+                j.cancel()
+        write_report(client.store, job.id, args.out / "report-disrupted.png")
+        print("wrote", args.out / "report-disrupted.png", flush=True)
+        return 0 if st.state.value == "SUCCEEDED" else 1
+    finally:
+        client.down()
+
+
+def shots(client, job_id: str, out: Path) -> None:
+    import ray
+
+    from tests.browser import Browser, chromium_path
+
+    if chromium_path() is None:
+        print("no chromium: no dashboard screenshots", flush=True)
+        return
+    url = ray.get(client.controller().dashboard_url.remote(), timeout=60)
+    token = client.home.token_file.read_text().strip()
+    with Browser(width=1400, height=760) as b:
+        b.goto(f"{url}?token={token}")
+        b.wait_for("!!document.querySelector('#jobs tbody tr[data-job]')", timeout_s=60)
+        time.sleep(3)
+        b.screenshot(out / "dashboard-jobs.png", full_page=False)
+    with Browser(width=1400, height=1500) as b:  # the top of a job's page: figures, curves, goodput, slices
+        b.goto(f"{url}job/{job_id}?token={token}")
+        b.wait_for("!!document.querySelector('#chart-loss canvas')", timeout_s=60)
+        time.sleep(3)
+        b.screenshot(out / "dashboard-job.png", full_page=False)
+    print("wrote", out / "dashboard-jobs.png", out / "dashboard-job.png", flush=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
