@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.storage_fixture import gcs, gcs_emulator  # noqa: F401  (Cloud Storage on the local emulator)
+
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -1,7 +1,7 @@
 """A job's checkpoints on disk: orbax saves of any pytree, with fencing and a fallback past bad ones.
 
-Layout: an orbax `CheckpointManager` folder (local or any path orbax reads) with one
-folder per committed step, holding two items:
+Layout: an orbax `CheckpointManager` folder, local or in a bucket (``gs://bucket/folder``;
+`workers.storage`), with one folder per committed step, holding two items:
 
 - ``state``: the pytree (`ocp.args.StandardSave`): the built-in trainer's
   ``{"params", "opt_state", "step"}`` or whatever a user program keeps;
@@ -13,6 +13,11 @@ Restores are resharded: the target's shapes, dtypes and shardings come from the 
 (an abstract pytree for this slice's mesh), whatever mesh wrote the checkpoint. Saves are
 asynchronous; `close` waits until the last one is committed. A worker whose generation
 is no longer the job's current one never writes (`may_write`, the fence).
+
+A step is committed when orbax says so: locally its folder is renamed from a temporary
+name at the end of the save; in a bucket, where there is no rename, the step's folder gets
+a ``commit_success.txt`` last. Either way a save cut short is no step (`steps` and
+`restore_newest` never see it) and the next manager on process 0 removes what it left.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+
+from workers import storage
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +80,19 @@ class Checkpoints:
         return found, unreadable
 
     def _set_aside(self, steps: list[int]) -> None:
+        """Move unreadable steps to ``<step>.unreadable-<time>`` (no step name, so orbax ignores them).
+
+        In a bucket the move is a copy of every object and then a delete (no rename there);
+        until the delete the step is still there, unreadable, and the next restore moves it again.
+        """
         if not steps:
             return
-        from etils import epath
         from jax.experimental import multihost_utils
 
         if jax.process_index() == 0:
-            root = epath.Path(self.directory)
             for step in steps:
-                target = root / f"{step}.unreadable-{int(time.time())}"
-                (root / str(step)).rename(target)
+                target = storage.join(self.directory, f"{step}.unreadable-{int(time.time())}")
+                storage.move_tree(storage.join(self.directory, str(step)), target)
                 log.warning("moved unreadable checkpoint %d aside to %s", step, target)
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("checkpoints set aside")

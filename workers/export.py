@@ -20,10 +20,13 @@ unnamed item (`default`, as older built-in trainers wrote) is read too. It is re
 on this process's first CPU device, whatever mesh wrote it: the target is built from
 orbax's own metadata of the item, so no model code is needed.
 
+Either folder, the checkpoints and the export, may be in a bucket (``gs://bucket/folder``,
+through `workers.storage`; its endpoint set with `workers.storage.configure`).
+
 Example::
 
     exported = export_checkpoint("/ckpt/tiny-lm", "weights/", job={"id": "tiny-lm-3f2a1c"})
-    params, config = load("weights/")
+    params, config = load("weights/")          # or export to and load from "gs://bucket/weights"
 
 The structure saved is what orbax keeps of the pytree: nested dicts and lists with string
 keys. A program's own pytree types (an `nnx.State`, whose leaves' paths end in `value`, a
@@ -48,6 +51,8 @@ from typing import Any
 
 import numpy as np
 
+from workers import storage
+
 FORMAT = "orchestrator-weights"
 VERSION = 1
 WEIGHTS = "model.safetensors"
@@ -67,7 +72,7 @@ class ExportError(ValueError):
 
 @dataclass(frozen=True)
 class Exported:
-    out: Path
+    out: Path | str  # a str for a bucket's folder (gs://...)
     step: int
     tensors: int
     parameters: int  # scalars over all tensors
@@ -113,9 +118,16 @@ def unflatten(structure: Any, tensors: dict[str, np.ndarray]) -> Any:
 
 
 def save(tree: Any, out: str | Path, *, config: dict, force: bool = False) -> Exported:
-    """Write `tree` and `config` (plus the structure) to `out`, atomically: a temporary folder renamed at the end."""
+    """Write `tree` and `config` (plus the structure) to `out`, atomically: a temporary folder renamed at the end.
+
+    `out` may be a bucket's folder (``gs://bucket/weights``), which has no rename: the files
+    are written here first, then uploaded, config.json last, so that `load` never reads a
+    part (a replaced export, with `force`, is deleted before the new one is uploaded).
+    """
     from safetensors.numpy import save_file
 
+    if storage.is_url(out):
+        return _save_to_bucket(tree, str(out), config=config, force=force)
     out = Path(out)
     if out.is_symlink():  # dangling or not: the rename at the end would fail, or replace the link, not its target
         raise ExportError(str(out), "is a symbolic link; give the path of a folder (its target is left alone)")
@@ -145,6 +157,26 @@ def save(tree: Any, out: str | Path, *, config: dict, force: bool = False) -> Ex
                     bytes=(out / WEIGHTS).stat().st_size)
 
 
+def _save_to_bucket(tree: Any, out: str, *, config: dict, force: bool) -> Exported:
+    from safetensors.numpy import save_file
+
+    out = out.rstrip("/")
+    if storage.exists(out) and not force:
+        raise ExportError(out, "exists and is not empty (--force replaces it)")
+    tensors, structure = flatten(tree)
+    if not tensors:
+        raise ExportError(out, "the pytree has no arrays to write")
+    with tempfile.TemporaryDirectory(prefix="export-") as tmp:
+        save_file(tensors, str(Path(tmp) / WEIGHTS), metadata={"format": "np"})
+        full = {"format": FORMAT, "version": VERSION, **config, "tree": structure}
+        (Path(tmp) / CONFIG).write_text(json.dumps(full, indent=2, default=_json_default) + "\n")
+        size = (Path(tmp) / WEIGHTS).stat().st_size
+        storage.remove_tree(out)
+        storage.upload_folder(tmp, out, last=(CONFIG,))  # config.json last: an export is whole once it is there
+    return Exported(out=out, step=int(config.get("step", -1)), tensors=len(tensors),
+                    parameters=sum(int(t.size) for t in tensors.values()), bytes=size)
+
+
 def _json_default(x: Any) -> Any:
     if isinstance(x, np.generic):
         return x.item()
@@ -163,26 +195,32 @@ def load(folder: str | Path, *, like: Any = None) -> tuple[Any, dict]:
     leaves that `like` has and the export does not, those it has and `like` does not,
     and any shape that differs.
     """
-    from safetensors.numpy import load_file
+    import safetensors.numpy
 
-    folder = Path(folder)
-    for name in (CONFIG, WEIGHTS):
-        if not (folder / name).is_file():
-            raise ExportError(str(folder / name), "missing: not an export folder (make one with `orchestrator export`)")
+    config_file, weights_file = storage.join(folder, CONFIG), storage.join(folder, WEIGHTS)
+    for name in (config_file, weights_file):
+        if not (storage.exists(name) if storage.is_url(name) else Path(name).is_file()):
+            raise ExportError(name, "missing: not an export folder (make one with `orchestrator export`)")
     try:
-        config = json.loads((folder / CONFIG).read_text())
+        config = json.loads(storage.read_text(config_file))
     except json.JSONDecodeError as e:
-        raise ExportError(str(folder / CONFIG), f"not valid JSON: {e}") from None
+        raise ExportError(config_file, f"not valid JSON: {e}") from None
     if not isinstance(config, dict) or config.get("format") != FORMAT or "tree" not in config:
-        raise ExportError(str(folder / CONFIG), f"not an export's config (expected \"format\": \"{FORMAT}\")")
-    tensors = load_file(str(folder / WEIGHTS))
+        raise ExportError(config_file, f"not an export's config (expected \"format\": \"{FORMAT}\")")
+    if storage.is_url(weights_file):  # a bucket: a local copy for load_file (bfloat16 needs its reader)
+        with tempfile.TemporaryDirectory(prefix="export-") as tmp:
+            local = Path(tmp) / WEIGHTS
+            local.write_bytes(storage.read_bytes(weights_file))
+            tensors = safetensors.numpy.load_file(str(local))
+    else:
+        tensors = safetensors.numpy.load_file(weights_file)
     structure = config.pop("tree")
     if like is not None:
         return like_tree(like, tensors, where=str(folder)), config
     try:
         return unflatten(structure, tensors), config
     except KeyError as e:
-        raise ExportError(str(folder / WEIGHTS), f"has no tensor {e.args[0]!r} that config.json names") from None
+        raise ExportError(weights_file, f"has no tensor {e.args[0]!r} that config.json names") from None
 
 
 def _path_name(path: tuple) -> tuple[str, ...]:

@@ -28,7 +28,7 @@ import traceback
 
 import ray
 
-from workers import runtime
+from workers import runtime, storage
 from workers.protocol import Ending, Lines, Noticed, Ready, Report, StepDone, WorkerResult
 from workers.notices import MetadataWatcher, install_sigterm
 
@@ -90,7 +90,8 @@ class HostWorker:
         self._notice_reason: str | None = None
         self._result: WorkerResult | None = None
         self._history: list[dict] = []
-        self._fence_file: str | None = None
+        self._fence_dir: str | None = None  # where the fence is: the job's checkpoint folder
+        self._storage_endpoint: str | None = None
         self._steps_total: int | None = None  # for the progress lines in the log
         self._out = _LineBuffer(sys.stdout)
         sys.stdout = self._out  # what the job's code prints reaches `orchestrator logs` (and still Ray's log file)
@@ -161,7 +162,10 @@ class HostWorker:
         t0 = time.perf_counter()
         watcher = None
         try:
-            self._fence_file = workload.get("fence_file")
+            # Before anything touches a bucket: tensorstore, gcsfs and epath take their endpoint once.
+            self._storage_endpoint = workload.get("storage_endpoint")
+            storage.configure(self._storage_endpoint)
+            self._fence_dir = workload.get("fence_dir")
             if workload.get("metadata_url"):
                 watcher = MetadataWatcher(workload["metadata_url"], self._notice, self._on_notice)
             runtime.initialize(coordinator_address=coordinator, num_processes=self.num_hosts, process_id=self.rank,
@@ -254,19 +258,21 @@ class HostWorker:
     def _may_write(self) -> bool:
         """Fencing: only the job's current generation may write checkpoints.
 
-        The controller writes the current generation into a file beside the checkpoints
-        before it launches a group, so the check needs no controller (it may be restarting).
+        The controller writes the current generation into the fence beside the checkpoints
+        (`workers.storage.write_fence`: a file, or an object in the bucket) before it launches
+        a group, so the check needs no controller (it may be restarting).
         """
-        if not self._fence_file:
+        if not self._fence_dir:
             return True
-        from etils import epath
-
         try:
-            current = int(epath.Path(self._fence_file).read_text().strip())
-        except (OSError, ValueError) as e:
-            log.warning("cannot read the fence %s (%s); not writing", self._fence_file, e)
+            fence = storage.read_fence(self._fence_dir, endpoint=self._storage_endpoint)
+        except Exception as e:  # unreachable, unreadable: not sure it is ours, so not writing
+            log.warning("cannot read the fence in %s (%s: %s); not writing", self._fence_dir, type(e).__name__, e)
             return False
-        return current == self.generation
+        if fence is None:
+            log.warning("no fence in %s; not writing", self._fence_dir)
+            return False
+        return fence.generation == self.generation and fence.owner in (None, self.job_id)
 
     def _log_progress(self, r: StepDone) -> None:
         total = self._steps_total

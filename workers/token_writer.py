@@ -1,6 +1,9 @@
 """Writing token files (`workers.tokens` describes the format and reads it): atomically, with their index.
 
 `orchestrator data prepare` writes through `TokenWriter`; the benchmarks and tests do too.
+The folder may be in a bucket (``gs://bucket/tokens``, `workers.storage`): the files are
+written in a local temporary folder, then uploaded with index.json last, so a reader
+(which starts from the index) never sees a part.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from workers import storage
 from workers.tokens import DTYPES, DataError, INDEX, Index, SHARD_TOKENS, TokenFile
+
 log = logging.getLogger(__name__)
 
 
@@ -23,8 +28,14 @@ def dtype_for(vocab_size: int) -> str:
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
-def refuse_existing(out: Path, *, force: bool) -> None:
+def refuse_existing(out: Path | str, *, force: bool) -> None:
     """A DataError if `out` is a file, or a non-empty folder that `force` does not allow to replace."""
+    if storage.is_url(out):
+        if storage.isdir(out) and not force:  # a bucket has no empty folders
+            raise DataError(str(out), "exists and is not empty (--force replaces it)")
+        if not storage.isdir(out) and storage.exists(out):
+            raise DataError(str(out), "exists and is not a folder")
+        return
     if out.exists() and not out.is_dir():
         raise DataError(str(out), "exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -48,7 +59,7 @@ class TokenWriter:
 
     def __init__(self, out: str | Path, *, vocab_size: int, eos_id: int, force: bool = False,
                  shard_tokens: int = SHARD_TOKENS):
-        self.out = Path(out)
+        self.out = str(out).rstrip("/") if storage.is_url(out) else Path(out)
         refuse_existing(self.out, force=force)
         if not 0 <= eos_id < vocab_size:
             raise DataError(str(self.out), f"eos id {eos_id} is outside the vocabulary (size {vocab_size})")
@@ -61,6 +72,9 @@ class TokenWriter:
         self._docs = 0
 
     def __enter__(self) -> "TokenWriter":
+        if storage.is_url(self.out):  # staged here, uploaded at the end
+            self._tmp = Path(tempfile.mkdtemp(prefix="tokens-"))
+            return self
         self.out.parent.mkdir(parents=True, exist_ok=True)
         self._tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
         return self
@@ -132,6 +146,12 @@ class TokenWriter:
                       tokenizer=self._tokenizer)
         (self._tmp / INDEX).write_text(json.dumps(index.to_dict(), indent=2) + "\n")
         self.index = index
+        if storage.is_url(self.out):
+            storage.remove_tree(self.out)  # --force: what was there goes before the new files arrive
+            storage.upload_folder(self._tmp, self.out, last=(INDEX,))  # the index last: then the folder is whole
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            log.info("wrote %s: %d tokens in %d file(s)", self.out, index.num_tokens, len(index.files))
+            return
         if self.out.exists():  # --force: the old folder goes only once the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
             self.out.rename(old / "replaced")

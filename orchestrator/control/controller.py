@@ -99,11 +99,8 @@ class Controller:
         """Record a job and start its driver; returns its id. `workdir` fills `spec.workdir` if unset."""
         parsed = JobSpec.from_dict(spec)
         job_id = f"{parsed.name}-{secrets.token_hex(3)}"
-        fills = {"workdir": parsed.workdir or workdir}
-        if parsed.checkpoint.directory is None:
-            fills["checkpoint"] = parsed.checkpoint.model_copy(
-                update={"directory": str(self.home.default_checkpoint_dir(parsed.name))})
-        parsed = parsed.model_copy(update=fills)
+        parsed = parsed.with_checkpoint_directory(self.home.default_checkpoint_dir(parsed.name))
+        parsed = parsed.model_copy(update={"workdir": parsed.workdir or workdir})
         self.store.create_job(job_id, parsed.name, parsed.model_dump(mode="json"))
         self.home.job_dir(job_id).mkdir(parents=True, exist_ok=True)
         self._start(JobDriver(self, job_id))

@@ -133,7 +133,7 @@ class JobDriver(AutoscalingMixin):
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
             att.begin(self.store.bump_generation(job_id))
             att.next_decision = time.monotonic() + 30.0 / self._clock(spec).scale  # let it measure its speed first
-            write_fence(spec, att.generation)
+            write_fence(spec, att.generation, job_id)
             self.transition(JobState.STARTING, f"slice {att.slice.name} ready after {provision_s:.1f} s{overlap}; "
                             f"starting generation {att.generation}",
                             data=StateChange(provision_s=round(provision_s, 3), slice=att.slice.name,

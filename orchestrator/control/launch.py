@@ -37,7 +37,7 @@ def workload_for(spec: JobSpec, devices: int, hosts: int) -> dict:
     """What every host of a slice with `devices` chips on `hosts` hosts runs for `spec`."""
     w = spec.workload
     ckpt = spec.checkpoint.directory
-    common = {"fence_file": f"{ckpt}/.fence", "metadata_url": metadata_url(spec),
+    common = {"fence_dir": ckpt, "storage_endpoint": spec.storage.endpoint, "metadata_url": metadata_url(spec),
               "peak_flops_per_chip": spec.tpu_type.peak_bf16_flops_per_chip}  # for MFU
     if isinstance(w, EntrypointWorkload):
         return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "checkpoint_dir": ckpt,
@@ -156,15 +156,15 @@ def kill_workers(workers: list, pg) -> None:
             pass
 
 
-def write_fence(spec: JobSpec, generation: int) -> None:
-    """Record the current generation beside the checkpoints (atomically) before a group starts.
+def write_fence(spec: JobSpec, generation: int, owner: str | None = None) -> None:
+    """Record the current generation, and whose folder it is (`owner`, the job id), beside the
+    checkpoints before a group starts (`workers.storage.write_fence`: an atomic rename on disk, a
+    generation precondition in a bucket).
 
     A worker checks it before every save, so workers of an older generation never write.
+    Raises `workers.storage.FenceError` if the fence already holds this generation or a later
+    one of the same job (another controller got there first).
     """
-    from etils import epath
+    from workers import storage
 
-    d = epath.Path(spec.checkpoint.directory)
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".fence.tmp-{secrets.token_hex(4)}"
-    tmp.write_text(str(generation))
-    tmp.replace(d / ".fence")
+    storage.write_fence(spec.checkpoint.directory, generation, owner, endpoint=spec.storage.endpoint)

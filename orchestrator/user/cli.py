@@ -324,7 +324,8 @@ app.add_typer(data_app, name="data")
 
 @data_app.command("prepare")
 def data_prepare(src: Path = typer.Argument(..., help="A folder of text files (searched recursively)."),
-                 output: Path = typer.Option(..., "--output", "-o", help="The folder of token files to write."),
+                 output: str = typer.Option(..., "--output", "-o", help="The folder of token files to write "
+                                                                         "(or gs://BUCKET/FOLDER)."),
                  vocab_size: Optional[int] = typer.Option(None, "--vocab-size",
                                                           help="Train a byte-level BPE of this size (default 8192)."),
                  tokenizer: Optional[Path] = typer.Option(None, "--tokenizer",
@@ -356,7 +357,8 @@ def data_prepare(src: Path = typer.Argument(..., help="A folder of text files (s
 
 @app.command()
 def export(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
-           output: Path = typer.Option(..., "--output", "-o", help="The folder to write (model.safetensors, config.json)."),
+           output: str = typer.Option(..., "--output", "-o", help="The folder to write (model.safetensors, "
+                                                                    "config.json), or gs://BUCKET/FOLDER."),
            step: Optional[int] = typer.Option(None, "--step", help="Export this committed step (any job state)."),
            latest: bool = typer.Option(False, "--latest", help="Export the newest committed step of a job that "
                                                                 "did not succeed."),

@@ -31,6 +31,7 @@ from orchestrator.user.spec import JobSpec
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store
 from orchestrator.user.job import CLUSTER_GONE, Job, JobStatus, _status
+from workers import storage
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +238,7 @@ class Client:
                   "data": (workload.get("data") or {}).get("path")}
         directory = (spec.get("checkpoint") or {}).get("directory") or str(self.home.default_checkpoint_dir(job.name))
         self._refuse_checkpoint_folders(out)
+        storage.configure((spec.get("storage") or {}).get("endpoint"))  # where the job's gs:// folders are
         return export_checkpoint(directory, out, step=step, config=config, force=force)
 
     def _refuse_checkpoint_folders(self, out: str | Path) -> None:
@@ -244,10 +246,18 @@ class Client:
         --force replacing) it there would break that job's checkpoints, and its next export or restore."""
         from workers.export import ExportError
 
+        if storage.is_url(out):
+            for job in self.store.jobs():
+                folder = str((job.spec.get("checkpoint") or {}).get("directory") or "")
+                theirs, mine = folder.rstrip("/") + "/", str(out).rstrip("/") + "/"
+                if storage.is_url(folder) and (mine.startswith(theirs) or theirs.startswith(mine)):
+                    raise ExportError(str(out), f"is inside or holds the checkpoint folder of job {job.id} "
+                                                f"({folder}); write the export elsewhere")
+            return
         mine = Path(os.path.realpath(out))
         for job in self.store.jobs():
             folder = (job.spec.get("checkpoint") or {}).get("directory") or self.home.default_checkpoint_dir(job.name)
-            if "://" in str(folder):  # a bucket: not a path on this machine
+            if storage.is_url(folder):  # a bucket: not a path on this machine
                 continue
             theirs = Path(os.path.realpath(folder))
             if mine == theirs or theirs in mine.parents:
@@ -344,6 +354,8 @@ def check_data(spec: JobSpec, source: str = "<spec>") -> None:
     if w.data is None:
         return
     vocab = w.model.vocab_size if isinstance(w, LmWorkload) else None
+    if storage.is_url(w.data.path):
+        storage.configure(spec.storage.endpoint)  # the bucket as the job's hosts will reach it
     try:
         check(w.data.path, vocab_size=vocab, seq_len=w.seq_len)
     except DataError as e:

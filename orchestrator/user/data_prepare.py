@@ -13,7 +13,8 @@ of how many each pass (training the tokenizer, encoding) has read.
 
 The output folder is written atomically (`workers.token_writer.TokenWriter`): a failure part
 way leaves nothing at the output, and an existing non-empty folder is replaced only with
-`force`.
+`force`. It may be a bucket's folder (``gs://bucket/tokens``): Google's Cloud Storage with
+this machine's credentials, or the emulator that ``STORAGE_EMULATOR_HOST`` names.
 
 Example::
 
@@ -25,12 +26,14 @@ from __future__ import annotations
 
 import codecs
 import logging
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from workers import storage
 from workers.token_writer import TokenWriter, refuse_existing
 from workers.tokens import DataError
 
@@ -46,7 +49,7 @@ MAX_VOCAB = 1 << 20
 
 @dataclass(frozen=True)
 class Summary:
-    out: Path
+    out: Path | str  # a str for a bucket's folder
     files: int
     documents: int  # files with any text (an empty file adds nothing)
     tokens: int
@@ -87,7 +90,10 @@ def prepare(src: str | Path, out: str | Path, *, vocab_size: int | None = None, 
         raise DataError("--vocab-size", f"must be between {MIN_VOCAB} (the 256 bytes and EOS) and {MAX_VOCAB:,}, "
                                         f"got {vocab_size}")
     files = find_files(src, pattern)
-    out = Path(out)
+    if storage.is_url(out):  # a bucket's folder, gs://bucket/tokens; an emulator's if STORAGE_EMULATOR_HOST says so
+        storage.configure(os.environ.get("STORAGE_EMULATOR_HOST"))
+    else:
+        out = Path(out)
     refuse_existing(out, force=force)  # before the work, not after it
     total = sum(_size(p) for p in files)
     tok = (load_tokenizer(tokenizer) if tokenizer is not None

@@ -27,6 +27,7 @@ from orchestrator import catalog
 from orchestrator.catalog import Tier
 from orchestrator.errors import SpecError, UnknownAcceleratorError
 from orchestrator.user.job_file import read_job_file
+from orchestrator.user.locations import check_bucket, check_checkpoint_directory, check_endpoint, looks_like_url
 from orchestrator.user.workload import (
     Count, EntrypointWorkload, LmWorkload, MAX_TOKENS_PER_STEP, ModelConfig, NAME_RE, NAME_RULE, Steps,
     Timeout, Workload, _Frozen,
@@ -35,25 +36,30 @@ from policies.sharding import MeshError, plan_mesh
 
 
 class CheckpointConfig(_Frozen):
-    # An absolute path; in a job file a relative one is taken from the file's folder (not from
-    # where the command runs). None: $ORCHESTRATOR_HOME/checkpoints/<job name>.
+    # An absolute path or a Cloud Storage URL gs://BUCKET/FOLDER; in a job file a relative path is
+    # taken from the file's folder (not from where the command runs). None: on provider gcp
+    # gs://<gcp.bucket>/checkpoints/<job name>, else $ORCHESTRATOR_HOME/checkpoints/<job name>.
     directory: str | None = None
     interval_steps: Steps = 20  # with autoscaling, the longest: spot slices preempted often save sooner
     keep: Annotated[int, Field(gt=0, le=1000)] = 3  # each checkpoint is a full copy of the model and optimizer
 
     @field_validator("directory")
     @classmethod
-    def _absolute_path(cls, v: str | None) -> str | None:
-        if v is None:
-            return v
-        if not v.strip():
-            raise ValueError("must not be empty; leave it out for the default")
-        if any(c in v for c in "\0\n\r"):
-            raise ValueError(f"must not contain NUL or line breaks, got {v!r}")
-        if not Path(v).is_absolute():
-            raise ValueError(f"must be an absolute path, got {v!r} (in a job file, a relative path is taken "
-                             "from the file's folder)")
-        return v
+    def _path_or_bucket(cls, v: str | None) -> str | None:
+        return None if v is None else check_checkpoint_directory(v)
+
+
+class StorageConfig(_Frozen):
+    """How every process of the job (controller side and hosts) reaches Cloud Storage (`workers.storage`)."""
+
+    # The Cloud Storage JSON API's endpoint; None: Google's, with the machine's credentials. An
+    # emulator's URL (http://127.0.0.1:PORT) for local runs and tests, whatever the provider.
+    endpoint: str | None = None
+
+    @field_validator("endpoint")
+    @classmethod
+    def _http_endpoint(cls, v: str | None) -> str | None:
+        return None if v is None else check_endpoint(v)
 
 
 class RecoveryConfig(_Frozen):
@@ -76,6 +82,14 @@ class GcpConfig(_Frozen):
     service_account: str | None = None  # the TPU VMs' service account
     head_address: str | None = None  # the Ray head as the TPU VMs reach it; default: the cluster's address
     ray_token_secret: str | None = None  # Secret Manager secret with the Ray token, for the VMs
+    # The bucket of the job's files when checkpoint.directory is left out: checkpoints go to
+    # gs://<bucket>/checkpoints/<job name> (TPU VMs share no disk with this machine).
+    bucket: str | None = None
+
+    @field_validator("bucket")
+    @classmethod
+    def _bucket_name(cls, v: str | None) -> str | None:
+        return None if v is None else check_bucket(v)
 
 
 class AutoscalingConfig(_Frozen):
@@ -121,6 +135,7 @@ class JobSpec(_Frozen):
     gcp: GcpConfig | None = None
     workload: Workload = LmWorkload()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    storage: StorageConfig = StorageConfig()
     recovery: RecoveryConfig = RecoveryConfig()
     autoscaling: AutoscalingConfig | None = None
     capacity_trace: CapacityTraceConfig | None = None  # provider local: replay a spot trace as spot capacity
@@ -167,6 +182,18 @@ class JobSpec(_Frozen):
     def tpu_type(self) -> catalog.TpuType:
         return catalog.lookup(self.accelerator)
 
+    def with_checkpoint_directory(self, local_default: str | Path) -> "JobSpec":
+        """This spec with `checkpoint.directory` filled in when left out: on provider gcp
+        gs://<gcp.bucket>/checkpoints/<name>, else `local_default` (the state directory's)."""
+        if self.checkpoint.directory is not None:
+            return self
+        if self.provider == "gcp":
+            assert self.gcp is not None and self.gcp.bucket, "checked by semantic_problems"
+            directory = f"gs://{self.gcp.bucket}/checkpoints/{self.name}"
+        else:
+            directory = str(local_default)
+        return self.model_copy(update={"checkpoint": self.checkpoint.model_copy(update={"directory": directory})})
+
     # -- loading ---------------------------------------------------------------
 
     @classmethod
@@ -195,12 +222,34 @@ class JobSpec(_Frozen):
             return [("gcp", "provider gcp needs a gcp section with at least project and zones")]
         if self.capacity_trace is not None and self.provider != "local":
             return [("capacity_trace", "a replayed capacity trace is for provider local only")]
-        general = []
+        general = self._storage_problems()
         if self.autoscaling is not None and self.deadline is None:
             general.append(("deadline", "autoscaling needs a deadline (e.g. deadline: PT24H): the cost policy "
                                         "weighs each slice's cost against the time left"))
         w = self.workload
         return general + (self._lm_problems(w) if isinstance(w, LmWorkload) else self._entrypoint_problems(w))
+
+    def _storage_problems(self) -> list[tuple[str, str]]:
+        """On gcp every file the hosts share lives in Cloud Storage: TPU VMs share no disk with this machine."""
+        if self.provider != "gcp":
+            return []
+        problems = []
+        directory, bucket = self.checkpoint.directory, self.gcp.bucket
+        if directory is None and bucket is None:
+            problems.append(("checkpoint.directory", "provider gcp keeps checkpoints in Cloud Storage (TPU VMs share no "
+                                                     "disk with this machine): set checkpoint.directory to "
+                                                     "gs://BUCKET/FOLDER, or gcp.bucket to a bucket for the default "
+                                                     f"gs://BUCKET/checkpoints/{self.name}"))
+        elif directory is not None and not directory.startswith("gs://"):
+            problems.append(("checkpoint.directory", f"{directory!r} is on this machine, and TPU VMs share no disk "
+                                                     "with it; use gs://BUCKET/FOLDER (or leave it out and set "
+                                                     "gcp.bucket)"))
+        data = self.workload.data
+        if data is not None and not data.path.startswith("gs://"):
+            problems.append(("workload.data.path", f"{data.path!r} is not in Cloud Storage, and TPU VMs share no disk "
+                                                   "with this machine; put the token files in a bucket (orchestrator "
+                                                   "data prepare SRC -o gs://BUCKET/FOLDER) and name that"))
+        return problems
 
     def _lm_problems(self, w: LmWorkload) -> list[tuple[str, str]]:
         """The built-in trainer's settings together, then its mesh and memory on every slice it may run on."""
@@ -263,8 +312,8 @@ def _resolve_checkpoint_dir(data: Any, folder: Path) -> Any:
     """`data` with relative paths (checkpoint.directory, workload.data.path, workdir) taken from `folder`, the
     job file's; an entrypoint job's `workdir` defaults to that folder."""
     def resolved(value: Any) -> Any:
-        if not isinstance(value, str) or not value.strip() or "\0" in value or "://" in value:
-            return None  # nothing to resolve, or a value the validator refuses with its own message
+        if not isinstance(value, str) or not value.strip() or "\0" in value or looks_like_url(value):
+            return None  # nothing to resolve (a URL, gs:// or not, is never a path), or a value refused later
         return None if Path(value).is_absolute() else str((folder / value).resolve())
 
     if not isinstance(data, dict):
@@ -325,7 +374,7 @@ def _allowed_keys_hint(loc: list[str]) -> str:
 
 
 __all__ = ["AutoscalingConfig", "CheckpointConfig", "EntrypointWorkload", "GcpConfig", "JobSpec", "LmWorkload",
-           "ModelConfig", "RecoveryConfig", "json_schema"]
+           "ModelConfig", "RecoveryConfig", "StorageConfig", "json_schema"]
 
 
 def json_schema() -> dict:

@@ -8,11 +8,11 @@ unknown keys; numbers are bounded by what the code can run.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
+from orchestrator.user.locations import check_data_path
 from policies.memory_fit import REMAT_CHOICES
 from policies.model_shape import ModelShape
 
@@ -91,18 +91,14 @@ class DataConfig(_Frozen):
     """Token files a user brings (the format: `workers.tokens`; made by `orchestrator data prepare`)."""
 
     # A folder of token files: an absolute path (in a job file a relative one is taken from the
-    # file's folder) or a URL (gs://bucket/folder, file://, memory://) read through fsspec.
+    # file's folder) or a URL (gs://bucket/folder, file://, memory://) read through fsspec; on
+    # provider gcp a gs:// URL (TPU VMs share no disk with the machine that submits).
     path: str
 
     @field_validator("path")
     @classmethod
     def _path_form(cls, v: str) -> str:
-        if not v.strip() or any(c in v for c in "\0\n\r"):
-            raise ValueError(f"must be a non-empty path or URL without NUL or line breaks, got {v!r}")
-        if "://" not in v and not Path(v).is_absolute():
-            raise ValueError(f"must be an absolute path or a URL, got {v!r} (in a job file, a relative path is "
-                             "taken from the file's folder)")
-        return v
+        return check_data_path(v)
 
 
 SeqLen = Annotated[int, Field(gt=0, le=2**17)]  # 131072 tokens of context

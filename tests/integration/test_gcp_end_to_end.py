@@ -3,7 +3,8 @@
 The job trains on emulator-backed hosts; the emulator reclaims the slice mid-run (its
 queued resource goes SUSPENDING, its nodes PREEMPTED and their hosts vanish); the job
 recovers on a new slice and ends with the losses of an undisturbed run; afterwards
-nothing of the job is left in the (emulated) cloud.
+nothing of the job is left in the (emulated) cloud. As on real TPU VMs, the job's
+checkpoints and its fence are in a bucket (the local Cloud Storage emulator).
 """
 
 from __future__ import annotations
@@ -16,14 +17,23 @@ from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.server import serve
 from tests.conftest import assert_losses_close, run_reference, train_config
 from tests.integration.test_local_jobs import tiny_spec
+from tests.storage_fixture import unique_folder
 
 
-def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path):
+def gcp_spec(name: str, accelerator: str, tmp_path, request, gcs_emulator, tpu_endpoint: str, *, interval: int,
+             **extra):
+    """`tiny_spec` on provider gcp: the TPU API emulator's slices, checkpoints in a bucket of the GCS emulator."""
+    return tiny_spec(name, accelerator, tmp_path, provider="gcp",
+                     gcp={"project": "test-project", "zones": ["us-central2-b"], "endpoint": tpu_endpoint},
+                     checkpoint={"interval_steps": interval, "directory": unique_folder(request)},
+                     storage={"endpoint": gcs_emulator.url}, **extra)
+
+
+def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path, request, gcs_emulator):
     backing = RayBackedNodes(client.home, read_cluster(client.home).address)
     emu = serve(time_scale=0.02, hooks=backing.hooks())
     try:
-        spec = tiny_spec("gcp-e2e", "v4-16", tmp_path, steps=16, interval=4, provider="gcp",
-                         gcp={"project": "test-project", "zones": ["us-central2-b"], "endpoint": emu.url})
+        spec = gcp_spec("gcp-e2e", "v4-16", tmp_path, request, gcs_emulator, emu.url, steps=16, interval=4)
         job = client.submit(spec)
         deadline = time.monotonic() + 300
         while not (job.status().state is JobState.RUNNING and job.status().step >= 6):
@@ -60,16 +70,15 @@ def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path):
         backing.close()
 
 
-def test_a_gcp_job_waits_queued_while_no_zone_has_capacity(client, tmp_path):
+def test_a_gcp_job_waits_queued_while_no_zone_has_capacity(client, tmp_path, request, gcs_emulator):
     """A refusal for capacity is a wait, not a failure: the job goes back to the queue, asks
     again after a backoff, and runs once the zone has capacity; max_failures is never spent."""
     backing = RayBackedNodes(client.home, read_cluster(client.home).address)
     emu = serve(time_scale=0.02, hooks=backing.hooks())
     try:
         emu.stockout("us-central2-b", mode="fail")
-        spec = tiny_spec("gcp-queued", "v4-8", tmp_path, steps=4, interval=2, provider="gcp",
-                         gcp={"project": "test-project", "zones": ["us-central2-b"], "endpoint": emu.url},
-                         recovery={"start_timeout_s": 120, "max_failures": 0})
+        spec = gcp_spec("gcp-queued", "v4-8", tmp_path, request, gcs_emulator, emu.url, steps=4, interval=2,
+                        recovery={"start_timeout_s": 120, "max_failures": 0})
         job = client.submit(spec)
         deadline = time.monotonic() + 120
         while not (job.status().state is JobState.QUEUED and "no capacity" in job.status().reason):
@@ -87,7 +96,7 @@ def test_a_gcp_job_waits_queued_while_no_zone_has_capacity(client, tmp_path):
         backing.close()
 
 
-def test_a_metadata_notice_on_gcp_saves_the_agreed_step(client, tmp_path):
+def test_a_metadata_notice_on_gcp_saves_the_agreed_step(client, tmp_path, request, gcs_emulator):
     """The metadata server's preemption event is a notice: every host stops after the same step
     with that step's checkpoint committed, so the restart loses nothing."""
     from orchestrator.emulator.metadata import FakeMetadataServer
@@ -96,9 +105,8 @@ def test_a_metadata_notice_on_gcp_saves_the_agreed_step(client, tmp_path):
     emu = serve(time_scale=0.02, hooks=backing.hooks())
     metadata = FakeMetadataServer()
     try:
-        spec = tiny_spec("gcp-notice", "v4-16", tmp_path, steps=40, interval=100, provider="gcp",
-                         gcp={"project": "test-project", "zones": ["us-central2-b"], "endpoint": emu.url},
-                         recovery={"start_timeout_s": 120, "metadata_url": metadata.url})
+        spec = gcp_spec("gcp-notice", "v4-16", tmp_path, request, gcs_emulator, emu.url, steps=40, interval=100,
+                        recovery={"start_timeout_s": 120, "metadata_url": metadata.url})
         job = client.submit(spec)
         deadline = time.monotonic() + 300
         while not (job.status().state is JobState.RUNNING and job.status().step >= 5):
@@ -127,7 +135,7 @@ def test_hosts_on_gcp_watch_the_metadata_server_by_default():
     from orchestrator.control.launch import metadata_url
     from workers.notices import GCE_METADATA_URL
 
-    gcp = JobSpec.from_dict({"name": "x", "provider": "gcp", "gcp": {"project": "p", "zones": ["z"]}})
+    gcp = JobSpec.from_dict({"name": "x", "provider": "gcp", "gcp": {"project": "p", "zones": ["z"], "bucket": "b-1"}})
     assert metadata_url(gcp) == GCE_METADATA_URL
     assert metadata_url(JobSpec.from_dict({"name": "x"})) is None
     own = JobSpec.from_dict({"name": "x", "recovery": {"metadata_url": "http://127.0.0.1:1/v1"}})

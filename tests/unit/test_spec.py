@@ -488,3 +488,106 @@ def test_a_vocabulary_below_the_default_bytes_is_refused():
     with pytest.raises(SpecError) as e:
         JobSpec.from_dict({"name": "v", "workload": {"type": "lm", "model": {"vocab_size": 100}}})
     assert "workload.model.vocab_size" in str(e.value) and "at least 256" in str(e.value)
+
+
+# -- where a job's files are: local folders and Cloud Storage -------------------------------------------
+
+GCP = {"provider": "gcp", "gcp": {"project": "p", "zones": ["z"]}}
+BUCKET_RULE = ("use 3 to 63 lowercase letters, digits, dashes, underscores and dots (up to 222 with dots, at most 63 "
+               "between two), starting and ending with a letter or digit")
+
+
+def test_a_bucket_folder_is_a_checkpoint_directory_on_either_provider():
+    local = JobSpec.from_dict({"name": "a", "checkpoint": {"directory": "gs://my-bucket/runs/a/"},
+                               "storage": {"endpoint": "http://127.0.0.1:8471/"}})
+    assert local.checkpoint.directory == "gs://my-bucket/runs/a" and local.storage.endpoint == "http://127.0.0.1:8471"
+    gcp = JobSpec.from_dict({"name": "a", **GCP, "checkpoint": {"directory": "gs://my-bucket/runs/a"}})
+    assert gcp.checkpoint.directory == "gs://my-bucket/runs/a" and gcp.storage.endpoint is None
+
+
+def test_default_checkpoint_directory_per_provider(tmp_path):
+    gcp = JobSpec.from_dict({"name": "tiny", **GCP, "gcp": {**GCP["gcp"], "bucket": "my-bucket"}})
+    assert gcp.with_checkpoint_directory(tmp_path).checkpoint.directory == "gs://my-bucket/checkpoints/tiny"
+    local = JobSpec.from_dict({"name": "tiny", "gcp": {**GCP["gcp"], "bucket": "my-bucket"}})
+    assert local.with_checkpoint_directory(tmp_path / "tiny").checkpoint.directory == str(tmp_path / "tiny")
+    given = JobSpec.from_dict({"name": "tiny", "checkpoint": {"directory": "gs://other/x"}})
+    assert given.with_checkpoint_directory(tmp_path).checkpoint.directory == "gs://other/x"
+
+
+@pytest.mark.parametrize("directory, expected", [
+    ("gs://Bad_Bucket/x", f"'gs://Bad_Bucket/x': 'Bad_Bucket' is not a bucket name: {BUCKET_RULE}"),
+    ("gs://ab/x", f"'gs://ab/x': 'ab' is not a bucket name: {BUCKET_RULE}"),
+    ("gs://my-google-bucket/x", "'gs://my-google-bucket/x': 'my-google-bucket' is not a bucket name: it may not "
+                                "start with 'goog' or contain 'google'"),
+    ("gs://10.0.0.1/x", "'gs://10.0.0.1/x': '10.0.0.1' is not a bucket name: it may not be an IP address"),
+    ("gs://my-bucket", "must name a folder inside the bucket, e.g. gs://my-bucket/checkpoints/my-job, got "
+                       "'gs://my-bucket'"),
+    ("gs://my-bucket/a/../b", "'gs://my-bucket/a/../b': no empty, '.' or '..' parts between slashes (a bucket "
+                              "takes them literally)"),
+    ("gs://my-bucket/a//b", "'gs://my-bucket/a//b': no empty, '.' or '..' parts between slashes (a bucket takes "
+                            "them literally)"),
+    ("gs://my-bucket/run*", "'gs://my-bucket/run*': a Cloud Storage folder here may not contain spaces, control "
+                            "characters or * ? [ ] # \\ (got '*')"),
+    ("s3://my-bucket/x", "must be an absolute path or a Cloud Storage URL gs://BUCKET/FOLDER, got 's3://my-bucket/x'"),
+    ("file:///tmp/x", "must be an absolute path or a Cloud Storage URL gs://BUCKET/FOLDER, got 'file:///tmp/x'"),
+])
+def test_bad_bucket_folders_name_the_field(directory, expected):
+    assert problems_of({"checkpoint": {"directory": directory}}) == [("checkpoint.directory", expected)]
+
+
+def test_a_url_in_a_job_file_is_never_taken_as_a_relative_path(tmp_path):
+    spec = JobSpec.from_yaml(write(tmp_path, "name: a\ncheckpoint: {directory: 'gs://my-bucket/ck'}\n"
+                                             "workload: {type: lm, data: {path: 'gs://my-bucket/tokens'}}\n"))
+    assert spec.checkpoint.directory == "gs://my-bucket/ck" and spec.workload.data.path == "gs://my-bucket/tokens"
+    assert problem(tmp_path, "name: a\ncheckpoint: {directory: 'gs:/my-bucket/ck'}\n") == (
+        "job.yaml: checkpoint.directory: must be an absolute path or a Cloud Storage URL gs://BUCKET/FOLDER, got "
+        "'gs:/my-bucket/ck'")
+    assert problem(tmp_path, "name: a\nworkload: {type: lm, data: {path: 'gs:my-bucket/tokens'}}\n") == (
+        "job.yaml: workload.data.path: looks like a URL but has no '://' (e.g. gs://BUCKET/FOLDER), got "
+        "'gs:my-bucket/tokens' (a relative path that starts with a word and a colon: write ./ in front)")
+    spec = JobSpec.from_yaml(write(tmp_path, "name: a\ncheckpoint: {directory: './ck:1'}\n"))
+    assert spec.checkpoint.directory == str((tmp_path / "ck:1").resolve())
+
+
+def test_gcp_keeps_every_shared_file_in_a_bucket():
+    no_disk = "TPU VMs share no disk with"
+    assert problems_of({**GCP}) == [("checkpoint.directory", (
+        "provider gcp keeps checkpoints in Cloud Storage (TPU VMs share no disk with this machine): set "
+        "checkpoint.directory to gs://BUCKET/FOLDER, or gcp.bucket to a bucket for the default "
+        "gs://BUCKET/checkpoints/a"))]
+    assert problems_of({**GCP, "checkpoint": {"directory": "/data/ck"}}) == [("checkpoint.directory", (
+        f"'/data/ck' is on this machine, and {no_disk} it; use gs://BUCKET/FOLDER (or leave it out and set "
+        "gcp.bucket)"))]
+    with_bucket = {**GCP, "gcp": {**GCP["gcp"], "bucket": "my-bucket"}}
+    for path in ("/data/tokens", "memory://tokens", "file:///data/tokens"):
+        assert problems_of({**with_bucket, "workload": {"type": "lm", "data": {"path": path}}}) == [(
+            "workload.data.path", f"{path!r} is not in Cloud Storage, and {no_disk} this machine; put the token "
+                                  "files in a bucket (orchestrator data prepare SRC -o gs://BUCKET/FOLDER) and name that")]
+    JobSpec.from_dict({"name": "a", **with_bucket, "workload": {"type": "lm", "data": {"path": "gs://my-bucket/t"}}})
+
+
+@pytest.mark.parametrize("data, field, expected", [
+    ({"gcp": {"project": "p", "zones": ["z"], "bucket": "gs://my-bucket"}}, "gcp.bucket",
+     "must be a bucket's name without gs://, got 'gs://my-bucket'"),
+    ({"gcp": {"project": "p", "zones": ["z"], "bucket": "My-Bucket"}}, "gcp.bucket",
+     f"'My-Bucket' is not a bucket name: {BUCKET_RULE}"),
+    ({"storage": {"endpoint": "127.0.0.1:8471"}}, "storage.endpoint",
+     "must be an http:// or https:// URL like http://127.0.0.1:8471, got '127.0.0.1:8471'"),
+    ({"storage": {"endpoint": "http://127.0.0.1:8471/storage/v1"}}, "storage.endpoint",
+     "must be a scheme, host and port only (no path, query or credentials), got 'http://127.0.0.1:8471/storage/v1'"),
+    ({"storage": {"endpoint": "http://127.0.0.1:99999"}}, "storage.endpoint",
+     "has a port that is not a number from 0 to 65535, got 'http://127.0.0.1:99999'"),
+    ({"storage": {"bucket": "x"}}, "storage.bucket", "unknown key; allowed keys here: endpoint"),
+])
+def test_bad_storage_settings_name_the_field(data, field, expected):
+    assert problems_of(data) == [(field, expected)]
+
+
+def test_the_storage_endpoint_reaches_the_hosts():
+    from orchestrator.control.launch import workload_for
+
+    spec = JobSpec.from_dict({"name": "a", "checkpoint": {"directory": "gs://my-bucket/a"},
+                              "storage": {"endpoint": "http://127.0.0.1:8471"}})
+    w = workload_for(spec, 4, 1)
+    assert (w["storage_endpoint"], w["fence_dir"], w["config"]["checkpoint_dir"]) == (
+        "http://127.0.0.1:8471", "gs://my-bucket/a", "gs://my-bucket/a")

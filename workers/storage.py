@@ -1,0 +1,547 @@
+"""Where a job's files live: a local path or an object-store URL (``gs://bucket/folder``), used the same way.
+
+TPU VMs share no disk with the controller or with each other, so on gcp a job's
+checkpoints, its fence, its token files and its exports live in Cloud Storage; locally they
+may live on disk or in a bucket. Every function here takes a path as a string (or a
+`pathlib.Path`): a local absolute path, or a URL, which goes through fsspec (gcsfs for
+``gs://``). Orbax reaches the same buckets through etils.epath (gcsfs) for its folders and
+tensorstore for its arrays.
+
+**Pointing a process at an emulator.** `configure(endpoint)` sets, in this process, what
+makes every client talk to `endpoint` (`endpoint_env` lists them) and the fsspec defaults
+for ``gs://``; call it before the process first touches a bucket (tensorstore reads its
+settings when it opens a ``gs://`` store; gcsfs and etils cache their file systems).
+`configure(None)` keeps Google's endpoint and the machine's credentials (on a TPU VM its
+service account). Either way it turns off gcsfs's cache of listings: other processes write
+the same folders (orbax lists step folders that tensorstore wrote), and a cached listing
+would hide their writes. The functions that a controller calls for many jobs (the fence,
+`check_writable`) also take ``endpoint=`` per call, so that they need no process-wide setting.
+
+**The fence** (`write_fence`, `read_fence`): the record, beside a job's checkpoints, of
+which generation of the job's workers may write there, and whose folder it is (`owner`,
+the job id). The controller writes it before it starts a generation; a worker reads it
+before each save and writes only while it names the worker's generation. On a bucket it is
+one object replaced with a generation precondition (``ifGenerationMatch``), so that of two
+writers racing, one wins and the other re-reads; locally it is one file replaced by an
+atomic rename under a lock on its folder. A writer never lowers the generation of its own
+owner's fence, and of two writers of the same generation only one succeeds (`FenceError`
+for the other). A fence of another owner, or a bare integer from before owners were recorded,
+is replaced: a job resubmitted on the folder of an earlier one takes it over (refusing a
+second *running* job on one folder is for the caller, which can read `Fence.owner`).
+
+Example::
+
+    storage.configure("http://127.0.0.1:8471")          # an emulator; None: Google's
+    storage.write_text(storage.join("gs://b/run", "note.txt"), "hi")
+    storage.write_fence("gs://b/run", generation=3, owner="tiny-lm-3f2a1c")
+    storage.read_fence("gs://b/run")                     # Fence(generation=3, owner='tiny-lm-3f2a1c', ...)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import random
+import secrets
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+FENCE = ".fence"
+PathLike = str | os.PathLike
+
+# What makes each client talk to an emulator (see orchestrator.emulator.storage for the table).
+_ENDPOINT_VARS = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+                  "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
+
+
+class StorageError(OSError):
+    """A folder or bucket that cannot be used as asked; `where` names it."""
+
+    def __init__(self, where: str, problem: str):
+        self.where, self.problem = str(where), problem
+        super().__init__(f"{where}: {problem}")
+
+    def __reduce__(self):
+        return type(self), (self.where, self.problem)
+
+
+# -- paths and URLs --------------------------------------------------------------------------
+
+
+def is_url(path: PathLike) -> bool:
+    """Whether `path` is a URL (``scheme://...``) rather than a local path."""
+    return "://" in os.fspath(path)
+
+
+def join(base: PathLike, *parts: str) -> str:
+    """`base` with `parts` appended: ``join("gs://b/x", "y", "z") == "gs://b/x/y/z"``; local paths as os.path.join."""
+    base = os.fspath(base)
+    if not is_url(base):
+        return os.path.join(base, *parts)
+    out = base.rstrip("/")
+    for p in parts:
+        p = p.strip("/")
+        if p:
+            out = f"{out}/{p}"
+    return out
+
+
+def split_gcs(url: PathLike) -> tuple[str, str]:
+    """``gs://bucket/some/name`` -> ``("bucket", "some/name")``; a StorageError for anything else."""
+    url = os.fspath(url)
+    if not url.startswith("gs://"):
+        raise StorageError(url, "not a gs:// URL")
+    bucket, _, name = url[len("gs://"):].partition("/")
+    if not bucket:
+        raise StorageError(url, "names no bucket")
+    return bucket, name.strip("/")
+
+
+# -- where the clients go --------------------------------------------------------------------
+
+
+def _normal(endpoint: str) -> str:
+    """``http://host:port`` without a trailing slash (``host:port`` alone, as STORAGE_EMULATOR_HOST allows, is http)."""
+    endpoint = endpoint.strip().rstrip("/")
+    return endpoint if "://" in endpoint else f"http://{endpoint}"
+
+
+def endpoint_env(endpoint: str) -> dict[str, str]:
+    """The environment that points gcsfs, google-cloud-storage and tensorstore at `endpoint` (an emulator)."""
+    endpoint = _normal(endpoint)
+    return {
+        "STORAGE_EMULATOR_HOST": endpoint,  # gcsfs, google-cloud-storage
+        "TENSORSTORE_GCS_HTTP_URL": endpoint,  # tensorstore (orbax's arrays)
+        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",  # tensorstore: a bearer token instead of looking for credentials
+        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # gcsfs: no Storage Control gRPC probe (no emulator has it)
+    }
+
+
+_emulated: list[str] = []  # the endpoint `configure` set in fsspec's defaults, if any
+
+
+def configure(endpoint: str | None) -> None:
+    """Point this process's storage clients at `endpoint` (an emulator's URL), or at Google's (None).
+
+    Call before the process first touches a bucket: tensorstore reads its settings when it
+    opens a gs:// store (one opened before keeps the endpoint it had), gcsfs and etils.epath
+    cache their file systems (dropped here, so the next use gets the new setting).
+    """
+    import fsspec
+
+    endpoint = _normal(endpoint) if endpoint else None
+    if endpoint:
+        os.environ.update(endpoint_env(endpoint))
+    else:
+        for name in _ENDPOINT_VARS:
+            os.environ.pop(name, None)
+    for protocol in ("gs", "gcs"):  # fsspec's defaults for gcsfs, merged into what the user may have set
+        conf = fsspec.config.conf.setdefault(protocol, {})
+        conf["use_listings_cache"] = False  # others write where this process lists
+        if endpoint:
+            conf.update(token="anon", endpoint_url=endpoint)
+        elif _emulated:
+            for key in ("token", "endpoint_url"):
+                conf.pop(key, None)
+    _emulated[:] = [endpoint] if endpoint else []
+    if endpoint:  # the plain GCSFileSystem, also when gcsfs was imported before the variable was set
+        from gcsfs.core import GCSFileSystem
+
+        for protocol in ("gs", "gcs"):
+            fsspec.register_implementation(protocol, GCSFileSystem, clobber=True)
+    _forget_clients()
+
+
+def _forget_clients() -> None:
+    """Drop cached clients made with the old settings (gcsfs instances, etils.epath's, our own)."""
+    _gcs_clients.clear()
+    if "gcsfs" in sys.modules:
+        from gcsfs.core import GCSFileSystem
+
+        GCSFileSystem.clear_instance_cache()
+        for cls in type.__subclasses__(GCSFileSystem):
+            cls.clear_instance_cache()
+    if "etils.epath" in sys.modules:
+        from etils.epath import backend
+
+        with contextlib.suppress(AttributeError):
+            backend.fsspec_backend._get_filesystem.cache_clear()
+
+
+def filesystem(path: PathLike, *, endpoint: str | None = None):
+    """``(fsspec file system, path inside it)`` for `path`; `endpoint` overrides `configure`'s for a URL."""
+    import fsspec
+
+    path = os.fspath(path)
+    if not is_url(path):
+        return fsspec.filesystem("file"), path
+    if endpoint and path.startswith("gs://"):
+        from gcsfs.core import GCSFileSystem
+
+        fs = GCSFileSystem(token="anon", endpoint_url=_normal(endpoint), use_listings_cache=False)
+        return fs, fs._strip_protocol(path)
+    return fsspec.core.url_to_fs(path)
+
+
+# -- small files, listings, trees ---------------------------------------------------------------
+
+
+def exists(path: PathLike, *, endpoint: str | None = None) -> bool:
+    """Whether a file or folder is at `path` (on a bucket: an object, or any object under it)."""
+    if not is_url(path):
+        return os.path.exists(path)
+    fs, p = filesystem(path, endpoint=endpoint)
+    return fs.exists(p)
+
+
+def isdir(path: PathLike, *, endpoint: str | None = None) -> bool:
+    """Whether `path` is a folder (on a bucket: any object has it as a prefix)."""
+    if not is_url(path):
+        return os.path.isdir(path)
+    fs, p = filesystem(path, endpoint=endpoint)
+    return fs.isdir(p)
+
+
+def read_bytes(path: PathLike, *, endpoint: str | None = None) -> bytes:
+    """The whole content of the file at `path` (FileNotFoundError if there is none)."""
+    if not is_url(path):
+        return Path(path).read_bytes()
+    fs, p = filesystem(path, endpoint=endpoint)
+    return fs.cat_file(p)
+
+
+def read_text(path: PathLike, *, endpoint: str | None = None) -> str:
+    return read_bytes(path, endpoint=endpoint).decode("utf-8")
+
+
+def write_bytes(path: PathLike, data: bytes, *, endpoint: str | None = None) -> None:
+    """Replace the file at `path` with `data`, whole: a reader sees the old content or the new, never a part.
+
+    Locally a temporary file beside it renamed over it (its folder is made if missing); on
+    a bucket one object upload, which is atomic by nature.
+    """
+    if not is_url(path):
+        _replace_local(Path(path), data)
+        return
+    fs, p = filesystem(path, endpoint=endpoint)
+    fs.pipe_file(p, data)
+
+
+def write_text(path: PathLike, text: str, *, endpoint: str | None = None) -> None:
+    write_bytes(path, text.encode("utf-8"), endpoint=endpoint)
+
+
+def _replace_local(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def makedirs(path: PathLike) -> None:
+    """Make the folder `path` and its parents; on a bucket nothing (folders are only name prefixes there)."""
+    if not is_url(path):
+        os.makedirs(path, exist_ok=True)
+
+
+def listdir(path: PathLike, *, endpoint: str | None = None) -> list[str]:
+    """The names directly inside folder `path`, sorted (FileNotFoundError if there is no such folder)."""
+    if not is_url(path):
+        return sorted(os.listdir(path))
+    fs, p = filesystem(path, endpoint=endpoint)
+    if not fs.isdir(p):
+        raise FileNotFoundError(f"no such folder: {path}")
+    names = {os.path.basename(e.rstrip("/")) for e in fs.ls(p, detail=False)}
+    return sorted(n for n in names if n)
+
+
+def remove(path: PathLike, *, endpoint: str | None = None) -> None:
+    """Delete the file at `path`; nothing if there is none."""
+    if not is_url(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    fs, p = filesystem(path, endpoint=endpoint)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(p)
+
+
+def remove_tree(path: PathLike, *, endpoint: str | None = None) -> None:
+    """Delete the folder `path` and everything under it; nothing if there is none."""
+    if not is_url(path):
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=not os.path.exists(path))
+        return
+    fs, p = filesystem(path, endpoint=endpoint)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm(p, recursive=True)
+
+
+def move_tree(src: PathLike, dst: PathLike, *, endpoint: str | None = None) -> None:
+    """Move folder `src` to `dst` (which must not exist).
+
+    Locally one atomic rename. A bucket has no rename: every object is copied (a copy inside
+    the bucket, no download), then the originals deleted; a move cut short leaves the whole
+    of `src` in place and part of it at `dst`, and doing it again finishes it.
+    """
+    if is_url(src) != is_url(dst):
+        raise StorageError(os.fspath(dst), f"cannot move {src} between a bucket and this machine")
+    if not is_url(src):
+        if os.path.exists(dst):
+            raise FileExistsError(f"{dst} exists")
+        os.rename(src, dst)
+        return
+    fs, s = filesystem(src, endpoint=endpoint)
+    _, d = filesystem(dst, endpoint=endpoint)
+    names = [n for n in fs.find(s) if not n.endswith("/")]
+    if not names:
+        raise FileNotFoundError(f"no such folder: {src}")
+    root = s.split("://", 1)[-1].rstrip("/")
+    dst_root = d.split("://", 1)[-1].rstrip("/")
+    for name in names:  # every copy first: until the last one, `src` is whole
+        fs.copy(name, dst_root + name[len(root):])
+    fs.rm(names)
+
+
+def upload_folder(local_dir: PathLike, dest: PathLike, *, last: tuple[str, ...] = (),
+                  endpoint: str | None = None) -> None:
+    """Copy the files under local folder `local_dir` to `dest` (a URL or a local folder), keeping their
+    relative names; the files named in `last` (relative names) go after all others, so a reader that
+    looks for them first finds the rest complete."""
+    local_dir = Path(local_dir)
+    files = sorted(p for p in local_dir.rglob("*") if p.is_file())
+    rel = [p.relative_to(local_dir).as_posix() for p in files]
+    order = sorted(range(len(files)), key=lambda i: (rel[i] in last, last.index(rel[i]) if rel[i] in last else 0))
+    if not is_url(dest):
+        import shutil
+
+        for i in order:
+            target = Path(dest) / rel[i]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(files[i], target)
+        return
+    fs, d = filesystem(dest, endpoint=endpoint)
+    first = [i for i in order if rel[i] not in last]
+    then = [i for i in order if rel[i] in last]
+    for group in (first, then):
+        if group:
+            fs.put([str(files[i]) for i in group], [join(d, rel[i]) for i in group])
+
+
+def check_writable(directory: PathLike, *, endpoint: str | None = None) -> None:
+    """A StorageError naming `directory` unless a file can be written there, read back and deleted.
+
+    For a preflight check: on a bucket this is the bucket reachable, and writable with this
+    machine's credentials (a small object ``.probe-<random>`` that is deleted again).
+    """
+    directory = os.fspath(directory)
+    probe = join(directory, f".probe-{secrets.token_hex(6)}")
+    data = secrets.token_bytes(16)
+    try:
+        if is_url(directory):
+            blob = _blob(probe, endpoint)
+            blob.upload_from_string(data, if_generation_match=0)
+            back = blob.download_as_bytes()
+            blob.delete()
+        else:
+            makedirs(directory)
+            write_bytes(probe, data)
+            back = read_bytes(probe)
+            remove(probe)
+    except Exception as e:  # what the client says is the message: no such bucket, 403, unreachable
+        raise StorageError(directory, f"cannot write there: {_reason(e)}") from None
+    if back != data:
+        raise StorageError(directory, "a file written there read back different")
+
+
+def _reason(e: BaseException) -> str:
+    text = getattr(e, "message", None) or str(e) or type(e).__name__
+    return f"{type(e).__name__}: {text}"[:300]
+
+
+# -- the fence ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fence:
+    """What a fence records: the generation whose workers may write, and whose folder it is."""
+
+    generation: int
+    owner: str | None = None  # the job (its id) whose folder this is; None: written before owners were
+    token: str | None = None  # this write's random id: tells a writer that a write it retried was its own
+    written_at: float | None = None  # seconds since the epoch
+
+    def to_json(self) -> str:
+        return json.dumps({"generation": self.generation, "owner": self.owner, "token": self.token,
+                           "written_at": self.written_at}) + "\n"
+
+    @classmethod
+    def parse(cls, text: str) -> "Fence":
+        """A fence's record: JSON, or the bare integer that earlier versions wrote (owner unknown)."""
+        text = text.strip()
+        if text.lstrip("-").isdigit():
+            return cls(generation=int(text))
+        data = json.loads(text)
+        if not isinstance(data, dict) or not isinstance(data.get("generation"), int):
+            raise ValueError(f"not a fence record: {text[:100]!r}")
+        return cls(generation=data["generation"], owner=data.get("owner"), token=data.get("token"),
+                   written_at=data.get("written_at"))
+
+
+class FenceError(RuntimeError):
+    """The fence holds what this writer must not replace (a generation as high or higher of the same owner)."""
+
+    def __init__(self, directory: str, wanted: int, owner: str | None, current: Fence):
+        self.directory, self.wanted, self.owner, self.current = directory, wanted, owner, current
+        super().__init__(f"{directory}: the fence is at generation {current.generation} of {current.owner}; "
+                         f"not writing generation {wanted} of {owner} over it")
+
+    def __reduce__(self):
+        return type(self), (self.directory, self.wanted, self.owner, self.current)
+
+
+def _may_replace(current: Fence | None, new: Fence) -> bool:
+    """Whether `new` may replace `current`: no fence (or an unreadable one), another owner's (a takeover,
+    including a bare integer of an earlier version), or a higher generation of the same owner."""
+    return current is None or current.owner != new.owner or new.generation > current.generation
+
+
+def _parse_or_none(text: str) -> Fence | None:
+    try:
+        return Fence.parse(text)
+    except ValueError:  # an unreadable record: the writer replaces it (a reader refuses to write under it)
+        log.warning("replacing an unreadable fence record %r", text[:100])
+        return None
+
+
+def read_fence(directory: PathLike, *, endpoint: str | None = None) -> Fence | None:
+    """The fence in `directory`, or None if there is none. ValueError for a record that cannot be read."""
+    path = join(directory, FENCE)
+    try:
+        if is_url(path):
+            text = _blob(path, endpoint).download_as_bytes().decode("utf-8")
+        else:
+            text = Path(path).read_text()
+    except FileNotFoundError:
+        return None
+    except Exception as e:
+        if _is_not_found(e):
+            return None
+        raise
+    return Fence.parse(text)
+
+
+def write_fence(directory: PathLike, generation: int, owner: str | None, *, endpoint: str | None = None) -> Fence:
+    """Record that `generation` of `owner` (a job id) is the one whose workers may write in `directory`.
+
+    Raises FenceError when the fence already holds a generation of `owner` as high or
+    higher (another writer got there first); see the module's docstring.
+    """
+    directory = os.fspath(directory)
+    new = Fence(generation=int(generation), owner=owner, token=secrets.token_hex(8), written_at=time.time())
+    if is_url(directory):
+        _write_fence_gcs(directory, new, endpoint)
+    else:
+        _write_fence_local(directory, new)
+    return new
+
+
+def _write_fence_local(directory: str, new: Fence) -> None:
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # writers of this folder one at a time: read, compare, rename
+        try:
+            current = _parse_or_none((Path(directory) / FENCE).read_text())
+        except FileNotFoundError:
+            current = None
+        if not _may_replace(current, new):
+            raise FenceError(directory, new.generation, new.owner, current)
+        _replace_local(Path(directory) / FENCE, new.to_json().encode())
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _write_fence_gcs(directory: str, new: Fence, endpoint: str | None) -> None:
+    from google.api_core import exceptions
+
+    path = join(directory, FENCE)
+    for attempt in range(50):
+        blob = _blob(path, endpoint)
+        try:
+            blob.reload()
+            current, object_generation = _parse_or_none(blob.download_as_bytes(
+                if_generation_match=blob.generation).decode("utf-8")), blob.generation
+        except exceptions.NotFound:
+            current, object_generation = None, 0
+        except exceptions.PreconditionFailed:  # replaced between the two reads
+            continue
+        if current is not None and current.token == new.token:
+            return  # a retried upload that had got through
+        if not _may_replace(current, new):
+            raise FenceError(directory, new.generation, new.owner, current)
+        try:
+            # Only if the object is still the one just read (0: only if there is none yet).
+            _blob(path, endpoint).upload_from_string(new.to_json(), content_type="application/json",
+                                                     if_generation_match=object_generation)
+            return
+        except exceptions.PreconditionFailed:  # another writer got in between: read again
+            time.sleep(random.uniform(0, 0.05 * min(attempt + 1, 10)))
+    raise StorageError(directory, "could not write the fence: other writers kept replacing it")
+
+
+_gcs_clients: dict[str | None, Any] = {}
+
+
+def _gcs_client(endpoint: str | None):
+    """A google-cloud-storage client: for `endpoint` (an emulator, anonymous), else this process's setting."""
+    endpoint = endpoint or os.environ.get("STORAGE_EMULATOR_HOST") or None
+    endpoint = _normal(endpoint) if endpoint else None
+    client = _gcs_clients.get(endpoint)
+    if client is None:
+        from google.cloud import storage as gcs
+
+        if endpoint:
+            from google.auth.credentials import AnonymousCredentials
+
+            client = gcs.Client(project="emulator", credentials=AnonymousCredentials(),
+                                client_options={"api_endpoint": endpoint})
+        else:
+            client = gcs.Client()  # application default credentials: on a TPU VM its service account
+        _gcs_clients[endpoint] = client
+    return client
+
+
+def _blob(url: str, endpoint: str | None):
+    bucket, name = split_gcs(url)
+    return _gcs_client(endpoint).bucket(bucket).blob(name)
+
+
+def _is_not_found(e: BaseException) -> bool:
+    from google.api_core import exceptions
+
+    return isinstance(e, exceptions.NotFound)
+
+
+__all__ = ["FENCE", "Fence", "FenceError", "StorageError", "check_writable", "configure", "endpoint_env", "exists",
+           "filesystem", "is_url", "isdir", "join", "listdir", "makedirs", "move_tree", "read_bytes", "read_fence",
+           "read_text", "remove", "remove_tree", "split_gcs", "upload_folder", "write_bytes", "write_fence",
+           "write_text"]
