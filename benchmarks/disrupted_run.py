@@ -100,7 +100,7 @@ def main() -> int:
         for j in (other, queued):
             if not j.status().done:
                 j.cancel()
-        write_report(client.store, job.id, args.out / "report-disrupted.png")
+        write_report(client.store, job.id, args.out / "report-disrupted.png", force=True)
         print("wrote", args.out / "report-disrupted.png", flush=True)
         return 0 if st.state.value == "SUCCEEDED" else 1
     finally:
