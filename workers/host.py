@@ -28,7 +28,9 @@ import traceback
 
 import ray
 
-from workers import runtime, storage
+from policies.recovery import FailureCause, failure_cause
+from workers import reaper, runtime, storage
+from workers.profiling import CaptureRequest, Profiler
 from workers.protocol import Ending, Lines, Noticed, Ready, Report, StepDone, WorkerResult
 from workers.notices import MetadataWatcher, install_sigterm
 
@@ -79,9 +81,34 @@ def _preload_lm() -> None:
         log.debug("preloading the trainer failed: %s", e)
 
 
+class EntrypointError(Exception):
+    """The job's entrypoint could not be imported (its module, a module it imports, or its function)."""
+
+
+def _chain(e: BaseException) -> list[tuple[str, int | None, str]]:
+    """`e` and its causes, each as `policies.recovery.failure_cause` reads them."""
+    out, seen = [], set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        out.append((type(e).__name__, getattr(e, "errno", None) if isinstance(e, OSError) else None, str(e)))
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _error_line(e: BaseException, chain: list, cause: FailureCause) -> str:
+    """One line for the job's reason: the exception, and for a storage error the link of its chain that says so."""
+    line = str(e) if isinstance(e, EntrypointError) else f"{type(e).__name__}: {e}"
+    if cause is FailureCause.STORAGE:
+        name, _, message = next((c for c in chain if failure_cause([c]) is FailureCause.STORAGE), chain[0])
+        if message not in line:
+            line += f" (from {name}: {message})"
+    return line
+
+
 class HostWorker:
     def __init__(self, *, job_id: str, generation: int, rank: int, num_hosts: int, devices_per_host: int,
-                 platform: str | None, compile_cache_dir: str | None, controller: tuple[str, str] | None,
+                 platform: str | None, compile_cache_dir: str | None,
+                 controller: "tuple[str, str] | ray.actor.ActorHandle | None",  # a name, or the inbox
                  workload_type: str | None = None):
         self.job_id, self.generation, self.rank, self.num_hosts = job_id, generation, rank, num_hosts
         self._controller_name = controller
@@ -89,11 +116,13 @@ class HostWorker:
         self._notice = threading.Event()
         self._notice_reason: str | None = None
         self._result: WorkerResult | None = None
+        self._ctx = None  # the training API's context of the running program
         self._history: list[dict] = []
         self._fence_dir: str | None = None  # where the fence is: the job's checkpoint folder
         self._storage_endpoint: str | None = None
         self._steps_total: int | None = None  # for the progress lines in the log
         self._out = _LineBuffer(sys.stdout)
+        self._profiler = Profiler(rank, num_hosts, self._send)  # captures `orchestrator profile` asks for
         sys.stdout = self._out  # what the job's code prints reaches `orchestrator logs` (and still Ray's log file)
         runtime.configure(platform=platform, devices_per_host=devices_per_host, compile_cache_dir=compile_cache_dir)
         handler = logging.StreamHandler(self._out)
@@ -102,6 +131,7 @@ class HostWorker:
         logging.getLogger().setLevel(logging.INFO)
         logging.getLogger("absl").setLevel(logging.WARNING)  # orbax narrates every save at INFO
         install_sigterm(self._on_notice)
+        reaper.guard(f"{job_id}-g{generation}-w{rank}")  # what the job's code starts ends with this worker
         if workload_type == "lm":
             threading.Thread(target=_preload_lm, daemon=True, name="preload").start()
 
@@ -156,6 +186,10 @@ class HostWorker:
         """A preemption notice from the controller: save at the current step, commit, stop."""
         self._on_notice(f"controller: {reason}")
 
+    def request_profile(self, request: CaptureRequest) -> None:
+        """A profile capture (`workers.profiling`): every host votes it; the chosen ones trace it."""
+        self._profiler.request(request)
+
     # -- the training thread -------------------------------------------------------
 
     def _main(self, coordinator: str | None, workload: dict, share_key: bytes | None) -> None:
@@ -175,14 +209,19 @@ class HostWorker:
                 result = self._run_lm(workload)
             else:
                 result = self._run_entrypoint(workload)
-        except Exception as e:  # the boundary of user code: report it, typed, with its traceback
+        except SystemExit as e:  # the job's code called sys.exit(): an end it chose, never to be taken for a hang
+            result = self._exited(e)
+        except Exception as e:  # the boundary of user code: report it, typed (its cause), with its traceback
             tb = traceback.format_exc()
             print(tb, file=self._out)
-            result = WorkerResult(Ending.FAILED, self.rank, error=f"{type(e).__name__}: {e}", traceback=tb)
+            chain = _chain(e)
+            cause = failure_cause(chain, importing=isinstance(e, EntrypointError))
+            result = WorkerResult(Ending.FAILED, self.rank, error=_error_line(e, chain, cause), traceback=tb,
+                                  cause=cause.value)
         finally:
             if watcher:
                 watcher.close()
-        self._send(Lines())
+        self._send(Lines(), wait=True)  # the last lines land before the controller sees the result
         self._result = result
 
     def _on_notice(self, reason: str) -> None:
@@ -193,14 +232,11 @@ class HostWorker:
             self._send(Noticed(reason))
 
     def _any_host_noticed(self) -> bool:
-        """Whether any host got a notice: all hosts must stop after the same step."""
-        mine = self._notice.is_set()
-        if self.num_hosts == 1:
-            return mine
-        import numpy as np
-        from jax.experimental import multihost_utils
+        """Whether any host got a notice: all hosts must stop after the same step.
 
-        return bool(np.any(multihost_utils.process_allgather(np.int32(mine))))
+        The same one collective a step also agrees on the step a profile capture begins.
+        """
+        return self._profiler.vote(self._notice.is_set())
 
     def _hooks(self, workload: dict) -> dict:
         """This worker's side of the training API's context (`workers.api.Context`)."""
@@ -210,7 +246,7 @@ class HostWorker:
         peak = workload.get("peak_flops_per_chip") if jax.default_backend() == "tpu" else None
         return dict(rank=self.rank, num_hosts=self.num_hosts, peak_flops_per_chip=peak,
                     stop_requested=self._notice.is_set, may_write=self._may_write,
-                    agreed_stop=self._any_host_noticed, send=self._send)
+                    agreed_stop=self._any_host_noticed, send=self._send, profiler=self._profiler)
 
     def _ended(self, loop) -> WorkerResult:
         """How a program that ran the API's loop ended (all hosts get here together)."""
@@ -229,7 +265,7 @@ class HostWorker:
 
         cfg = TrainConfig.from_dict(workload["config"])
         self._steps_total = cfg.steps
-        ctx = context_for(cfg, **self._hooks(workload))
+        ctx = self._ctx = context_for(cfg, **self._hooks(workload))
         trainer = Trainer(cfg, ctx)
         trainer.run()
         return self._ended(ctx.last_loop)
@@ -238,20 +274,43 @@ class HostWorker:
         module_name, fn_name = workload["entrypoint"].split(":")
         if workload.get("workdir") and workload["workdir"] not in sys.path:
             sys.path.insert(0, workload["workdir"])
-        fn = getattr(importlib.import_module(module_name), fn_name)
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+        except Exception as e:  # the module, a module it imports, or the function: the same on every slice
+            raise EntrypointError(f"cannot import the entrypoint {workload['entrypoint']}: {type(e).__name__}: {e}") \
+                from e
         training = dict(workload.get("training") or {})
         if training.get("mesh_shape"):
             training["mesh_shape"] = tuple(training["mesh_shape"])
         from workers import api
 
         self._steps_total = training.get("steps")
-        ctx = api.Context(args=workload.get("args", {}), checkpoint_dir=workload.get("checkpoint_dir"),
-                          **training, **self._hooks(workload))
+        ctx = self._ctx = api.Context(args=workload.get("args", {}), checkpoint_dir=workload.get("checkpoint_dir"),
+                                      **training, **self._hooks(workload))
         fn(ctx)
         if ctx.last_loop is not None:
             ctx.last_loop.close()
             return self._ended(ctx.last_loop)
         return WorkerResult(Ending.SUCCEEDED, self.rank)  # a program that runs its own loop
+
+    def _exited(self, e: SystemExit) -> WorkerResult:
+        """The job's code called sys.exit(): with status 0 and no step of the training API's loop
+        left (or no such loop), the end of the program; otherwise a failure that says so."""
+        code = e.code
+        status = 0 if code is None else code if isinstance(code, int) else 1  # sys.exit("message") exits 1
+        loop = getattr(self._ctx, "last_loop", None)
+        if loop is not None:
+            try:
+                loop.close()  # the last save committed, as after a return
+            except Exception as err:  # the exit is what this worker reports; the log keeps this
+                log.error("after sys.exit(): the last save failed: %s: %s", type(err).__name__, err)
+        if status == 0 and (loop is None or loop.completed):
+            return self._ended(loop) if loop is not None else WorkerResult(Ending.SUCCEEDED, self.rank)
+        done = f" with {loop.step} of {loop.total} steps done" if loop is not None else ""
+        message = f"the job's code called sys.exit({code!r}){done}"
+        log.error("%s", message)
+        return WorkerResult(Ending.FAILED, self.rank, steps=loop.step if loop is not None else None, error=message,
+                            cause=FailureCause.EXIT.value, exit_code=status)
 
     # -- fencing and reporting ------------------------------------------------------
 
@@ -284,6 +343,8 @@ class HostWorker:
             log.info("step %d/%d loss %.4f%s", r.step + 1, total, r.loss, rate)
 
     def _ctrl(self):
+        if self._controller is None and self._controller_name and not isinstance(self._controller_name, tuple):
+            self._controller = self._controller_name  # the controller's inbox (`workers.inbox`)
         if self._controller is None and self._controller_name:
             name, namespace = self._controller_name
             try:
@@ -292,7 +353,7 @@ class HostWorker:
                 return None
         return self._controller
 
-    def _send(self, report: Report) -> None:
+    def _send(self, report: Report, *, wait: bool = False) -> None:
         if isinstance(report, StepDone):
             self._history.append({**dataclasses.asdict(report), "at": time.time()})
             self._log_progress(report)
@@ -301,6 +362,9 @@ class HostWorker:
         if ctrl is None:
             return
         try:
-            ctrl.report.remote(self.job_id, self.generation, self.rank, report, lines)
-        except Exception:  # a restarting controller: look it up again next time
+            sent = ctrl.report.remote(self.job_id, self.generation, self.rank, report, lines)
+            if wait:
+                ray.get(sent, timeout=10)
+        except Exception as e:  # a restarting controller: look it up again next time
+            print(f"report to the controller failed: {e!r}", file=sys.__stderr__, flush=True)  # Ray's worker log
             self._controller = None

@@ -37,7 +37,7 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Atte
     running, beside = running_slice(plane.store, job, slices)
     for rec in beside:  # a request waiting beside it (make-before-break): given back; the policy asks again
         plane.release_record(rec)
-    if job.state in (JobState.STARTING, JobState.RUNNING) and running is not None and running["provider"] == "local":
+    if job.state in (JobState.STARTING, JobState.RUNNING) and running is not None:
         rec = running
         t = catalog.lookup(rec["accelerator"])
         try:
@@ -53,10 +53,9 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Atte
         except Exception as e:  # some part is gone: relaunch
             log.warning("job %s: cannot adopt generation %d (%s)", job.id, job.generation, e)
         else:
-            s = Slice(rec["name"], job.id, t, catalog.Tier(rec["tier"]), None, SliceState.READY,
-                      tuple(Host(i, r) for i, r in enumerate(rec["data"]["hosts"])), "local")
-            plane.provider.adopt(s, rec["data"]["pgids"])
-            att = Attempt(generation=job.generation, provider=plane.provider, slice=s, workers=workers, pg=pg,
+            provider = _take_over(plane, job, rec, t)
+            att = Attempt(generation=job.generation, provider=provider, slice=provider.get(rec["name"]),
+                          workers=workers, pg=pg,
                           started=True, adopted=True, accepting=True,
                           last_step=max((h["step"] for h in history), default=-1))
             return att, history
@@ -64,6 +63,28 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Atte
     if running is not None:
         plane.release_record(running)
     return None, []
+
+
+def _take_over(plane: "Controller", job: JobRecord, rec: dict, t: catalog.TpuType):
+    """Make the slice's provider follow it again; on gcp, also give back what else carries the job's
+    label in the cloud (a request an earlier controller made and the store never heard of)."""
+    hosts = tuple(Host(i, r) for i, r in enumerate(rec["data"]["hosts"]))
+    s = Slice(rec["name"], job.id, t, catalog.Tier(rec["tier"]), rec["data"].get("zone"), SliceState.READY, hosts,
+              rec["provider"])
+    if rec["provider"] == "local":
+        plane.provider.adopt(s, rec["data"]["pgids"])
+        return plane.provider
+    from orchestrator.control.driver import parse_stored_spec
+
+    spec = parse_stored_spec(job.spec)
+    provider = plane.provider_for(spec)
+    provider.adopt(s, rec["data"].get("zone") or spec.gcp.zones[0])
+    for found in provider.list(job_id=job.id):
+        if found.name != s.name:
+            log.info("job %s: releasing slice %s, found in the cloud beside the one its workers run on",
+                     job.id, found.name)
+            provider.release(found.name)
+    return provider
 
 
 def running_slice(store, job: JobRecord, slices: list[dict]) -> tuple[dict | None, list[dict]]:

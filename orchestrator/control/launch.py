@@ -26,6 +26,7 @@ from orchestrator.user.fit import microbatches_for
 from orchestrator.user.spec import EntrypointWorkload, JobSpec, LmWorkload
 from policies.recovery import Outcome, OutcomeKind
 from policies.sharding import plan_mesh
+from workers import inbox
 from workers.host import HostWorker
 from workers.notices import GCE_METADATA_URL
 from workers.train import TrainConfig
@@ -113,7 +114,7 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
                       name=worker_name(s.name, att.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
         .remote(job_id=job_id, generation=att.generation, rank=i, num_hosts=t.hosts,
                 devices_per_host=t.chips_per_host, platform="cpu", compile_cache_dir=str(home.compile_cache),
-                controller=(cluster.CONTROLLER_NAME, cluster.NAMESPACE), workload_type=spec.workload.type)
+                controller=_report_to(), workload_type=spec.workload.type)
         for i in range(t.hosts)
     ]
     placed = ray.get([w.info.remote() for w in att.workers], timeout=timeout)
@@ -131,6 +132,13 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
     ray.get([w.start.remote(coordinator, workload, share_key) for w in att.workers[1:]], timeout=120)
     att.last_progress = time.monotonic()
     return None
+
+
+def _report_to():
+    """Where the workers send their reports: the controller's inbox (`workers.inbox`), whose class a
+    host can load, unlike the controller's (a TPU VM has only the shipped packages)."""
+    ctx = ray.get_runtime_context()
+    return inbox.start(cluster.NAMESPACE, cluster.CONTROLLER_NAME, ctx.get_node_id())
 
 
 def teardown(att: Attempt) -> None:

@@ -25,7 +25,8 @@ from typer.core import TyperGroup
 from orchestrator.user.client import Client, JobStatus
 from orchestrator.user.progress import user_metrics, utilisation, watch
 from orchestrator.user.terminal import fit_fields, table, unique_prefixes, wrap
-from orchestrator.errors import OrchestratorError, RequestError
+from orchestrator.errors import OrchestratorError, RequestError, SpecError
+from orchestrator.user.preflight import gcp_problems
 from orchestrator.user.spec import JobSpec, json_schema
 from orchestrator.state.states import JobState
 
@@ -87,6 +88,9 @@ def _fmt(x: float | None, spec: str) -> str:
 def validate(job_file: Path = typer.Argument(..., help="The job's YAML file.")) -> None:
     """Check a job file; print the resolved spec."""
     spec = JobSpec.from_yaml(job_file)
+    problems = gcp_problems(spec)  # what TPU VMs need, before anything is provisioned
+    if problems:
+        raise SpecError(str(job_file), problems)
     t = spec.tpu_type
     hosts = f"{t.hosts} host" + ("s" if t.hosts != 1 else "")
     out.print(f"{job_file}: valid ({spec.accelerator}: {t.chips} chips on {hosts}, {spec.tier.value})",
@@ -304,6 +308,33 @@ def resize(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
     finally:
         client.close(stop_owned_cluster=False)
     out.print(f"resizing {job.id} to {accelerator}", highlight=False)
+
+
+@app.command()
+def profile(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
+            steps: int = typer.Option(3, "--steps", help="Steps to trace, 1 to 100."),
+            host: str = typer.Option("all", "--host", help="all, or one host's number (0 is the first)."),
+            memory: bool = typer.Option(False, "--memory", help="Also save a pprof profile of device memory."),
+            timeout: float = typer.Option(300.0, "--timeout", help="Seconds to wait for the capture."),
+            as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Trace N steps of a running job on its hosts; say where the trace is and what it shows."""
+    from orchestrator.user.capture import MAX_STEPS, render
+
+    if host != "all" and not host.isdigit():
+        _fail(f"--host must be all or a host's number, got {host!r}")
+    if not 1 <= steps <= MAX_STEPS:
+        _fail(f"--steps must be 1 to {MAX_STEPS}, got {steps}")
+    client = Client()
+    try:
+        capture = client.profile(job_id, steps=steps, host=None if host == "all" else int(host), memory=memory,
+                                 timeout_s=timeout)
+    finally:
+        client.close(stop_owned_cluster=False)
+    if as_json:
+        print(json.dumps(capture.to_dict(), indent=2, default=str))
+        return
+    for line in render(capture):
+        out.print(line, markup=False, highlight=False)
 
 
 @app.command()

@@ -24,9 +24,13 @@ from dataclasses import replace
 from pathlib import Path
 
 from orchestrator import catalog, cluster
+from orchestrator.cluster.processes import stop_marked
 from orchestrator.catalog import Tier
 from orchestrator.cluster.driver_output import keep_ray_quiet
+from orchestrator.control.shipping import pack_folder
 from orchestrator.errors import ClusterError, JobNotFoundError, JobStateError, OrchestratorError, SpecError
+from orchestrator.user.entrypoint import check_entrypoint
+from orchestrator.user.preflight import gcp_problems
 from orchestrator.user.spec import JobSpec
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store
@@ -143,6 +147,7 @@ class Client:
         info = cluster.read_cluster(self.home)
         if info is None:
             self._release_recorded_slices()
+            stop_marked(self.home)  # what a job's code left running past the cluster
             (self.home.root / "metrics.json").unlink(missing_ok=True)
             return False
         import ray
@@ -160,6 +165,7 @@ class Client:
             self._connected = False
             self._release_recorded_slices()
             cluster.stop_cluster(self.home)
+            stop_marked(self.home)  # what a job's code started and hid from the nodes' sessions
         (self.home.root / "metrics.json").unlink(missing_ok=True)  # its server went with the controller
         return True
 
@@ -199,11 +205,24 @@ class Client:
 
         Raises `SpecError` if the controller refuses the spec (with its `problems`), or if
         the token files of `workload.data` are missing, truncated, of another dtype, beyond
-        the model's vocabulary or too short: checked here, before any cluster is started or
-        slice provisioned. `source` (the job file) is named in those errors.
+        the model's vocabulary or too short, or if an entrypoint's module or function is not in
+        the job's folder (`orchestrator.user.entrypoint`): checked here, before any cluster is
+        started or slice provisioned. `source` (the job file) is named in those errors.
         """
         check_data(spec, source)
-        job_id = self._ask("submit", spec.model_dump(mode="json"), str(Path(workdir).resolve()) if workdir else None)
+        check_entrypoint(spec, source, workdir)
+        # The embedded cluster always listens on 127.0.0.1; TPU VMs are told its address unless gcp.head_address.
+        problems = gcp_problems(spec, self.address or "127.0.0.1:6379")
+        if problems:
+            raise SpecError(source, problems)
+        folder = spec.workdir or (str(Path(workdir).resolve()) if workdir else None)
+        code = None
+        if spec.workload.type == "entrypoint":
+            if folder is None:
+                raise SpecError(source, [("workdir", "an entrypoint job needs the folder its module is imported "
+                                                     "from (workdir, or submit(..., workdir=...))")])
+            code = pack_folder(folder, source=source)  # shipped to every host: TPU VMs share no disk with us
+        job_id = self._ask("submit", spec.model_dump(mode="json"), folder, code)
         return Job(self, job_id)
 
     def export(self, job_id: str, out: str | Path, *, step: int | None = None, latest: bool = False,
@@ -338,6 +357,30 @@ class Client:
                            "tier": tier or job.spec["tier"]}, source=f"resize of {job.id} to {accelerator}")
         self._ask("resize", job.id, accelerator, reason, tier)  # JobStateError unless RUNNING
         return Job(self, job.id)
+
+    def profile(self, job_id: str, *, steps: int = 3, host: int | None = None, memory: bool = False,
+                timeout_s: float = 300.0, read: bool = True):
+        """Trace `steps` steps of a RUNNING job on every host (or host `host`), from one step they all agree on.
+
+        Blocks until the hosts are done (or `timeout_s`); returns the `Capture`
+        (`orchestrator.user.capture`): where the traces are (beside the job's checkpoints,
+        one folder per host), the steps traced, each host's device memory, and with `read`
+        each host's summary read from its trace (step time, compute / collectives / idle,
+        top ops). `memory`: also a pprof profile of device memory per host.
+
+        Raises `JobNotFoundError`, `JobStateError` (the job is not RUNNING: queued, starting
+        or ended), `ProfileError` (steps not 1 to 100, no such host, a capture already under
+        way), `CaptureError` (training stopped before the capture began, or no host began it
+        within `timeout_s`: a program that runs its own loop instead of `ctx.loop`).
+
+        Example::
+
+            capture = client.profile("tiny-lm", steps=3)
+            print(capture.path, capture.traces[0].summary.step_time_s)
+        """
+        from orchestrator.user.capture import profile
+
+        return profile(self, job_id, steps=steps, host=host, memory=memory, timeout_s=timeout_s, read=read)
 
 
 def check_data(spec: JobSpec, source: str = "<spec>") -> None:

@@ -213,6 +213,19 @@ class GcpTpuProvider:
             self._events = [e for e, m in zip(self._events, mine) if not m]  # other slices' stay for their jobs
         return events
 
+    def adopt(self, s: Slice, zone: str) -> None:
+        """Follow a READY slice an earlier controller made (found in the store; its workers run on it).
+
+        It is looked at through the API from now on like any other; if its queued resource
+        is gone or reclaimed meanwhile, the next look says so.
+        """
+        req = SliceRequest(job_id=s.job_id, name=s.name, tpu_type=s.tpu_type, tier=s.tier, zone=zone)
+        t = Tracked(req, ZonePlan.start([zone]), since=time.monotonic(), state=SliceState.READY, ever_up=True,
+                    hosts=s.hosts)
+        with self._lock:
+            self._tracked[s.name] = t
+        log.info("job %s: adopted slice %s in %s/%s", s.job_id, s.name, self.project, zone)
+
     # -- following a slice ---------------------------------------------------------------
 
     def _refresh(self, name: str) -> Tracked:

@@ -1,0 +1,88 @@
+"""What `validate` and `submit` check on `provider: gcp` before anything is provisioned.
+
+A TPU VM shares nothing with this machine, so a job that cannot work there should fail
+here, in seconds, with the field to fix, not after a slice was paid for:
+- the Ray head's address must be one the VMs can reach (not this machine's loopback,
+  unless the TPU API itself is an emulator on this machine);
+- the worker environment must be buildable: every package the hosts import is installed
+  here, so its version can be pinned (`orchestrator.providers.startup.worker_requirements`);
+- the job's checkpoint folder, in a bucket, must be reachable and writable (a probe object
+  is written and deleted; `storage_problems`, for any provider).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from importlib import metadata
+from urllib.parse import urlparse
+
+from orchestrator.user.spec import JobSpec
+
+Problem = tuple[str, str]
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def head_problems(spec: JobSpec, cluster_address: str | None) -> list[Problem]:
+    """The head address the VMs would be given (`gcp.head_address`, else the cluster's)."""
+    if spec.provider != "gcp" or spec.gcp is None:
+        return []
+    address = spec.gcp.head_address or cluster_address
+    if address is None:
+        return []  # `validate` without a cluster: checked again by `submit`
+    host = address.rpartition(":")[0]
+    emulated = spec.gcp.endpoint is not None and _loopback(urlparse(spec.gcp.endpoint).hostname or "")
+    if _loopback(host) and not emulated:
+        field = "gcp.head_address" if spec.gcp.head_address else "gcp.head_address (unset: the cluster's address)"
+        return [(field, f"{address} is this machine's loopback; TPU VMs cannot reach it. Give the Ray head's "
+                        f"address as the VMs see it (its internal IP and GCS port, e.g. 10.128.0.5:6379)")]
+    return []
+
+
+def environment_problems(spec: JobSpec) -> list[Problem]:
+    """Packages the hosts import that are missing here, so the worker environment cannot be pinned."""
+    if spec.provider != "gcp":
+        return []
+    from orchestrator.providers.startup import WORKER_DISTRIBUTIONS
+
+    missing = []
+    for dist in WORKER_DISTRIBUTIONS:
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            missing.append(dist)
+    if missing:
+        return [("provider", f"the TPU VMs' environment cannot be pinned: {', '.join(missing)} not installed "
+                             f"here (pip install 'tpu-orchestrator[gcs]')")]
+    return []
+
+
+def storage_problems(spec: JobSpec) -> list[Problem]:
+    """The job's checkpoint folder in a bucket: reachable and writable with this machine's credentials
+    (a probe object written, read back and deleted), checked where it would otherwise fail only on a host."""
+    directory = spec.checkpoint.directory
+    if spec.provider == "gcp" and directory is None and spec.gcp is not None and spec.gcp.bucket:
+        directory = spec.with_checkpoint_directory("").checkpoint.directory
+    if directory is None or "://" not in directory:
+        return []
+    from workers import storage
+
+    try:
+        storage.check_writable(directory, endpoint=spec.storage.endpoint)
+    except storage.StorageError as e:
+        field = "checkpoint.directory" if spec.checkpoint.directory else "gcp.bucket"
+        return [(field, str(e))]
+    return []
+
+
+def gcp_problems(spec: JobSpec, cluster_address: str | None = None) -> list[Problem]:
+    """Everything above: the head, the worker environment, then (if those hold) the bucket."""
+    problems = head_problems(spec, cluster_address) + environment_problems(spec)
+    return problems or storage_problems(spec)

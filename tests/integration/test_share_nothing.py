@@ -1,0 +1,148 @@
+"""Hosts that share nothing with the controller, as TPU VMs do.
+
+Each emulated VM runs the startup script the GCP provider wrote, in namespaces where this
+machine's files are hidden (`orchestrator.emulator.vm`); the job's code reaches it only by
+being shipped with the job, and its checkpoints, token files and fence live in a bucket of
+the Cloud Storage emulator. The same probe run on the local provider, whose hosts share this
+machine's disk, sees those files: the isolation is real, not a probe that cannot fail.
+
+Then whole jobs, the user example and the built-in trainer, each with its job folder deleted
+right after `submit`: a reclaim of the slice mid-run, then the controller killed (the new one
+adopts the GCP slice its workers run on), and the losses and parameters of an undisturbed run.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import ray
+
+from orchestrator import JobSpec, JobState
+from orchestrator.cluster import read_cluster
+from orchestrator.emulator.ray_backing import RayBackedNodes
+from orchestrator.emulator.server import serve
+from orchestrator.user.data_prepare import prepare
+from tests.chaos.test_faults import kinds, wait_for, wait_step
+from tests.conftest import REPO, assert_losses_close, run_reference, run_workload_reference, train_config
+from tests.integration.test_local_jobs import tiny_spec
+from tests.storage_fixture import unique_folder
+
+PROBE = REPO / "tests" / "integration" / "share_nothing" / "probe.py"
+EXAMPLE = REPO / "examples" / "user-train"
+
+
+@pytest.fixture
+def vms(client):
+    """The TPU API emulator whose nodes are share-nothing VMs; yields it and the `gcp` section of a job file."""
+    token = client.home.token_file.read_text().strip()
+    backing = RayBackedNodes(client.home, read_cluster(client.home).address, share_nothing=True,
+                             secrets={"ray-token": token})
+    emu = serve(time_scale=0.02, hooks=backing.hooks())
+    try:
+        yield emu, {"project": "test-project", "zones": ["us-central2-b"], "endpoint": emu.url,
+                    "ray_token_secret": "ray-token"}
+    finally:
+        emu.stop()
+        backing.close()
+
+
+def probe_spec(name: str, client, tmp_path, ckpt: str, **extra) -> tuple[JobSpec, object]:
+    folder = tmp_path / f"{name}-job"
+    folder.mkdir()
+    shutil.copy(PROBE, folder / "probe.py")
+    marker = tmp_path / "on-this-machine.txt"
+    marker.write_text("only here")
+    must_not_see = [str(client.home.root / "state.db"), str(client.home.token_file), str(marker),
+                    str(REPO / "orchestrator" / "__init__.py"), str(REPO / "examples" / "user-train" / "train.py")]
+    spec = JobSpec.from_dict({
+        "name": name, "accelerator": "v4-16",
+        "workload": {"type": "entrypoint", "entrypoint": "probe:main", "steps": 1,
+                     "args": {"must_not_see": must_not_see}},
+        "checkpoint": {"directory": ckpt},
+        "recovery": {"start_timeout_s": 120, "max_failures": 0}, **extra})
+    return spec, folder
+
+
+def test_a_gcp_host_sees_none_of_the_submitting_machines_files(client, tmp_path, vms, request, gcs_emulator):
+    spec, folder = probe_spec("probe-gcp", client, tmp_path, unique_folder(request), provider="gcp", gcp=vms[1],
+                              storage={"endpoint": gcs_emulator.url})
+    job = client.submit(spec, workdir=folder)
+    shutil.rmtree(folder)  # the code went with the job
+    st = job.wait(timeout_s=400)
+    logs = job.logs()
+    assert st.state is JobState.SUCCEEDED, (st.reason, logs[-3000:])
+    assert "host 0 sees none of the submitting machine's files" in logs
+    assert "host 1 sees none of the submitting machine's files" in logs
+    # The project's packages and the job's folder are the shipped copies, unpacked on the host.
+    assert "runtime_resources/py_modules_files" in logs and str(REPO) not in logs.split("workers imported from")[1]
+    assert "runtime_resources/working_dir_files" in logs
+
+
+def test_the_same_probe_on_the_shared_disk_sees_them(client, tmp_path):
+    spec, folder = probe_spec("probe-local", client, tmp_path, str(tmp_path / "ckpt"))
+    st = client.submit(spec, workdir=folder).wait(timeout_s=300)
+    assert st.state is JobState.FAILED
+    assert "sees the submitting machine's files" in st.reason and "state.db" in st.reason
+
+
+def reclaim_then_kill_the_controller(client, emu, job, *, reclaim_at: int, kill_at: int) -> None:
+    wait_step(job, reclaim_at)
+    [live] = client.store.slices(job_id=job.id, live_only=True)
+    emu.reclaim(live["name"])
+    wait_for(lambda: len(kinds(job, "launched")) == 2 and job.status().step >= kill_at or job.status().done, 400,
+             f"the second slice to train past step {kill_at}")
+    assert not job.status().done, job.status().reason
+    ray.kill(client.controller(), no_restart=False)  # Ray restarts it; the new one adopts the GCP slice
+
+
+def assert_recovered_and_adopted(job) -> None:
+    assert [d.data["kind"] for d in kinds(job, "disruption")] == ["preempted"]
+    assert len(kinds(job, "launched")) == 2, "the new controller started a group instead of adopting the running one"
+    assert any("adopted" in e.reason for e in job.events())
+    restored = [e.data["restored_step"] for e in kinds(job, "restore")]
+    assert restored[0] is None and restored[1] is not None and restored[1] > 0  # from the bucket, not from 0
+
+
+def test_the_user_example_on_vms_outlives_a_reclaim_and_its_controller(client, tmp_path, vms, request,
+                                                                       gcs_emulator, gcs):
+    emu, gcp = vms
+    tokens = gcs.folder + "/tokens"
+    prepare(REPO / "orchestrator", tokens, vocab_size=512, pattern="*.py")
+    folder = tmp_path / "user-train"
+    shutil.copytree(EXAMPLE, folder, ignore=shutil.ignore_patterns("data", "__pycache__"))
+
+    def spec_for(name: str, ckpt: str, **where) -> JobSpec:
+        return JobSpec.from_dict({
+            "name": name, "accelerator": "v4-16", "workdir": str(folder), "storage": {"endpoint": gcs_emulator.url},
+            "workload": {"type": "entrypoint", "entrypoint": "train:main", "steps": 20, "seq_len": 32,
+                         "global_batch_size": 16, "data": {"path": tokens},
+                         "args": {"d_model": 128, "n_layers": 2, "n_heads": 4, "warmup_steps": 2}},
+            "checkpoint": {"interval_steps": 4, "keep": 5, "directory": ckpt},
+            "recovery": {"start_timeout_s": 180}, **where})
+
+    reference = run_workload_reference(spec_for("user-ref", gcs.folder + "/ref"), devices=8, tmp_path=tmp_path / "ref")
+    job = client.submit(spec_for("user-vms", gcs.folder + "/ckpt", provider="gcp", gcp=gcp))
+    shutil.rmtree(folder)  # the code went with the job
+    reclaim_then_kill_the_controller(client, emu, job, reclaim_at=6, kill_at=12)
+    st = job.wait(timeout_s=600)
+    assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
+    assert_losses_close([m.loss for m in job.metrics()], reference["losses"], rtol=1e-5)
+    got, want = job.record().result["param_sums"], reference["param_sums"]
+    assert set(got) == set(want) and all(abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])) for k in want)
+    assert_recovered_and_adopted(job)
+
+
+def test_the_built_in_trainer_on_vms_outlives_a_reclaim_and_its_controller(client, tmp_path, vms, request,
+                                                                            gcs_emulator):
+    emu, gcp = vms
+    spec = tiny_spec("lm-vms", "v4-16", tmp_path, steps=20, provider="gcp", gcp=gcp,
+                     checkpoint={"interval_steps": 4, "directory": unique_folder(request)},
+                     storage={"endpoint": gcs_emulator.url})
+    job = client.submit(spec)
+    reclaim_then_kill_the_controller(client, emu, job, reclaim_at=6, kill_at=12)
+    st = job.wait(timeout_s=600)
+    assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
+    ref = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)
+    assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
+    assert_recovered_and_adopted(job)
