@@ -252,6 +252,8 @@ class Controller:
                 missed = driver.record_missed(job.generation, history)
                 self.store.add_event(job.id, Adopted(), f"the controller restarted and adopted the running "
                                      f"generation {job.generation} ({missed} missed steps recorded)")
+            elif job.state in (JobState.STARTING, JobState.RUNNING):  # its workers went with the cluster
+                driver.lost_with_the_cluster(job.generation)
             elif job.state not in (JobState.PENDING, JobState.QUEUED):
                 driver.transition(JobState.RECOVERING, "the controller restarted; relaunching")
             self._start(driver)

@@ -28,8 +28,8 @@ from orchestrator.control.watch import watch
 from orchestrator.errors import IllegalTransitionError, ProvisioningError
 from orchestrator.providers.base import CapacityError, Slice
 from orchestrator.providers.capacity import TraceClock
-from orchestrator.state.events import (CheckpointSaved, Disrupted, LostWork, NoticeSeen, Restored, Resumed,
-                                       StateChange)
+from orchestrator.state.events import (CheckpointSaved, Disrupted, EventKind, LostWork, NoticeSeen, Restored,
+                                       Resumed, StateChange)
 from orchestrator.state.states import JobState, SliceState
 from orchestrator.user.spec import JobSpec
 from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
@@ -166,11 +166,13 @@ class JobDriver(AutoscalingMixin):
                                                         time.time() - outcome.at),
                                  f"{k.value}: {outcome.reason} (after step {steps_done})", at=outcome.at)
         rec = job.spec["recovery"]
-        d = after(outcome, preemptions=job.preemptions, failures=job.failures,
-                  budgets=Budgets(rec["max_preemptions"], rec["max_failures"]), jitter=self._rng.random())
+        aborts = self.aborts() - (k is OutcomeKind.WORKER_ABORTED)  # the disruption just recorded is this one
+        d = after(outcome, preemptions=job.preemptions, failures=job.failures, aborts=aborts,
+                  budgets=Budgets(rec["max_preemptions"], rec["max_failures"], rec.get("max_aborts", 2)),
+                  jitter=self._rng.random())
         if d.preemptions != job.preemptions:
             self.store.update_job(self.job_id, preemptions=d.preemptions)
-        if d.failures != job.failures:
+        if d.failures != job.failures or d.aborts != aborts:  # the job's error: a traceback, or a native one
             self.store.update_job(self.job_id, failures=d.failures, error=outcome.traceback or outcome.reason)
         if d.next is Next.SUCCEED:
             self.transition(JobState.SUCCEEDED, d.reason)
@@ -186,6 +188,21 @@ class JobDriver(AutoscalingMixin):
         else:
             self.transition(JobState.RECOVERING, d.reason, data=StateChange(outcome=k.value))
             att.cancel.wait(d.backoff_s)
+
+    def lost_with_the_cluster(self, generation: int) -> None:
+        """The job's workers went with the whole cluster (the restarted controller found none to adopt):
+        a host loss like any other. It is recorded and counted, and the steps after the last committed
+        checkpoint are counted as lost work when the job restores."""
+        last = self.store.last_step(self.job_id)
+        self.att.generation, self.att.last_step = generation, last.step if last else -1
+        self._after(Outcome(OutcomeKind.INFRA_LOST, "the cluster went down while the job ran; the restarted "
+                                                    "controller found none of its workers",
+                            at=last.at if last else time.time()))  # its last sign of life
+
+    def aborts(self) -> int:
+        """Worker aborts so far (they spend `max_aborts`; counted from the job's disruption events)."""
+        return sum(1 for e in self.store.events(self.job_id)
+                   if e.kind is EventKind.DISRUPTION and (e.data or {}).get("kind") == OutcomeKind.WORKER_ABORTED.value)
 
     def _provision(self, spec: JobSpec, attempt: int, *, round_: int = 0) -> Slice:
         """A ready slice, asking again (with backoff and jitter) while the failure is transient.

@@ -56,6 +56,7 @@ from orchestrator.catalog import lookup
 from orchestrator.errors import UnknownAcceleratorError
 from orchestrator.state.events import EventKind, SliceChanged
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
+from policies.recovery import RULES, Budget
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,9 @@ _CARVE_ORDER = ("waiting_for_capacity", "restore", "compile", "checkpoint_save",
 _WORK_STATES = ("RUNNING",)
 _BASE_CATEGORY = {"PENDING": "waiting_for_capacity", "QUEUED": "waiting_for_capacity", "PROVISIONING": "provisioning",
                   "STARTING": "runtime_init"}
-_PREEMPTION_OUTCOMES = ("preempted", "infra_lost")  # what the controller counts against max_preemptions
-_FAILURE_OUTCOMES = ("app_failed", "provision_failed")  # ... and against max_failures
+# What the controller counts against max_preemptions, and against max_failures (`policies.recovery.RULES`).
+_PREEMPTION_OUTCOMES = tuple(k.value for k, r in RULES.items() if r.spends is Budget.PREEMPTIONS)
+_FAILURE_OUTCOMES = tuple(k.value for k, r in RULES.items() if r.spends is Budget.FAILURES)
 _BILLING_ENDS = ("GONE", "RELEASED")
 
 
@@ -200,7 +202,7 @@ def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric]
 def disruptions(events: list[Event]) -> list[tuple[float, str]]:
     """(at, outcome kind) of each attempt that ended without finishing the job, oldest first.
 
-    Kinds are those of `OutcomeKind`: preempted, infra_lost, app_failed, provision_failed.
+    Kinds are those of `OutcomeKind`: preempted, infra_lost, worker_aborted, hung, app_failed, ...
     Disruption events are the record when the controller writes them (they are written
     even when the job then fails for lack of retries); older stores only have the
     `outcome` of ->RECOVERING transitions. Failed provisioning never has a disruption

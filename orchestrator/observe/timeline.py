@@ -56,8 +56,12 @@ def disruption_cause(kind: str | None, reason: str | None) -> str | None:
     reason = reason or ""
     if kind == "preempted":
         return "preemption"
-    if kind == "app_failed":
+    if kind in ("app_failed", "user_exit", "import_error", "storage_failed"):
         return "failure"
+    if kind == "worker_aborted":
+        return "worker_crash"
+    if kind == "hung":
+        return "hung"
     if kind == "infra_lost":
         if reason.startswith((WORKER_DIED, WORKER_UNREACHABLE)):
             return "worker_crash"

@@ -63,8 +63,9 @@ class StorageConfig(_Frozen):
 
 
 class RecoveryConfig(_Frozen):
-    max_preemptions: Count = 100
-    max_failures: Count = 2
+    max_preemptions: Count = 100  # preemptions and host losses
+    max_failures: Count = 2  # the job's code raising or exiting non-zero, hangs, slices that could not start
+    max_aborts: Count = 2  # worker processes that died on a live host (a native abort, a crash)
     heartbeat_timeout_s: Timeout = 120.0
     grace_period_s: Timeout = 30.0
     start_timeout_s: Timeout = 300.0  # for a slice's hosts to join and its workers to start

@@ -66,6 +66,16 @@ def test_status_after_a_cluster_crash_and_up_resumes_the_job(tmp_path):
         assert [m.step for m in store.steps(job_id)] == list(range(40))
         restored = [e.data["restored_step"] for e in store.events(job_id) if e.kind == "restore"]
         assert restored[-1] is not None and restored[-1] >= 5  # resumed from a checkpoint, not from scratch
+        # The crash is a disruption like a host loss, and the steps computed again are lost work.
+        [d] = [e for e in store.events(job_id) if e.kind == "disruption"]
+        assert d.data["kind"] == "infra_lost" and "the cluster went down while the job ran" in d.reason
+        assert store.job(job_id).preemptions == 1
+        [lost] = [e.data for e in store.events(job_id) if e.kind == "lost_work"]
+        assert lost["from_step"] == d.data["step"] + 1 >= 7 and lost["to_step"] == restored[-1]
+        assert lost["steps"] == lost["from_step"] - lost["to_step"] >= 0  # none only if it crashed at a save
+        from orchestrator.observe.goodput import goodput
+
+        assert goodput(store, job_id).lost_steps == lost["steps"]
         after = cli("status", job_id)
         assert "the local cluster is not running" not in after.stdout
     finally:

@@ -79,3 +79,60 @@ def test_plan_shows_the_memory_each_candidate_slice_needs(tmp_path, home):
     assert needs[0] > needs[1] > needs[2] and all(float(rows[t][9]) == 28.8 for t in rows)
     assert all(rows[t][-2] == "yes" for t in rows)
     assert_nothing_created(home)
+
+
+# -- an entrypoint that cannot be imported: refused at submit, before any slice -----------------
+
+ENTRYPOINTS = {  # files in the job's folder, the entrypoint -> the problem
+    "no module": ({}, "train:main", "no module 'train' in the job's folder {folder} (neither train.py nor "
+                                    "train/__init__.py)"),
+    "no package": ({}, "pkg.train:main", "no module 'pkg.train' in the job's folder {folder} (neither "
+                                         "pkg/train.py nor pkg/train/__init__.py)"),
+    "no function": ({"train.py": "def mian(ctx):\n    pass\n"}, "train:main",
+                    "module 'train' ({folder}/train.py) defines no 'main'"),
+    "syntax error": ({"train.py": "def main(ctx)\n    pass\n"}, "train:main",
+                     "{folder}/train.py, line 1: expected ':'"),
+}
+
+
+@pytest.mark.parametrize("case", list(ENTRYPOINTS))
+def test_submit_refuses_an_entrypoint_that_cannot_be_imported(tmp_path, home, case):
+    files, entrypoint, problem = ENTRYPOINTS[case]
+    folder = tmp_path / "job"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    path = folder / "job.yaml"
+    path.write_text(f"name: a\nworkload: {{type: entrypoint, entrypoint: '{entrypoint}', steps: 5}}\n")
+    r = CliRunner().invoke(app, ["submit", str(path)])
+    assert (r.exit_code, r.stdout) == (2, ""), r.output
+    assert r.stderr.splitlines() == [f"error: {path}: workload.entrypoint: {entrypoint}: "
+                                     f"{problem.format(folder=folder)}"]
+    assert_nothing_created(home)
+
+
+@pytest.mark.parametrize("files, entrypoint", [
+    ({"train.py": "from helpers import *\n"}, "train:main"),  # names a parse cannot see: left to the hosts
+    ({"train.py": "import sys\nif sys.version_info >= (3,):\n    def main(ctx): pass\n"}, "train:main"),
+    ({"train.py": "main = lambda ctx: None\n"}, "train:main"),
+    ({"pkg/__init__.py": "", "pkg/train.py": "from .impl import main\n"}, "pkg.train:main"),
+    ({"pkg/train.py": "def main(ctx): pass\n"}, "pkg.train:main"),  # a namespace package
+    ({}, "json:loads"),  # installed here (the standard library)
+])
+def test_an_entrypoint_found_or_not_knowable_here_passes(tmp_path, files, entrypoint):
+    from orchestrator.user.entrypoint import entrypoint_problem
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert entrypoint_problem(tmp_path, entrypoint) is None
+    assert entrypoint_problem(tmp_path / "not-on-this-machine", "train:main") is None
+
+
+def test_the_examples_entrypoint_passes():
+    from pathlib import Path
+
+    from orchestrator.user.entrypoint import check_entrypoint
+    from orchestrator.user.spec import JobSpec
+
+    check_entrypoint(JobSpec.from_yaml(Path(__file__).resolve().parents[2] / "examples" / "user-train" / "job.yaml"))

@@ -203,3 +203,21 @@ def test_ci_stops_only_the_nodes_of_its_own_state_directories(tmp_path):
             p.wait()
     script = (REPO / ".ci" / "run").read_text()
     assert "leftover_nodes" in script and "pkill" not in script and "pgrep" not in script
+
+
+def test_down_ends_what_a_jobs_code_hid_from_the_nodes_sessions(home):
+    """A daemon that forked twice and left its node's session still carries the node mark: `down` ends it."""
+    cluster.ensure_token(home)
+    daemon = _sleeper({cluster.MARK_ENV: cluster.node_mark(home)})  # a session of its own, recorded nowhere
+    stranger = _sleeper()
+    try:
+        r = _down(home)
+        assert r.returncode == 0, r.stderr
+        assert daemon.wait(timeout=30) is not None
+        assert f"ended 1 process(es) left behind by the cluster's nodes (they carried its node mark): " \
+               f"{daemon.pid}" in r.stderr
+        assert _alive(stranger)
+    finally:
+        for p in (daemon, stranger):
+            p.kill()
+            p.wait()

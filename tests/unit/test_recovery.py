@@ -4,42 +4,71 @@ from __future__ import annotations
 
 import pytest
 
-from policies.recovery import (Budgets, Next, Outcome, OutcomeKind, after, backoff_s, classify_failure,
-                               results_outcome)
+import errno
+
+from policies.recovery import (RULES, Budgets, FailureCause, Next, Outcome, OutcomeKind, after, backoff_s,
+                               classify_failure, failure_cause, native_error, results_outcome)
 from workers.protocol import Ending, WorkerResult
 
 K = OutcomeKind
-BUDGETS = Budgets(max_preemptions=2, max_failures=1)
+BUDGETS = Budgets(max_preemptions=2, max_failures=1, max_aborts=3)
 
 
-@pytest.mark.parametrize("kind, transient, pre, fail, expected", [
-    # kind                 transient  counts   -> next, preemptions, failures, backoff (jitter 0)
-    (K.SUCCEEDED,          True,      0, 0,    (Next.SUCCEED, 0, 0, 0.0)),
-    (K.CANCELLED,          True,      1, 1,    (Next.CANCEL, 1, 1, 0.0)),
-    (K.RESIZED,            True,      0, 0,    (Next.RESIZE, 0, 0, 0.0)),
-    (K.PREEMPTED,          True,      0, 0,    (Next.RECOVER, 1, 0, 0.0)),   # no backoff after a preemption
-    (K.INFRA_LOST,         True,      1, 0,    (Next.RECOVER, 2, 0, 0.0)),
-    (K.PREEMPTED,          True,      2, 0,    (Next.FAIL, 3, 0, 0.0)),      # over max_preemptions
-    (K.APP_FAILED,         True,      0, 0,    (Next.RECOVER, 0, 1, 2.0)),   # backoff 2**failures
-    (K.APP_FAILED,         True,      0, 1,    (Next.FAIL, 0, 2, 0.0)),      # over max_failures
-    (K.PROVISION_FAILED,   True,      0, 0,    (Next.RECOVER, 0, 1, 2.0)),   # workers did not start: a failure
-    (K.PROVISION_FAILED,   False,     0, 0,    (Next.FAIL, 0, 0, 0.0)),      # permanent: no budget spent
+@pytest.mark.parametrize("kind, transient, pre, fail, ab, expected", [
+    # kind                 transient  counts     -> next, preemptions, failures, aborts, backoff (jitter 0)
+    (K.SUCCEEDED,          True,      0, 0, 0,   (Next.SUCCEED, 0, 0, 0, 0.0)),
+    (K.CANCELLED,          True,      1, 1, 1,   (Next.CANCEL, 1, 1, 1, 0.0)),
+    (K.RESIZED,            True,      0, 0, 0,   (Next.RESIZE, 0, 0, 0, 0.0)),
+    (K.PREEMPTED,          True,      0, 0, 0,   (Next.RECOVER, 1, 0, 0, 0.0)),   # no backoff after a preemption
+    (K.INFRA_LOST,         True,      1, 0, 0,   (Next.RECOVER, 2, 0, 0, 0.0)),   # a host went
+    (K.PREEMPTED,          True,      2, 0, 0,   (Next.FAIL, 3, 0, 0, 0.0)),      # over max_preemptions
+    (K.WORKER_ABORTED,     True,      0, 0, 0,   (Next.RECOVER, 0, 0, 1, 2.0)),   # its own budget, never a preemption
+    (K.WORKER_ABORTED,     True,      0, 0, 3,   (Next.FAIL, 0, 0, 4, 0.0)),      # over max_aborts
+    (K.HUNG,               True,      0, 0, 0,   (Next.RECOVER, 0, 1, 0, 2.0)),   # workers answer, no step: a failure
+    (K.HUNG,               True,      0, 1, 0,   (Next.FAIL, 0, 2, 0, 0.0)),
+    (K.APP_FAILED,         True,      0, 0, 0,   (Next.RECOVER, 0, 1, 0, 2.0)),   # backoff 2**failures
+    (K.APP_FAILED,         True,      0, 1, 0,   (Next.FAIL, 0, 2, 0, 0.0)),      # over max_failures
+    (K.USER_EXIT,          True,      0, 0, 0,   (Next.RECOVER, 0, 1, 0, 2.0)),   # sys.exit(1): as a raise
+    (K.USER_EXIT,          False,     0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # sys.exit(0) before the end: never
+    (K.IMPORT_ERROR,       True,      0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # never tried again
+    (K.STORAGE_FAILED,     True,      0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # a full disk: never tried again
+    (K.PROVISION_FAILED,   True,      0, 0, 0,   (Next.RECOVER, 0, 1, 0, 2.0)),   # workers did not start: a failure
+    (K.PROVISION_FAILED,   False,     0, 0, 0,   (Next.FAIL, 0, 0, 0, 0.0)),      # permanent: no budget spent
 ])
-def test_what_comes_after_an_outcome(kind, transient, pre, fail, expected):
-    d = after(Outcome(kind, "why", transient=transient), preemptions=pre, failures=fail, budgets=BUDGETS, jitter=0.0)
-    assert (d.next, d.preemptions, d.failures, d.backoff_s) == expected
+def test_what_comes_after_an_outcome(kind, transient, pre, fail, ab, expected):
+    d = after(Outcome(kind, "why", transient=transient), preemptions=pre, failures=fail, aborts=ab, budgets=BUDGETS,
+              jitter=0.0)
+    assert (d.next, d.preemptions, d.failures, d.aborts, d.backoff_s) == expected
     assert "why" in d.reason
 
 
-@pytest.mark.parametrize("kind, pre, fail, reason", [
-    (K.PREEMPTED, 0, 0, "why (preemption 1 of at most 2)"),
-    (K.PREEMPTED, 2, 0, "3 preemptions or host losses, more than max_preemptions=2; last: why"),
-    (K.APP_FAILED, 0, 0, "why (failure 1 of at most 1)"),
-    (K.APP_FAILED, 0, 1, "the job's code failed 2 times (max_failures=1): why"),
-    (K.PROVISION_FAILED, 0, 1, "could not start after 2 tries (max_failures=1): why"),
+def test_every_way_of_ending_has_a_rule():
+    assert set(RULES) == set(K) - {K.SUCCEEDED, K.CANCELLED, K.RESIZED}
+    assert {k for k in K if Outcome(k, "x").counts_as_preemption} == {K.PREEMPTED, K.INFRA_LOST}
+
+
+@pytest.mark.parametrize("kind, pre, fail, ab, transient, reason", [
+    (K.PREEMPTED, 0, 0, 0, True, "why (preemption 1 of at most 2)"),
+    (K.PREEMPTED, 2, 0, 0, True, "3 preemptions or host losses, more than max_preemptions=2; last: why"),
+    (K.APP_FAILED, 0, 0, 0, True, "why (failure 1 of at most 1)"),
+    (K.APP_FAILED, 0, 1, 0, True, "the job's code failed 2 times (max_failures=1): why"),
+    (K.PROVISION_FAILED, 0, 1, 0, True, "could not start after 2 tries (max_failures=1): why"),
+    (K.WORKER_ABORTED, 0, 0, 1, True, "why (abort 2 of at most 3)"),
+    (K.WORKER_ABORTED, 0, 0, 3, True, "4 worker aborts, more than max_aborts=3; last: why"),
+    (K.HUNG, 0, 1, 0, True, "the job hung 2 times (max_failures=1): why"),
+    (K.USER_EXIT, 0, 1, 0, True, "the job's code exited 2 times (max_failures=1): why"),
+    (K.USER_EXIT, 0, 0, 0, False, "why; not tried again: the program ended itself with status 0; run again it "
+                                  "would do the same"),
+    (K.IMPORT_ERROR, 0, 0, 0, True, "why; not tried again: every slice would import the same code; fix it and "
+                                    "submit again"),
+    (K.STORAGE_FAILED, 0, 0, 0, True, "why; not tried again: the disk would refuse again; free space (or point "
+                                      "checkpoint.directory elsewhere) and submit again: it goes on from the last "
+                                      "committed step"),
 ])
-def test_the_reason_names_the_budget(kind, pre, fail, reason):
-    assert after(Outcome(kind, "why"), preemptions=pre, failures=fail, budgets=BUDGETS, jitter=0.0).reason == reason
+def test_the_reason_names_the_budget(kind, pre, fail, ab, transient, reason):
+    d = after(Outcome(kind, "why", transient=transient), preemptions=pre, failures=fail, aborts=ab, budgets=BUDGETS,
+              jitter=0.0)
+    assert d.reason == reason
 
 
 @pytest.mark.parametrize("failures, jitter, expected", [
@@ -60,10 +89,45 @@ def _r(ending, **kw):
     ([_r("stopped"), _r("stopped")], None, K.PREEMPTED),                           # a notice, saved and stopped
     ([_r("stopped"), _r("stopped")], "v4-32", K.RESIZED),                          # ... for a resize
     ([None, _r("failed", error="ValueError: x", traceback="tb")], None, K.APP_FAILED),  # to be confirmed
+    ([None, _r("failed", error="ValueError: x", cause="error")], None, K.APP_FAILED),
+    ([None, _r("failed", error="exited", cause="exit", exit_code=3)], None, K.USER_EXIT),
+    ([_r("failed", cause="import"), None], None, K.IMPORT_ERROR),
+    ([_r("failed", cause="storage"), None], None, K.STORAGE_FAILED),
+    # The host that says most wins: the others only failed in a collective after it.
+    ([_r("failed", error="XlaRuntimeError: gloo", cause="error"), _r("failed", cause="storage")], None,
+     K.STORAGE_FAILED),
 ])
 def test_results_outcome(results, resizing_to, expected):
     o = results_outcome(results, resizing_to=resizing_to, notice=None)
     assert (o.kind if o else None) == expected
+
+
+@pytest.mark.parametrize("code, transient", [(0, False), (1, True), (2, True)])
+def test_only_an_exit_with_status_0_is_never_tried_again(code, transient):
+    o = results_outcome([_r("failed", error="SystemExit", cause="exit", exit_code=code)], resizing_to=None,
+                        notice=None)
+    assert (o.kind, o.transient) == (K.USER_EXIT, transient)
+
+
+ENOSPC = ("OSError", errno.ENOSPC, "[Errno 28] No space left on device: '/ckpt/8.orbax-checkpoint-tmp'")
+
+
+@pytest.mark.parametrize("chain, importing, cause", [
+    ([("ValueError", None, "bad batch")], False, FailureCause.ERROR),
+    ([("ModuleNotFoundError", None, "No module named 'train'")], True, FailureCause.IMPORT),
+    ([("SyntaxError", None, "invalid syntax (train.py, line 3)")], True, FailureCause.IMPORT),
+    ([("NameError", None, "name 'x' is not defined")], True, FailureCause.IMPORT),  # raised while importing
+    ([("ModuleNotFoundError", None, "No module named 'wandb'")], False, FailureCause.IMPORT),  # a lazy import
+    ([ENOSPC], False, FailureCause.STORAGE),
+    ([("OSError", errno.EROFS, "[Errno 30] Read-only file system: '/ckpt'")], False, FailureCause.STORAGE),
+    ([("OSError", errno.EDQUOT, "[Errno 122] Disk quota exceeded")], False, FailureCause.STORAGE),
+    ([("RuntimeError", None, "save failed"), ENOSPC], False, FailureCause.STORAGE),  # wrapped: its cause says
+    ([("ValueError", None, "NOT_FOUND: Error writing: No space left on device [tensorstore]")], False,
+     FailureCause.STORAGE),  # a library's own error, in the operating system's words
+    ([("OSError", errno.ENOENT, "[Errno 2] No such file or directory: 'x'")], False, FailureCause.ERROR),
+])
+def test_failure_cause(chain, importing, cause):
+    assert failure_cause(chain, importing=importing) is cause
 
 
 def test_a_failure_is_the_jobs_only_while_every_host_is_healthy():
@@ -73,3 +137,36 @@ def test_a_failure_is_the_jobs_only_while_every_host_is_healthy():
     assert (lost.kind, lost.reason, lost.at) == (K.INFRA_LOST, "host 1 of slice s is gone", 5.0)
     gone = classify_failure(failed, host_lost=None, unreachable="RayActorError")
     assert (gone.kind, gone.reason) == (K.INFRA_LOST, "a worker is unreachable (RayActorError)")
+
+
+ABSL_ABORT = """:job_id:01000000
+:actor_name:HostWorker
+INFO workers.host: step 3/20 loss 5.1
+F1125 12:00:00.000000 1234 pjrt_client.cc:77] Check failed: buffer != nullptr (0 vs. 1)
+*** SIGABRT received at time=1795609409 on cpu 0 ***
+PC: @     0x7f4d6b4a8eec  (unknown)  (unknown)
+[2026-11-25 12:23:29,461 E 21004 21192] logging.cc:474: *** SIGABRT received at time=1795609409 on cpu 0 ***
+Fatal Python error: Aborted
+
+Stack (most recent call first):
+  File "/srv/train.py", line 12 in main
+"""
+
+
+@pytest.mark.parametrize("tail, says", [
+    (ABSL_ABORT, "SIGABRT: pjrt_client.cc:77] Check failed: buffer != nullptr (0 vs. 1)"),
+    ("*** SIGSEGV received at time=1 on cpu 1 ***\nFatal Python error: Segmentation fault\n",
+     "SIGSEGV: Fatal Python error: Segmentation fault"),
+    ("terminate called after throwing an instance of 'std::bad_alloc'\n  what():  std::bad_alloc\n",
+     "terminate called after throwing an instance of 'std::bad_alloc'"),
+    (":job_id:01000000\n:actor_name:HostWorker\nWARNING: some earlier warning\n",
+     "no native error on its stderr (killed from outside? SIGKILL, the OOM killer)"),
+    (None, "no native error on its stderr (killed from outside? SIGKILL, the OOM killer)"),
+])
+def test_the_native_error_of_a_worker_that_died(tail, says):
+    assert native_error(tail) == says
+
+
+def test_an_import_error_handled_before_another_error_is_not_an_import_error():
+    chain = [("ValueError", None, "bad batch"), ("ModuleNotFoundError", None, "No module named 'wandb'")]
+    assert failure_cause(chain) is FailureCause.ERROR

@@ -19,6 +19,11 @@ from tests.unit.test_goodput import T0, preempted_job
     ("infra_lost", "a worker is unreachable (GetTimeoutError)", "worker_crash"),
     ("infra_lost", "no progress for 120 s (hung)", "hung"),
     ("app_failed", "ValueError: boom", "failure"),
+    ("worker_aborted", "host 1's worker process died, its host still up: SIGABRT: ...", "worker_crash"),
+    ("hung", "no step for 120 s while every worker answers (hung)", "hung"),
+    ("user_exit", "host 0: the job's code called sys.exit(0) with 0 of 20 steps done", "failure"),
+    ("import_error", "host 0: cannot import the entrypoint train:main: ...", "failure"),
+    ("storage_failed", "host 0: OSError: [Errno 28] No space left on device", "failure"),
     ("provision_failed", "no slice", None),
 ])
 def test_a_crashed_worker_is_not_a_lost_host(kind, reason, cause):
