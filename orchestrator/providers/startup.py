@@ -45,7 +45,7 @@ def worker_requirements() -> tuple[str, ...]:
     for dist, requirement in WORKER_DISTRIBUTIONS.items():
         try:
             pins.append(f"{requirement}=={metadata.version(dist)}")
-        except metadata.PackageNotFoundError:  # an optional one (gcsfs without the [gcs] extra)
+        except metadata.PackageNotFoundError:  # not installed here: preflight says so (orchestrator.user.preflight)
             continue
     return tuple(pins)
 
