@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
-import sys
+import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 MODEL = {"d_model": 64, "n_layers": 1, "n_heads": 4, "d_ff": 128}
 
@@ -108,25 +108,22 @@ def main() -> int:
 
 
 def shots(client, job_id: str, out: Path) -> None:
+    """The jobs page and the job's page, as headless Chromium draws them after their first updates."""
     import ray
 
-    from tests.browser import Browser, chromium_path
-
-    if chromium_path() is None:
+    chromium = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    if chromium is None:
         print("no chromium: no dashboard screenshots", flush=True)
         return
     url = ray.get(client.controller().dashboard_url.remote(), timeout=60)
     token = client.home.token_file.read_text().strip()
-    with Browser(width=1400, height=760) as b:
-        b.goto(f"{url}?token={token}")
-        b.wait_for("!!document.querySelector('#jobs tbody tr[data-job]')", timeout_s=60)
-        time.sleep(3)
-        b.screenshot(out / "dashboard-jobs.png", full_page=False)
-    with Browser(width=1400, height=1500) as b:  # the top of a job's page: figures, curves, goodput, slices
-        b.goto(f"{url}job/{job_id}?token={token}")
-        b.wait_for("!!document.querySelector('#chart-loss canvas')", timeout_s=60)
-        time.sleep(3)
-        b.screenshot(out / "dashboard-job.png", full_page=False)
+    for name, path, size in (("dashboard-jobs.png", "", "1400,760"), ("dashboard-job.png", f"job/{job_id}", "1400,1500")):
+        with tempfile.TemporaryDirectory() as profile:  # the login link sets the session cookie, then the page loads
+            subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                            "--hide-scrollbars", f"--user-data-dir={profile}", f"--window-size={size}",
+                            "--virtual-time-budget=8000", f"--screenshot={out / name}", f"{url}{path}?token={token}"],
+                           check=True, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     print("wrote", out / "dashboard-jobs.png", out / "dashboard-job.png", flush=True)
 
 
