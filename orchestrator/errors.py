@@ -82,6 +82,14 @@ class OutputFileError(RequestError, ValueError):
         super().__init__(f"{path}: {problem}")
 
 
+class ProfileError(RequestError, ValueError):
+    """A profile capture asked for with a bad step count or host, or while another is under way."""
+
+
+class CaptureError(OrchestratorError):
+    """A profile capture that was asked for did not come back: no host began it in time, or it failed."""
+
+
 class IllegalTransitionError(OrchestratorError):
     def __init__(self, kind: str, key: str, current: str, target: str):
         self.kind, self.key, self.current, self.target = kind, key, current, target

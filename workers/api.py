@@ -28,6 +28,8 @@ runtime is up. Around the user's own ``init`` and ``train_step`` it gives::
   cost policy's), stops every host after the same step on a preemption notice or a
   cancel with that step committed, never writes from a fenced-off generation, and
   reports step, loss, tokens/s and the user's metrics to `status`, Prometheus and the report;
+  and it traces the steps `orchestrator profile` asks for, on every chosen host from the
+  same step (`workers.profiling`);
 - the data position (`ctx.batch`): batch ``s`` is a pure function of ``(seed, s)`` and the
   global batch, each host reading only its rows, so a resumed or resized run sees
   exactly the batches an uninterrupted run would. The checkpoint records the seed and
@@ -93,6 +95,7 @@ class Context:
     may_write: Callable[[], bool] = lambda: True  # False once a newer generation was launched
     agreed_stop: Callable[[], bool] | None = None  # whether any host got a notice (all must call it)
     send: Callable[[Report], None] = lambda report: None  # to the controller
+    profiler: Any = None  # the host's `workers.profiling.Profiler`: captures asked for from outside
 
     def __post_init__(self):
         self._mesh: Mesh | None = None
@@ -275,10 +278,15 @@ class Loop:
         self._ready_at = time.perf_counter()  # when the previous step's values were on the host
 
     def __iter__(self) -> Iterator[int]:
+        profiler = self.ctx.profiler
         try:
             while self.step < self.total and not self.stopped:
                 self._awaiting_done = True
-                yield self.step
+                if profiler is not None and profiler.busy and profiler.boundary(self):  # a capture traces this step
+                    with jax.profiler.StepTraceAnnotation("train", step_num=self.step):
+                        yield self.step
+                else:
+                    yield self.step
                 if self._awaiting_done:
                     raise RuntimeError(f"step {self.step}: call loop.done(state, loss=...) once after each step")
         finally:
@@ -353,6 +361,8 @@ class Loop:
             return
         self.closed = True
         self._flush()
+        if self.ctx.profiler is not None:  # a capture under way ends with the steps it traced
+            self.ctx.profiler.close(self)
         if self.ctx._checkpoints is not None:
             self.ctx._checkpoints.close()
             self.ctx._checkpoints = None

@@ -63,7 +63,23 @@ class Lines:
     """Nothing but the log lines that travel with every report."""
 
 
-Report = Ready | Timings | StepDone | Saved | Noticed | Lines
+@dataclass(frozen=True)
+class ProfileDone:
+    """A host finished its part of a profile capture (`workers.profiling`): its trace is in `path`.
+
+    Sent by each host that traced, whatever the generation: the controller matches it by
+    `capture_id`. `error` says why there is no trace (then `path` may be None).
+    """
+
+    capture_id: str
+    path: str | None  # the host's folder: <checkpoint dir>/profiles/<capture id>/host-<rank>
+    first_step: int | None = None  # the first step traced (numbered as `StepDone.step`)
+    steps: int = 0  # steps traced: the number asked for, or fewer if training stopped first
+    memory: tuple[dict, ...] = ()  # per local device at the capture's end (`workers.profiling.memory_stats`)
+    error: str | None = None
+
+
+Report = Ready | Timings | StepDone | Saved | Noticed | Lines | ProfileDone
 
 
 class Ending(str, enum.Enum):

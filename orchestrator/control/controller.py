@@ -139,6 +139,24 @@ class Controller:
                              f"resizing {current.accelerator} {current.tier.value} -> {accelerator} "
                              f"{target.tier.value}: {reason}")
 
+    def profile(self, job_id: str, steps: int, host: int | None = None, memory: bool = False) -> dict:
+        """Trace `steps` steps of a RUNNING job on all its hosts (or host `host`), from one step they agree on.
+
+        Returns at once: the capture's id and folder (`orchestrator.control.captures`); a
+        `Profiled` event follows when the hosts are done.
+        """
+        job = self.store.job(job_id)
+        driver = self._driver(job_id)
+        if driver is None or job.state is not JobState.RUNNING:
+            raise JobStateError(job_id, job.state.value, "profiled", (JobState.RUNNING.value,))
+        return driver.captures.ask(driver.att, driver.spec().checkpoint.directory, steps, host, memory)
+
+    def profile_abandon(self, job_id: str, capture_id: str, why: str) -> None:
+        """End a capture the client stopped waiting for (its event says `why`)."""
+        driver = self._driver(job_id)
+        if driver is not None:
+            driver.captures.abandon(capture_id, why)
+
     def set_local_hosts(self, hosts: int) -> None:
         """How many local "TPU hosts" may run at once on this machine (default 8); jobs beyond wait QUEUED."""
         if hosts < 1:

@@ -21,6 +21,7 @@ import tenacity
 
 from orchestrator.control.attempt import Attempt
 from orchestrator.control.autoscaler import with_checkpoint_interval
+from orchestrator.control.captures import Captures
 from orchestrator.control.launch import launch, teardown, write_fence
 from orchestrator.control.moves import AutoscalingMixin
 from orchestrator.control.waiting import Look, Waiting, clock_for, look, release, request
@@ -33,7 +34,7 @@ from orchestrator.state.events import (CheckpointSaved, Disrupted, EventKind, Lo
 from orchestrator.state.states import JobState, SliceState
 from orchestrator.user.spec import JobSpec
 from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
-from workers.protocol import Noticed, Ready, Report, Saved, StepDone, Timings
+from workers.protocol import Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
 
 if TYPE_CHECKING:
     from orchestrator.control.controller import Controller
@@ -54,6 +55,7 @@ class JobDriver(AutoscalingMixin):
         self.plane, self.store, self.job_id = plane, plane.store, job_id
         self.att = attempt or Attempt()
         self._rng = random.Random()
+        self.captures = Captures(self.store, job_id)  # `orchestrator profile`
 
     def start(self, on_exit) -> None:
         threading.Thread(target=self._main, args=(on_exit,), name=f"job-{self.job_id}", daemon=True).start()
@@ -158,6 +160,7 @@ class JobDriver(AutoscalingMixin):
     def _after(self, outcome: Outcome) -> None:
         """Record how the attempt ended, and do what the recovery rules say comes next."""
         att, job = self.att, self.store.job(self.job_id)
+        self.captures.attempt_ended(att.generation, outcome.reason)
         k = outcome.kind
         if k not in (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVISION_FAILED, OutcomeKind.RESIZED):
             steps_done = att.last_step + 1
@@ -310,6 +313,8 @@ class JobDriver(AutoscalingMixin):
     def report(self, generation: int, rank: int, report: Report, lines: list[str]) -> None:
         """Heartbeats, metrics and log lines from workers; those of an old generation are dropped."""
         att = self.att
+        if isinstance(report, ProfileDone):  # matched by its capture, whatever the generation
+            self.captures.done(rank, report)
         if generation != att.generation or not att.accepting:
             return
         if lines:

@@ -308,6 +308,11 @@ def training_rows(s: ReportSeries) -> str:
 
 def _markers(events: list[Event], steps: list[StepMetric]) -> list[Marker]:
     out = timeline_markers(events, steps)
+    for e in events:
+        if e.kind is EventKind.PROFILE and e.payload.path and e.payload.steps:
+            p = e.payload
+            out.append(Marker(e.at, p.first_step, "profile",
+                              f"profile steps {p.first_step}-{p.first_step + p.steps - 1}", e.reason))
     return sorted(out, key=lambda m: m.at)
 
 

@@ -28,6 +28,7 @@ class EventKind(str, enum.Enum):
     ADOPTED = "adopted"  # a restarted controller took over the running group
     AUTOSCALE = "autoscale"  # the cost policy's choice
     RESIZE = "resize"  # a move to another slice type was asked for
+    PROFILE = "profile"  # a profile capture ended (traced, or why not)
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,23 @@ class ResizeAsked(Payload):
     step: int | None = None
 
 
+@dataclass(frozen=True)
+class Profiled(Payload):
+    """A profile capture (`orchestrator profile`) ended: its traces are under `path`, or `error` says why not."""
+
+    KIND: ClassVar[EventKind] = EventKind.PROFILE
+    capture: str | None = None  # the capture's id, the name of its folder
+    path: str | None = None  # <checkpoint dir>/profiles/<capture>, one folder host-<k> per host
+    hosts: list[int] | None = None  # the hosts asked to trace
+    first_step: int | None = None  # the first step traced (numbered as the job's metrics)
+    steps: int | None = None  # steps traced (on every host that traced)
+    steps_asked: int | None = None
+    memory: dict | None = None  # host -> {bytes_in_use, peak_bytes_in_use, bytes_limit} over its devices
+    error: str | None = None
+
+
 PAYLOADS: dict[EventKind, type[Payload]] = {
     cls.KIND: cls for cls in (StateChange, SliceChanged, Launched, Restored, LostWork, CheckpointSaved, NoticeSeen,
-                              Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked)
+                              Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked, Profiled)
 }
 assert set(PAYLOADS) == set(EventKind), "every kind has its record"

@@ -258,3 +258,27 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly_exit_0(home):
                        capture_output=True, text=True, timeout=120, executable="/bin/bash",
                        env={**os.environ, "ORCHESTRATOR_HOME": str(home)})
     assert (r.stdout, r.stderr) == ('{\n  "$defs": {\n', "")
+
+
+# -- profile: refused before any cluster is asked ---------------------------------------------------
+
+
+@pytest.mark.parametrize("states,state", [((JobState.QUEUED,), "QUEUED"), ((*RUNNING, JobState.SUCCEEDED), "SUCCEEDED"),
+                                          ((JobState.CANCELLED,), "CANCELLED")])
+def test_profile_of_a_job_not_running_is_one_line_exit_2(home, states, state):
+    job = tiny_job(Store(home / "state.db"), "tiny-abc123", *states)
+    r = run("profile", "tiny")
+    assert (r.exit_code, error_lines(r)) == (2, [f"error: job {job} is {state}; only a RUNNING job can be profiled"])
+    assert not (home / "cluster.json").exists()
+
+
+@pytest.mark.parametrize("args,says", [
+    (("--steps", "0"), "--steps must be 1 to 100, got 0"), (("--steps", "101"), "--steps must be 1 to 100, got 101"),
+    (("--host", "first"), "--host must be all or a host's number, got 'first'"),
+    (("--host", "1"), "--host 1: job tiny-abc123 runs on 1 host (0), or use --host all")])
+def test_profile_with_bad_steps_or_host_is_one_line_exit_2(home, args, says):
+    job = tiny_job(Store(home / "state.db"), "tiny-abc123", *RUNNING)
+    r = run("profile", job, *args)
+    assert (r.exit_code, error_lines(r)) == (2, [f"error: {says}"])
+    assert not (home / "cluster.json").exists()
+    assert [e.kind for e in Store(home / "state.db").events(job)] == ["state"] * 4  # nothing asked

@@ -34,6 +34,11 @@ class Recorder:
     def resize(self, job_id, accelerator, reason="", tier=None):
         self.calls.append(("resize", job_id, accelerator, tier))
 
+    def profile(self, job_id, steps, host=None, memory=False):
+        self.calls.append(("profile", job_id, steps, host))
+        return {"capture": "c1", "path": "/ckpt/profiles/c1", "hosts": [0, 1] if host is None else [host],
+                "steps": steps}
+
 
 @pytest.fixture
 def served(tmp_path):
@@ -162,6 +167,20 @@ def test_a_script_with_the_bearer_token_needs_no_csrf(served):
     status, _, _ = request(server, "POST", "/api/jobs/run-0a0b0c/cancel",
                            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}, body=b"{}")
     assert status == 200 and actions.calls == [("cancel", "run-0a0b0c")]
+
+
+def test_profile_from_the_dashboard(served):
+    server, actions, _ = served
+    bearer = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    status, _, body = request(server, "POST", "/api/jobs/run-0a0b0c/profile", headers=bearer, body=b'{"steps": 3}')
+    assert status == 200 and json.loads(body)["message"] == ("profiling 3 steps of run-0a0b0c: the traces go to "
+                                                             "/ckpt/profiles/c1 (see the job's events)")
+    status, _, _ = request(server, "POST", "/api/jobs/run-0a0b0c/profile", headers=bearer,
+                           body=b'{"steps": "2", "host": "1"}')
+    assert status == 200
+    status, _, body = request(server, "POST", "/api/jobs/run-0a0b0c/profile", headers=bearer, body=b'{"steps": "x"}')
+    assert status == 400 and json.loads(body)["error"] == "steps must be a number, host a number or all"
+    assert actions.calls == [("profile", "run-0a0b0c", 3, None), ("profile", "run-0a0b0c", 2, 1)]
 
 
 def test_overview_has_every_column_the_jobs_page_shows(served):

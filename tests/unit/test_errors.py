@@ -27,6 +27,8 @@ EXAMPLES = [
     ClusterError("cannot reach the Ray cluster at 127.0.0.1:6379"),
     ProvisioningError("slice s1 did not start", slice_name="s1", transient=True),
     NoStepsError("tiny-abc123"),
+    errors.ProfileError("--steps must be 1 to 100, got 0"),
+    errors.CaptureError("no host began capture 20261125-120130-ab12 within 300 s"),
     CloudApiError(action="create", project="p", zone="us-central2-b", code=429, reason="RATE", message="slow down",
                   transient=True, slice_name="s1"),
     NoCapacityError("s1", ["us-central2-b", "europe-west4-a"], "no v4-32 free"),
@@ -62,7 +64,7 @@ def test_a_spec_error_raised_in_a_ray_task_arrives_with_its_problems():
 def test_request_errors_are_the_ones_to_fix_in_the_request():
     request = {type(e) for e in EXAMPLES if isinstance(e, RequestError)}
     assert request == {RequestError, SpecError, UnknownAcceleratorError, JobNotFoundError, JobStateError,
-                       OutputFileError, NoStepsError}
+                       OutputFileError, NoStepsError, errors.ProfileError}
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(tmp_path, monkeypatch):

@@ -19,6 +19,8 @@ EXAMPLES = [
     ev.Launched("s1", ["n1", "n2"], [11, 12], 3), ev.Restored(1.5, 0.4, 8, [12]), ev.LostWork(2, 3.1, 10, 8),
     ev.CheckpointSaved(8, 0.5), ev.NoticeSeen(1, 9), ev.Disrupted("preempted", 9, "reclaimed", 3, 0.7),
     ev.Resumed(12.5, 10), ev.Adopted(), ev.Autoscaled("v4-32", "spot", 12.0, "cheapest", 40),
+    ev.Profiled("20261125-120000-ab12", "/ckpt/profiles/20261125-120000-ab12", [0, 1], 12, 3, 3,
+                {"0": {"bytes_in_use": 1024}}),
     ev.ResizeAsked("v4-16", "v4-32", "spot", "more chips", 10),
 ]
 

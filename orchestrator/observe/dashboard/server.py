@@ -25,8 +25,9 @@ Who may see what:
   and the pages run only their own scripts (Content-Security-Policy).
 
 Routes: ``/`` (all jobs), ``/job/ID`` (one job), ``/static/NAME``, ``/api/overview``,
-``/api/jobs/ID``, ``/api/jobs/ID/logs``, POST ``/api/jobs/ID/cancel`` and
-``/api/jobs/ID/resize`` (JSON or form body: ``accelerator``, ``tier``, ``reason``).
+``/api/jobs/ID``, ``/api/jobs/ID/logs``, POST ``/api/jobs/ID/cancel``,
+``/api/jobs/ID/resize`` (JSON or form body: ``accelerator``, ``tier``, ``reason``) and
+``/api/jobs/ID/profile`` (``steps``, ``host``: a number or ``all``; `orchestrator profile`).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ class Actions(Protocol):
     def cancel(self, job_id: str) -> None: ...
 
     def resize(self, job_id: str, accelerator: str, reason: str = ..., tier: str | None = None) -> None: ...
+
+    def profile(self, job_id: str, steps: int, host: int | None = None, memory: bool = False) -> dict: ...
 
 
 class Auth:
@@ -312,7 +315,7 @@ class _Handler(BaseHTTPRequestHandler):
         if refused:
             log.warning("dashboard: %s %s: %s", self.command, path, refused)
             return self._error(HTTPStatus.FORBIDDEN, refused)
-        m = re.fullmatch(r"/api/jobs/([^/]+)/(cancel|resize)", path)
+        m = re.fullmatch(r"/api/jobs/([^/]+)/(cancel|resize|profile)", path)
         if not m:
             return self._error(HTTPStatus.NOT_FOUND, "no such action")
         if self.actions is None:
@@ -322,6 +325,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.actions.cancel(job.id)
             log.info("dashboard: cancel of %s requested", job.id)
             return self._json({"ok": True, "message": f"cancel requested for {job.id}"})
+        if m.group(2) == "profile":
+            return self._profile(job.id, form)
         accelerator = str(form.get("accelerator") or "")
         tier = form.get("tier") or None
         reason = str(form.get("reason") or "requested from the dashboard")[:200]
@@ -329,6 +334,16 @@ class _Handler(BaseHTTPRequestHandler):
         log.info("dashboard: resize of %s to %s %s requested", job.id, accelerator, tier or "")
         return self._json({"ok": True, "message": f"resizing {job.id} to {accelerator}"
                                                   + (f" {tier}" if tier else "")})
+
+    def _profile(self, job_id: str, form: dict) -> None:
+        """Trace a few steps of a running job on its hosts; the capture's event says when and where."""
+        steps, host = str(form.get("steps") or "3"), str(form.get("host") or "all")
+        if not steps.isdigit() or not (host == "all" or host.isdigit()):
+            return self._error(HTTPStatus.BAD_REQUEST, "steps must be a number, host a number or all")
+        asked = self.actions.profile(job_id, int(steps), None if host == "all" else int(host), False)
+        log.info("dashboard: capture %s of %s asked for", asked["capture"], job_id)
+        return self._json({"ok": True, **asked, "message": f"profiling {asked['steps']} steps of {job_id}: the traces "
+                           f"go to {asked['path']} (see the job's events)"})
 
     def _body(self) -> dict | None:
         try:

@@ -191,6 +191,7 @@ function jobPage() {
     if (!confirm(`Cancel ${jobId}? Its hosts checkpoint the current step and stop; the slice is released.`)) return;
     act(() => post(`/api/jobs/${jobId}/cancel`));
   });
+  document.getElementById("profile").addEventListener("click", () => act(() => post(`/api/jobs/${jobId}/profile`, {steps: 3})));
   document.getElementById("actions").addEventListener("submit", e => {
     e.preventDefault();
     const accelerator = document.getElementById("resize-acc").value, tier = document.getElementById("resize-tier").value;
@@ -233,6 +234,7 @@ function jobPage() {
       tile("restarts", String(j.counts.restarts)), tile("recomputed", `${j.counts.lost_steps} steps`));
     // actions
     document.getElementById("cancel").disabled = j.done;
+    document.getElementById("profile").disabled = j.state !== "RUNNING";
     document.getElementById("resize").disabled = !j.resize_to.allowed;
     if (!resizeFilled) {
       resizeFilled = true;
