@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from orchestrator import cluster
+from orchestrator.control import shipping
 from orchestrator.control.adoption import adopt
 from orchestrator.control.driver import JobDriver, parse_stored_spec
 from orchestrator.control.queue import AdmissionQueue
@@ -95,14 +96,17 @@ class Controller:
         """The dashboard's address (without the token: `orchestrator dashboard` adds it), or None if it failed."""
         return self._dashboard.url if self._dashboard else None
 
-    def submit(self, spec: dict, workdir: str | None = None) -> str:
-        """Record a job and start its driver; returns its id. `workdir` fills `spec.workdir` if unset."""
+    def submit(self, spec: dict, workdir: str | None = None, code: shipping.Package | None = None) -> str:
+        """Record a job and start its driver; returns its id. `workdir` fills `spec.workdir` if unset;
+        `code`, the job's packed folder, is kept in its state directory and shipped at every launch."""
         parsed = JobSpec.from_dict(spec)
         job_id = f"{parsed.name}-{secrets.token_hex(3)}"
         parsed = parsed.with_checkpoint_directory(self.home.default_checkpoint_dir(parsed.name))
         parsed = parsed.model_copy(update={"workdir": parsed.workdir or workdir})
         self.store.create_job(job_id, parsed.name, parsed.model_dump(mode="json"))
         self.home.job_dir(job_id).mkdir(parents=True, exist_ok=True)
+        if code is not None:
+            shipping.keep(code, self.home.job_dir(job_id))
         self._start(JobDriver(self, job_id))
         log.info("job %s submitted (%s on %s)", job_id, parsed.tier.value, parsed.accelerator)
         return job_id
