@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import signal
 import threading
 import urllib.error
@@ -31,7 +32,11 @@ class MetadataWatcher:
             "instance/maintenance-event": lambda v: v.strip().upper() not in ("", "NONE")}
 
     def __init__(self, base_url: str, notice: threading.Event, on_notice, *, timeout_s: int = 30):
-        self.base_url, self.notice, self.on_notice, self.timeout_s = base_url.rstrip("/"), notice, on_notice, timeout_s
+        base_url = base_url.rstrip("/")
+        if base_url == GCE_METADATA_URL and os.environ.get("GCE_METADATA_HOST"):
+            # Where this VM's metadata server is, as Google's own libraries read it.
+            base_url = f"http://{os.environ['GCE_METADATA_HOST']}/computeMetadata/v1"
+        self.base_url, self.notice, self.on_notice, self.timeout_s = base_url, notice, on_notice, timeout_s
         self._closed = threading.Event()
         self._threads = [threading.Thread(target=self._watch, args=(key,), daemon=True, name=f"metadata-{key}")
                          for key in self.KEYS]

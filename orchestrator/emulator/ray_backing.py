@@ -88,6 +88,12 @@ class RayBackedNodes:
         return sum(1 for n in ray.nodes()
                    if n.get("Alive") and (n.get("Labels") or {}).get("ray.io/tpu-slice-name") == node_id)
 
+    def vms(self, node_id: str) -> list[EmulatedVm]:
+        """The emulated VMs of a node, by worker number (share-nothing mode): a test may power one off,
+        or send it a notice through its own metadata server (`vm.metadata`)."""
+        with self._lock:
+            return [h for h in self._groups.get(node_id, []) if isinstance(h, EmulatedVm)]
+
     def node_gone(self, node_id: str, reason: str) -> None:
         with self._lock:
             hosts = self._groups.pop(node_id, [])

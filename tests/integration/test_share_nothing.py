@@ -34,14 +34,15 @@ EXAMPLE = REPO / "examples" / "user-train"
 
 @pytest.fixture
 def vms(client):
-    """The TPU API emulator whose nodes are share-nothing VMs; yields it and the `gcp` section of a job file."""
+    """The TPU API emulator whose nodes are share-nothing VMs; yields it, the `gcp` section of a job file, and
+    the VMs' backing."""
     token = client.home.token_file.read_text().strip()
     backing = RayBackedNodes(client.home, read_cluster(client.home).address, share_nothing=True,
                              secrets={"ray-token": token})
     emu = serve(time_scale=0.02, hooks=backing.hooks())
     try:
         yield emu, {"project": "test-project", "zones": ["us-central2-b"], "endpoint": emu.url,
-                    "ray_token_secret": "ray-token"}
+                    "ray_token_secret": "ray-token"}, backing
     finally:
         emu.stop()
         backing.close()
@@ -106,7 +107,7 @@ def assert_recovered_and_adopted(job) -> None:
 
 def test_the_user_example_on_vms_outlives_a_reclaim_and_its_controller(client, tmp_path, vms, request,
                                                                        gcs_emulator, gcs):
-    emu, gcp = vms
+    emu, gcp, _ = vms
     tokens = gcs.folder + "/tokens"
     prepare(REPO / "orchestrator", tokens, vocab_size=512, pattern="*.py")
     folder = tmp_path / "user-train"
@@ -135,7 +136,7 @@ def test_the_user_example_on_vms_outlives_a_reclaim_and_its_controller(client, t
 
 def test_the_built_in_trainer_on_vms_outlives_a_reclaim_and_its_controller(client, tmp_path, vms, request,
                                                                             gcs_emulator):
-    emu, gcp = vms
+    emu, gcp, _ = vms
     spec = tiny_spec("lm-vms", "v4-16", tmp_path, steps=20, provider="gcp", gcp=gcp,
                      checkpoint={"interval_steps": 4, "directory": unique_folder(request)},
                      storage={"endpoint": gcs_emulator.url})
@@ -146,3 +147,28 @@ def test_the_built_in_trainer_on_vms_outlives_a_reclaim_and_its_controller(clien
     ref = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)
     assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
     assert_recovered_and_adopted(job)
+
+
+def test_a_notice_on_one_vm_and_a_vm_lost_on_share_nothing_hosts(client, tmp_path, vms, request, gcs_emulator):
+    """The chaos suite's notice and host-loss cases on VMs: a preemption notice from one VM's own metadata
+    server (hosts on gcp watch it by default) saves the agreed step, so nothing is lost; a VM powered off
+    without notice is a host lost, and the job goes on from the bucket's last committed step."""
+    emu, gcp, backing = vms
+    spec = tiny_spec("lm-vm-chaos", "v4-16", tmp_path, steps=24, provider="gcp", gcp=gcp,
+                     checkpoint={"interval_steps": 4, "directory": unique_folder(request)},
+                     storage={"endpoint": gcs_emulator.url})
+    job = client.submit(spec)
+    wait_step(job, 6)
+    [live] = client.store.slices(job_id=job.id, live_only=True)
+    backing.vms(live["name"])[1].metadata.set("instance/preempted", "TRUE")
+    wait_for(lambda: len(kinds(job, "launched")) == 2 and job.status().step >= 14 or job.status().done, 400,
+             "the second slice to train past step 14")
+    assert not job.status().done, job.status().reason
+    [live] = client.store.slices(job_id=job.id, live_only=True)
+    backing.vms(live["name"])[0].kill()
+    st = job.wait(timeout_s=600)
+    assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
+    ref = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)
+    assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
+    assert [d.data["kind"] for d in kinds(job, "disruption")] == ["preempted", "infra_lost"]
+    assert kinds(job, "notice") and kinds(job, "lost_work")[0].data["steps"] == 0  # the notice's step, committed
