@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 def project_package_bytes(name: str) -> int:
     from ray._private.runtime_env.packaging import create_package
 
-    path, _ = shipping._project_uri(name)
+    path, _ = shipping.project_source(name)
     with tempfile.TemporaryDirectory() as tmp:
         target = Path(tmp) / "p.zip"
         create_package(str(path), target, include_gitignore=False, include_parent_dir=True,

@@ -118,7 +118,7 @@ def runtime_env(job_code: Package | None) -> dict:
 def _project_package(name: str) -> str:
     from ray._private.runtime_env.packaging import upload_package_if_needed
 
-    path, uri = _project_uri(name)
+    path, uri = project_source(name)
     with tempfile.TemporaryDirectory(prefix="tpu-orchestrator-pack-") as scratch:
         upload_package_if_needed(uri, scratch, str(path), include_gitignore=False, include_parent_dir=True,
                                  excludes=PROJECT_EXCLUDES, logger=log)
@@ -126,7 +126,7 @@ def _project_package(name: str) -> str:
 
 
 @functools.cache
-def _project_uri(name: str) -> tuple[Path, str]:
+def project_source(name: str) -> tuple[Path, str]:
     """Where this process imports package `name` from, and the URI of its contents (the code cannot
     change under a running controller)."""
     import importlib
