@@ -106,7 +106,7 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
                        f"the {t.hosts} workers of slice {s.name} could not all be placed within {timeout:.0f} s "
                        f"(each needs {t.chips_per_host} TPU chips on its own host)", transient=True)
     code = shipping.kept(home.job_dir(job_id))
-    env = shipping.runtime_env(code)  # the hosts import only what is shipped with the job
+    env = shipping.runtime_env(code, ship_project=spec.provider != "local")  # what the hosts cannot have
     actor = ray.remote(HostWorker)
     att.workers = [
         actor.options(num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8, runtime_env=env,
@@ -114,7 +114,7 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
                       name=worker_name(s.name, att.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
         .remote(job_id=job_id, generation=att.generation, rank=i, num_hosts=t.hosts,
                 devices_per_host=t.chips_per_host, platform="cpu", compile_cache_dir=str(home.compile_cache),
-                controller=_report_to(), workload_type=spec.workload.type)
+                controller=_report_to(spec), workload_type=spec.workload.type)
         for i in range(t.hosts)
     ]
     placed = ray.get([w.info.remote() for w in att.workers], timeout=timeout)
@@ -134,11 +134,13 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
     return None
 
 
-def _report_to():
-    """Where the workers send their reports: the controller's inbox (`workers.inbox`), whose class a
-    host can load, unlike the controller's (a TPU VM has only the shipped packages)."""
-    ctx = ray.get_runtime_context()
-    return inbox.start(cluster.NAMESPACE, cluster.CONTROLLER_NAME, ctx.get_node_id())
+def _report_to(spec: JobSpec):
+    """Where the workers send their reports. A TPU VM has only the shipped packages and cannot load the
+    controller's class, so its hosts report to the controller's inbox (`workers.inbox`); a local host
+    shares this machine's installation and reports to the controller directly, by name."""
+    if spec.provider == "local":
+        return (cluster.CONTROLLER_NAME, cluster.NAMESPACE)
+    return inbox.start(cluster.NAMESPACE, cluster.CONTROLLER_NAME, ray.get_runtime_context().get_node_id())
 
 
 def teardown(att: Attempt) -> None:

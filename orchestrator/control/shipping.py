@@ -12,7 +12,9 @@ environment, the mechanism Ray users already know:
   job's state directory and uploaded again whenever Ray has dropped it (Ray frees a package
   no actor references, and a restarted cluster starts with an empty store).
 
-The local provider ships the same way, so a job that runs locally runs on share-nothing hosts.
+A job's folder is shipped the same way on every provider. The project's packages are shipped to
+hosts that do not share this machine's installation (gcp); the local provider's hosts are
+processes of this machine and import the installed project.
 """
 
 from __future__ import annotations
@@ -98,21 +100,24 @@ def kept(job_dir: Path) -> Package | None:
 
 # -- at each launch -----------------------------------------------------------------------
 
-def runtime_env(job_code: Package | None) -> dict:
-    """The runtime environment of a job's workers: the project's packages, and the job's folder if it has one.
+def runtime_env(job_code: Package | None, *, ship_project: bool = True) -> dict | None:
+    """The runtime environment of a job's workers: the project's packages (`ship_project`: hosts that do
+    not share this machine's installation), and the job's folder if it has one; None if neither.
 
-    Each package is uploaded to Ray's store if it is not there (any more).
+    Each package is uploaded to Ray's store if it is not there (any more). A host of the local
+    provider is a process of this machine with the project installed; shipping it there would only
+    cost each new worker the runtime environment's set-up (and Ray's prestarted worker).
     """
     from ray._private.runtime_env.packaging import package_exists, pin_runtime_env_uri, upload_package_to_gcs
 
-    env: dict = {"py_modules": [_project_package(name) for name in PROJECT_PACKAGES]}
+    env: dict = {"py_modules": [_project_package(name) for name in PROJECT_PACKAGES]} if ship_project else {}
     if job_code is not None:
         pin_runtime_env_uri(job_code.uri)
         if not package_exists(job_code.uri):
             upload_package_to_gcs(job_code.uri, job_code.data)
             log.info("uploaded the job's folder %s (%d bytes) to the cluster", job_code.uri, len(job_code.data))
         env["working_dir"] = job_code.uri
-    return env
+    return env or None
 
 
 def _project_package(name: str) -> str:
