@@ -116,8 +116,13 @@ def stop_marked(home: Home, *, grace_s: float = 3.0) -> list[int]:
 def leftover_nodes(root: str | Path) -> list[int]:
     """The live processes of nodes started from any state directory under `root` (those with a token),
     found by their node mark: on a shared machine another user's nodes, or another run's, are not among them."""
-    return sorted({pid for token in Path(root).rglob("auth_token") if token.is_file()
-                   for pid in marked_pids(Home(token.parent))})
+    pids = set()
+    for token in Path(root).rglob("auth_token"):
+        try:
+            pids.update(marked_pids(Home(token.parent)))
+        except ClusterError:  # a token no cluster would start from (a link, others may read it): no node has its mark
+            continue
+    return sorted(pids)
 
 
 def session_is_ours(home: Home, sid: int) -> bool:
