@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.observe.goodput import billed_slices  # noqa: E402
 from orchestrator.state.events import EventKind  # noqa: E402
-from orchestrator.user.planning import job_options  # noqa: E402
+from orchestrator.domain.options import job_options  # noqa: E402
 from policies.cost import CostPolicy  # noqa: E402
 from policies.restart_cost import RestartCost  # noqa: E402
 from policies.simulator import SimJob, simulate  # noqa: E402

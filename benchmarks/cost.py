@@ -57,7 +57,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from orchestrator.user.planning import job_options  # noqa: E402
+from orchestrator.domain.options import job_options  # noqa: E402
 from policies.baselines import FixedPolicy, GreedyPolicy  # noqa: E402
 from policies.cost import CostPolicy  # noqa: E402
 from policies.hindsight import hindsight_optimum  # noqa: E402

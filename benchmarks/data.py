@@ -30,8 +30,8 @@ import numpy as np  # noqa: E402
 from benchmarks.common import machine, save  # noqa: E402
 from orchestrator.user.data_prepare import prepare  # noqa: E402
 from workers import data  # noqa: E402
+from workers.data import open_dataset  # noqa: E402
 from workers.token_writer import TokenWriter  # noqa: E402
-from workers.tokens import open_dataset  # noqa: E402
 
 GLOBAL_BATCH, SEQ_LEN, HOSTS = 64, 1024, 4
 

@@ -56,7 +56,7 @@ def main() -> None:
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from workers.tokens import open_dataset
+    from workers.data import open_dataset
 
     user = load_example(ROOT / "examples" / "user-train" / "train.py")
 

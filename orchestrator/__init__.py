@@ -2,7 +2,7 @@
 
 from orchestrator.user.client import Client, Job, JobStatus
 from orchestrator.errors import OrchestratorError, SpecError
-from orchestrator.user.spec import JobSpec
+from orchestrator.domain.spec import JobSpec
 from orchestrator.state.states import JobState
 
 __all__ = ["Client", "Job", "JobSpec", "JobState", "JobStatus", "OrchestratorError", "SpecError"]

@@ -37,6 +37,7 @@ class OutcomeKind(str, enum.Enum):
     PROVISION_FAILED = "provision_failed"  # no slice, or its workers could not all start
     CANCELLED = "cancelled"
     RESIZED = "resized"  # stopped on purpose at a committed checkpoint, to go on on another slice size
+    BUDGET_SPENT = "budget_spent"  # stopped at a committed checkpoint (or not started): budget_usd would be passed
 
 
 @dataclass(frozen=True)
@@ -275,6 +276,8 @@ def after(outcome: Outcome, *, preemptions: int, failures: int, budgets: Budgets
         return Decision(Next.CANCEL, outcome.reason, preemptions, failures, aborts=aborts)
     if k is OutcomeKind.RESIZED:
         return Decision(Next.RESIZE, outcome.reason, preemptions, failures, aborts=aborts)
+    if k is OutcomeKind.BUDGET_SPENT:  # the user's cap: nothing to retry, no budget of failures spent
+        return Decision(Next.FAIL, outcome.reason, preemptions, failures, aborts=aborts)
     if k is OutcomeKind.PROVISION_FAILED and not outcome.transient:  # nothing of the job's ran: no budget spent
         return Decision(Next.FAIL, f"could not provision: {outcome.reason}", preemptions, failures, aborts=aborts)
     rule = RULES[k]

@@ -204,11 +204,11 @@ class Context:
     def dataset(self):
         """The job's token files (`workers.tokens`), opened once."""
         if self._dataset is None:
-            from workers import tokens
+            from workers import data, tokens
 
             if self.data is not None:  # names the file that is missing, truncated or too short, before step 0
                 tokens.check(self.data, vocab_size=None, seq_len=self.seq_len)
-            self._dataset = tokens.open_dataset(self.data)
+            self._dataset = data.open_dataset(self.data)
         return self._dataset
 
     def batch(self, step: int) -> jax.Array:

@@ -89,3 +89,8 @@ class ByteCorpus:
 
     def rows(self, seed: int, step: int, global_batch_size: int, seq_len: int, rows: slice) -> np.ndarray:
         return batch_rows(seed, step, global_batch_size, seq_len, rows)
+
+
+def open_dataset(path: str | None) -> tokens.Dataset:
+    """The dataset a job names: the token files at `path` (local or a URL), or with None the standard library's bytes."""
+    return ByteCorpus() if path is None else tokens.open_tokens(path)

@@ -27,7 +27,7 @@ for `check(..., checksums=True)` and for the fingerprint recorded in checkpoints
 
 Example::
 
-    ds = open_dataset("/data/my-corpus")          # or "gs://bucket/my-corpus", or None
+    ds = open_tokens("/data/my-corpus")           # or "gs://bucket/my-corpus"
     rows = ds.rows(seed=0, step=17, global_batch_size=64, seq_len=1024, rows=slice(0, 16))
     # rows: int32 [16, 1025], inputs rows[:, :-1] and targets rows[:, 1:]
 """
@@ -253,12 +253,8 @@ def _sha256(folder: _Folder, name: str) -> str:
 # -- the reader ------------------------------------------------------------------------
 
 
-def open_dataset(path: str | None) -> Dataset:
-    """The dataset at `path` (a folder of token files, local or a URL); None: the standard library's bytes."""
-    if path is None:
-        from workers.data import ByteCorpus
-
-        return ByteCorpus()
+def open_tokens(path: str) -> TokenDataset:
+    """The folder of token files at `path` (local or a URL), checked (`check`) before it is read."""
     check(path, vocab_size=None, seq_len=None)
     return TokenDataset(path)
 

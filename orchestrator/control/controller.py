@@ -32,7 +32,7 @@ from orchestrator.providers.local import LocalProvider, release_recorded
 from orchestrator.state.events import Adopted, ResizeAsked, SliceChanged
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
-from orchestrator.user.spec import JobSpec
+from orchestrator.domain.spec import JobSpec
 from workers.protocol import Report
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,7 @@ class Controller:
         A restarted controller serves it on the port the last one used, if that port is free,
         so an open page goes on updating.
         """
+        from orchestrator.control.queue import queue_position
         from orchestrator.observe.dashboard import serve_dashboard
 
         try:
@@ -77,7 +78,7 @@ class Controller:
         except (OSError, ValueError, IndexError, AttributeError):
             port = 0
         try:
-            server = serve_dashboard(self.store, self.home, actions=self, port=port)
+            server = serve_dashboard(self.store, self.home, actions=self, port=port, queue_position=queue_position)
         except Exception:  # the jobs matter more than their page: run without it, and say so
             log.exception("could not serve the dashboard")
             return None

@@ -23,6 +23,7 @@ from orchestrator.control.attempt import Attempt
 from orchestrator.control.autoscaler import with_checkpoint_interval
 from orchestrator.control.captures import Captures
 from orchestrator.control.launch import launch, teardown, write_fence
+from orchestrator.control.limits import Limits
 from orchestrator.control.moves import AutoscalingMixin
 from orchestrator.control.waiting import Look, Waiting, clock_for, look, release, request
 from orchestrator.control.watch import watch
@@ -31,8 +32,8 @@ from orchestrator.providers.base import CapacityError, Slice
 from orchestrator.providers.capacity import TraceClock
 from orchestrator.state.events import (CheckpointSaved, Disrupted, EventKind, LostWork, NoticeSeen, Restored,
                                        Resumed, StateChange)
-from orchestrator.state.states import JobState, SliceState
-from orchestrator.user.spec import JobSpec
+from orchestrator.state.states import FailedBecause, JobState, SliceState
+from orchestrator.domain.spec import JobSpec
 from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
 from workers.protocol import Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
 
@@ -50,12 +51,28 @@ def parse_stored_spec(raw: dict) -> JobSpec:
     return JobSpec.model_validate(data)
 
 
+# How a job that fails after an attempt ended one way is named (FAILED_SETUP, FAILED_BUDGET, ...).
+FAILED_BECAUSE: dict[OutcomeKind, FailedBecause] = {
+    OutcomeKind.IMPORT_ERROR: FailedBecause.SETUP,
+    OutcomeKind.APP_FAILED: FailedBecause.USER_CODE,
+    OutcomeKind.HUNG: FailedBecause.USER_CODE,
+    OutcomeKind.USER_EXIT: FailedBecause.USER_EXIT,
+    OutcomeKind.STORAGE_FAILED: FailedBecause.STORAGE,
+    OutcomeKind.PROVISION_FAILED: FailedBecause.NO_RESOURCE,
+    OutcomeKind.PREEMPTED: FailedBecause.PREEMPTIONS,
+    OutcomeKind.INFRA_LOST: FailedBecause.PREEMPTIONS,
+    OutcomeKind.WORKER_ABORTED: FailedBecause.WORKER_ABORTS,
+    OutcomeKind.BUDGET_SPENT: FailedBecause.BUDGET,
+}
+
+
 class JobDriver(AutoscalingMixin):
     def __init__(self, plane: "Controller", job_id: str, attempt: Attempt | None = None):
         self.plane, self.store, self.job_id = plane, plane.store, job_id
         self.att = attempt or Attempt()
         self._rng = random.Random()
         self.captures = Captures(self.store, job_id)  # `orchestrator profile`
+        self.limits = Limits(self.store, job_id)  # budget_usd and deadline
 
     def start(self, on_exit) -> None:
         threading.Thread(target=self._main, args=(on_exit,), name=f"job-{self.job_id}", daemon=True).start()
@@ -70,7 +87,7 @@ class JobDriver(AutoscalingMixin):
         try:
             if att.adopted:  # a group started by the previous controller: watch it to its end first
                 try:
-                    outcome = watch(self.store, self.job_id, self.spec(), att, on_poll=self._autoscale_while_running)
+                    outcome = watch(self.store, self.job_id, self.spec(), att, on_poll=self._on_poll)
                     self.catch_up(outcome)
                 finally:
                     teardown(att)
@@ -80,7 +97,7 @@ class JobDriver(AutoscalingMixin):
         except Exception as e:  # a bug of ours: end the job visibly rather than leave it hanging
             log.exception("job %s: controller error", self.job_id)
             teardown(att)
-            self.transition(JobState.FAILED, f"controller error: {type(e).__name__}: {e}")
+            self.transition(JobState.FAILED, f"controller error: {type(e).__name__}: {e}", cause=FailedBecause.CONTROLLER)
         finally:
             self._release_requests("the job is over")
             on_exit(self.job_id)
@@ -106,6 +123,8 @@ class JobDriver(AutoscalingMixin):
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
             if spec.autoscaling is not None:
                 spec = self._autoscale_before_provisioning(spec)
+            if (spent := self.limits.before_start(spec)) is not None:
+                return spent
             ended = self.plane.queue.wait_turn(job_id, spec, att.cancel, refused=refused, refusals=refusals,
                                                since=queued_since, limit_s=self._user_queue_limit_s(spec))
             if ended is not None:
@@ -134,6 +153,7 @@ class JobDriver(AutoscalingMixin):
             if att.cancel.is_set():
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
             att.begin(self.store.bump_generation(job_id))
+            self.limits.new_attempt()
             att.next_decision = time.monotonic() + 30.0 / self._clock(spec).scale  # let it measure its speed first
             write_fence(spec, att.generation, job_id)
             self.transition(JobState.STARTING, f"slice {att.slice.name} ready after {provision_s:.1f} s{overlap}; "
@@ -143,7 +163,7 @@ class JobDriver(AutoscalingMixin):
                                                         if att.next_ready_at is not None else None)))
             att.next_ready_at = None
             outcome = (launch(self.store, self.plane.home, job_id, spec, att)
-                       or watch(self.store, job_id, spec, att, on_poll=self._autoscale_while_running))
+                       or watch(self.store, job_id, spec, att, on_poll=self._on_poll))
             self.catch_up(outcome)
             return outcome
         finally:
@@ -157,12 +177,19 @@ class JobDriver(AutoscalingMixin):
         spec = self.spec()
         return with_checkpoint_interval(spec, self._choice) if self._choice is not None else spec
 
+    def _on_poll(self) -> None:
+        """Once a poll of a running attempt: the budget and deadline, then the autoscaler."""
+        self.limits.check(self.att, self.spec)
+        self._autoscale_while_running()
+
     def _after(self, outcome: Outcome) -> None:
         """Record how the attempt ended, and do what the recovery rules say comes next."""
         att, job = self.att, self.store.job(self.job_id)
+        outcome = self.limits.outcome(outcome)
         self.captures.attempt_ended(att.generation, outcome.reason)
         k = outcome.kind
-        if k not in (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVISION_FAILED, OutcomeKind.RESIZED):
+        if k not in (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVISION_FAILED, OutcomeKind.RESIZED,
+                     OutcomeKind.BUDGET_SPENT):
             steps_done = att.last_step + 1
             att.disrupted_at, att.disrupted_step, att.resumed = outcome.at, steps_done, False
             self.store.add_event(self.job_id, Disrupted(k.value, att.last_step, outcome.reason, att.generation,
@@ -182,7 +209,7 @@ class JobDriver(AutoscalingMixin):
         elif d.next is Next.CANCEL:
             self.transition(JobState.CANCELLED, d.reason)
         elif d.next is Next.FAIL:
-            self.transition(JobState.FAILED, d.reason)
+            self.transition(JobState.FAILED, d.reason, cause=FAILED_BECAUSE.get(k))
         elif d.next is Next.RESIZE:
             self.store.update_spec(self.job_id, dict(job.spec, accelerator=att.resize_to,
                                                      tier=att.resize_tier or job.spec["tier"]))
@@ -291,9 +318,11 @@ class JobDriver(AutoscalingMixin):
             return None
         return self._user_queue_limit_s(spec)
 
-    def transition(self, target: JobState, reason: str, *, data: StateChange | None = None) -> None:
+    def transition(self, target: JobState, reason: str, *, data: StateChange | None = None,
+                   cause: FailedBecause | None = None) -> None:
+        fields = {} if cause is None else {"cause": cause.value}
         try:
-            self.store.transition(self.job_id, target, reason, data=data)
+            self.store.transition(self.job_id, target, reason, data=data, **fields)
         except IllegalTransitionError as e:
             log.warning("job %s: %s", self.job_id, e)
 
@@ -340,6 +369,7 @@ class JobDriver(AutoscalingMixin):
     def _record_step(self, generation: int, r: StepDone) -> None:
         att = self.att
         att.last_step = r.step
+        self.limits.stepped(r.step)
         self.store.record_steps(self.job_id, generation,
                                 [(r.step, r.loss, r.tokens_per_s, r.step_time_s, None, r.metrics)])
         if not att.resumed and att.disrupted_at is not None:

@@ -22,8 +22,8 @@ from orchestrator.control import shipping
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
 from orchestrator.state.events import Launched
 from orchestrator.state.store import Store
-from orchestrator.user.fit import microbatches_for
-from orchestrator.user.spec import EntrypointWorkload, JobSpec, LmWorkload
+from orchestrator.domain.fit import microbatches_for
+from orchestrator.domain.spec import EntrypointWorkload, JobSpec, LmWorkload
 from policies.recovery import Outcome, OutcomeKind
 from policies.sharding import plan_mesh
 from workers import inbox

@@ -18,7 +18,7 @@ import time
 from orchestrator import catalog
 from orchestrator.errors import IllegalTransitionError
 from policies.recovery import Outcome, OutcomeKind
-from orchestrator.user.spec import JobSpec
+from orchestrator.domain.spec import JobSpec
 from orchestrator.state.events import StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store

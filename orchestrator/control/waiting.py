@@ -21,7 +21,7 @@ from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import CapacityError, Slice, SliceProvider, SliceRequest
 from orchestrator.providers.capacity import SpotCapacity, TraceClock
 from orchestrator.state.states import SliceState
-from orchestrator.user.spec import JobSpec
+from orchestrator.domain.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

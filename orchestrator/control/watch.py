@@ -25,7 +25,7 @@ from orchestrator.control.attempt import Attempt
 from orchestrator.providers.base import SliceEventKind
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Store
-from orchestrator.user.spec import JobSpec
+from orchestrator.domain.spec import JobSpec
 from policies.recovery import (HUNG, WORKER_DIED, WORKER_UNREACHABLE, Outcome, OutcomeKind, classify_failure,
                                native_error, native_lines, results_outcome)
 from workers.crash import stderr_tail

@@ -72,6 +72,8 @@ class JobCollector(Collector):
         m.info.add_metric([job.id], {"name": job.name, "accelerator": accelerator, "tier": tier})
         for state in JobState:
             m.state.add_metric([job.id, state.value], 1.0 if job.state is state else 0.0)
+        if job.state is JobState.FAILED and job.cause is not None:
+            m.failed_because.add_metric([job.id, job.cause.value], 1.0)
         last = self.store.last_step(job.id)
         if last is not None:
             m.completed_steps.add_metric([job.id], last.step + 1)
@@ -116,6 +118,8 @@ class _Families:
         self.info = InfoMetricFamily(p, "The job's name, accelerator type and tier.", labels=["job_id"])
         self.state = GaugeMetricFamily(f"{p}_state", "1 for the job's current state, 0 for the others.",
                                        labels=["job_id", "state"])
+        self.failed_because = GaugeMetricFamily(f"{p}_failed_because", "1 for a FAILED job's cause (setup, "
+                                                "user_code, budget, ...; see FailedBecause).", labels=["job_id", "cause"])
         self.completed_steps = GaugeMetricFamily(f"{p}_completed_steps", "Training steps completed.", labels=["job_id"])
         self.tokens_per_second = GaugeMetricFamily(f"{p}_tokens_per_second", "Throughput of the last step.",
                                                    labels=["job_id"])

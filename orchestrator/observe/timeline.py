@@ -180,3 +180,11 @@ def move_line(store: Store, job: JobRecord) -> str | None:
     if job.state is JobState.PROVISIONING and live:
         phase = _WAITING_PHASE.get(live[-1]["state"], phase) if live[-1]["state"] != "READY" else phase
     return f"moving to {target}: {phase}"
+
+
+def deadline_line(store: Store, job: JobRecord) -> str | None:
+    """While the job's last deadline forecast says it is late: "will miss its deadline: ..."; else None."""
+    forecasts = store.events(job.id, kind=EventKind.DEADLINE)
+    if not forecasts or (forecasts[-1].payload.late_by_s or 0.0) <= 0:
+        return None
+    return f"will miss its deadline: {forecasts[-1].reason}"

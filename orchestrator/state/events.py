@@ -29,6 +29,7 @@ class EventKind(str, enum.Enum):
     AUTOSCALE = "autoscale"  # the cost policy's choice
     RESIZE = "resize"  # a move to another slice type was asked for
     PROFILE = "profile"  # a profile capture ended (traced, or why not)
+    DEADLINE = "deadline"  # at its measured speed the job now ends after its deadline, or in time again
 
 
 @dataclass(frozen=True)
@@ -181,8 +182,20 @@ class Profiled(Payload):
     error: str | None = None
 
 
+@dataclass(frozen=True)
+class DeadlineForecast(Payload):
+    """When the job ends at the speed it has kept (saves included), against its deadline (seconds from submission)."""
+
+    KIND: ClassVar[EventKind] = EventKind.DEADLINE
+    late_by_s: float | None = None  # after the deadline by this much; 0 or less: in time
+    end_s: float | None = None  # from submission
+    deadline_s: float | None = None
+    steps_left: int | None = None
+    step_s: float | None = None  # wall seconds a step, over the last steps
+
+
 PAYLOADS: dict[EventKind, type[Payload]] = {
     cls.KIND: cls for cls in (StateChange, SliceChanged, Launched, Restored, LostWork, CheckpointSaved, NoticeSeen,
-                              Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked, Profiled)
+                              Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked, Profiled, DeadlineForecast)
 }
 assert set(PAYLOADS) == set(EventKind), "every kind has its record"

@@ -30,6 +30,26 @@ class JobState(str, enum.Enum):
 
 _JOB_TERMINAL = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
 
+
+class FailedBecause(str, enum.Enum):
+    """Why a job ended FAILED (`JobRecord.cause`): one word a script can branch on; the reason says the rest.
+
+    `status` and `list` show the two together as one state, FAILED_SETUP, FAILED_BUDGET, ...
+    """
+
+    SETUP = "setup"  # the job's code cannot start anywhere: its entrypoint cannot be imported
+    USER_CODE = "user_code"  # the job's code raised, or hung, more than max_failures times
+    USER_EXIT = "user_exit"  # the job's code ended itself (sys.exit) before its last step
+    STORAGE = "storage"  # a write failed on a full or read-only disk
+    NO_RESOURCE = "no_resource"  # no slice: its hosts could not start, or it waited past queue_timeout
+    PREEMPTIONS = "preemptions"  # more preemptions and host losses than max_preemptions
+    WORKER_ABORTS = "worker_aborts"  # more worker processes died on live hosts than max_aborts
+    BUDGET = "budget"  # stopped at a committed step before it would spend more than budget_usd
+    CONTROLLER = "controller"  # a fault of the controller's own
+
+    def state_name(self) -> str:
+        return f"FAILED_{self.name}"
+
 _J = JobState
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _J.PENDING: frozenset({_J.QUEUED, _J.PROVISIONING, _J.FAILED, _J.CANCELLED}),

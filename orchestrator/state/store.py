@@ -19,9 +19,9 @@ from typing import Any, Iterator
 
 from orchestrator.errors import IllegalTransitionError, JobNotFoundError
 from orchestrator.state.events import PAYLOADS, EventKind, Payload, SliceChanged, StateChange
-from orchestrator.state.states import JOB_TRANSITIONS, JobState, SliceState, check_slice
+from orchestrator.state.states import JOB_TRANSITIONS, FailedBecause, JobState, SliceState, check_slice
 
-SCHEMA_VERSION = 2  # 2: steps.metrics
+SCHEMA_VERSION = 3  # 2: steps.metrics; 3: jobs.cause
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -38,7 +38,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     failures INTEGER NOT NULL DEFAULT 0,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     error TEXT,
-    result TEXT
+    result TEXT,
+    cause TEXT
 );
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -91,6 +92,7 @@ class JobRecord:
     cancel_requested: bool
     error: str | None
     result: dict | None
+    cause: FailedBecause | None = None  # why a FAILED job failed
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,8 @@ class Store:
                 columns = {c[1] for c in db.execute("PRAGMA table_info(steps)")}
                 if "metrics" not in columns:
                     db.execute("ALTER TABLE steps ADD COLUMN metrics TEXT")
+                if "cause" not in {c[1] for c in db.execute("PRAGMA table_info(jobs)")}:
+                    db.execute("ALTER TABLE jobs ADD COLUMN cause TEXT")
                 db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
     def _conn(self) -> sqlite3.Connection:
@@ -217,7 +221,7 @@ class Store:
 
     @staticmethod
     def _field_sets(fields: dict[str, Any]) -> tuple[str, list[Any]]:
-        allowed = {"generation", "preemptions", "failures", "cancel_requested", "error", "result", "reason"}
+        allowed = {"generation", "preemptions", "failures", "cancel_requested", "error", "result", "reason", "cause"}
         bad = set(fields) - allowed
         if bad:
             raise ValueError(f"not job fields: {sorted(bad)}")
@@ -363,4 +367,5 @@ def _job(row: sqlite3.Row) -> JobRecord:
         generation=row["generation"], preemptions=row["preemptions"], failures=row["failures"],
         cancel_requested=bool(row["cancel_requested"]), error=row["error"],
         result=json.loads(row["result"]) if row["result"] else None,
+        cause=FailedBecause(row["cause"]) if row["cause"] in FailedBecause._value2member_map_ else None,
     )

@@ -27,7 +27,7 @@ from orchestrator.user.progress import user_metrics, utilisation, watch
 from orchestrator.user.terminal import fit_fields, table, unique_prefixes, wrap
 from orchestrator.errors import OrchestratorError, RequestError, SpecError
 from orchestrator.user.preflight import gcp_problems
-from orchestrator.user.spec import JobSpec, json_schema
+from orchestrator.domain.spec import JobSpec, json_schema
 from orchestrator.state.states import JobState
 
 
@@ -136,7 +136,7 @@ def submit(job_file: Path = typer.Argument(..., help="The job's YAML file."),
 
 def _print_final(st: JobStatus) -> None:
     color = "green" if st.state is JobState.SUCCEEDED else "red"
-    out.print(f"[{color}]{st.state.value}[/{color}] {st.id}: {st.reason}", highlight=False)
+    out.print(f"[{color}]{st.state_name}[/{color}] {st.id}: {st.reason}", highlight=False)
     if st.state is JobState.FAILED and st.error:
         err.print(st.error, markup=False, highlight=False)
 
@@ -184,6 +184,7 @@ def _time(ts: float) -> str:
 def _status_dict(st: JobStatus) -> dict:
     d = dict(vars(st))
     d["state"] = st.state.value
+    d["cause"] = st.cause.value if st.cause else None  # FAILED's cause (setup, budget, ...)
     return d
 
 
@@ -192,8 +193,8 @@ def status_lines(st: JobStatus, g, *, width: int) -> list[str]:
     from orchestrator.observe.goodput import format_duration
 
     where = f", position {st.queue_position} in the queue" if st.queue_position else ""
-    lines = wrap(f"{st.id}  {st.state.value}{where}  ({st.reason})", width, hanging="  ")
-    for note in (st.moving, st.stalled):
+    lines = wrap(f"{st.id}  {st.state_name}{where}  ({st.reason})", width, hanging="  ")
+    for note in (st.moving, st.stalled, st.warning):
         if note:
             lines += wrap(note, width, indent="  ", hanging="    ")
     wall = ("wall time " if st.done else "running for ") + format_duration(st.wall_s or 0.0)
@@ -238,7 +239,7 @@ def jobs_lines(jobs: list[JobStatus], *, width: int) -> list[str]:
         return ["no jobs yet"]
 
     def rows(ids: dict[str, str]) -> list[list[str]]:
-        return [[ids[s.id], s.state.value + (f" #{s.queue_position}" if s.queue_position else ""),
+        return [[ids[s.id], s.state_name + (f" #{s.queue_position}" if s.queue_position else ""),
                  f"{s.accelerator} {s.tier}", f"{s.step}/{s.total_steps or '?'}", _fmt(s.loss, ".4f"),
                  format_duration(s.wall_s or 0.0),
                  dt.datetime.fromtimestamp(s.created_at).strftime("%m-%d %H:%M")] for s in jobs]
@@ -441,9 +442,9 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
          trace: Optional[Path] = typer.Option(None, "--trace", help="A spot capacity trace (JSON, as in policies/traces)."),
          deadline_hours: Optional[float] = typer.Option(None, help="Overrides the job file's deadline.")) -> None:
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
-    from orchestrator.user.fit import slice_fit
+    from orchestrator.domain.fit import slice_fit
     from orchestrator.user.planning import moves_lines, plan_job, render_memory, render_plan
-    from orchestrator.user.spec import AutoscalingConfig, LmWorkload
+    from orchestrator.domain.spec import AutoscalingConfig, LmWorkload
     from policies.traces import TraceError
 
     spec = JobSpec.from_yaml(job_file)

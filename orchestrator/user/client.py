@@ -31,7 +31,7 @@ from orchestrator.control.shipping import pack_folder
 from orchestrator.errors import ClusterError, JobNotFoundError, JobStateError, OrchestratorError, SpecError
 from orchestrator.user.entrypoint import check_entrypoint
 from orchestrator.user.preflight import gcp_problems
-from orchestrator.user.spec import JobSpec
+from orchestrator.domain.spec import JobSpec
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store
 from orchestrator.user.job import CLUSTER_GONE, Job, JobStatus, _status
@@ -308,13 +308,13 @@ class Client:
     def _status_of(self, job: JobRecord) -> JobStatus:
         """The job's status, with its place in the queue and, while not ended, whether a cluster runs it."""
         from orchestrator.control.queue import queue_position
-        from orchestrator.observe.timeline import move_line, wall_time
+        from orchestrator.observe.timeline import deadline_line, move_line, wall_time
 
         st = replace(_status(job, self.store.last_step(job.id)), wall_s=wall_time(self.store, job))
         if st.done:
             return st
         return replace(st, queue_position=queue_position(self.store, job), cluster=self.cluster_state(),
-                       moving=move_line(self.store, job))
+                       moving=move_line(self.store, job), warning=deadline_line(self.store, job))
 
     def cancel(self, job_id: str) -> None:
         """Ask the job to stop: its hosts checkpoint the current step and stop, its slice is released.
@@ -390,7 +390,7 @@ def check_data(spec: JobSpec, source: str = "<spec>") -> None:
     or no permission: a bucket only the TPU VMs may read) is left to the workers, which
     check it again before their first step; a URL that answers "not found" is refused here.
     """
-    from orchestrator.user.spec import LmWorkload
+    from orchestrator.domain.spec import LmWorkload
     from workers.tokens import DataError, check
 
     w = spec.workload

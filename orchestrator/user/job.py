@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from orchestrator.state.states import JobState
+from orchestrator.state.states import FailedBecause, JobState
 from orchestrator.state.store import Event, JobRecord, StepMetric
 
 if TYPE_CHECKING:
@@ -41,10 +41,17 @@ class JobStatus:
     cluster: str | None = None  # for a job not yet ended: "up", "gone" (nothing runs it), "remote" (unknown here)
     wall_s: float | None = None  # from submission to its end, or to now while it has not ended
     moving: str | None = None  # what a move to another slice is doing now ("moving to v4-32 spot: waiting for capacity")
+    cause: FailedBecause | None = None  # why a FAILED job failed
+    warning: str | None = None  # what the job will miss at its measured speed ("will miss its deadline by 4 min")
 
     @property
     def done(self) -> bool:
         return self.state.terminal
+
+    @property
+    def state_name(self) -> str:
+        """The state as `status` and `list` show it: a failure with its cause (FAILED_SETUP, FAILED_BUDGET, ...)."""
+        return self.cause.state_name() if self.state is JobState.FAILED and self.cause else self.state.value
 
     @property
     def stalled(self) -> str | None:
@@ -138,4 +145,5 @@ def _status(job: JobRecord, last: StepMetric | None) -> JobStatus:
         tier=spec.get("tier", "?"), step=(last.step + 1) if last else 0,
         total_steps=(spec.get("workload") or {}).get("steps"), loss=last.loss if last else None,
         tokens_per_s=last.tokens_per_s if last else None, preemptions=job.preemptions, failures=job.failures,
-        error=job.error, created_at=job.created_at, updated_at=job.updated_at, metrics=last.metrics if last else {})
+        error=job.error, created_at=job.created_at, updated_at=job.updated_at, metrics=last.metrics if last else {},
+        cause=job.cause)

@@ -22,7 +22,7 @@ Throughput before the job has measured any step times comes from a scaling model
 `measured_tokens_per_s` (by type name) once the job has run.
 
 `render_memory` shows the memory-fit check's per-chip estimate for each candidate slice
-type (`orchestrator.user.fit.slice_fit`): what training needs against what HBM holds.
+type (`orchestrator.domain.fit.slice_fit`): what training needs against what HBM holds.
 """
 
 from __future__ import annotations
@@ -35,42 +35,17 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from orchestrator.catalog import Tier, lookup
-from orchestrator.user.fit import SliceFit
+from orchestrator.domain.fit import SliceFit
+from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN, job_options
 from policies.baselines import FixedPolicy
 from policies.cost import CostPolicy
 from policies.memory_fit import GIB, USABLE_FRACTION
-from policies.model_shape import training_flops_per_token
 from policies.restart_cost import RestartCost
 from policies.simulator import DecisionRecord, Run, SimJob, simulate
-from policies.slice_options import Option, ScalingModel, estimate_tokens_per_s
 from policies.spot_estimates import PRIOR_HOST_HAZARD_PER_HOUR, PRIOR_OUTAGE_HOURS
 from policies.traces import SpotTrace, load_trace, markov_trace
 
-# A ~1B-parameter dense decoder (24 layers, d_model 2048) on 2048-token sequences.
-DEFAULT_FLOPS_PER_TOKEN = training_flops_per_token(active_params=1.0e9, n_layers=24, d_model=2048, seq_len=2048)
 REFERENCE_HOSTS = 4  # the synthetic trace's uptime is that of a 4-host slice under the prior
-
-
-def job_options(
-    tpu_types: Sequence[str],
-    tiers: Sequence[str],
-    *,
-    flops_per_token: float = DEFAULT_FLOPS_PER_TOKEN,
-    measured_tokens_per_s: Mapping[str, float] | None = None,
-    zone: str = "default",
-) -> tuple[Option, ...]:
-    """One policy `Option` per allowed type x tier, priced from the catalog."""
-    types = [lookup(name) for name in tpu_types]
-    measured = {(lookup(n).chips, lookup(n).hosts): v for n, v in (measured_tokens_per_s or {}).items()}
-    options = []
-    for t in types:
-        model = ScalingModel(flops_per_token, t.generation.peak_bf16_tflops_per_chip * 1e12)
-        speed = estimate_tokens_per_s(model, t.chips, t.hosts, measured)
-        for tier in tiers:
-            tier = Tier(tier)
-            options.append(Option(t.name, t.chips, t.hosts, tier.value, t.usd_per_hour(tier), speed, zone))
-    return tuple(options)
 
 
 @dataclass(frozen=True)
@@ -176,7 +151,7 @@ def moves_lines(plan: JobPlan, *, width: int = 120) -> list[str]:
 
 
 def render_memory(fits: Sequence[SliceFit]) -> Table:
-    """A rich Table: the per-chip memory estimate of training on each slice type (`orchestrator.user.fit`)."""
+    """A rich Table: the per-chip memory estimate of training on each slice type (`orchestrator.domain.fit`)."""
     table = Table(title=f"HBM per chip, GiB (usable: {USABLE_FRACTION:.0%}; formulas: policies/memory_fit.py)")
     table.add_column("slice", no_wrap=True)
     for column in ("mesh", "micro-batches", "needs", "usable", "largest part", "fits"):

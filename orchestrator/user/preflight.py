@@ -16,7 +16,7 @@ import ipaddress
 from importlib import metadata
 from urllib.parse import urlparse
 
-from orchestrator.user.spec import JobSpec
+from orchestrator.domain.spec import JobSpec
 
 Problem = tuple[str, str]
 

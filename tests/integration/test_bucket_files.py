@@ -204,7 +204,8 @@ CORPUS = {"a.txt": "the quick brown fox jumps over the lazy dog\n" * 40, "b/c.tx
 
 def test_token_files_prepared_into_a_bucket_read_back_as_on_disk(gcs, tmp_path):
     from orchestrator.user.data_prepare import prepare
-    from workers.tokens import DataError, check, open_dataset
+    from workers.data import open_dataset
+    from workers.tokens import DataError, check
 
     src = tmp_path / "corpus"
     for name, text in CORPUS.items():

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator import JobSpec, JobState
+from orchestrator.state.states import FailedBecause
 
 PROGRAMS = Path(__file__).parent / "endings"
 
@@ -43,7 +44,7 @@ def disruptions(job) -> list:
 def test_sys_exit_0_at_step_0_ends_the_job_at_once_not_as_a_hang(client, tmp_path):
     t0 = time.monotonic()
     job, st = run(client, spec("exit-zero", "programs:exits_0_at_step_0", tmp_path))  # heartbeat 120 s, 100 preemptions
-    assert st.state is JobState.FAILED
+    assert (st.state, st.cause, st.state_name) == (JobState.FAILED, FailedBecause.USER_EXIT, "FAILED_USER_EXIT")
     assert st.reason == ("host 0: the job's code called sys.exit(0) with 0 of 6 steps done; not tried again: the "
                          "program ended itself with status 0; run again it would do the same")
     assert time.monotonic() - t0 < 100  # not after a heartbeat timeout
@@ -54,7 +55,7 @@ def test_sys_exit_0_at_step_0_ends_the_job_at_once_not_as_a_hang(client, tmp_pat
 
 def test_sys_exit_with_a_status_is_retried_against_max_failures(client, tmp_path):
     job, st = run(client, spec("exit-three", "programs:exits_3", tmp_path, max_failures=1))
-    assert st.state is JobState.FAILED
+    assert (st.state, st.cause) == (JobState.FAILED, FailedBecause.USER_EXIT)
     assert st.reason == ("the job's code exited 2 times (max_failures=1): host 0: the job's code called sys.exit(3) "
                          "with 1 of 6 steps done")
     assert (st.preemptions, st.failures) == (0, 2)
@@ -63,7 +64,7 @@ def test_sys_exit_with_a_status_is_retried_against_max_failures(client, tmp_path
 
 def test_an_import_error_on_the_hosts_is_not_retried(client, tmp_path):
     job, st = run(client, spec("bad-import", "imports_a_missing_package:main", tmp_path))
-    assert st.state is JobState.FAILED
+    assert (st.state, st.cause, st.state_name) == (JobState.FAILED, FailedBecause.SETUP, "FAILED_SETUP")
     assert st.reason == ("host 0: cannot import the entrypoint imports_a_missing_package:main: ModuleNotFoundError: "
                          "No module named 'a_package_no_host_has'; not tried again: every slice would import the "
                          "same code; fix it and submit again")
@@ -87,7 +88,7 @@ def full_disk(tmp_path):
 
 def test_a_full_checkpoint_disk_is_not_taken_for_the_codes_failure(client, tmp_path, full_disk):
     job, st = run(client, spec("full-disk", "programs:big_state", tmp_path, checkpoint=full_disk / "ckpt"))
-    assert st.state is JobState.FAILED
+    assert (st.state, st.cause) == (JobState.FAILED, FailedBecause.STORAGE)
     assert [d.data["kind"] for d in disruptions(job)] == ["storage_failed"]
     assert "No space left on device" in st.reason, st.reason
     assert st.reason.endswith("; not tried again: the disk would refuse again; free space (or point "
@@ -115,7 +116,7 @@ def test_a_native_abort_on_a_live_host_is_its_own_outcome(client, tmp_path):
 def test_a_hang_is_a_hang_only_while_every_worker_answers(client, tmp_path):
     job, st = run(client, spec("hang", "programs:hangs_at_step_2", tmp_path, heartbeat_timeout_s=8,
                                max_failures=0))
-    assert st.state is JobState.FAILED
+    assert (st.state, st.cause) == (JobState.FAILED, FailedBecause.USER_CODE)
     assert st.reason == "the job hung 1 time (max_failures=0): no step for 8 s while every worker answers (hung)"
     assert (st.preemptions, st.failures) == (0, 1)
     assert [d.data["kind"] for d in disruptions(job)] == ["hung"]

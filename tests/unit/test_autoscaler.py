@@ -13,7 +13,7 @@ from orchestrator.control.autoscaler import (
     step_seconds,
     with_checkpoint_interval,
 )
-from orchestrator.user.spec import JobSpec
+from orchestrator.domain.spec import JobSpec
 from orchestrator.state.events import StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store

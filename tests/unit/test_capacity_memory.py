@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.control.autoscaler import snapshot
-from orchestrator.user.spec import JobSpec
+from orchestrator.domain.spec import JobSpec
 from orchestrator.state.store import Store
 from policies.capacity_memory import POOL_HORIZON_S, estimates, pooled
 from policies.cost import CostPolicy

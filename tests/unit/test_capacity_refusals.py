@@ -115,7 +115,7 @@ def test_queue_timeout_counts_across_refusals(tmp_path):
 
     from orchestrator.control.queue import AdmissionQueue
     from orchestrator.state.states import JobState
-    from orchestrator.user.spec import JobSpec
+    from orchestrator.domain.spec import JobSpec
     from policies.recovery import OutcomeKind
 
     p, store = provider_with_store(tmp_path)
@@ -134,7 +134,7 @@ def test_queue_timeout_counts_across_refusals(tmp_path):
 def test_a_job_file_names_its_capacity_trace(tmp_path):
     """`capacity_trace.path` is taken from the job file's folder; a bad one is an error naming the field."""
     from orchestrator.errors import SpecError
-    from orchestrator.user.spec import JobSpec
+    from orchestrator.domain.spec import JobSpec
 
     trace_file(tmp_path, [1, 0])
     (tmp_path / "job.yaml").write_text("name: demo\ncapacity_trace: {path: trace.json, time_scale: 60}\n")

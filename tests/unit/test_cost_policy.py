@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from orchestrator.user.planning import job_options, plan_job, plan_text, render_plan
+from orchestrator.domain.options import job_options
+from orchestrator.user.planning import plan_job, plan_text, render_plan
 from policies.cost import CostPolicy, decide
 from policies.fluid_plan import fluid_plan, plan_inputs
 from policies.restart_cost import RestartCost

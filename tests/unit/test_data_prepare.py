@@ -13,7 +13,8 @@ from typer.testing import CliRunner
 from orchestrator import cluster
 from orchestrator.state.store import Store
 from orchestrator.user.cli import app
-from workers.tokens import check, open_dataset
+from workers.data import open_dataset
+from workers.tokens import check
 
 TEXTS = {
     "a.txt": "The quick brown fox jumps over the lazy dog.\nPack my box with five dozen liquor jugs.\n" * 20,
@@ -240,7 +241,7 @@ def test_submit_refuses_bad_token_files_before_any_cluster_or_job(tokens, tmp_pa
 
 def test_a_good_folder_and_a_missing_url_at_submit(tokens, tmp_path):
     from orchestrator.user.client import check_data
-    from orchestrator.user.spec import JobSpec
+    from orchestrator.domain.spec import JobSpec
     from orchestrator.errors import SpecError
 
     good = JobSpec.from_yaml(job_file(tmp_path, "tokens"))

@@ -10,8 +10,8 @@ import math
 import pytest
 
 from orchestrator.control import autoscaler
-from orchestrator.user.planning import job_options
-from orchestrator.user.spec import JobSpec
+from orchestrator.domain.options import job_options
+from orchestrator.domain.spec import JobSpec
 from orchestrator.state.store import Store
 from policies.cost import CostPolicy
 from policies.moves import MoveKind, next_move

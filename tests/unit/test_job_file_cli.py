@@ -133,6 +133,6 @@ def test_the_examples_entrypoint_passes():
     from pathlib import Path
 
     from orchestrator.user.entrypoint import check_entrypoint
-    from orchestrator.user.spec import JobSpec
+    from orchestrator.domain.spec import JobSpec
 
     check_entrypoint(JobSpec.from_yaml(Path(__file__).resolve().parents[2] / "examples" / "user-train" / "job.yaml"))

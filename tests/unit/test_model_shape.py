@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from orchestrator.user.planning import DEFAULT_FLOPS_PER_TOKEN
-from orchestrator.user.spec import ModelConfig
+from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN
+from orchestrator.domain.spec import ModelConfig
 from policies.model_shape import ModelShape, training_flops_per_token
 from workers.model import init_params
 

@@ -12,8 +12,8 @@ import pytest
 from pydantic import BaseModel
 
 from orchestrator.errors import SpecError
-from orchestrator.user.fit import microbatches_for
-from orchestrator.user.spec import JobSpec, LmWorkload, json_schema
+from orchestrator.domain.fit import microbatches_for
+from orchestrator.domain.spec import JobSpec, LmWorkload, json_schema
 
 REPO = Path(__file__).resolve().parents[2]
 

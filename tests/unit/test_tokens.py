@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from workers import data, tokens
+from workers.data import open_dataset
 from workers.token_writer import TokenWriter
-from workers.tokens import DataError, check, open_dataset
+from workers.tokens import DataError, check
 
 VOCAB = 300
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator import catalog
 from orchestrator.catalog import CATALOG
 from orchestrator.cluster import Home
 from orchestrator.observe.goodput import Goodput, billed_slices, compute_goodput
-from orchestrator.observe.timeline import MARKER_TITLES, disruption_cause, markers, move_line
+from orchestrator.observe.timeline import MARKER_TITLES, deadline_line, disruption_cause, markers, move_line
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
@@ -25,11 +26,15 @@ MAX_POINTS = 2000  # per curve: a long run's steps are thinned to this many (eve
 LOG_TAIL_BYTES = 64 * 1024
 
 
+QueuePosition = Callable[[Store, JobRecord], "int | None"]  # a job's place in the admission queue, or None
+
+
 class DashboardData:
     """The dashboard's reads of one store (thread-safe: the store keeps a connection per thread)."""
 
-    def __init__(self, store: Store, home: Home):
+    def __init__(self, store: Store, home: Home, *, queue_position: QueuePosition = lambda store, job: None):
         self.store, self.home = store, home
+        self.queue_position = queue_position  # the controller's (`orchestrator.control.queue`), which knows the queue
         self._ended: dict[str, tuple[float, Goodput]] = {}
         self._lock = threading.Lock()
 
@@ -37,13 +42,11 @@ class DashboardData:
 
     def overview(self, *, now: float | None = None) -> dict:
         """All jobs (newest first), the slices in use and requested across them, and the queue."""
-        from orchestrator.control.queue import queue_position
-
         now = time.time() if now is None else now
         jobs = self.store.jobs()
         rows = []
         for job in reversed(jobs):
-            rows.append(self.job_row(job, now=now, queue_position=queue_position(self.store, job)))
+            rows.append(self.job_row(job, now=now, queue_position=self.queue_position(self.store, job)))
         queue = sorted((r for r in rows if r["queue_position"]), key=lambda r: (r["pool"], r["queue_position"]))
         slices = [self._slice_row(rec, jobs_by_id={j.id: j for j in jobs}) for rec in self.store.slices(live_only=True)]
         slices.sort(key=lambda s: (s["job_id"], s["name"]))
@@ -70,6 +73,7 @@ class DashboardData:
             hosts = None
         return {
             "id": job.id, "name": job.name, "state": job.state.value, "done": job.state.terminal,
+            "cause": job.cause.value if job.state is JobState.FAILED and job.cause else None,
             "reason": job.reason, "queue_position": queue_position, "pool": spec.get("provider", "local"),
             "accelerator": spec.get("accelerator", "?"), "tier": spec.get("tier", "?"), "hosts": hosts,
             "step": step, "total_steps": total,
@@ -78,6 +82,7 @@ class DashboardData:
             "usd_expected": self._expected_usd(job, g, step, total),
             "wall_s": g.wall_s, "created_at": job.created_at, "state_since": job.updated_at,
             "preemptions": job.preemptions, "failures": job.failures, "moving": move_line(self.store, job),
+            "warning": deadline_line(self.store, job),
         }
 
     def goodput(self, job: JobRecord, *, now: float) -> Goodput:
@@ -127,12 +132,10 @@ class DashboardData:
 
     def job(self, job_id: str, *, now: float | None = None) -> dict:
         """One job's page: its line, curves, events, goodput breakdown, slices and what it may be resized to."""
-        from orchestrator.control.queue import queue_position
-
         now = time.time() if now is None else now
         job = self.store.job(job_id)
         events, steps = self.store.events(job.id), self.store.steps(job.id)
-        row = self.job_row(job, now=now, queue_position=queue_position(self.store, job))
+        row = self.job_row(job, now=now, queue_position=self.queue_position(self.store, job))
         g = self.goodput(job, now=now)
         wall = g.wall_s or 1.0
         row.update({

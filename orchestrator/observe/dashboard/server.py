@@ -50,7 +50,7 @@ from typing import Protocol
 
 from orchestrator.cluster import Home
 from orchestrator.errors import JobNotFoundError, OrchestratorError
-from orchestrator.observe.dashboard.data import DashboardData
+from orchestrator.observe.dashboard.data import DashboardData, QueuePosition
 from orchestrator.observe.metrics import RemoteMetricsRefused, _is_loopback
 from orchestrator.state.store import Store
 
@@ -145,7 +145,8 @@ class DashboardServer:
 
 
 def serve_dashboard(store: Store, home: Home, *, actions: Actions | None = None, token: str | None = None,
-                    host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False) -> DashboardServer:
+                    host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
+                    queue_position: QueuePosition | None = None) -> DashboardServer:
     """Serve the dashboard of `store`'s jobs on a daemon thread; returns the running server.
 
     `token` defaults to the cluster's (`home.token_file`); `actions` (the controller) carries
@@ -155,7 +156,8 @@ def serve_dashboard(store: Store, home: Home, *, actions: Actions | None = None,
     if not allow_remote and not _is_loopback(host):
         raise RemoteMetricsRefused(host)
     auth = Auth(token if token is not None else home.token_file.read_text().strip())
-    data = DashboardData(store, home)
+    data = DashboardData(store, home) if queue_position is None else DashboardData(store, home,
+                                                                                  queue_position=queue_position)
 
     class Handler(_Handler):
         pass

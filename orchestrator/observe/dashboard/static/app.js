@@ -48,7 +48,8 @@ function duration(s) {
 function clock(t) { return new Date(t * 1000).toLocaleTimeString("en-GB", {hour12: false}); }
 
 function stateBadge(row) {
-  const text = row.state + (row.queue_position ? ` #${row.queue_position}` : "");
+  const shown = row.cause ? `${row.state}_${row.cause.toUpperCase()}` : row.state;  // FAILED_BUDGET, as status says
+  const text = shown + (row.queue_position ? ` #${row.queue_position}` : "");
   return el("span", {class: `state s-${row.state.toLowerCase()}`, title: row.reason, text});
 }
 
@@ -125,6 +126,7 @@ function jobRow(j) {
   progress.firstChild.style.width = j.total_steps ? `${Math.min(100, 100 * j.step / j.total_steps)}%` : "0";
   const state = el("td", {}, stateBadge(j));
   if (j.moving) state.append(el("div", {class: "moving small", text: j.moving}));
+  if (j.warning) state.append(el("div", {class: "moving small", text: j.warning}));
   return el("tr", {"data-job": j.id},
     el("td", {}, el("a", {href: `/job/${j.id}`, class: "mono", text: j.id})),
     state,

@@ -1,7 +1,7 @@
 """What a job trains (`workload:` in a job file): the built-in trainer or a user's program, and their settings.
 
 The pydantic models of the job spec's workload section, with the bounds shared by the whole
-spec (`orchestrator.user.spec` builds the job on them). Every model is frozen and rejects
+spec (`orchestrator.domain.spec` builds the job on them). Every model is frozen and rejects
 unknown keys; numbers are bounded by what the code can run.
 """
 
@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
-from orchestrator.user.locations import check_data_path
+from orchestrator.domain.locations import check_data_path
 from policies.memory_fit import REMAT_CHOICES
 from policies.model_shape import ModelShape
 

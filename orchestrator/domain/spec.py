@@ -10,7 +10,7 @@ Numbers are bounded by what the code can run (int32 steps and token indices, a u
 PRNG seed) or, where nothing breaks, by far more than any real job needs, so a typo
 (an extra zero or three) is an error rather than a job that fails hours later.
 
-The workload section's models live in `orchestrator.user.workload`; the names other modules
+The workload section's models live in `orchestrator.domain.workload`; the names other modules
 import from here (`LmWorkload`, `EntrypointWorkload`, `ModelConfig`) are re-exported.
 """
 
@@ -26,9 +26,9 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 from orchestrator import catalog
 from orchestrator.catalog import Tier
 from orchestrator.errors import SpecError, UnknownAcceleratorError
-from orchestrator.user.job_file import read_job_file
-from orchestrator.user.locations import check_bucket, check_checkpoint_directory, check_endpoint, looks_like_url
-from orchestrator.user.workload import (
+from orchestrator.domain.job_file import read_job_file
+from orchestrator.domain.locations import check_bucket, check_checkpoint_directory, check_endpoint, looks_like_url
+from orchestrator.domain.workload import (
     Count, EntrypointWorkload, LmWorkload, MAX_TOKENS_PER_STEP, ModelConfig, NAME_RE, NAME_RULE, Steps,
     Timeout, Workload, _Frozen,
 )
@@ -254,7 +254,7 @@ class JobSpec(_Frozen):
 
     def _lm_problems(self, w: LmWorkload) -> list[tuple[str, str]]:
         """The built-in trainer's settings together, then its mesh and memory on every slice it may run on."""
-        from orchestrator.user.fit import memory_problems
+        from orchestrator.domain.fit import memory_problems
 
         m = w.model
         problems: list[tuple[str, str]] = []

@@ -20,7 +20,7 @@ from policies.memory_fit import GIB, USABLE_FRACTION, Fit, TrainingJob, advice, 
 from policies.sharding import MeshError, MeshPlan, plan_mesh
 
 if TYPE_CHECKING:
-    from orchestrator.user.spec import JobSpec, LmWorkload
+    from orchestrator.domain.spec import JobSpec, LmWorkload
 
 
 @dataclass(frozen=True)
@@ -102,12 +102,10 @@ def refusal(f: SliceFit) -> str:
 
 def microbatches_for(spec: JobSpec, accelerator: str) -> int:
     """How many microbatches a step is split into on `accelerator` (``gradient_accumulation`` resolved)."""
-    from orchestrator.user.spec import LmWorkload
-
     w = spec.workload
     if w.gradient_accumulation != "auto":
         return w.gradient_accumulation
-    if not isinstance(w, LmWorkload):
+    if w.type != "lm":  # a user's program splits its own batch
         return 1
     f = slice_fit(spec, accelerator)
     return f.microbatches or 1

@@ -1,0 +1,22 @@
+"""The code's own checks, as CI runs them: the layers and no import cycles (import-linter's contracts
+in pyproject.toml), the linter (ruff) and the type checker (mypy), each over the whole project."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO
+
+BIN = Path(sys.executable).parent  # the environment's console scripts
+
+
+def _run(tool: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / tool), *args], cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def test_the_layers_hold_and_no_import_cycle_is_left():
+    r = _run("lint-imports", "--no-cache")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert "0 broken" in r.stdout, r.stdout[-2000:]
