@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orchestrator.domain.options import job_options  # noqa: E402
 from orchestrator.observe.goodput import billed_slices  # noqa: E402
 from orchestrator.state.events import EventKind  # noqa: E402
-from orchestrator.domain.options import job_options  # noqa: E402
 from policies.cost import CostPolicy  # noqa: E402
 from policies.restart_cost import RestartCost  # noqa: E402
 from policies.simulator import SimJob, simulate  # noqa: E402
@@ -134,8 +134,9 @@ def startup_times(events, steps) -> list[float]:
 
 
 def _seconds(iso: str | float) -> float:
-    from pydantic import TypeAdapter
     import datetime as dt
+
+    from pydantic import TypeAdapter
 
     return TypeAdapter(dt.timedelta).validate_python(iso).total_seconds()
 

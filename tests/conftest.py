@@ -11,8 +11,8 @@ import dataclasses
 import json
 import os
 import subprocess
-import time
 import sys
+import time
 from pathlib import Path
 
 import pytest

@@ -30,9 +30,9 @@ import ray
 
 from policies.recovery import FailureCause, failure_cause
 from workers import reaper, runtime, storage
+from workers.notices import MetadataWatcher, install_sigterm
 from workers.profiling import CaptureRequest, Profiler
 from workers.protocol import Ending, Lines, Noticed, Ready, Report, StepDone, WorkerResult
-from workers.notices import MetadataWatcher, install_sigterm
 
 log = logging.getLogger(__name__)
 
@@ -261,7 +261,7 @@ class HostWorker:
         return WorkerResult(Ending.SUCCEEDED, self.rank, steps=loop.step, param_sums=param_checksums(params))
 
     def _run_lm(self, workload: dict) -> WorkerResult:
-        from workers.train import Trainer, TrainConfig, context_for  # after runtime.configure
+        from workers.train import TrainConfig, Trainer, context_for  # after runtime.configure
 
         cfg = TrainConfig.from_dict(workload["config"])
         self._steps_total = cfg.steps

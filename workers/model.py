@@ -18,8 +18,8 @@ from jax.sharding import PartitionSpec as P
 
 import kernels
 from kernels import dispatch
-from kernels.blocks import KernelBlocks
 from kernels import moe as moe_routing
+from kernels.blocks import KernelBlocks
 from policies.model_shape import ModelShape  # the shape of the model built here
 from policies.sharding import BATCH_AXES
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from workers import storage
-from workers.tokens import DTYPES, DataError, INDEX, Index, SHARD_TOKENS, TokenFile
+from workers.tokens import DTYPES, INDEX, SHARD_TOKENS, DataError, Index, TokenFile
 
 log = logging.getLogger(__name__)
 

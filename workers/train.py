@@ -22,10 +22,10 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from kernels.blocks import KernelBlocks
 from policies.model_shape import ModelShape
 from policies.sharding import BATCH_AXES, PARAM_RULES
 from workers import api, runtime
-from kernels.blocks import KernelBlocks
 from workers.model import Numerics, init_params, loss_fn, param_roles
 
 log = logging.getLogger(__name__)

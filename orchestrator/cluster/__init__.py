@@ -11,11 +11,21 @@ state directory, readable by its owner only.
 from __future__ import annotations
 
 from orchestrator.cluster.home import Home, check_private, ensure_token, node_mark
-from orchestrator.cluster.nodes import (CONTROLLER_NAME, CONTROLLER_RESOURCE, NAMESPACE, ClusterInfo, answers,
-                                        apply_ray_env, free_port, ray_env, read_cluster, start_head, start_host_node,
-                                        stop_cluster)
-from orchestrator.cluster.processes import (MARK_ENV, group_alive, kill_host, session_is_ours, stop_group,
-                                            stop_groups)
+from orchestrator.cluster.nodes import (
+                                        CONTROLLER_NAME,
+                                        CONTROLLER_RESOURCE,
+                                        NAMESPACE,
+                                        ClusterInfo,
+                                        answers,
+                                        apply_ray_env,
+                                        free_port,
+                                        ray_env,
+                                        read_cluster,
+                                        start_head,
+                                        start_host_node,
+                                        stop_cluster,
+)
+from orchestrator.cluster.processes import MARK_ENV, group_alive, kill_host, session_is_ours, stop_group, stop_groups
 from orchestrator.errors import ClusterError
 
 __all__ = ["CONTROLLER_NAME", "CONTROLLER_RESOURCE", "MARK_ENV", "NAMESPACE", "ClusterError", "ClusterInfo", "Home",

@@ -15,9 +15,9 @@ from orchestrator.providers.base import Slice, SliceProvider
 
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
 
     from orchestrator.control.waiting import Waiting
-    from ray.util.placement_group import PlacementGroup
 
 
 @dataclass

@@ -31,10 +31,10 @@ import statistics
 from dataclasses import dataclass, replace
 
 from orchestrator import catalog
-from orchestrator.errors import UnknownAcceleratorError
-from orchestrator.observe.goodput import goodput
 from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN, job_options
 from orchestrator.domain.spec import JobSpec, LmWorkload
+from orchestrator.errors import UnknownAcceleratorError
+from orchestrator.observe.goodput import goodput
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event, StepMetric, Store
 from policies.capacity_memory import POOL_HORIZON_S, chips_known, estimates, pooled

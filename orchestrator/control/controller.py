@@ -26,13 +26,13 @@ from orchestrator.control import shipping
 from orchestrator.control.adoption import adopt
 from orchestrator.control.driver import JobDriver, parse_stored_spec
 from orchestrator.control.queue import AdmissionQueue
+from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError, JobStateError
 from orchestrator.providers.base import Slice, SliceProvider
 from orchestrator.providers.local import LocalProvider, release_recorded
 from orchestrator.state.events import Adopted, ResizeAsked, SliceChanged
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
-from orchestrator.domain.spec import JobSpec
 from workers.protocol import Report
 
 log = logging.getLogger(__name__)

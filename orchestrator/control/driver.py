@@ -27,13 +27,21 @@ from orchestrator.control.limits import Limits
 from orchestrator.control.moves import AutoscalingMixin
 from orchestrator.control.waiting import Look, Waiting, clock_for, look, release, request
 from orchestrator.control.watch import watch
+from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError, ProvisioningError
 from orchestrator.providers.base import CapacityError, Slice
 from orchestrator.providers.capacity import TraceClock
-from orchestrator.state.events import (CheckpointSaved, Disrupted, EventKind, LostWork, NoticeSeen, Restored,
-                                       Resumed, StateChange)
+from orchestrator.state.events import (
+    CheckpointSaved,
+    Disrupted,
+    EventKind,
+    LostWork,
+    NoticeSeen,
+    Restored,
+    Resumed,
+    StateChange,
+)
 from orchestrator.state.states import FailedBecause, JobState, SliceState
-from orchestrator.domain.spec import JobSpec
 from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
 from workers.protocol import Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
 

@@ -20,10 +20,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from orchestrator import catalog, cluster
 from orchestrator.control import shipping
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
-from orchestrator.state.events import Launched
-from orchestrator.state.store import Store
 from orchestrator.domain.fit import microbatches_for
 from orchestrator.domain.spec import EntrypointWorkload, JobSpec, LmWorkload
+from orchestrator.state.events import Launched
+from orchestrator.state.store import Store
 from policies.recovery import Outcome, OutcomeKind
 from policies.sharding import plan_mesh
 from workers import inbox

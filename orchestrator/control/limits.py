@@ -17,10 +17,10 @@ from collections.abc import Callable
 
 from orchestrator import catalog
 from orchestrator.control.attempt import Attempt
+from orchestrator.domain.spec import JobSpec
 from orchestrator.observe.goodput import format_duration, goodput
 from orchestrator.state.events import DeadlineForecast
 from orchestrator.state.store import Store
-from orchestrator.domain.spec import JobSpec
 from policies.limits import budget_refuses_start, budget_stop, forecast, step_seconds
 from policies.recovery import Outcome, OutcomeKind
 

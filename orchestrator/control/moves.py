@@ -29,10 +29,10 @@ import time
 
 from orchestrator import catalog
 from orchestrator.control.waiting import Look, look, release, request
+from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import CapacityError
 from orchestrator.state.events import Autoscaled, ResizeAsked
-from orchestrator.domain.spec import JobSpec
 from policies.clock import DECISION_INTERVAL_S
 
 log = logging.getLogger(__name__)

@@ -16,13 +16,13 @@ import threading
 import time
 
 from orchestrator import catalog
-from orchestrator.errors import IllegalTransitionError
-from policies.recovery import Outcome, OutcomeKind
 from orchestrator.domain.spec import JobSpec
+from orchestrator.errors import IllegalTransitionError
 from orchestrator.state.events import StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store
 from policies.admission import Waiting, admit, line, retry_after
+from policies.recovery import Outcome, OutcomeKind
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass
 
 from orchestrator import catalog
+from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import CapacityError, Slice, SliceProvider, SliceRequest
 from orchestrator.providers.capacity import SpotCapacity, TraceClock
 from orchestrator.state.states import SliceState
-from orchestrator.domain.spec import JobSpec
 
 log = logging.getLogger(__name__)
 

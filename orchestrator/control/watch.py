@@ -22,12 +22,21 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.cluster.home import Home
 from orchestrator.control.attempt import Attempt
+from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import SliceEventKind
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Store
-from orchestrator.domain.spec import JobSpec
-from policies.recovery import (HUNG, WORKER_DIED, WORKER_UNREACHABLE, Outcome, OutcomeKind, classify_failure,
-                               native_error, native_lines, results_outcome)
+from policies.recovery import (
+    HUNG,
+    WORKER_DIED,
+    WORKER_UNREACHABLE,
+    Outcome,
+    OutcomeKind,
+    classify_failure,
+    native_error,
+    native_lines,
+    results_outcome,
+)
 from workers.crash import stderr_tail
 
 log = logging.getLogger(__name__)

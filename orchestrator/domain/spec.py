@@ -25,13 +25,22 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from orchestrator import catalog
 from orchestrator.catalog import Tier
-from orchestrator.errors import SpecError, UnknownAcceleratorError
 from orchestrator.domain.job_file import read_job_file
 from orchestrator.domain.locations import check_bucket, check_checkpoint_directory, check_endpoint, looks_like_url
 from orchestrator.domain.workload import (
-    Count, EntrypointWorkload, LmWorkload, MAX_TOKENS_PER_STEP, ModelConfig, NAME_RE, NAME_RULE, Steps,
-    Timeout, Workload, _Frozen,
+    MAX_TOKENS_PER_STEP,
+    NAME_RE,
+    NAME_RULE,
+    Count,
+    EntrypointWorkload,
+    LmWorkload,
+    ModelConfig,
+    Steps,
+    Timeout,
+    Workload,
+    _Frozen,
 )
+from orchestrator.errors import SpecError, UnknownAcceleratorError
 from policies.sharding import MeshError, plan_mesh
 
 

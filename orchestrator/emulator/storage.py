@@ -244,7 +244,7 @@ def _empty_uploads_are_objects() -> None:
 
 def _make_server(host: str, port: int, buckets: list[str]) -> ThreadingHTTPServer:
     from gcp_storage_emulator.handlers import buckets as bucket_api
-    from gcp_storage_emulator.server import GET, Router, RequestHandler
+    from gcp_storage_emulator.server import GET, RequestHandler, Router
     from gcp_storage_emulator.storage import Storage
 
     _empty_uploads_are_objects()

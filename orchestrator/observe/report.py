@@ -32,9 +32,19 @@ from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
 from orchestrator.errors import OutputFileError, RequestError
-from orchestrator.observe.goodput import (CATEGORIES, BilledSlice, Goodput, StateInterval, billed_slices, compute_goodput,
-                                  format_duration, state_intervals, summary_line)
-from orchestrator.observe.timeline import MARKER_TITLES, SAVE, Marker, markers as timeline_markers
+from orchestrator.observe.goodput import (
+    CATEGORIES,
+    BilledSlice,
+    Goodput,
+    StateInterval,
+    billed_slices,
+    compute_goodput,
+    format_duration,
+    state_intervals,
+    summary_line,
+)
+from orchestrator.observe.timeline import MARKER_TITLES, SAVE, Marker
+from orchestrator.observe.timeline import markers as timeline_markers
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event, StepMetric, Store
 from workers.protocol import LOOP_METRICS

@@ -22,8 +22,17 @@ import ray
 from orchestrator import cluster
 from orchestrator.catalog import Tier
 from orchestrator.errors import ProvisioningError
-from orchestrator.providers.base import (CapacityError, Host, Slice, SliceEvent, SliceEventKind, SliceRequest,
-                                         host_node_labels, host_node_resources, host_resource)
+from orchestrator.providers.base import (
+    CapacityError,
+    Host,
+    Slice,
+    SliceEvent,
+    SliceEventKind,
+    SliceRequest,
+    host_node_labels,
+    host_node_resources,
+    host_resource,
+)
 from orchestrator.state.states import SliceState, check_slice
 
 log = logging.getLogger(__name__)

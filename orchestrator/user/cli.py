@@ -22,13 +22,13 @@ from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperGroup
 
+from orchestrator.domain.spec import JobSpec, json_schema
+from orchestrator.errors import OrchestratorError, RequestError, SpecError
+from orchestrator.state.states import JobState
 from orchestrator.user.client import Client, JobStatus
+from orchestrator.user.preflight import gcp_problems
 from orchestrator.user.progress import user_metrics, utilisation, watch
 from orchestrator.user.terminal import fit_fields, table, unique_prefixes, wrap
-from orchestrator.errors import OrchestratorError, RequestError, SpecError
-from orchestrator.user.preflight import gcp_problems
-from orchestrator.domain.spec import JobSpec, json_schema
-from orchestrator.state.states import JobState
 
 
 class _Commands(TyperGroup):
@@ -365,10 +365,10 @@ def data_prepare(src: Path = typer.Argument(..., help="A folder of text files (s
                  pattern: str = typer.Option("*.txt", "--pattern", help="Which files of SRC to read."),
                  force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder.")) -> None:
     """Turn a folder of text files into token files that `workload.data.path` can name."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
     from orchestrator.user.data_prepare import prepare
     from workers.tokens import DataError
-
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=err, transient=True) as bars:  # on a terminal only; gone once done
@@ -443,8 +443,8 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
          deadline_hours: Optional[float] = typer.Option(None, help="Overrides the job file's deadline.")) -> None:
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
     from orchestrator.domain.fit import slice_fit
-    from orchestrator.user.planning import moves_lines, plan_job, render_memory, render_plan
     from orchestrator.domain.spec import AutoscalingConfig, LmWorkload
+    from orchestrator.user.planning import moves_lines, plan_job, render_memory, render_plan
     from policies.traces import TraceError
 
     spec = JobSpec.from_yaml(job_file)

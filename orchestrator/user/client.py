@@ -24,17 +24,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from orchestrator import catalog, cluster
-from orchestrator.cluster.processes import stop_marked
 from orchestrator.catalog import Tier
 from orchestrator.cluster.driver_output import keep_ray_quiet
+from orchestrator.cluster.processes import stop_marked
 from orchestrator.control.shipping import pack_folder
-from orchestrator.errors import ClusterError, JobNotFoundError, JobStateError, OrchestratorError, SpecError
-from orchestrator.user.entrypoint import check_entrypoint
-from orchestrator.user.preflight import gcp_problems
 from orchestrator.domain.spec import JobSpec
+from orchestrator.errors import ClusterError, JobNotFoundError, JobStateError, OrchestratorError, SpecError
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store
+from orchestrator.user.entrypoint import check_entrypoint
 from orchestrator.user.job import CLUSTER_GONE, Job, JobStatus, _status
+from orchestrator.user.preflight import gcp_problems
 from workers import storage
 
 log = logging.getLogger(__name__)

@@ -15,12 +15,12 @@ from typing import Callable, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn
 
-from orchestrator.user.client import Job, JobStatus
-from orchestrator.user.terminal import wrap
-from workers.protocol import LOOP_METRICS
 from orchestrator.observe.goodput import goodput
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event
+from orchestrator.user.client import Job, JobStatus
+from orchestrator.user.terminal import wrap
+from workers.protocol import LOOP_METRICS
 
 # Events worth a line of their own while watching (the rest are in `status --events`).
 SHOWN = {EventKind.DISRUPTION, EventKind.RESTORE, EventKind.RESIZE, EventKind.RESUMED, EventKind.LOST_WORK,

@@ -13,8 +13,8 @@ same window is a measurement, not a property: `benchmarks/autoscale_replay.py` r
 
 from __future__ import annotations
 
-from orchestrator import JobSpec, JobState
 from benchmarks.autoscale_replay import job_spec, measure, outage_trace, write_trace
+from orchestrator import JobSpec, JobState
 from tests.conftest import assert_losses_close, run_reference, train_config
 
 SCALE = 40.0  # trace seconds a wall second: a 60 s tick lasts 1.5 s

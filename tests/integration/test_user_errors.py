@@ -16,8 +16,8 @@ import pytest
 import ray
 
 from orchestrator import JobSpec, JobState
-from orchestrator.errors import JobStateError, SpecError, UnknownAcceleratorError
 from orchestrator.domain.spec import LmWorkload
+from orchestrator.errors import JobStateError, SpecError, UnknownAcceleratorError
 from tests.conftest import REPO
 
 BAD_NAME = ("name", "'Bad/Name' is not a valid job name: use 1 to 40 lowercase letters, digits and dashes, "

@@ -14,10 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import yaml
-
-from orchestrator import JobSpec, JobState
 from prometheus_client import CollectorRegistry, generate_latest
 
+from orchestrator import JobSpec, JobState
 from orchestrator.observe.metrics import JobCollector
 from orchestrator.observe.report import write_report
 from orchestrator.user.data_prepare import prepare

@@ -16,8 +16,18 @@ import numpy as np
 import pytest
 from kernel_checks import assert_close, normal
 
-from kernels import BlockSizes, GroupedMatmulBlockSizes, RopeBlockSizes, ScanBlockSizes, generations
-from kernels import apply_rope, attention, linear_scan, moe_ffn, reference_attention
+from kernels import (
+    BlockSizes,
+    GroupedMatmulBlockSizes,
+    RopeBlockSizes,
+    ScanBlockSizes,
+    apply_rope,
+    attention,
+    generations,
+    linear_scan,
+    moe_ffn,
+    reference_attention,
+)
 from kernels.linear_scan import reference_linear_scan
 from kernels.moe import reference_moe_ffn
 from kernels.rope import reference_rope

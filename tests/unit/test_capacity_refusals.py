@@ -114,8 +114,8 @@ def test_queue_timeout_counts_across_refusals(tmp_path):
     import threading
 
     from orchestrator.control.queue import AdmissionQueue
-    from orchestrator.state.states import JobState
     from orchestrator.domain.spec import JobSpec
+    from orchestrator.state.states import JobState
     from policies.recovery import OutcomeKind
 
     p, store = provider_with_store(tmp_path)
@@ -133,8 +133,8 @@ def test_queue_timeout_counts_across_refusals(tmp_path):
 
 def test_a_job_file_names_its_capacity_trace(tmp_path):
     """`capacity_trace.path` is taken from the job file's folder; a bad one is an error naming the field."""
-    from orchestrator.errors import SpecError
     from orchestrator.domain.spec import JobSpec
+    from orchestrator.errors import SpecError
 
     trace_file(tmp_path, [1, 0])
     (tmp_path / "job.yaml").write_text("name: demo\ncapacity_trace: {path: trace.json, time_scale: 60}\n")

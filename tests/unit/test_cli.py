@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.user.cli import app
-from orchestrator.state.store import Store
 from orchestrator.state.states import JobState
+from orchestrator.state.store import Store
+from orchestrator.user.cli import app
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "examples"

@@ -240,9 +240,9 @@ def test_submit_refuses_bad_token_files_before_any_cluster_or_job(tokens, tmp_pa
 
 
 def test_a_good_folder_and_a_missing_url_at_submit(tokens, tmp_path):
-    from orchestrator.user.client import check_data
     from orchestrator.domain.spec import JobSpec
     from orchestrator.errors import SpecError
+    from orchestrator.user.client import check_data
 
     good = JobSpec.from_yaml(job_file(tmp_path, "tokens"))
     assert good.workload.data.path == str(tokens)  # relative to the job file's folder

@@ -9,11 +9,20 @@ import pickle
 import pytest
 
 from orchestrator import errors
-from orchestrator.errors import (ClusterError, IllegalTransitionError, JobNotFoundError, JobStateError,
-                                 OrchestratorError, OutputFileError, ProvisioningError, RequestError, SpecError,
-                                 UnknownAcceleratorError)
-from orchestrator.providers.gcp import CloudApiError, NoCapacityError
+from orchestrator.errors import (
+    ClusterError,
+    IllegalTransitionError,
+    JobNotFoundError,
+    JobStateError,
+    OrchestratorError,
+    OutputFileError,
+    ProvisioningError,
+    RequestError,
+    SpecError,
+    UnknownAcceleratorError,
+)
 from orchestrator.observe.report import NoStepsError, write_atomically
+from orchestrator.providers.gcp import CloudApiError, NoCapacityError
 
 EXAMPLES = [
     OrchestratorError("something went wrong"),

@@ -132,7 +132,7 @@ def test_an_entrypoint_found_or_not_knowable_here_passes(tmp_path, files, entryp
 def test_the_examples_entrypoint_passes():
     from pathlib import Path
 
-    from orchestrator.user.entrypoint import check_entrypoint
     from orchestrator.domain.spec import JobSpec
+    from orchestrator.user.entrypoint import check_entrypoint
 
     check_entrypoint(JobSpec.from_yaml(Path(__file__).resolve().parents[2] / "examples" / "user-train" / "job.yaml"))

@@ -12,13 +12,22 @@ from dataclasses import replace
 
 import jax
 import optax
-from jax.ad_checkpoint import print_saved_residuals
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from policies.memory_fit import (CHECKPOINT_POLICIES, GIB, TrainingJob, advice, estimate, fit, microbatch_counts,
-                                 params_by_role, params_per_chip)
+from policies.memory_fit import (
+    CHECKPOINT_POLICIES,
+    GIB,
+    TrainingJob,
+    advice,
+    estimate,
+    fit,
+    microbatch_counts,
+    params_by_role,
+    params_per_chip,
+)
 from policies.model_shape import ModelShape
 from policies.sharding import AXES, PARAM_RULES, MeshPlan
 from workers.model import init_params, loss_fn, param_roles

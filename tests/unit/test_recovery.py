@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-import pytest
-
 import errno
 
-from policies.recovery import (RULES, Budgets, FailureCause, Next, Outcome, OutcomeKind, after, backoff_s,
-                               classify_failure, failure_cause, native_error, results_outcome)
+import pytest
+
+from policies.recovery import (
+    RULES,
+    Budgets,
+    FailureCause,
+    Next,
+    Outcome,
+    OutcomeKind,
+    after,
+    backoff_s,
+    classify_failure,
+    failure_cause,
+    native_error,
+    results_outcome,
+)
 from workers.protocol import Ending, WorkerResult
 
 K = OutcomeKind

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from orchestrator.errors import SpecError
 from orchestrator.domain.fit import microbatches_for
 from orchestrator.domain.spec import JobSpec, LmWorkload, json_schema
+from orchestrator.errors import SpecError
 
 REPO = Path(__file__).resolve().parents[2]
 
