@@ -4,7 +4,8 @@ One 2-host job is disrupted in every way the local cluster can show: a worker pr
 killed (a worker crash), a preemption notice (SIGTERM to a worker), a host removed (host
 lost), a worker frozen (SIGSTOP) past the heartbeat timeout (it answers nothing on a host
 still up: another worker crash), the controller killed (Ray restarts it and the new one
-adopts the running workers), and a resize to a smaller slice (a move). Two other jobs share the cluster: one runs, one waits in the queue for hosts.
+adopts the running workers), and a resize to a smaller slice (a move). Two other jobs
+share the cluster: one runs, one waits in the queue for hosts.
 While they run, headless Chromium takes the dashboard's jobs page and the job's page;
 at the end the job's report is drawn.
 
@@ -38,7 +39,8 @@ def spec(name: str, accelerator: str, ckpt: Path, steps: int, interval: int, bat
         "workload": {"type": "lm", "steps": steps, "global_batch_size": batch, "seq_len": 32, "model": MODEL,
                      "learning_rate": {"warmup_steps": 10}},
         "checkpoint": {"interval_steps": interval, "directory": str(ckpt / name)},
-        "recovery": {"start_timeout_s": 180, "heartbeat_timeout_s": 45, "max_preemptions": 20, "max_failures": 10}, **extra})
+        "recovery": {"start_timeout_s": 180, "heartbeat_timeout_s": 45, "max_preemptions": 20,
+                     "max_failures": 10}, **extra})
 
 
 def main() -> int:
@@ -117,7 +119,8 @@ def shots(client, job_id: str, out: Path) -> None:
         return
     url = ray.get(client.controller().dashboard_url.remote(), timeout=60)
     token = client.home.token_file.read_text().strip()
-    for name, path, size in (("dashboard-jobs.png", "", "1400,760"), ("dashboard-job.png", f"job/{job_id}", "1400,1500")):
+    for name, path, size in (("dashboard-jobs.png", "", "1400,760"),
+                             ("dashboard-job.png", f"job/{job_id}", "1400,1500")):
         with tempfile.TemporaryDirectory() as profile:  # the login link sets the session cookie, then the page loads
             subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                             "--disable-background-networking", "--disable-component-update", "--disable-sync",

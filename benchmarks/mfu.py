@@ -77,7 +77,8 @@ def run(preset: str, precision: str, remat: str, steps: int, skip: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", choices=sorted(PRESETS), default=None, help="default: 100m on an accelerator, tiny on CPU")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="default: 100m on an accelerator, tiny on CPU")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the figures")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mfu.json"))

@@ -43,7 +43,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--args", default="{}", help="the job's workload.args as JSON")
-    p.add_argument("--checkpoint-dir", default=None, help="save as a user's script would: orbax, async, every --interval")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="save as a user's script would: orbax, async, every --interval")
     p.add_argument("--interval", type=int, default=20)
     p.add_argument("--out", required=True)
     a = p.parse_args()

@@ -104,7 +104,8 @@ class _Config:
     def transposed(self) -> _Config:
         """The config for the ``dy @ w^T`` product, whose k and n swap roles."""
         b = self.blocks
-        return _Config(self.implementation, GroupedMatmulBlockSizes(b.block_rows, b.block_n, b.block_k), self.ragged_dot)
+        return _Config(self.implementation, GroupedMatmulBlockSizes(b.block_rows, b.block_n, b.block_k),
+                       self.ragged_dot)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "padded"))

@@ -13,8 +13,9 @@ Vocabulary (as in Google's Cloud TPU docs):
 Sources: Google Cloud TPU documentation (system architecture pages for v4, v5e, v5p
 and v6e: HBM per chip and peak bf16 FLOP/s per chip) and the Cloud TPU pricing page, list
 prices as seen in 2026 for us-central regions. HBM is kept in bytes in the unit each page
-gives: v4's 32 GiB, and v5e's 16 GB, v5p's 95 GB and v6e's 32 GB (decimal gigabytes). Spot prices vary by region; where a range was listed we keep both ends and
-plan with the high end, so cost estimates err on the expensive side.
+gives: v4's 32 GiB, and v5e's 16 GB, v5p's 95 GB and v6e's 32 GB (decimal gigabytes).
+Spot prices vary by region; where a range was listed we keep both ends and plan with the
+high end, so cost estimates err on the expensive side.
 """
 
 from __future__ import annotations

@@ -143,7 +143,8 @@ def fluid_plan(view: PlanInputs, horizon_s: float, tokens: float, sigmas: float 
         spot_cost = spot_tokens * spot.usd_per_token + start_usd(spot.option) if spot else 0.0
         rest = tokens - spot_tokens
         if rest <= 0:
-            plan = Plan(spot.option, None, tokens, 0.0, spot_cost, horizon_s * tokens / (spot.tokens_per_up_s * up_s), True)
+            plan = Plan(spot.option, None, tokens, 0.0, spot_cost,
+                        horizon_s * tokens / (spot.tokens_per_up_s * up_s), True)
         else:
             window_s = (horizon_s - up_s - restart.overhead_s) * (1 - restart.save_s / restart.checkpoint_interval_s)
             fill = _on_demand_fill(view, rest, window_s, start_usd)

@@ -29,7 +29,8 @@ class Optimum:
     feasible: bool
 
 
-def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0, restart: RestartCost = RestartCost()) -> Optimum:
+def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
+                      restart: RestartCost = RestartCost()) -> Optimum:
     """Lower bound on the cost of finishing `job` by its deadline on this trace window.
 
     The exact problem (state: step, slice, progress) is too large for a progress grid

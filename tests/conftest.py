@@ -51,7 +51,8 @@ def run_reference(cfg, devices: int, tmp_path: Path, *, env: dict | None = None)
 
 
 def run_workload_reference(spec, devices: int, tmp_path: Path) -> dict:
-    """Per-step losses and final parameter sums of `spec`'s workload (built-in or a user program) in one plain process."""
+    """Per-step losses and final parameter sums of `spec`'s workload (built-in or a user
+    program) in one plain process."""
     from orchestrator.control.launch import workload_for
 
     t = spec.tpu_type

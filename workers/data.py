@@ -92,5 +92,6 @@ class ByteCorpus:
 
 
 def open_dataset(path: str | None) -> tokens.Dataset:
-    """The dataset a job names: the token files at `path` (local or a URL), or with None the standard library's bytes."""
+    """The dataset a job names: the token files at `path` (local or a URL), or with None
+    the standard library's bytes."""
     return ByteCorpus() if path is None else tokens.open_tokens(path)

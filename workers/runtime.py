@@ -170,7 +170,8 @@ def compile_cached(lowered: "jax.stages.Lowered", *, share_timeout_s: float = 90
     return _compile_shared(lowered, share_timeout_s)[0]
 
 
-def _compile_shared(lowered: "jax.stages.Lowered", share_timeout_s: float) -> "tuple[jax.stages.Compiled, bytes | None]":
+def _compile_shared(lowered: "jax.stages.Lowered",
+                    share_timeout_s: float) -> "tuple[jax.stages.Compiled, bytes | None]":
     """`compile_cached`, also returning the executable's bytes on process 0 when they are
     known good: read from the cache directory, or serialized from a fresh compile."""
     from jax._src import distributed

@@ -20,10 +20,11 @@ rows, and a run resumed or resized onto another slice sees exactly the batches a
 uninterrupted one would. A flat array is what nanoGPT's and Levanter's token caches
 are; it memory-maps locally (nothing is read that no row needs), and a remote file is
 read by byte ranges through fsspec (`gs://` through gcsfs, `file://`, `memory://`;
-`workers.storage.configure` points gs:// at an emulator), with no heavier dependency. The index records each file's size in tokens
-and its largest token, so `check` tells a truncated file, one of another dtype, or
-tokens beyond the model's vocabulary without reading the tokens; the SHA-256 is there
-for `check(..., checksums=True)` and for the fingerprint recorded in checkpoints.
+`workers.storage.configure` points gs:// at an emulator), with no heavier dependency.
+The index records each file's size in tokens and its largest token, so `check` tells a
+truncated file, one of another dtype, or tokens beyond the model's vocabulary without
+reading the tokens; the SHA-256 is there for `check(..., checksums=True)` and for the
+fingerprint recorded in checkpoints.
 
 Example::
 

@@ -81,7 +81,8 @@ def loss_fn(params: dict, batch: jax.Array, cfg: Config) -> jax.Array:
 
 
 def make_optimizer(cfg: Config, steps: int) -> optax.GradientTransformation:
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps, max(steps, 1 + cfg.warmup_steps))
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, cfg.warmup_steps,
+                                                  max(steps, 1 + cfg.warmup_steps))
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.01))
 
 

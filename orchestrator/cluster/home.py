@@ -105,7 +105,8 @@ def check_private(home: Home) -> None:
     if tok.st_uid != os.getuid() or tok.st_mode & 0o077:
         raise ClusterError(f"{home.token_file} can be read by others (mode {tok.st_mode & 0o777:o}): whoever read "
                            "it can control the cluster. Remove it (stop the cluster first: a new token is made "
-                           f"at the next start), or if you trust everyone who could read it: chmod 600 {home.token_file}")
+                           "at the next start), or if you trust everyone who could read it: "
+                           f"chmod 600 {home.token_file}")
 
 
 def node_mark(home: Home) -> str:

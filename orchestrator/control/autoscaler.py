@@ -110,7 +110,8 @@ def _restart(events: list[Event], spec: JobSpec, step_s: float | None, clock: Cl
     prov = [e.payload.provision_s for e in changes if e.to_state == "STARTING" and e.payload.provision_s is not None]
     init = [e.payload.init_s for e in changes if e.to_state == "RUNNING" and e.payload.init_s is not None]
     rest = [r.restore_s + r.compile_s for r in (e.payload for e in events if e.kind is EventKind.RESTORE)]
-    saves = [e.payload.blocking_s for e in events if e.kind is EventKind.CHECKPOINT and e.payload.blocking_s is not None]
+    saves = [e.payload.blocking_s for e in events
+             if e.kind is EventKind.CHECKPOINT and e.payload.blocking_s is not None]
     restart = RestartCost()
     if prov and rest:
         startup = statistics.median(rest) + (statistics.median(init) if init else 0.0)
@@ -162,7 +163,8 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
     progress = Progress(deadline_s, float(total), float(done_steps * tokens_per_step),
                         float(min(committed, done_steps) * tokens_per_step),
                         clock.policy_s(goodput(store, job_id, now=now).usd_total), spec.budget_usd)
-    snap = build_snapshot(now_s=now_s, progress=progress, options=options, restart=_restart(events, spec, step_s, clock),
+    snap = build_snapshot(now_s=now_s, progress=progress, options=options,
+                          restart=_restart(events, spec, step_s, clock),
                           records=own, pooled_records=pooled(others, zone=zone, now_s=now_s),
                           current=_option(options, current), ready=_option(options, ready),
                           largest_spot_chips=spot_chips_available)

@@ -105,7 +105,8 @@ class JobDriver(AutoscalingMixin):
         except Exception as e:  # a bug of ours: end the job visibly rather than leave it hanging
             log.exception("job %s: controller error", self.job_id)
             teardown(att)
-            self.transition(JobState.FAILED, f"controller error: {type(e).__name__}: {e}", cause=FailedBecause.CONTROLLER)
+            self.transition(JobState.FAILED, f"controller error: {type(e).__name__}: {e}",
+                            cause=FailedBecause.CONTROLLER)
         finally:
             self._release_requests("the job is over")
             on_exit(self.job_id)
@@ -222,7 +223,8 @@ class JobDriver(AutoscalingMixin):
             self.store.update_spec(self.job_id, dict(job.spec, accelerator=att.resize_to,
                                                      tier=att.resize_tier or job.spec["tier"]))
             self.transition(JobState.RESIZING, d.reason, data=StateChange(to=att.resize_to))
-            att.resize_to, att.disrupted_step, att.disrupted_at, att.resumed = None, att.last_step + 1, time.time(), False
+            att.resize_to, att.disrupted_step = None, att.last_step + 1
+            att.disrupted_at, att.resumed = time.time(), False
         else:
             self.transition(JobState.RECOVERING, d.reason, data=StateChange(outcome=k.value))
             att.cancel.wait(d.backoff_s)

@@ -64,7 +64,8 @@ def check_gs_url(url: str, *, folder_required: bool) -> str:
     folder = folder.removesuffix("/")
     if not folder:
         if folder_required:
-            raise ValueError(f"must name a folder inside the bucket, e.g. gs://{bucket}/checkpoints/my-job, got {url!r}")
+            raise ValueError(f"must name a folder inside the bucket, e.g. gs://{bucket}/checkpoints/my-job, "
+                             f"got {url!r}")
         return f"gs://{bucket}"
     bad = sorted(set(folder) & _UNSAFE_IN_URL)
     if bad:
@@ -76,7 +77,8 @@ def check_gs_url(url: str, *, folder_required: bool) -> str:
 
 
 def check_checkpoint_directory(value: str) -> str:
-    """A local absolute path, or ``gs://BUCKET/FOLDER`` (what orbax writes through tensorstore and this tool configures)."""
+    """A local absolute path, or ``gs://BUCKET/FOLDER`` (what orbax writes through
+    tensorstore and this tool configures)."""
     _no_control(value)
     if value.startswith("gs://"):
         return check_gs_url(value, folder_required=True)

@@ -246,8 +246,8 @@ class JobSpec(_Frozen):
         problems = []
         directory, bucket = self.checkpoint.directory, self.gcp.bucket
         if directory is None and bucket is None:
-            problems.append(("checkpoint.directory", "provider gcp keeps checkpoints in Cloud Storage (TPU VMs share no "
-                                                     "disk with this machine): set checkpoint.directory to "
+            problems.append(("checkpoint.directory", "provider gcp keeps checkpoints in Cloud Storage (TPU VMs share "
+                                                     "no disk with this machine): set checkpoint.directory to "
                                                      "gs://BUCKET/FOLDER, or gcp.bucket to a bucket for the default "
                                                      f"gs://BUCKET/checkpoints/{self.name}"))
         elif directory is not None and not directory.startswith("gs://"):
@@ -296,7 +296,8 @@ class JobSpec(_Frozen):
                 global_batch_size=w.global_batch_size,
             )
         except MeshError as e:
-            problems.append((f"workload.{e.field}", f"{e} (accelerator {self.accelerator} has {self.tpu_type.chips} devices)"))
+            problems.append((f"workload.{e.field}",
+                             f"{e} (accelerator {self.accelerator} has {self.tpu_type.chips} devices)"))
         return problems + memory_problems(self)
 
     def _entrypoint_problems(self, w: EntrypointWorkload) -> list[tuple[str, str]]:

@@ -174,7 +174,9 @@ class AttentionBlocks(_Frozen):
 
 
 class KernelBlocks(_Frozen):
-    """Block sizes per op, as `kernels.blocks.KernelBlocks.from_mapping` takes them (``model_dump(exclude_none=True)``)."""
+    # Two literals, one string: the docstring is what `orchestrator schema` prints, and there it stays one line.
+    ("Block sizes per op, as `kernels.blocks.KernelBlocks.from_mapping` takes them "
+     "(``model_dump(exclude_none=True)``).")
 
     attention: AttentionBlocks | None = None
 

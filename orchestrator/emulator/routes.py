@@ -118,7 +118,8 @@ class Handler(BaseHTTPRequestHandler):
                 status, payload = 200, self._control(verb, url.path.removeprefix("/_emulator/"), body)
             else:
                 if self.headers.get("Origin") is not None:  # only browsers send it; the TPU client never does
-                    raise ApiError(403, "PERMISSION_DENIED", "cross-origin requests to the emulated TPU API are refused")
+                    raise ApiError(403, "PERMISSION_DENIED",
+                                   "cross-origin requests to the emulated TPU API are refused")
                 match = _API_RE.match(url.path)
                 key = (verb, match["coll"], match["id"] is not None) if match else None
                 if match is None or key not in _METHODS:

@@ -352,7 +352,8 @@ def _make_server(host: str, port: int, buckets: list[str]) -> ThreadingHTTPServe
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m orchestrator.emulator.storage",
-                                description="Serve a local Google Cloud Storage emulator (in memory) until interrupted.")
+                                description="Serve a local Google Cloud Storage emulator (in memory) "
+                                            "until interrupted.")
     p.add_argument("--host", default="127.0.0.1", help="a loopback address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8471, help="default 8471")
     p.add_argument("--bucket", action="append", default=[], help="a bucket to create at start (repeatable)")

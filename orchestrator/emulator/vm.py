@@ -102,7 +102,8 @@ esac
 
     def _boot(self, hidden: list[Path]) -> subprocess.Popen:
         q = shlex.quote
-        kept = sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), self.dir}, key=lambda p: len(p.parts))
+        kept = sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), self.dir},
+                      key=lambda p: len(p.parts))
         boot = "\n".join([
             "set -euo pipefail",
             "mount -t tmpfs tmpfs /mnt",  # the image's parts are held here while the rest is hidden
@@ -120,7 +121,8 @@ esac
             "while :; do sleep 3600 & wait $! || true; done",  # the VM's first process: it reaps orphans
         ])
         env = {
-            "PATH": f"{self.dir / 'bin'}:{Path(sys.prefix) / 'bin'}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "PATH": f"{self.dir / 'bin'}:{Path(sys.prefix) / 'bin'}:"
+                    "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": str(Path.home()), "LANG": "C.UTF-8",
             "GCE_METADATA_HOST": self.metadata.url.removeprefix("http://").split("/")[0],
             "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",

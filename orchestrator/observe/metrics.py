@@ -119,7 +119,8 @@ class _Families:
         self.state = GaugeMetricFamily(f"{p}_state", "1 for the job's current state, 0 for the others.",
                                        labels=["job_id", "state"])
         self.failed_because = GaugeMetricFamily(f"{p}_failed_because", "1 for a FAILED job's cause (setup, "
-                                                "user_code, budget, ...; see FailedBecause).", labels=["job_id", "cause"])
+                                                "user_code, budget, ...; see FailedBecause).",
+                                                labels=["job_id", "cause"])
         self.completed_steps = GaugeMetricFamily(f"{p}_completed_steps", "Training steps completed.", labels=["job_id"])
         self.tokens_per_second = GaugeMetricFamily(f"{p}_tokens_per_second", "Throughput of the last step.",
                                                    labels=["job_id"])
@@ -128,11 +129,12 @@ class _Families:
                                      labels=["job_id"])
         self.tflops = GaugeMetricFamily(f"{p}_tflops_per_chip", "Model TFLOP/s per chip of the last step.",
                                         labels=["job_id"])
-        self.hbm = GaugeMetricFamily(f"{p}_hbm_bytes", "Accelerator memory of host 0's first device (in_use, peak, limit).",
-                                     labels=["job_id", "kind"])
+        self.hbm = GaugeMetricFamily(f"{p}_hbm_bytes", "Accelerator memory of host 0's first device "
+                                     "(in_use, peak, limit).", labels=["job_id", "kind"])
         self.user = GaugeMetricFamily(f"{p}_metric", "The program's own metrics of the last step.",
                                       labels=["job_id", "name"])
-        self.goodput = GaugeMetricFamily(f"{p}_goodput_ratio", "Productive step time over wall time.", labels=["job_id"])
+        self.goodput = GaugeMetricFamily(f"{p}_goodput_ratio", "Productive step time over wall time.",
+                                         labels=["job_id"])
         self.time = GaugeMetricFamily(f"{p}_time_seconds", "Wall time by goodput category.",
                                       labels=["job_id", "category"])
         self.cost = CounterMetricFamily(f"{p}_cost_dollars", "Slice time billed (list prices), in US dollars.",

@@ -141,7 +141,8 @@ def summarize(trace: dict) -> TraceSummary:
     steps = max(len(ref), 1)
     n_devices = max(len(devices), 1)
     top = sorted(self_time.items(), key=lambda kv: -kv[1])[:TOP_OPS]
-    top_ops = tuple(OpStat(name, kind, program, t / 1e6, t / 1e6 / n_devices / steps, t / total, count[(program, name, kind)])
+    top_ops = tuple(OpStat(name, kind, program, t / 1e6, t / 1e6 / n_devices / steps, t / total,
+                           count[(program, name, kind)])
                     for (program, name, kind), t in top)
     programs = {p: max((len(v) for v in execs.values()), default=0) for p, execs in executions.items()}
     return TraceSummary(train, len(devices), len(ref), step_us / 1e6 if step_us is not None else None,
@@ -259,7 +260,8 @@ def _self_segments(ops: list[_Op]) -> list[tuple[_Op, float, float]]:
     return out
 
 
-def _shares(segments: list[tuple[_Op, float, float]], device: Any, start: float, end: float) -> tuple[float, float, float]:
+def _shares(segments: list[tuple[_Op, float, float]], device: Any, start: float,
+            end: float) -> tuple[float, float, float]:
     """(compute, collectives, idle) shares of [start, end] on `device`."""
     compute, collective = [], []
     for op, a, b in segments:

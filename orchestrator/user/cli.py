@@ -439,7 +439,8 @@ def gc(project: str = typer.Option(..., help="Google Cloud project."),
 
 @app.command()
 def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
-         trace: Optional[Path] = typer.Option(None, "--trace", help="A spot capacity trace (JSON, as in policies/traces)."),
+         trace: Optional[Path] = typer.Option(None, "--trace",
+                                              help="A spot capacity trace (JSON, as in policies/traces)."),
          deadline_hours: Optional[float] = typer.Option(None, help="Overrides the job file's deadline.")) -> None:
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
     from orchestrator.domain.fit import slice_fit

@@ -325,7 +325,8 @@ class Client:
         job = self.store.find_job(job_id)
         if job.state.terminal:
             raise JobStateError(job.id, job.state.value, "cancelled",
-                                tuple(s.value for s in JobState if not s.terminal), why="it has ended: nothing to cancel")
+                                tuple(s.value for s in JobState if not s.terminal),
+                                why="it has ended: nothing to cancel")
         job_id = job.id
         self.store.update_job(job_id, cancel_requested=1)  # seen by the controller even if Ray is unreachable
         if cluster.read_cluster(self.home) is not None or self.address is not None:

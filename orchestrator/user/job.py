@@ -40,7 +40,8 @@ class JobStatus:
     metrics: dict = dataclasses.field(default_factory=dict)
     cluster: str | None = None  # for a job not yet ended: "up", "gone" (nothing runs it), "remote" (unknown here)
     wall_s: float | None = None  # from submission to its end, or to now while it has not ended
-    moving: str | None = None  # what a move to another slice is doing now ("moving to v4-32 spot: waiting for capacity")
+    # What a move to another slice is doing now ("moving to v4-32 spot: waiting for capacity").
+    moving: str | None = None
     cause: FailedBecause | None = None  # why a FAILED job failed
     warning: str | None = None  # what the job will miss at its measured speed ("will miss its deadline by 4 min")
 

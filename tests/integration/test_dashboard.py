@@ -66,7 +66,8 @@ def test_dashboard_in_a_browser_while_a_job_runs(client, tmp_path, evil_site):
     token = client.home.token_file.read_text().strip()
     # What `orchestrator dashboard` prints: the one link that logs in. The address is also beside the metrics'.
     printed = subprocess.run([sys.executable, "-m", "orchestrator.user.cli", "dashboard"], cwd=REPO, timeout=120,
-                             capture_output=True, text=True, env={**os.environ, "ORCHESTRATOR_HOME": str(client.home.root)})
+                             capture_output=True, text=True,
+                             env={**os.environ, "ORCHESTRATOR_HOME": str(client.home.root)})
     assert printed.returncode == 0, printed.stderr
     assert printed.stdout.strip() == f"{url}?token={token}"
     assert json.loads((client.home.root / "metrics.json").read_text())["dashboard"] == url

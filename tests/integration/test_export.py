@@ -168,7 +168,8 @@ def test_export_command_of_a_succeeded_job(checkpoint, home, tmp_path):
     assert config["job"] == {"id": "tiny-abc123", "name": "tiny", "state": "SUCCEEDED"}
     assert config["model"] == {"d_model": 8, "n_layers": 2} and config["workload"] == "lm"
     r = run("export", "tiny", "-o", tmp_path / "out")
-    assert r.exit_code == 2 and r.stderr.strip() == f"error: {tmp_path / 'out'}: exists and is not empty (--force replaces it)"
+    assert r.exit_code == 2 and r.stderr.strip() == (
+        f"error: {tmp_path / 'out'}: exists and is not empty (--force replaces it)")
     assert run("export", "tiny", "-o", tmp_path / "out", "--force", "--step", 3).exit_code == 0
     assert_same_tree(export.load(tmp_path / "out")[0], make_state(3)["params"])
 

@@ -122,8 +122,8 @@ def test_spot_capacity_is_learned_from_the_jobs_own_slices(tmp_path):
     store.create_job("j", "j", {}, at=T0)
 
     def slice_event(at, name, chips, state, tier="spot"):
-        store.import_event("j", "slice", f"{name} {state}", {"name": name, "chips": chips, "tier": tier, "state": state},
-                        at=at)
+        store.import_event("j", "slice", f"{name} {state}",
+                           {"name": name, "chips": chips, "tier": tier, "state": state}, at=at)
 
     hour = 3600.0
     slice_event(T0, "a", 16, "REQUESTED")
@@ -148,8 +148,9 @@ def test_spot_capacity_the_zone_refused_lately_is_not_counted_on(tmp_path):
 
     def refused(at, name, chips):  # a spot slice that waited in the queue for 5 min, then was let go
         for dt, state in ((0, "REQUESTED"), (1, "WAITING"), (300, "RELEASED")):
-            store.import_event(job_id, "slice", f"{name} {state}", {"name": name, "accelerator": "v4-32", "chips": chips,
-                                                                 "tier": "spot", "state": state}, at=at + dt)
+            store.import_event(job_id, "slice", f"{name} {state}",
+                               {"name": name, "accelerator": "v4-32", "chips": chips, "tier": "spot", "state": state},
+                               at=at + dt)
 
     refused(T0 + 1000, "big", 16)
     gone = T0 + 1300  # when the refused slice was let go

@@ -20,3 +20,8 @@ def test_the_layers_hold_and_no_import_cycle_is_left():
     r = _run("lint-imports", "--no-cache")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert "0 broken" in r.stdout, r.stdout[-2000:]
+
+
+def test_the_linter_passes():
+    r = _run("ruff", "check", "--no-cache", ".")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]

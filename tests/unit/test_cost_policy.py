@@ -121,7 +121,8 @@ def test_plan_mixes_a_cheap_slow_on_demand_size_with_a_fast_one():
     assert plan.feasible and plan.on_demand == OD16 and plan.on_demand_second == OD32
     on_16 = tokens - plan.on_demand_second_tokens
     # the time left after the first restart, less the saves, less the second restart
-    window_s = (8 * HOUR - RESTART.overhead_s) * (1 - RESTART.save_s / RESTART.checkpoint_interval_s) - RESTART.overhead_s
+    window_s = ((8 * HOUR - RESTART.overhead_s) * (1 - RESTART.save_s / RESTART.checkpoint_interval_s)
+                - RESTART.overhead_s)
     assert on_16 / OD16.tokens_per_s + plan.on_demand_second_tokens / OD32.tokens_per_s == pytest.approx(window_s)
     all_32 = tokens * OD32.usd_per_token + OD32.usd_per_hour * RESTART.startup_s / HOUR
     assert plan.cost_usd < all_32

@@ -162,7 +162,8 @@ def test_one_line_of_megabytes_is_linear_bounded_and_shows_progress(tmp_path):
               f"from orchestrator.user.data_prepare import prepare\n"
               f"seen = []\n"
               f"t = time.perf_counter()\n"
-              f"s = prepare({str(src)!r}, {str(tmp_path / 'out')!r}, vocab_size=1024, progress=lambda *a: seen.append(a))\n"
+              f"s = prepare({str(src)!r}, {str(tmp_path / 'out')!r}, vocab_size=1024, "
+              f"progress=lambda *a: seen.append(a))\n"
               f"peak = int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read())[1]) // 1024\n"
               f"print(time.perf_counter() - t, peak, s.documents)\n"
               f"print(seen)\n")

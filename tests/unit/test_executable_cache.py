@@ -56,8 +56,9 @@ def run_pair(cache, *, per_host: bool = False, child: str = CHILD, extra: tuple[
     """
     port = str(free_port())
     keys = keys or (secrets.token_hex(32),) * 2
-    procs = [subprocess.Popen([sys.executable, "-c", child, str(r), port, str(cache / f"host{r}" if per_host else cache),
-                               *extra], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    procs = [subprocess.Popen([sys.executable, "-c", child, str(r), port,
+                               str(cache / f"host{r}" if per_host else cache), *extra],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "SHARE_KEY": keys[r]})
              for r in range(2)]
     out = []

@@ -60,16 +60,16 @@ def preempted_job(store: Store, job_id: str = "job-p", *, compile_s: tuple[float
     _slice(store, job_id, t + 63, "s1", "GONE")
     store.import_event(job_id, "disruption", "preempted: reclaimed (after step 10)",
                     {"kind": "preempted", "step": 9, "reason": "reclaimed", "generation": 1}, at=t + 63)
-    store.transition(job_id, J.RECOVERING, "reclaimed (preemption 1 of at most 3)", data=StateChange(outcome="preempted"),
-                     at=t + 63, preemptions=1)
+    store.transition(job_id, J.RECOVERING, "reclaimed (preemption 1 of at most 3)",
+                     data=StateChange(outcome="preempted"), at=t + 63, preemptions=1)
     store.transition(job_id, J.PROVISIONING, "requesting v4-8 (on-demand)", at=t + 64)
     _slice(store, job_id, t + 64, "s2", "REQUESTED", tier="on-demand")
     _slice(store, job_id, t + 64, "s2", "PROVISIONING", tier="on-demand")
     _slice(store, job_id, t + 74, "s2", "READY", tier="on-demand")
     store.transition(job_id, J.STARTING, "slice s2 ready", data=StateChange(provision_s=10.0, slice="s2"), at=t + 74)
     store.transition(job_id, J.RUNNING, "all hosts joined", data=StateChange(init_s=5.0, generation=2), at=t + 80)
-    store.import_event(job_id, "restore", "restored step 8", {"restore_s": 1.0, "compile_s": compile_s[1], "restored_step": 8},
-                    at=t + 85)
+    store.import_event(job_id, "restore", "restored step 8",
+                    {"restore_s": 1.0, "compile_s": compile_s[1], "restored_step": 8}, at=t + 85)
     store.import_event(job_id, "lost_work", "lost 2 steps (from step 10 back to 8)",  # as the controller writes it
                     {"steps": 2, "seconds": 3.0, "from_step": 10, "to_step": 8}, at=t + 85)
     _steps(store, job_id, 2, 8, 19, t + 87)  # steps 8-19 reported at t+87 ... t+109

@@ -59,7 +59,8 @@ def test_submit_of_a_job_file_over_1_mib_is_refused_before_reading_it(tmp_path, 
         f.truncate(50 * 10**6)
     r = CliRunner().invoke(app, ["submit", str(path)])
     assert r.exit_code == 2
-    assert r.stderr.splitlines() == [f"error: {path}: job file is 50,000,000 bytes; the limit is 1 MiB (1,048,576 bytes)"]
+    assert r.stderr.splitlines() == [f"error: {path}: job file is 50,000,000 bytes; "
+                                     "the limit is 1 MiB (1,048,576 bytes)"]
     assert_nothing_created(home)
 
 

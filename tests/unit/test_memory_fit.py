@@ -112,7 +112,8 @@ def test_the_remat_names_are_the_no_argument_policies_of_jax():
             k in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for k in kinds[1:])
 
     jax_policies = {n for n in dir(jax.checkpoint_policies) if not n.startswith("_")
-                    and callable(getattr(jax.checkpoint_policies, n)) and is_policy(getattr(jax.checkpoint_policies, n))}
+                    and callable(getattr(jax.checkpoint_policies, n))
+                    and is_policy(getattr(jax.checkpoint_policies, n))}
     assert set(CHECKPOINT_POLICIES) == jax_policies
 
 

@@ -164,7 +164,8 @@ def test_a_node_started_before_nodes_carried_the_mark_is_still_ours(home):
     """An upgrade with the cluster up: its nodes have no mark, but they are `orchestrator.raynode`
     processes started for this state directory; a process with only one of the two is not a node."""
     def fake_node(*, home_root: str, raynode: bool) -> subprocess.Popen:
-        args = [sys.executable, "-c", "import time; time.sleep(300)"] + (["-m", "orchestrator.raynode"] if raynode else [])
+        args = ([sys.executable, "-c", "import time; time.sleep(300)"]
+                + (["-m", "orchestrator.raynode"] if raynode else []))
         env = {k: v for k, v in os.environ.items() if k != cluster.MARK_ENV}
         return subprocess.Popen(args, start_new_session=True, env={**env, "ORCHESTRATOR_HOME": home_root})
 

@@ -30,7 +30,8 @@ def test_op_kind_by_the_traces_category():
 
 def _meta(pid, name, threads):
     out = [{"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}]
-    out += [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": t}} for tid, t in threads.items()]
+    out += [{"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": t}}
+            for tid, t in threads.items()]
     return out
 
 

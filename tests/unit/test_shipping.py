@@ -87,4 +87,5 @@ def test_the_worker_environment_has_every_package_the_shipped_code_imports():
     missing = {m: providers.get(m) for m in third_party if not set(providers.get(m, [m])) & set(WORKER_DISTRIBUTIONS)}
     assert not missing, f"imported on hosts but not in the worker environment: {missing}"
     for dist in pinned:  # at the controller's own versions
-        assert f"=={metadata.version(dist)}" in next(r for r in worker_requirements() if r.split("==")[0].split("[")[0] == dist)
+        assert f"=={metadata.version(dist)}" in next(r for r in worker_requirements()
+                                                     if r.split("==")[0].split("[")[0] == dist)

@@ -262,7 +262,8 @@ def test_training_settings_are_accepted_on_both_workloads(kind):
         "remat": "dots_with_no_batch_dims_saveable", "gradient_accumulation": 2,
         "kernel_blocks": {"attention": {"block_q": 512, "block_kv": 1024, "block_q_bwd": 256,
                                         "block_kv_bwd": 512}}}}).workload
-    assert (w.precision.compute, w.remat, w.gradient_accumulation) == ("bfloat16", "dots_with_no_batch_dims_saveable", 2)
+    assert ((w.precision.compute, w.remat, w.gradient_accumulation)
+            == ("bfloat16", "dots_with_no_batch_dims_saveable", 2))
     assert (w.kernel_blocks.attention.block_q, w.kernel_blocks.attention.block_kv_bwd) == (512, 512)
     assert JobSpec.from_dict({"name": "a", "workload": w.model_dump(mode="json")}).workload == w  # as stored
 
@@ -562,7 +563,8 @@ def test_gcp_keeps_every_shared_file_in_a_bucket():
     for path in ("/data/tokens", "memory://tokens", "file:///data/tokens"):
         assert problems_of({**with_bucket, "workload": {"type": "lm", "data": {"path": path}}}) == [(
             "workload.data.path", f"{path!r} is not in Cloud Storage, and {no_disk} this machine; put the token "
-                                  "files in a bucket (orchestrator data prepare SRC -o gs://BUCKET/FOLDER) and name that")]
+                                  "files in a bucket (orchestrator data prepare SRC -o gs://BUCKET/FOLDER) "
+                                  "and name that")]
     JobSpec.from_dict({"name": "a", **with_bucket, "workload": {"type": "lm", "data": {"path": "gs://my-bucket/t"}}})
 
 

@@ -63,8 +63,8 @@ def test_the_emulator_ends_when_its_parent_does(tmp_path):
 
 
 def upload(url: str, bucket: str, name: str, data: bytes, **params) -> requests.Response:
-    return requests.post(f"{url}/upload/storage/v1/b/{bucket}/o", params={"uploadType": "media", "name": name, **params},
-                         data=data, timeout=10)
+    return requests.post(f"{url}/upload/storage/v1/b/{bucket}/o",
+                         params={"uploadType": "media", "name": name, **params}, data=data, timeout=10)
 
 
 def test_generation_preconditions_over_http(gcs_emulator):
@@ -87,7 +87,8 @@ def test_generation_preconditions_over_http(gcs_emulator):
     assert empty.status_code == 200 and empty.json()["size"] == "0"
     obj = f"{url}/storage/v1/b/{b}/o/{name}"
     assert requests.delete(obj, params={"ifGenerationMatch": gen}, timeout=10).status_code == 412
-    assert requests.delete(obj, params={"ifGenerationMatch": second.json()["generation"]}, timeout=10).status_code in (200, 204)
+    assert requests.delete(obj, params={"ifGenerationMatch": second.json()["generation"]},
+                           timeout=10).status_code in (200, 204)
     assert requests.get(obj, timeout=10).status_code == 404
 
 

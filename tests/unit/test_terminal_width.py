@@ -114,9 +114,9 @@ def test_plan_fits(home, monkeypatch, width):
 
 
 def _status(step: int, total: int, loss: float | None = 2.3456, tps: float | None = 48758.0) -> JobStatus:
-    return JobStatus(id="gru-lm-disruption-3f2a1c", name="gru-lm-disruption", state=J.RUNNING, reason="", accelerator="v4-8",
-                     tier="spot", step=step, total_steps=total, loss=loss, tokens_per_s=tps, preemptions=0,
-                     failures=0, error=None, created_at=0.0, updated_at=0.0)
+    return JobStatus(id="gru-lm-disruption-3f2a1c", name="gru-lm-disruption", state=J.RUNNING, reason="",
+                     accelerator="v4-8", tier="spot", step=step, total_steps=total, loss=loss, tokens_per_s=tps,
+                     preemptions=0, failures=0, error=None, created_at=0.0, updated_at=0.0)
 
 
 @pytest.mark.parametrize("width", WIDTHS)

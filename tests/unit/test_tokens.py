@@ -1,4 +1,5 @@
-"""Token files: written atomically, read back exactly (locally and through fsspec URLs), checked with errors naming the file."""
+"""Token files: written atomically, read back exactly (locally and through fsspec URLs),
+checked with errors naming the file."""
 
 from __future__ import annotations
 
@@ -94,7 +95,8 @@ def test_urls_are_read_by_byte_ranges_through_fsspec(tmp_path, scheme):
         ds = open_dataset(url)
         if scheme == "memory":
             assert not ds._folder.local
-        np.testing.assert_array_equal(ds.rows(2, 7, 8, 48, slice(2, 6)), expected_rows(documents, 2, 7, 8, 48, slice(2, 6)))
+        np.testing.assert_array_equal(ds.rows(2, 7, 8, 48, slice(2, 6)),
+                                      expected_rows(documents, 2, 7, 8, 48, slice(2, 6)))
     finally:
         if scheme == "memory":
             fsspec.filesystem("memory").rm(url, recursive=True)

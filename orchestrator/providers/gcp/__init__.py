@@ -18,5 +18,6 @@ from orchestrator.providers.gcp.join import JoinCheck, ray_join_check
 from orchestrator.providers.gcp.provider import DEFAULT_RUNTIMES, GcpTpuProvider, Polling
 from orchestrator.providers.gcp.zones import NoCapacityError
 
-__all__ = ["DEFAULT_RUNTIMES", "JOB_KEY", "MANAGED_BY", "MANAGED_BY_KEY", "SLICE_KEY", "CloudApiError", "GcpTpuProvider",
-           "JoinCheck", "NoCapacityError", "Polling", "RetryPolicy", "collect_leaked", "label_value", "ray_join_check"]
+__all__ = ["DEFAULT_RUNTIMES", "JOB_KEY", "MANAGED_BY", "MANAGED_BY_KEY", "SLICE_KEY", "CloudApiError",
+           "GcpTpuProvider", "JoinCheck", "NoCapacityError", "Polling", "RetryPolicy", "collect_leaked", "label_value",
+           "ray_join_check"]

@@ -2,7 +2,8 @@
 
 import importlib
 
-importlib.import_module("a_package_no_host_has")  # as `import a_package_no_host_has` would (hidden from the packaging check)
+# As `import a_package_no_host_has` would (hidden from the packaging check).
+importlib.import_module("a_package_no_host_has")
 
 
 def main(ctx) -> None:

@@ -1,4 +1,5 @@
-"""A user program that looks for the submitting machine's files from a host (tests/integration/test_share_nothing.py)."""
+"""A user program that looks for the submitting machine's files from a host
+(tests/integration/test_share_nothing.py)."""
 
 import os
 
