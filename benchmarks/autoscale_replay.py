@@ -5,7 +5,7 @@ deadline) runs through the real controller on a local cluster whose spot capacit
 the trace (`provider: local` with `capacity_trace:`, `--scale` trace seconds a wall
 second). When it ends, what it paid is read from the store: each slice's billed window
 (requests that waited and were refused are never billed), in trace time, at catalog
-prices. The same window is then replayed in `policies.simulator` (the product's mode:
+prices. The same window is then replayed in `policies.evaluation.simulator` (the product's mode:
 knowledge "own", make-before-break) with the restart costs and the speed the job
 measured, and the two costs are compared.
 
@@ -31,10 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator.domain.options import job_options  # noqa: E402
 from orchestrator.observe.goodput import billed_slices  # noqa: E402
 from orchestrator.state.events import EventKind  # noqa: E402
-from policies.cost import CostPolicy  # noqa: E402
-from policies.restart_cost import RestartCost  # noqa: E402
-from policies.simulator import SimJob, simulate  # noqa: E402
-from policies.traces import load_trace  # noqa: E402
+from policies.cost.policy import CostPolicy  # noqa: E402
+from policies.cost.restart_cost import RestartCost  # noqa: E402
+from policies.evaluation.simulator import SimJob, simulate  # noqa: E402
+from policies.evaluation.traces import load_trace  # noqa: E402
 
 TINY_MODEL = {"d_model": 64, "n_layers": 1, "n_heads": 4, "d_ff": 128}
 ACCELERATORS, TIERS = ["v4-8"], ["spot", "on-demand"]

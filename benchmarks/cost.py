@@ -6,27 +6,27 @@ The job (fixed before looking at any result, and the same on every trace):
 
 - a ~1B-parameter dense decoder (24 layers, d_model 2048, 2048-token sequences)
   trained on 20B tokens (about 20 tokens per parameter), throughput from the scaling
-  model in `policies.slice_options.ScalingModel` on v4 (v4-16: 143k, v4-32: 270k,
+  model in `policies.cost.slice_options.ScalingModel` on v4 (v4-16: 143k, v4-32: 270k,
   v4-64: 507k tokens/s);
 - options v4-16, v4-32, v4-64 on spot and on-demand, catalog prices;
 - deadline 1.75x the on-demand v4-32 duration (20.7 h -> 36.0 h): a v4-16 alone
   could not make it, so the policy must trade size against tier;
-- restart figures: the defaults of `policies.restart_cost.RestartCost` (120 s
+- restart figures: the defaults of `policies.cost.restart_cost.RestartCost` (120 s
   provisioning, 240 s startup, a checkpoint at least every 600 s, each save costing 5 s).
 
-Each trace (see policies/traces/README.md: AWS GPU traces standing in for one TPU
+Each trace (see policies/evaluation/traces/README.md: AWS GPU traces standing in for one TPU
 slice family in one zone) is replayed from `--windows` start times spread evenly over
-it. Policies: `product` and `policy` (policies.cost.CostPolicy, online, from its priors and
+it. Policies: `product` and `policy` (policies.cost.policy.CostPolicy, online, from its priors and
 what it observes; see below), `ondemand`
 (fixed on-demand v4-32), `spot_restart` (fixed spot v4-32, waits and restarts),
 `greedy` (spot v4-32, on-demand v4-32 to the end once slack runs out) and `optimum`
-(the clairvoyant lower bound of policies.hindsight.hindsight_optimum). One more row,
+(the clairvoyant lower bound of policies.evaluation.hindsight.hindsight_optimum). One more row,
 `policy_notice`, is the capacity-fed policy in a world where every preemption notice leaves
 time to commit a checkpoint (`RestartCost.saves_on_notice`): an assumption, shown
 beside the headline figures, never in them.
 
 The headline is `product`: the policy as the product runs it, through the snapshot
-builder the autoscaler uses (`policies.knowledge`): it knows only what the job's own
+builder the autoscaler uses (`policies.cost.knowledge`): it knows only what the job's own
 slices show and what the job before it in the zone learned (`simulate(knowledge=
 "pooled")`: one job replayed back to back just before this one on the same trace), and it
 moves make-before-break (a request waits beside the running slice; the spot size its plan
@@ -58,12 +58,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.domain.options import job_options  # noqa: E402
-from policies.baselines import FixedPolicy, GreedyPolicy  # noqa: E402
-from policies.cost import CostPolicy  # noqa: E402
-from policies.hindsight import hindsight_optimum  # noqa: E402
-from policies.restart_cost import RestartCost  # noqa: E402
-from policies.simulator import SimJob, simulate  # noqa: E402
-from policies.traces import bundled_traces  # noqa: E402
+from policies.cost.policy import CostPolicy  # noqa: E402
+from policies.cost.restart_cost import RestartCost  # noqa: E402
+from policies.evaluation.baselines import FixedPolicy, GreedyPolicy  # noqa: E402
+from policies.evaluation.hindsight import hindsight_optimum  # noqa: E402
+from policies.evaluation.simulator import SimJob, simulate  # noqa: E402
+from policies.evaluation.traces import bundled_traces  # noqa: E402
 
 TOTAL_TOKENS = 20e9
 DEADLINE_OVER_ONDEMAND = 1.75

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from policies.model_shape import ModelShape
+from policies.model.shape import ModelShape
 from workers.model import Numerics, init_params, loss_fn
 
 PEAK_BF16 = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100": 989e12, "NVIDIA H200": 989e12}

@@ -3,7 +3,7 @@
 The built-in trainer (`workers.train`, on the training API) trains a model of the
 built-in kind for `--steps` steps with each precision (and bf16 with full remat), and
 the loop reports model TFLOP/s per chip and MFU. The FLOPs are the stated count,
-6 x parameters + 12 x layers x d_model x seq_len per token (`policies.model_shape`:
+6 x parameters + 12 x layers x d_model x seq_len per token (`policies.model.shape`:
 remat's recomputation is not counted, as MFU is usually defined); the peak is the
 device's dense bf16 peak (table below, from the vendors' data sheets). The float32 run
 is the baseline measured in the same run: bf16's ratio to it is the speed-up.
@@ -44,7 +44,7 @@ def peak_for(device_kind: str) -> float | None:
 def run(preset: str, precision: str, remat: str, steps: int, skip: int) -> dict:
     import jax
 
-    from policies.model_shape import ModelShape
+    from policies.model.shape import ModelShape
     from workers.protocol import StepDone
     from workers.train import TrainConfig, Trainer, context_for
 
@@ -94,7 +94,7 @@ def main() -> None:
     for r in runs:
         r["speedup_vs_float32"] = r["tokens_per_s"] / base
     out = {"preset": preset, "runs": runs, "machine": f"{platform.machine()}, {jax.default_backend()}",
-           "flops": "6 x params + 12 x layers x d_model x seq_len per token (policies.model_shape)"}
+           "flops": "6 x params + 12 x layers x d_model x seq_len per token (policies.model.shape)"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")

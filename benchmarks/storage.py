@@ -46,7 +46,7 @@ def training_state(preset: str):
     """The built-in trainer's initial state for the preset (on this process's CPU device) and its abstract twin."""
     import jax
 
-    from policies.model_shape import ModelShape
+    from policies.model.shape import ModelShape
     from workers.train import TrainConfig, Trainer
 
     cfg = TrainConfig(model=ModelShape(**PRESETS[preset]), seq_len=128, global_batch_size=8, steps=10, seed=0,

@@ -36,7 +36,7 @@ class Tier(str, enum.Enum):
 class Generation:
     name: str
     tensorcores_per_chip: int
-    hbm_bytes_per_chip: int  # what the memory-fit check (`policies.memory_fit`) plans against
+    hbm_bytes_per_chip: int  # what the memory-fit check (`policies.model.memory_fit`) plans against
     hbm_gbps_per_chip: float
     peak_bf16_tflops_per_chip: float
     ondemand_usd_per_chip_hour: float

@@ -54,7 +54,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from policies.sharding import AXES, BATCH_AXES
+from policies.model.sharding import AXES, BATCH_AXES
 from workers.checkpoints import Checkpoints
 from workers.protocol import Report, Saved, StepDone, Timings
 

@@ -28,7 +28,7 @@ import traceback
 
 import ray
 
-from policies.recovery import FailureCause, failure_cause
+from policies.decisions.recovery import FailureCause, failure_cause
 from workers import reaper, runtime, storage
 from workers.notices import MetadataWatcher, install_sigterm
 from workers.profiling import CaptureRequest, Profiler
@@ -86,7 +86,7 @@ class EntrypointError(Exception):
 
 
 def _chain(e: BaseException) -> list[tuple[str, int | None, str]]:
-    """`e` and its causes, each as `policies.recovery.failure_cause` reads them."""
+    """`e` and its causes, each as `policies.decisions.recovery.failure_cause` reads them."""
     out, seen = [], set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))

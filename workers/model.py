@@ -4,7 +4,7 @@ Pre-norm blocks (RMSNorm, attention with rotary positions, RMSNorm, GELU MLP), l
 stacked on a leading axis and run with `lax.scan` so compile time does not grow with
 depth. Attention, norms and RoPE go through the project's kernels (`kernels`), which
 pick the implementation for the backend. Its dimensions are a
-`policies.model_shape.ModelShape`, which also counts its parameters and FLOPs.
+`policies.model.shape.ModelShape`, which also counts its parameters and FLOPs.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import kernels
 from kernels import dispatch
 from kernels import moe as moe_routing
 from kernels.blocks import KernelBlocks
-from policies.model_shape import ModelShape  # the shape of the model built here
-from policies.sharding import BATCH_AXES
+from policies.model.shape import ModelShape  # the shape of the model built here
+from policies.model.sharding import BATCH_AXES
 
 
 def param_roles(shape: ModelShape) -> dict:
-    """The pytree of parameter roles (keys of `policies.sharding.PARAM_RULES`), stacked layers marked."""
+    """The pytree of parameter roles (keys of `policies.model.sharding.PARAM_RULES`), stacked layers marked."""
     layer = {"attn_norm": "norm", "wq": "wq", "wk": "wk", "wv": "wv", "wo": "wo", "mlp_norm": "norm"}
     if shape.moe_experts:
         layer.update(router="router", w_in="moe_in", w_out="moe_out")

@@ -96,6 +96,6 @@ class WorkerResult:
     notice: str | None = None  # why it stopped
     error: str | None = None  # "Type: message" of what the job's code raised
     traceback: str | None = None
-    cause: str | None = None  # for FAILED: a `policies.recovery.FailureCause` value (error, exit, import, storage)
+    cause: str | None = None  # for FAILED: a `policies.decisions.recovery.FailureCause` (error, exit, import, storage)
     exit_code: int | None = None  # for the cause "exit": the status sys.exit() was given
     param_sums: dict[str, float] | None = None  # sum of each final parameter (built-in trainer)

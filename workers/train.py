@@ -23,8 +23,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels.blocks import KernelBlocks
-from policies.model_shape import ModelShape
-from policies.sharding import BATCH_AXES, PARAM_RULES
+from policies.model.shape import ModelShape
+from policies.model.sharding import BATCH_AXES, PARAM_RULES
 from workers import api, runtime
 from workers.model import Numerics, init_params, loss_fn, param_roles
 

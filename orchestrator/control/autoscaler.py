@@ -3,9 +3,9 @@
 `decide(store, job_id, now=..., current=..., waiting=...)` is what the job's driver
 calls: before provisioning, every `Clock.decision_interval_wall_s` while the job runs,
 and at once when its slice is lost or a request is let go. It builds the policy's
-`Snapshot` with `policies.knowledge.build_snapshot`, the function the trace simulator
+`Snapshot` with `policies.cost.knowledge.build_snapshot`, the function the trace simulator
 uses, from the same kind of records: the job's slice events read as
-`policies.slice_history.SliceRecord`s, with the slice events of earlier jobs in the
+`policies.cost.slice_history.SliceRecord`s, with the slice events of earlier jobs in the
 same zone first (pooled capacity memory: slice events outlive their job, so the next
 job starts from what the last one learned). Besides those it hands in what only a
 running job measures: its tokens/s on each slice type it ran on (the scaling model for
@@ -13,7 +13,7 @@ the others), the restart costs (provisioning, init, restore, compile, the time a
 blocks), the money spent and the tokens in its last committed checkpoint.
 
 The answer is a `Choice`: the slice type and tier the policy wants (None: hold no slice,
-wait for spot), and the `policies.moves.Move` that gets the job there make-before-break:
+wait for spot), and the `policies.cost.moves.Move` that gets the job there make-before-break:
 what to request (beside the running slice, if any: a move, or the spot size the
 policy's plan waits for), whether to switch onto a READY request, to release the waiting
 request, or to release the running slice. A refused request is a capacity fact in the
@@ -37,12 +37,16 @@ from orchestrator.errors import UnknownAcceleratorError
 from orchestrator.observe.goodput import goodput
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Event, StepMetric, Store
-from policies.capacity_memory import POOL_HORIZON_S, chips_known, estimates, pooled
-from policies.clock import DECISION_INTERVAL_S, Clock
-from policies.cost import REFUSAL_HOLDS_S, CostPolicy, Decision, Option, RestartCost, Snapshot, SpotAvailability
-from policies.knowledge import Progress, build_snapshot
-from policies.moves import Move, next_move
-from policies.slice_history import SliceRecord, read_history
+from policies.cost.capacity_memory import POOL_HORIZON_S, chips_known, estimates, pooled
+from policies.cost.clock import DECISION_INTERVAL_S, Clock
+from policies.cost.knowledge import Progress, build_snapshot
+from policies.cost.moves import Move, next_move
+from policies.cost.policy import CostPolicy
+from policies.cost.restart_cost import RestartCost
+from policies.cost.slice_history import SliceRecord, read_history
+from policies.cost.slice_options import Option
+from policies.cost.snapshot import Decision, Snapshot
+from policies.cost.spot_estimates import REFUSAL_HOLDS_S, SpotAvailability
 
 __all__ = ["DECISION_INTERVAL_S", "NO_DEADLINE_S", "Choice", "clock_of", "decide", "decide_for", "slice_records",
            "snapshot", "spot_availability", "spot_chips_now", "step_seconds", "with_checkpoint_interval"]

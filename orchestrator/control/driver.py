@@ -2,7 +2,7 @@
 
 Its loop reads plainly: wait for a turn in the queue, provision a slice, launch the
 workers, watch them until the attempt ends with a typed outcome, tear down, and ask
-`policies.recovery.after` what comes next (recover, resize, succeed, fail, cancel).
+`policies.decisions.recovery.after` what comes next (recover, resize, succeed, fail, cancel).
 Workers' reports reach the driver through the controller (`report`). A move the cost
 policy asks for is made before break (`orchestrator.control.moves`): the next attempt
 starts on a slice that became READY while the last one trained.
@@ -42,7 +42,7 @@ from orchestrator.state.events import (
     StateChange,
 )
 from orchestrator.state.states import FailedBecause, JobState, SliceState
-from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
+from policies.decisions.recovery import Budgets, Next, Outcome, OutcomeKind, after
 from workers.protocol import Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
 
 if TYPE_CHECKING:

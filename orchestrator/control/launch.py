@@ -24,8 +24,8 @@ from orchestrator.domain.fit import microbatches_for
 from orchestrator.domain.spec import EntrypointWorkload, JobSpec, LmWorkload
 from orchestrator.state.events import Launched
 from orchestrator.state.store import Store
-from policies.recovery import Outcome, OutcomeKind
-from policies.sharding import plan_mesh
+from policies.decisions.recovery import Outcome, OutcomeKind
+from policies.model.sharding import plan_mesh
 from workers import inbox
 from workers.host import HostWorker
 from workers.notices import GCE_METADATA_URL

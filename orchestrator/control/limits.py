@@ -1,4 +1,4 @@
-"""A job's budget cap and deadline forecast, checked while it runs (`policies.limits` decides).
+"""A job's budget cap and deadline forecast, checked while it runs (`policies.decisions.limits` decides).
 
 The driver holds one `Limits` per job. Once a poll (at most every `CHECK_S`) it asks
 whether the job may train on within `budget_usd`; when not, the hosts stop after an agreed
@@ -21,8 +21,8 @@ from orchestrator.domain.spec import JobSpec
 from orchestrator.observe.goodput import format_duration, goodput
 from orchestrator.state.events import DeadlineForecast
 from orchestrator.state.store import Store
-from policies.limits import budget_refuses_start, budget_stop, forecast, step_seconds
-from policies.recovery import Outcome, OutcomeKind
+from policies.decisions.limits import budget_refuses_start, budget_stop, forecast, step_seconds
+from policies.decisions.recovery import Outcome, OutcomeKind
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The driver's side of autoscaling: ask the policy, and do the move it names, make-before-break.
 
-The policy (`orchestrator.control.autoscaler.decide`) answers with a `policies.moves.Move`
+The policy (`orchestrator.control.autoscaler.decide`) answers with a `policies.cost.moves.Move`
 for the job's slices: the running one and at most one request waiting beside it. The
 driver does it:
 
@@ -33,7 +33,7 @@ from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import CapacityError
 from orchestrator.state.events import Autoscaled, ResizeAsked
-from policies.clock import DECISION_INTERVAL_S
+from policies.cost.clock import DECISION_INTERVAL_S
 
 log = logging.getLogger(__name__)
 

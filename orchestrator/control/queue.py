@@ -1,6 +1,6 @@
 """The admission queue: jobs wait here, QUEUED, until there are hosts (or capacity) for them.
 
-Local jobs share the machine's hosts and wait in one line (`policies.admission`: higher
+Local jobs share the machine's hosts and wait in one line (`policies.decisions.admission`: higher
 priority first, then the earlier submission; strict, so a large job is not passed over
 forever). A cloud job waits for the cloud: after a refusal (no capacity in its zones) it
 asks again after a jittered backoff. Waiting never spends `recovery.max_failures`; only
@@ -21,8 +21,8 @@ from orchestrator.errors import IllegalTransitionError
 from orchestrator.state.events import StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store
-from policies.admission import Waiting, admit, line, retry_after
-from policies.recovery import Outcome, OutcomeKind
+from policies.decisions.admission import Waiting, admit, line, retry_after
+from policies.decisions.recovery import Outcome, OutcomeKind
 
 log = logging.getLogger(__name__)
 

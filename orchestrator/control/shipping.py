@@ -31,7 +31,8 @@ from orchestrator.errors import SpecError
 log = logging.getLogger(__name__)
 
 PROJECT_PACKAGES = ("workers", "kernels", "policies")  # what hosts import; `workers` imports no `orchestrator`
-PROJECT_EXCLUDES = ["__pycache__", "*.pyc", "traces/"]  # policies/traces: the simulator's data, not the hosts'
+# policies/evaluation/traces: the simulator's data, not the hosts'
+PROJECT_EXCLUDES = ["__pycache__", "*.pyc", "traces/"]
 
 # Never part of a job's code: version control, environments, caches, data and checkpoints
 # (which belong in object storage). A .gitignore or .rayignore in the folder is honoured too.

@@ -1,11 +1,11 @@
-"""Watching a running attempt until it ends, and saying how it ended (`policies.recovery`).
+"""Watching a running attempt until it ends, and saying how it ended (`policies.decisions.recovery`).
 
 Every poll: the provider's events for the slice (a host gone, a notice, a reclaim), the
 workers' results, the user's cancel, the heartbeat. A notice or a cancel asks every host to
 stop after the same step with that step's checkpoint committed, within the grace period.
 
 How it ended is asked of those who know before any timeout decides: a worker says how the
-job's code failed (`policies.recovery.failure_cause`); a worker process that died is a host
+job's code failed (`policies.decisions.recovery.failure_cause`); a worker process that died is a host
 loss only if its host is gone (the provider says so, its Ray node is dead, or a task cannot
 run there), else a worker abort, with what the process last wrote to its stderr; no step
 for the heartbeat timeout is a hang only while every worker still answers.
@@ -26,7 +26,7 @@ from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import SliceEventKind
 from orchestrator.state.events import EventKind
 from orchestrator.state.store import Store
-from policies.recovery import (
+from policies.decisions.recovery import (
     HUNG,
     WORKER_DIED,
     WORKER_UNREACHABLE,

@@ -1,6 +1,6 @@
 """Does a job fit the slices it may run on? The spec's memory-fit check and the microbatch count per slice.
 
-The glue between the job spec and the pure estimate in `policies.memory_fit`: for the job's
+The glue between the job spec and the pure estimate in `policies.model.memory_fit`: for the job's
 accelerator and every type autoscaling may move it to, resolve the mesh, resolve
 ``gradient_accumulation: auto`` to the fewest microbatches that fit, and compare the
 per-chip estimate with the type's HBM (`orchestrator.catalog`). Slices are TPUs, so
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator import catalog
-from policies.memory_fit import GIB, USABLE_FRACTION, Fit, TrainingJob, advice, fit
-from policies.sharding import MeshError, MeshPlan, plan_mesh
+from policies.model.memory_fit import GIB, USABLE_FRACTION, Fit, TrainingJob, advice, fit
+from policies.model.sharding import MeshError, MeshPlan, plan_mesh
 
 if TYPE_CHECKING:
     from orchestrator.domain.spec import JobSpec, LmWorkload

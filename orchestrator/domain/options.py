@@ -1,7 +1,7 @@
 """The slices a job may run on, as the cost policy's options: each allowed type x tier, priced from the catalog.
 
 A type's speed is measured where the job has run on it, else estimated from its peak FLOP/s
-and the job's FLOPs per token (`policies.slice_options`).
+and the job's FLOPs per token (`policies.cost.slice_options`).
 """
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from orchestrator.catalog import Tier, lookup
-from policies.model_shape import training_flops_per_token
-from policies.slice_options import Option, ScalingModel, estimate_tokens_per_s
+from policies.cost.slice_options import Option, ScalingModel, estimate_tokens_per_s
+from policies.model.shape import training_flops_per_token
 
 # A ~1B-parameter dense decoder (24 layers, d_model 2048) on 2048-token sequences: how a job whose
 # model the policy cannot read (a user's program) is priced.

@@ -41,7 +41,7 @@ from orchestrator.domain.workload import (
     _Frozen,
 )
 from orchestrator.errors import SpecError, UnknownAcceleratorError
-from policies.sharding import MeshError, plan_mesh
+from policies.model.sharding import MeshError, plan_mesh
 
 
 class CheckpointConfig(_Frozen):
@@ -130,7 +130,7 @@ class CapacityTraceConfig(_Frozen):
     @field_validator("path")
     @classmethod
     def _a_trace(cls, v: str) -> str:
-        from policies.traces import load_trace
+        from policies.evaluation.traces import load_trace
 
         load_trace(v)  # TraceError (a ValueError) names the file and what is wrong with it
         return v

@@ -13,8 +13,8 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 from orchestrator.domain.locations import check_data_path
-from policies.memory_fit import REMAT_CHOICES
-from policies.model_shape import ModelShape
+from policies.model.memory_fit import REMAT_CHOICES
+from policies.model.shape import ModelShape
 
 # Both are matched whole (`fullmatch`): with `match`, `$` also accepts a trailing newline.
 NAME_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,38}[a-z0-9])?")
@@ -155,7 +155,7 @@ def _microbatches(v: Any) -> Any:
 
 # Microbatches a step is split into, their gradients summed before the one optimizer update: the
 # global batch, and so the math, stay the same on a slice too small to hold it at once. auto: for
-# the built-in trainer the fewest that fit the slice's HBM, chosen per slice (`policies.memory_fit`);
+# the built-in trainer the fewest that fit the slice's HBM, chosen per slice (`policies.model.memory_fit`);
 # for a user program, 1 (its model is its own).
 GradientAccumulation = Annotated[Union[int, Literal["auto"]], BeforeValidator(_microbatches)]
 AttentionBlock = Annotated[int, Field(gt=0, le=2**17, multiple_of=8)]  # tokens; a multiple of 8 (the sublanes)

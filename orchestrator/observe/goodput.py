@@ -56,7 +56,7 @@ from orchestrator.catalog import lookup
 from orchestrator.errors import UnknownAcceleratorError
 from orchestrator.state.events import EventKind, SliceChanged
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
-from policies.recovery import RULES, Budget
+from policies.decisions.recovery import RULES, Budget
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ _CARVE_ORDER = ("waiting_for_capacity", "restore", "compile", "checkpoint_save",
 _WORK_STATES = ("RUNNING",)
 _BASE_CATEGORY = {"PENDING": "waiting_for_capacity", "QUEUED": "waiting_for_capacity", "PROVISIONING": "provisioning",
                   "STARTING": "runtime_init"}
-# What the controller counts against max_preemptions, and against max_failures (`policies.recovery.RULES`).
+# What the controller counts against max_preemptions, and against max_failures (`policies.decisions.recovery.RULES`).
 _PREEMPTION_OUTCOMES = tuple(k.value for k, r in RULES.items() if r.spends is Budget.PREEMPTIONS)
 _FAILURE_OUTCOMES = tuple(k.value for k, r in RULES.items() if r.spends is Budget.FAILURES)
 _BILLING_ENDS = ("GONE", "RELEASED")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState, SliceState
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
-from policies.recovery import HUNG, WORKER_DIED, WORKER_UNREACHABLE
+from policies.decisions.recovery import HUNG, WORKER_DIED, WORKER_UNREACHABLE
 
 MARKER_KINDS = ("preemption", "host_lost", "worker_crash", "hung", "failure", "restore", "checkpoint", "move",
                 "adoption")

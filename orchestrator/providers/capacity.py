@@ -2,7 +2,7 @@
 
 For demos and tests of the autoscaler on one machine: `provider: local` with a
 `capacity_trace:` makes the job's spot capacity that of a recorded trace (see
-`policies.traces`), replayed `time_scale` times faster than wall time (60: one trace
+`policies.evaluation.traces`), replayed `time_scale` times faster than wall time (60: one trace
 hour per wall minute). A spot request above the capacity waits with no host started; a
 READY spot slice above it gets a notice, and its hosts are killed `grace_s` trace
 seconds later. On-demand is always there, as in the simulator.
@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from functools import lru_cache
 
-from policies.traces import SpotTrace, load_trace
+from policies.evaluation.traces import SpotTrace, load_trace
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ class NoticeSeen(Payload):
 @dataclass(frozen=True)
 class Disrupted(Payload):
     KIND: ClassVar[EventKind] = EventKind.DISRUPTION
-    kind: str | None = None  # the outcome's kind (policies.recovery.OutcomeKind value)
+    kind: str | None = None  # the outcome's kind (policies.decisions.recovery.OutcomeKind value)
     step: int | None = None
     reason: str | None = None
     generation: int | None = None

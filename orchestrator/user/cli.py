@@ -440,13 +440,13 @@ def gc(project: str = typer.Option(..., help="Google Cloud project."),
 @app.command()
 def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
          trace: Optional[Path] = typer.Option(None, "--trace",
-                                              help="A spot capacity trace (JSON, as in policies/traces)."),
+                                              help="A spot capacity trace (JSON, as in policies/evaluation/traces)."),
          deadline_hours: Optional[float] = typer.Option(None, help="Overrides the job file's deadline.")) -> None:
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
     from orchestrator.domain.fit import slice_fit
     from orchestrator.domain.spec import AutoscalingConfig, LmWorkload
     from orchestrator.user.planning import moves_lines, plan_job, render_memory, render_plan
-    from policies.traces import TraceError
+    from policies.evaluation.traces import TraceError
 
     spec = JobSpec.from_yaml(job_file)
     w = spec.workload

@@ -1,7 +1,7 @@
 """Plan a job before running it: what each slice type x tier would cost, and what the policy would do.
 
 This is the glue between the catalog (prices, chips, hosts, peak FLOPs) and the pure
-cost policy in `policies.cost`. The CLI's ``orchestrator plan job.yaml [--trace FILE]``
+cost policy in `policies.cost.policy`. The CLI's ``orchestrator plan job.yaml [--trace FILE]``
 is meant to be a few lines over it::
 
     from orchestrator.user.planning import plan_job, render_plan
@@ -17,7 +17,7 @@ between all the allowed options. Expected figures are means over the windows; th
 risk of missing the deadline is the fraction of windows that missed it.
 
 Throughput before the job has measured any step times comes from a scaling model
-(`policies.slice_options.ScalingModel`) of a ~1B-parameter dense transformer; pass
+(`policies.cost.slice_options.ScalingModel`) of a ~1B-parameter dense transformer; pass
 `flops_per_token` (`ModelShape.flops_per_token`) for another model, and
 `measured_tokens_per_s` (by type name) once the job has run.
 
@@ -37,13 +37,13 @@ from rich.table import Table
 
 from orchestrator.domain.fit import SliceFit
 from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN, job_options
-from policies.baselines import FixedPolicy
-from policies.cost import CostPolicy
-from policies.memory_fit import GIB, USABLE_FRACTION
-from policies.restart_cost import RestartCost
-from policies.simulator import DecisionRecord, Run, SimJob, simulate
-from policies.spot_estimates import PRIOR_HOST_HAZARD_PER_HOUR, PRIOR_OUTAGE_HOURS
-from policies.traces import SpotTrace, load_trace, markov_trace
+from policies.cost.policy import CostPolicy
+from policies.cost.restart_cost import RestartCost
+from policies.cost.spot_estimates import PRIOR_HOST_HAZARD_PER_HOUR, PRIOR_OUTAGE_HOURS
+from policies.evaluation.baselines import FixedPolicy
+from policies.evaluation.simulator import DecisionRecord, Run, SimJob, simulate
+from policies.evaluation.traces import SpotTrace, load_trace, markov_trace
+from policies.model.memory_fit import GIB, USABLE_FRACTION
 
 REFERENCE_HOSTS = 4  # the synthetic trace's uptime is that of a 4-host slice under the prior
 
@@ -152,7 +152,7 @@ def moves_lines(plan: JobPlan, *, width: int = 120) -> list[str]:
 
 def render_memory(fits: Sequence[SliceFit]) -> Table:
     """A rich Table: the per-chip memory estimate of training on each slice type (`orchestrator.domain.fit`)."""
-    table = Table(title=f"HBM per chip, GiB (usable: {USABLE_FRACTION:.0%}; formulas: policies/memory_fit.py)")
+    table = Table(title=f"HBM per chip, GiB (usable: {USABLE_FRACTION:.0%}; formulas: policies/model/memory_fit.py)")
     table.add_column("slice", no_wrap=True)
     for column in ("mesh", "micro-batches", "needs", "usable", "largest part", "fits"):
         table.add_column(column, justify="right")

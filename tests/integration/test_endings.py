@@ -1,6 +1,6 @@
 """Each way a job's code can end, on a real local cluster: what the user sees (state, cause, reason, counts).
 
-The rules are `policies.recovery.RULES` (table-tested in tests/unit/test_recovery.py);
+The rules are `policies.decisions.recovery.RULES` (table-tested in tests/unit/test_recovery.py);
 here the workers and the controller say what happened, and nothing is guessed from a
 timeout when a worker could tell: a program's sys.exit(0) at step 0 is not a hang (it was
 taken for one and retried as a preemption for hours), an import error or a full disk is

@@ -42,7 +42,7 @@ def _shard_maps(implementation: str) -> int:
     import jax.numpy as jnp
     from jax.sharding import AbstractMesh
 
-    from policies.sharding import AXES
+    from policies.model.sharding import AXES
     from workers.model import init_params, loss_fn
 
     params = jax.eval_shape(lambda: init_params(jax.random.key(0), SHARDED.model))

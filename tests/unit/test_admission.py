@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from policies.admission import Waiting, admit, line
+from policies.decisions.admission import Waiting, admit, line
 
 A = Waiting("a", priority=0, submitted_at=1.0, hosts=2)
 B = Waiting("b", priority=0, submitted_at=2.0, hosts=1)
@@ -47,6 +47,6 @@ def test_equal_keys_order_by_id_so_every_process_agrees():
     (1, 0.99, 15.0 * (1 - 0.495)),
 ])
 def test_retry_after_doubles_to_a_cap_with_jitter(refusals, jitter, expected):
-    from policies.admission import retry_after
+    from policies.decisions.admission import retry_after
 
     assert retry_after(refusals, jitter) == pytest.approx(expected)

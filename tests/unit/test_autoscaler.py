@@ -17,7 +17,8 @@ from orchestrator.domain.spec import JobSpec
 from orchestrator.state.events import StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
-from policies.cost import DEFAULT_SAVE_S, REFUSAL_HOLDS_S, RestartCost
+from policies.cost.restart_cost import DEFAULT_SAVE_S, RestartCost
+from policies.cost.spot_estimates import REFUSAL_HOLDS_S
 
 T0 = 1_700_000_000.0
 STEP_S = 2.0

@@ -8,13 +8,13 @@ import pytest
 from orchestrator.control.autoscaler import snapshot
 from orchestrator.domain.spec import JobSpec
 from orchestrator.state.store import Store
-from policies.capacity_memory import POOL_HORIZON_S, estimates, pooled
-from policies.cost import CostPolicy
-from policies.simulator import SimJob, simulate
-from policies.slice_history import SliceRecord, read_history
-from policies.slice_options import ON_DEMAND, SPOT, Option
-from policies.spot_estimates import REFUSAL_HOLDS_S
-from policies.traces import SpotTrace
+from policies.cost.capacity_memory import POOL_HORIZON_S, estimates, pooled
+from policies.cost.policy import CostPolicy
+from policies.cost.slice_history import SliceRecord, read_history
+from policies.cost.slice_options import ON_DEMAND, SPOT, Option
+from policies.cost.spot_estimates import REFUSAL_HOLDS_S
+from policies.evaluation.simulator import SimJob, simulate
+from policies.evaluation.traces import SpotTrace
 
 T0 = 1_700_000_000.0
 HOUR = 3600.0

@@ -116,7 +116,7 @@ def test_queue_timeout_counts_across_refusals(tmp_path):
     from orchestrator.control.queue import AdmissionQueue
     from orchestrator.domain.spec import JobSpec
     from orchestrator.state.states import JobState
-    from policies.recovery import OutcomeKind
+    from policies.decisions.recovery import OutcomeKind
 
     p, store = provider_with_store(tmp_path)
     spec = JobSpec.from_dict({"name": "j", "queue_timeout": "PT5M"})

@@ -10,14 +10,14 @@ import pytest
 
 from orchestrator.domain.options import job_options
 from orchestrator.user.planning import plan_job, plan_text, render_plan
-from policies.cost import CostPolicy, decide
-from policies.fluid_plan import fluid_plan, plan_inputs
-from policies.restart_cost import RestartCost
-from policies.simulator import SimJob, simulate
-from policies.slice_options import ON_DEMAND, RESERVED, SPOT, Option, ScalingModel, estimate_tokens_per_s
-from policies.snapshot import Snapshot
-from policies.spot_estimates import SpotAvailability, SpotHazard
-from policies.traces import SpotTrace, markov_trace
+from policies.cost.fluid_plan import fluid_plan, plan_inputs
+from policies.cost.policy import CostPolicy, decide
+from policies.cost.restart_cost import RestartCost
+from policies.cost.slice_options import ON_DEMAND, RESERVED, SPOT, Option, ScalingModel, estimate_tokens_per_s
+from policies.cost.snapshot import Snapshot
+from policies.cost.spot_estimates import SpotAvailability, SpotHazard
+from policies.evaluation.simulator import SimJob, simulate
+from policies.evaluation.traces import SpotTrace, markov_trace
 
 OPTIONS = job_options(["v4-16", "v4-32", "v4-64"], ["spot", "on-demand"])
 BY_LABEL = {o.label: o for o in OPTIONS}

@@ -13,12 +13,12 @@ from orchestrator.control import autoscaler
 from orchestrator.domain.options import job_options
 from orchestrator.domain.spec import JobSpec
 from orchestrator.state.store import Store
-from policies.cost import CostPolicy
-from policies.moves import MoveKind, next_move
-from policies.simulator import SimJob, simulate
-from policies.slice_history import SliceRecord, read_history
-from policies.slice_options import ON_DEMAND, SPOT
-from policies.traces import SpotTrace
+from policies.cost.moves import MoveKind, next_move
+from policies.cost.policy import CostPolicy
+from policies.cost.slice_history import SliceRecord, read_history
+from policies.cost.slice_options import ON_DEMAND, SPOT
+from policies.evaluation.simulator import SimJob, simulate
+from policies.evaluation.traces import SpotTrace
 
 T0 = 1_000_000.0  # the store's clock at the job's creation (whole seconds: times compare exactly)
 SPEC = {

@@ -1,4 +1,5 @@
-"""The budget cap and the deadline forecast (`policies.limits`), and how a failure's cause is kept and shown."""
+"""The budget cap and the deadline forecast (`policies.decisions.limits`), and how a failure's cause is
+kept and shown."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from orchestrator.state.states import FailedBecause, JobState
 from orchestrator.state.store import Store
 from orchestrator.user.cli import _status_dict, jobs_lines
 from orchestrator.user.job import _status
-from policies.limits import MIN_RUN_S, budget_refuses_start, budget_stop, forecast, step_seconds
-from policies.recovery import Budgets, Next, Outcome, OutcomeKind, after
+from policies.decisions.limits import MIN_RUN_S, budget_refuses_start, budget_stop, forecast, step_seconds
+from policies.decisions.recovery import Budgets, Next, Outcome, OutcomeKind, after
 
 
 def test_the_budget_stops_a_job_while_its_stop_still_fits_under_the_cap():

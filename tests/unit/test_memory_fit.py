@@ -17,7 +17,7 @@ from jax.ad_checkpoint import print_saved_residuals
 from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from policies.memory_fit import (
+from policies.model.memory_fit import (
     CHECKPOINT_POLICIES,
     GIB,
     TrainingJob,
@@ -28,8 +28,8 @@ from policies.memory_fit import (
     params_by_role,
     params_per_chip,
 )
-from policies.model_shape import ModelShape
-from policies.sharding import AXES, PARAM_RULES, MeshPlan
+from policies.model.shape import ModelShape
+from policies.model.sharding import AXES, PARAM_RULES, MeshPlan
 from workers.model import init_params, loss_fn, param_roles
 
 DENSE = ModelShape(d_model=64, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=256)

@@ -15,7 +15,7 @@ import pytest
 
 from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN
 from orchestrator.domain.spec import ModelConfig
-from policies.model_shape import ModelShape, training_flops_per_token
+from policies.model.shape import ModelShape, training_flops_per_token
 from workers.model import init_params
 
 DENSE = ModelShape(d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96, vocab_size=256)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from policies.model_shape import ModelShape
+from policies.model.shape import ModelShape
 from workers.protocol import StepDone
 from workers.train import TrainConfig, Trainer, context_for
 

@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from policies.recovery import (
+from policies.decisions.recovery import (
     RULES,
     Budgets,
     FailureCause,

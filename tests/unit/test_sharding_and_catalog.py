@@ -6,8 +6,8 @@ import pytest
 
 from orchestrator import catalog
 from orchestrator.errors import UnknownAcceleratorError
-from policies.model_shape import ModelShape
-from policies.sharding import MeshError, plan_mesh
+from policies.model.shape import ModelShape
+from policies.model.sharding import MeshError, plan_mesh
 
 SHAPE = ModelShape(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=512, vocab_size=256)
 

@@ -9,13 +9,13 @@ import math
 import numpy as np
 import pytest
 
-from policies.baselines import FixedPolicy, GreedyPolicy
-from policies.cost import CostPolicy
-from policies.hindsight import IDLE, _DualProgramme, hindsight_optimum
-from policies.restart_cost import RestartCost
-from policies.simulator import SimJob, quantized_restart, simulate, step_seconds
-from policies.slice_options import ON_DEMAND, SPOT, Option
-from policies.traces import (
+from policies.cost.policy import CostPolicy
+from policies.cost.restart_cost import RestartCost
+from policies.cost.slice_options import ON_DEMAND, SPOT, Option
+from policies.evaluation.baselines import FixedPolicy, GreedyPolicy
+from policies.evaluation.hindsight import IDLE, _DualProgramme, hindsight_optimum
+from policies.evaluation.simulator import SimJob, quantized_restart, simulate, step_seconds
+from policies.evaluation.traces import (
     FOUR_NODE_MAPPING,
     ONE_NODE_MAPPING,
     TRACE_ROOT,

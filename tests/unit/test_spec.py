@@ -410,7 +410,7 @@ def test_every_duration_must_be_positive(path, value):
         return
     data = nested(path, value)
     if path.startswith("capacity_trace."):
-        data["capacity_trace"]["path"] = str(REPO / "policies/traces/availability/1-node/aws-02-15-2023/"
+        data["capacity_trace"]["path"] = str(REPO / "policies/evaluation/traces/availability/1-node/aws-02-15-2023/"
                                              "us-west-2a_v100_1.json")
     problems = problems_of(data)
     assert [p for p, _ in problems] == [path], problems

@@ -2,7 +2,7 @@
 and this job's throughput on it.
 
 Before the job has measured its speed on a slice, `ScalingModel` predicts it from the
-model's training FLOPs per token (`policies.model_shape.ModelShape.flops_per_token`)
+model's training FLOPs per token (`policies.model.shape.ModelShape.flops_per_token`)
 and the chips' peak; `estimate_tokens_per_s` scales what the job measured on one size
 to the others.
 """

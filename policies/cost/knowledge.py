@@ -2,10 +2,10 @@
 the trace simulator, so that what the policy does in a replay is what it does for a user.
 
 Both hand in the same kinds of facts: where the job stands (`Progress`), what it may
-run on and what a restart costs, and its slice records (`policies.slice_history`): the
+run on and what a restart costs, and its slice records (`policies.cost.slice_history`): the
 autoscaler's from the store's slice events, the simulator's from the records it emits
 as its slices move through the same lifecycle. Records of earlier jobs in the zone
-(`policies.capacity_memory.pooled`) come first, so a new job starts from what they
+(`policies.cost.capacity_memory.pooled`) come first, so a new job starts from what they
 learned. Only the simulator's capacity-feed mode replaces what the records say of
 spot with the zone's true capacity (`CapacityFeed`), the upper bound of what knowing
 more could give.
@@ -16,7 +16,7 @@ Rules both paths follow through this function:
   sizes refused or reclaimed within `REFUSAL_HOLDS_S`, more any slice up since;
 - a request READY beside the running slice costs only its startup to move to (`ready`);
 - a request still waiting says its size is missing now (the policy keeps it requested
-  while its plan waits for it: `Decision.wait_for`, `policies.moves.next_move`);
+  while its plan waits for it: `Decision.wait_for`, `policies.cost.moves.next_move`);
 - the hazard counts spot preemptions only; an on-demand host loss is none;
 - `restart.checkpoint_interval_s` is the job's own (longest) interval; the interval a
   running slice saves at was chosen when it started and is not changed while it runs.
@@ -27,13 +27,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from policies.capacity_memory import chips_known, learn
-from policies.clock import DECISION_INTERVAL_S
-from policies.restart_cost import RestartCost
-from policies.slice_history import SliceRecord
-from policies.slice_options import Option
-from policies.snapshot import Snapshot
-from policies.spot_estimates import SpotAvailability, SpotHazard
+from policies.cost.capacity_memory import chips_known, learn
+from policies.cost.clock import DECISION_INTERVAL_S
+from policies.cost.restart_cost import RestartCost
+from policies.cost.slice_history import SliceRecord
+from policies.cost.slice_options import Option
+from policies.cost.snapshot import Snapshot
+from policies.cost.spot_estimates import SpotAvailability, SpotHazard
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from policies.restart_cost import RestartCost
-from policies.slice_options import Option
-from policies.spot_estimates import SpotAvailability, SpotHazard
+from policies.cost.restart_cost import RestartCost
+from policies.cost.slice_options import Option
+from policies.cost.spot_estimates import SpotAvailability, SpotHazard
 
 
 @dataclass(frozen=True)

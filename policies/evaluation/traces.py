@@ -1,6 +1,6 @@
 """Spot capacity traces: loading them, and mapping a trace's counts to TPU slice sizes.
 
-The bundled traces (``policies/traces/``, see its README for attribution) are AWS GPU
+The bundled traces (``policies/evaluation/traces/``, see its README for attribution) are AWS GPU
 spot traces from the "Can't Be Late" paper, not TPU measurements. We treat each trace
 as the spot capacity signal for one TPU slice family in one zone: at every tick it
 says how large a spot slice could be had there. A `CapacityMapping` turns the trace's
@@ -108,7 +108,7 @@ def load_trace(path: str | Path, *, name: str | None = None) -> SpotTrace:
 
 
 def bundled_traces() -> list[SpotTrace]:
-    """Every trace shipped in ``policies/traces/``, named by its path there, sorted."""
+    """Every trace shipped in ``policies/evaluation/traces/``, named by its path there, sorted."""
     paths = sorted(TRACE_ROOT.rglob("*.json"))
     return [load_trace(p, name=p.relative_to(TRACE_ROOT).with_suffix("").as_posix()) for p in paths]
 

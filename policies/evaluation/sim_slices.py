@@ -1,7 +1,7 @@
 """The simulator's slices: a request moving through the store's slice lifecycle, the switch
 onto it when READY (make-before-break), preemption, training, saves and billing.
 
-`policies.simulator` owns the loop; this module holds what changes as it steps (`SimState`)
+`policies.evaluation.simulator` owns the loop; this module holds what changes as it steps (`SimState`)
 and one function per thing that can happen to the job's slices. Every change of a slice
 is also written as a `SliceRecord`, the same kind the store's slice events are read as,
 so the policy learns from a replay exactly as it learns from a running job.
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from policies.slice_history import SliceRecord
-from policies.slice_options import Option
-from policies.spot_estimates import SpotAvailability
+from policies.cost.slice_history import SliceRecord
+from policies.cost.slice_options import Option
+from policies.cost.spot_estimates import SpotAvailability
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class DecisionRecord:
     at_s: float
     option: str  # label, or "wait"
     reason: str
-    move: str = ""  # what was done about it (`policies.moves.Move`), or "switch" when a request became READY
+    move: str = ""  # what was done about it (`policies.cost.moves.Move`), or "switch" when a request became READY
 
 
 @dataclass

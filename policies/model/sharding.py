@@ -1,7 +1,7 @@
 """The sharding plan: how a model is laid out over a slice's devices.
 
 A pure function of numbers (no JAX): the slice's device and host counts, the model's
-shape (`policies.model_shape.ModelShape`), the spec's mesh wishes and the global batch
+shape (`policies.model.shape.ModelShape`), the spec's mesh wishes and the global batch
 size. The worker turns the result into a `jax.sharding.Mesh` and `PartitionSpec`s.
 
 Axes:
@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.model_shape import ModelShape
+from policies.model.shape import ModelShape
 
 AXES = ("data", "fsdp", "model")
 BATCH_AXES = ("data", "fsdp")

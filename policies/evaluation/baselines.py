@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.cost import SAFETY_MARGIN_S
-from policies.slice_options import Option
-from policies.snapshot import Decision, Snapshot
+from policies.cost.policy import SAFETY_MARGIN_S
+from policies.cost.slice_options import Option
+from policies.cost.snapshot import Decision, Snapshot
 
 
 @dataclass(frozen=True)

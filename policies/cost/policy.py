@@ -12,10 +12,10 @@ slice's hazard is hosts x the host hazard; a Gamma-Poisson estimate, prior updat
 observed preemptions). `SpotAvailability` estimates, from the capacity seen so far,
 the fraction of time each spot size can be had and how long outages last.
 
-The parts, one module each: `policies.slice_options` (what the job can run on, its
-price and speed), `policies.restart_cost` (restarts and the checkpoint interval),
-`policies.spot_estimates` (the hazard and availability learned), `policies.snapshot`
-(the decision's input and output records), `policies.fluid_plan` (the expected cost of
+The parts, one module each: `policies.cost.slice_options` (what the job can run on, its
+price and speed), `policies.cost.restart_cost` (restarts and the checkpoint interval),
+`policies.cost.spot_estimates` (the hazard and availability learned), `policies.cost.snapshot`
+(the decision's input and output records), `policies.cost.fluid_plan` (the expected cost of
 finishing from some moment), and this module, the decision itself.
 
 The objective is the least expected cost to finish (equivalently, expected cost per
@@ -60,19 +60,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from policies.fluid_plan import Plan, PlanInputs, expected_plan_cost, plan_inputs
-from policies.restart_cost import DEFAULT_SAVE_S, RestartCost
-from policies.slice_options import Option
-from policies.snapshot import Decision, Snapshot, slice_hazard_per_hour
-from policies.spot_estimates import REFUSAL_HOLDS_S, SpotAvailability, SpotHazard, spot_chips_known
-
-# The decision, and the names the autoscaler (and its tests) took from here before this
-# module was split; new code imports those from the modules they live in.
-__all__ = [
-    "LOOKAHEAD_S", "SAFETY_MARGIN_S", "ActionValue", "CostPolicy", "decide", "value_of",
-    "DEFAULT_SAVE_S", "REFUSAL_HOLDS_S", "Decision", "Option", "RestartCost", "Snapshot", "SpotAvailability",
-    "SpotHazard", "spot_chips_known",
-]
+from policies.cost.fluid_plan import Plan, PlanInputs, expected_plan_cost, plan_inputs
+from policies.cost.slice_options import Option
+from policies.cost.snapshot import Decision, Snapshot, slice_hazard_per_hour
 
 SAFETY_MARGIN_S = 600.0  # spare time the safety net keeps, against slow provisioning
 LOOKAHEAD_S = 3600.0  # long enough to amortise a restart, short against a day-long job

@@ -27,7 +27,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from policies.slice_options import Option
+from policies.cost.slice_options import Option
 
 QUEUE_TIMEOUT_S = 300.0  # release-first replays only: how long a request waits for capacity (policy seconds)
 

@@ -1,7 +1,7 @@
 """The fluid plan: the expected cost of finishing a job from some moment, treating the
 future as a fluid.
 
-The cost policy (`policies.cost`) prices each action it could take now as the action's
+The cost policy (`policies.cost.policy`) prices each action it could take now as the action's
 own cost over the lookahead plus the cost of this plan from where the action leaves
 the job. The plan uses spot of one size whenever it can be had, at its
 hazard-discounted speed and price per token (`SpotOutlook`), and the cheapest
@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from policies.restart_cost import RestartCost
-from policies.slice_options import Option
-from policies.snapshot import Snapshot, slice_hazard_per_hour
+from policies.cost.restart_cost import RestartCost
+from policies.cost.slice_options import Option
+from policies.cost.snapshot import Snapshot, slice_hazard_per_hour
 
 # Future spot time is uncertain: plans are priced in five scenarios (5-point Gauss-
 # Hermite nodes of a normal, in standard deviations, with their weights) and averaged.

@@ -19,7 +19,7 @@ and zone. For spot slices `read_history` takes from them:
 
 An on-demand slice lost (a host died) says nothing about spot: no refusal, no
 preemption. Times are policy seconds on one clock (the simulator's: from the job's
-start; the autoscaler's: the same, through `policies.clock.Clock`).
+start; the autoscaler's: the same, through `policies.cost.clock.Clock`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from policies.slice_options import SPOT
+from policies.cost.slice_options import SPOT
 
 UP, DOWN = "READY", ("WAITING", "PREEMPTING")
 ENDED = ("GONE", "RELEASED")

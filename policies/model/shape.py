@@ -1,7 +1,7 @@
 """The model's shape: its dimensions, its parameter count and its training FLOPs per token.
 
 One record for the built-in decoder (see `workers.model`), taken by the sharding plan
-(`policies.sharding.plan_mesh`), the throughput model (`policies.slice_options.ScalingModel`
+(`policies.model.sharding.plan_mesh`), the throughput model (`policies.cost.slice_options.ScalingModel`
 wants FLOPs per token) and the workers that build the model. The job file's
 `ModelConfig` turns into one with `ModelConfig.shape()`.
 

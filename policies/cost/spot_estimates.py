@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from policies.slice_options import SPOT, Option
+from policies.cost.slice_options import SPOT, Option
 
 # Priors, before the job has seen its zone, chosen to agree with each other: spot stays
 # obtainable 4 h at a time and outages last 2 h, so it can be had 4 / (4 + 2) of the

@@ -1,7 +1,7 @@
 """Will training fit in a chip's HBM? A per-chip memory estimate and the microbatch count that fits.
 
-A pure function of numbers: the model's shape (`policies.model_shape.ModelShape`), the
-resolved mesh (`policies.sharding.MeshPlan`), the batch, the precision and the remat
+A pure function of numbers: the model's shape (`policies.model.shape.ModelShape`), the
+resolved mesh (`policies.model.sharding.MeshPlan`), the batch, the precision and the remat
 policy, against one chip's HBM in bytes. The job spec asks it for every slice a job may
 run on, so a job that cannot fit is refused before anything is created; the trainer asks
 it for the microbatch count when ``gradient_accumulation: auto``.
@@ -57,8 +57,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from policies.model_shape import ModelShape
-from policies.sharding import PARAM_RULES, MeshPlan
+from policies.model.shape import ModelShape
+from policies.model.sharding import PARAM_RULES, MeshPlan
 
 GIB = 2**30
 USABLE_FRACTION = 0.9  # of a chip's HBM; the rest is XLA's scratch, the program and fragmentation
@@ -75,7 +75,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 
 
 def params_by_role(shape: ModelShape) -> dict[str, int]:
-    """Parameter count per role of `policies.sharding.PARAM_RULES` (they sum to `shape.num_params()`)."""
+    """Parameter count per role of `policies.model.sharding.PARAM_RULES` (they sum to `shape.num_params()`)."""
     d, f, v, hd, L, e = shape.d_model, shape.d_ff, shape.vocab_size, shape.head_dim, shape.n_layers, shape.moe_experts
     roles = {"embed": v * d, "unembed": d * v, "norm": d + L * (2 + shape.scan_layer) * d,
              "wq": L * d * shape.n_heads * hd, "wk": L * d * shape.n_kv_heads * hd,

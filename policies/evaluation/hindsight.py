@@ -2,7 +2,7 @@
 window, knowing the whole trace.
 
 `hindsight_optimum` is a lower bound: a dynamic programme over the same steps as
-`policies.simulator.simulate` that knows the whole trace, and so also knows when each
+`policies.evaluation.simulator.simulate` that knows the whole trace, and so also knows when each
 preemption comes and loses no work to it. Everything else (overheads, billing,
 capacity) is the same as in `simulate`.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from policies.restart_cost import RestartCost
-from policies.simulator import SimJob, quantized_restart, step_seconds
-from policies.traces import SpotTrace
+from policies.cost.restart_cost import RestartCost
+from policies.evaluation.simulator import SimJob, quantized_restart, step_seconds
+from policies.evaluation.traces import SpotTrace
 
 
 @dataclass(frozen=True)

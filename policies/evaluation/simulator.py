@@ -5,14 +5,14 @@ The simulated world (one job, one zone):
 - Time advances in steps of at most `MAX_STEP_S` (the trace's tick split evenly). The
   policy is asked for a decision, seeing only the past and the present, at the start of
   the job, when the job's slice is preempted, a request turns READY or is lost, and
-  otherwise every `policies.clock.DECISION_INTERVAL_S`, as the controller asks it.
-- Spot capacity comes from the trace (see `policies.traces`); on-demand is always there.
+  otherwise every `policies.cost.clock.DECISION_INTERVAL_S`, as the controller asks it.
+- Spot capacity comes from the trace (see `policies.evaluation.traces`); on-demand is always there.
 - The job's slices move through the store's slice lifecycle and each change is a
   `SliceRecord` (`Run.records`): a request is REQUESTED, WAITING while the zone has no
   capacity for it (not billed), PROVISIONING for `provisioning_s` (not billed), then
   READY; the job then starts up on it for `startup_s` (billed, no progress; both rounded
   up to whole steps) and trains at its `tokens_per_s`.
-- Moves are make-before-break (`policies.moves`): a move requests the new slice beside
+- Moves are make-before-break (`policies.cost.moves`): a move requests the new slice beside
   the running one, which trains on while the request waits, and a spot size the policy's
   plan waits for stays requested; when a request is READY the policy is asked, and if it
   chooses it the running slice stops at a checkpoint (nothing lost) and is released. A
@@ -30,7 +30,7 @@ The simulated world (one job, one zone):
   says a notice leaves time for a save (off by default).
 - Billing stops the moment the last token is trained.
 
-The policy's snapshot is built by `policies.knowledge.build_snapshot`, the function the
+The policy's snapshot is built by `policies.cost.knowledge.build_snapshot`, the function the
 product's autoscaler uses, from the run's slice records. What it knows of spot capacity
 (`knowledge`): "own" (the product's view) only what the job's own slices show; "pooled"
 also what earlier jobs in the zone showed: `earlier_jobs` jobs replayed back to back
@@ -38,8 +38,8 @@ on the same trace just before this one, each pooling the ones before it (or the
 `memory` records given); "trace" shows it the zone's capacity at every step and asks it
 again whenever that changes, as a scheduler with a capacity feed would (an upper bound).
 
-Baselines to compare with are in `policies.baselines`; the least any policy could pay,
-knowing the future, in `policies.hindsight`.
+Baselines to compare with are in `policies.evaluation.baselines`; the least any policy could pay,
+knowing the future, in `policies.evaluation.hindsight`.
 """
 
 from __future__ import annotations
@@ -51,17 +51,17 @@ from typing import Protocol
 
 import numpy as np
 
-from policies import sim_slices as sl
-from policies.clock import DECISION_INTERVAL_S
-from policies.knowledge import CapacityFeed, Progress, build_snapshot
-from policies.moves import QUEUE_TIMEOUT_S, MoveKind, next_move
-from policies.restart_cost import RestartCost
-from policies.sim_slices import DecisionRecord, SimState
-from policies.slice_history import SliceRecord
-from policies.slice_options import SPOT, Option
-from policies.snapshot import Decision, Snapshot
-from policies.spot_estimates import SpotAvailability, SpotHazard
-from policies.traces import SpotTrace
+from policies.cost.clock import DECISION_INTERVAL_S
+from policies.cost.knowledge import CapacityFeed, Progress, build_snapshot
+from policies.cost.moves import QUEUE_TIMEOUT_S, MoveKind, next_move
+from policies.cost.restart_cost import RestartCost
+from policies.cost.slice_history import SliceRecord
+from policies.cost.slice_options import SPOT, Option
+from policies.cost.snapshot import Decision, Snapshot
+from policies.cost.spot_estimates import SpotAvailability, SpotHazard
+from policies.evaluation import sim_slices as sl
+from policies.evaluation.sim_slices import DecisionRecord, SimState
+from policies.evaluation.traces import SpotTrace
 
 __all__ = ["DECISION_INTERVAL_S", "QUEUE_TIMEOUT_S", "DecisionRecord", "Policy", "Run", "SimJob", "quantized_restart",
            "simulate", "step_seconds"]
@@ -243,7 +243,7 @@ def _snapshot(w: _World, s: SimState, now: float, cap: int) -> Snapshot:
 
 
 def _decide(w: _World, s: SimState, now: float, cap: int) -> None:
-    """Ask the policy, and act on its answer (`policies.moves.next_move`)."""
+    """Ask the policy, and act on its answer (`policies.cost.moves.next_move`)."""
     s.asked.append((now, len(s.records)))
     decision = w.policy.decide(_snapshot(w, s, now, cap))
     s.next_decision_s = now + w.decision_interval_s

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from policies.slice_history import History, SliceRecord, read_history
-from policies.spot_estimates import REFUSAL_HOLDS_S, SpotAvailability, SpotHazard, spot_chips_known
+from policies.cost.slice_history import History, SliceRecord, read_history
+from policies.cost.spot_estimates import REFUSAL_HOLDS_S, SpotAvailability, SpotHazard, spot_chips_known
 
 POOL_HORIZON_S = 14 * 24 * 3600.0  # records older than this (policy seconds) are not pooled
 
