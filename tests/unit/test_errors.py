@@ -77,7 +77,8 @@ def test_a_spec_error_raised_in_a_ray_task_arrives_with_its_problems():
 def test_request_errors_are_the_ones_to_fix_in_the_request():
     request = {type(e) for e in EXAMPLES if isinstance(e, RequestError)}
     assert request == {RequestError, SpecError, UnknownAcceleratorError, JobNotFoundError, JobStateError,
-                       OutputFileError, NoStepsError, errors.ProfileError}
+                       OutputFileError, NoStepsError, errors.ProfileError, errors.CheckpointFolderError,
+                       errors.FolderInUseError, errors.FolderMismatchError}
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(tmp_path, monkeypatch):
