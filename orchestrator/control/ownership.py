@@ -37,11 +37,11 @@ import os
 import time
 from dataclasses import dataclass
 
+from orchestrator.domain.spec import JobSpec, LmWorkload
 from orchestrator.errors import CheckpointFolderError, FolderInUseError, FolderMismatchError
 from orchestrator.state.events import FolderClaimed
-from orchestrator.state.states import JobState
+from orchestrator.state.states import FailedBecause, JobState
 from orchestrator.state.store import Store
-from orchestrator.domain.spec import JobSpec, LmWorkload
 from workers import storage
 
 IDENTITY = "identity.json"
@@ -212,7 +212,8 @@ def record_job(store: Store, job_id: str, spec: JobSpec, on_existing: OnExisting
         event = take(spec, job_id, claimed)
     except Exception as e:  # the job cannot run without its folder: say why, to the caller too
         why = f"{type(e).__name__}: {e}"
-        store.transition(job_id, JobState.FAILED, f"could not set up checkpoint folder {directory}: {why}")
+        store.transition(job_id, JobState.FAILED, f"could not set up checkpoint folder {directory}: {why}",
+                         cause=FailedBecause.STORAGE.value)
         raise CheckpointFolderError(directory, f"could not be set up: {why}") from None
     store.add_event(job_id, event, claimed.reason)
     return claimed

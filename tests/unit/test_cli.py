@@ -289,7 +289,7 @@ def test_profile_with_bad_steps_or_host_is_one_line_exit_2(home, args, says):
 
 def test_submit_onto_another_runs_checkpoints_is_one_line_exit_2_and_starts_nothing(tmp_path, home):
     from orchestrator.control.ownership import OnExisting, record_job
-    from orchestrator.user.spec import JobSpec
+    from orchestrator.domain.spec import JobSpec
 
     job_file = tmp_path / "job.yaml"
     job_file.write_text("name: tiny\nworkload: {type: lm, steps: 300, learning_rate: {peak: 3.0e-3}}\n"

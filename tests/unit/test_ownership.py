@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from orchestrator.control.ownership import IDENTITY, OnExisting, record_job
+from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import FolderInUseError, FolderMismatchError, RequestError
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
-from orchestrator.domain.spec import JobSpec
 
 TINY = {"d_model": 64, "n_layers": 1, "n_heads": 4, "d_ff": 128}
 
@@ -78,7 +78,8 @@ def test_each_differing_setting_of_model_optimizer_and_data_is_named(store, tmp_
                OnExisting.CHECK)
     event = folder_event(store, "lm-cccccc")
     assert event.payload.action == "resume" and event.payload.previous_job == "lm-aaaaaa"
-    assert event.reason == f"checkpoint folder {folder}: holds checkpoints up to step 8 of job lm-aaaaaa, the same run; resuming"
+    assert event.reason == (f"checkpoint folder {folder}: holds checkpoints up to step 8 of job lm-aaaaaa, the same "
+                            "run; resuming")
 
 
 def test_checkpoints_nobody_recorded_are_refused_unless_resumed_anyway(store, tmp_path):
