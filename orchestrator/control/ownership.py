@@ -227,6 +227,7 @@ def take(spec: JobSpec, job_id: str, claimed: Claim) -> FolderClaimed:
     """
     directory, endpoint = claimed.folder.directory, spec.storage.endpoint
     if claimed.action is Action.FRESH:
+        assert claimed.set_aside_to is not None, "decide names where a fresh start moves the old run"
         storage.move_tree(directory, claimed.set_aside_to, endpoint=endpoint)
     storage.makedirs(directory)
     record = {"version": RECORD_VERSION, "job": job_id, "name": spec.name, "written_at": time.time(),
