@@ -114,11 +114,13 @@ def _flat(prefix: str, value: object) -> dict[str, object]:
     return {prefix: value}
 
 
+UNSET = "(unset)"  # a setting one side has and the other has not
+
+
 def differences(recorded: dict[str, object], wanted: dict[str, object]) -> list[tuple[str, object, object]]:
-    """`(field, recorded value, wanted value)` for every setting that differs; one on one side only is unset there."""
-    unset = "(unset)"
-    return [(k, recorded.get(k, unset), wanted.get(k, unset)) for k in sorted(recorded.keys() | wanted.keys())
-            if recorded.get(k, unset) != wanted.get(k, unset)]
+    """`(field, recorded value, wanted value)` for every setting that differs; one on one side only is UNSET there."""
+    return [(k, recorded.get(k, UNSET), wanted.get(k, UNSET)) for k in sorted(recorded.keys() | wanted.keys())
+            if recorded.get(k, UNSET) != wanted.get(k, UNSET)]
 
 
 def decide(folder: Folder, wanted: dict[str, object], on_existing: OnExisting, *, now: float) -> Claim:
@@ -139,7 +141,8 @@ def decide(folder: Folder, wanted: dict[str, object], on_existing: OnExisting, *
         aside = f"{where.rstrip('/')}.replaced-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime(now))}"
         return Claim(Action.FRESH, f"checkpoint folder {where}: {holds}; moved them aside to {aside} and starting "
                                    "from step 0, as asked", folder, set_aside_to=aside)
-    found = differences(record.get("identity") or {}, wanted) if record is not None else []
+    recorded = record.get("identity") if record is not None else None
+    found = differences(recorded if isinstance(recorded, dict) else {}, wanted) if record is not None else []
     if record is not None and not found:
         return Claim(Action.RESUME, f"checkpoint folder {where}: {holds}, the same run; resuming", folder)
     what = (f"trained with other settings: {_listed(found)}" if record is not None else
@@ -160,7 +163,7 @@ def _listed(found: list[tuple[str, object, object]]) -> str:
 
 
 def _shown(value: object) -> str:
-    return value if value == "(unset)" else json.dumps(value)
+    return UNSET if value == UNSET else json.dumps(value)
 
 
 def look(directory: str, *, endpoint: str | None = None) -> Folder:
