@@ -187,3 +187,27 @@ def test_a_store_of_the_previous_version_gains_the_folder_column(tmp_path):
     # A job recorded by the previous version claims no folder (its row has no key): known, and rare.
     record_job(store, "lm-aaaaaa", spec(tmp_path / "c"), OnExisting.CHECK)
     assert store.job_using(str(tmp_path / "c")).id == "lm-aaaaaa"
+
+
+def test_in_a_bucket_the_record_is_kept_and_fresh_moves_the_old_run_aside(store, gcs_emulator, request):
+    """The same rules on gs:// (the local Cloud Storage emulator), reached through the spec's endpoint."""
+    from tests.storage_fixture import unique_folder
+    from workers import storage
+
+    folder, url = unique_folder(request), gcs_emulator.url
+
+    def bucket_spec(peak: float) -> JobSpec:
+        return JobSpec.from_dict({**spec(Path("/unused"), peak=peak).model_dump(mode="json"),
+                                  "checkpoint": {"directory": folder}, "storage": {"endpoint": url}})
+
+    record_job(store, "lm-aaaaaa", bucket_spec(3e-3), OnExisting.CHECK)
+    storage.write_text(f"{folder}/100/commit_success.txt", "", endpoint=url)  # step 100, as orbax commits it there
+    store.transition("lm-aaaaaa", JobState.CANCELLED, "cancelled by the user")
+    with pytest.raises(FolderMismatchError, match="workload.learning_rate.peak was 0.003, is 0.001"):
+        record_job(store, "lm-bbbbbb", bucket_spec(1e-3), OnExisting.CHECK)
+    record_job(store, "lm-bbbbbb", bucket_spec(1e-3), OnExisting.FRESH, now=1764084600.0)
+    aside = f"{folder}.replaced-20251125T153000Z"
+    assert folder_event(store, "lm-bbbbbb").payload.set_aside_to == aside
+    assert storage.listdir(aside, endpoint=url) == ["100", IDENTITY]
+    assert storage.listdir(folder, endpoint=url) == [IDENTITY]
+    assert json.loads(storage.read_text(f"{folder}/{IDENTITY}", endpoint=url))["job"] == "lm-bbbbbb"
