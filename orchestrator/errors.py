@@ -74,6 +74,34 @@ class JobStateError(RequestError):
         super().__init__(f"job {job_id} is {state}; " + (why or f"only a {' or '.join(allowed)} job can be {action}"))
 
 
+class CheckpointFolderError(RequestError):
+    """A job's checkpoint folder cannot be used as asked; `directory` names it, `problem` says why."""
+
+    def __init__(self, directory: str, problem: str):
+        self.directory, self.problem = directory, problem
+        super().__init__(f"checkpoint folder {directory}: {problem}")
+
+
+class FolderInUseError(CheckpointFolderError):
+    """Another job that has not ended (`other_job`, in `other_state`) writes to the same checkpoint folder."""
+
+    def __init__(self, directory: str, other_job: str, other_state: str):
+        self.other_job, self.other_state = other_job, other_state
+        super().__init__(directory, f"in use by job {other_job} ({other_state}); one folder takes one job at a "
+                                    "time: wait for that job to end or cancel it, or set checkpoint.directory "
+                                    "to another folder")
+
+
+class FolderMismatchError(CheckpointFolderError):
+    """The folder holds checkpoints of a run with other settings: `differences` holds one
+    `(field, theirs, mine)` per setting, `last_step` its newest step, `owner` the job that wrote it (if known)."""
+
+    def __init__(self, directory: str, problem: str, *, differences: list[tuple[str, object, object]],
+                 last_step: int, owner: str | None):
+        self.differences, self.last_step, self.owner = differences, last_step, owner
+        super().__init__(directory, problem)
+
+
 class OutputFileError(RequestError, ValueError):
     """A file the user asked us to write cannot be written there (wrong suffix, missing folder, a directory)."""
 

@@ -26,8 +26,9 @@ writers racing, one wins and the other re-reads; locally it is one file replaced
 atomic rename under a lock on its folder. A writer never lowers the generation of its own
 owner's fence, and of two writers of the same generation only one succeeds (`FenceError`
 for the other). A fence of another owner, or a bare integer from before owners were recorded,
-is replaced: a job resubmitted on the folder of an earlier one takes it over (refusing a
-second *running* job on one folder is for the caller, which can read `Fence.owner`).
+is replaced: a job resubmitted on the folder of an earlier one takes it over. A second job
+on a folder whose job has not ended never gets that far: the controller refuses it at submit,
+and a folder records which run its checkpoints belong to (`orchestrator.control.ownership`).
 
 Example::
 

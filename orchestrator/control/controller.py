@@ -22,9 +22,10 @@ import time
 from pathlib import Path
 
 from orchestrator import cluster
-from orchestrator.control import shipping
+from orchestrator.control import ownership, shipping
 from orchestrator.control.adoption import adopt
 from orchestrator.control.driver import JobDriver, parse_stored_spec
+from orchestrator.control.ownership import OnExisting
 from orchestrator.control.queue import AdmissionQueue
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError, JobStateError
@@ -97,14 +98,20 @@ class Controller:
         """The dashboard's address (without the token: `orchestrator dashboard` adds it), or None if it failed."""
         return self._dashboard.url if self._dashboard else None
 
-    def submit(self, spec: dict, workdir: str | None = None, code: shipping.Package | None = None) -> str:
+    def submit(self, spec: dict, workdir: str | None = None, code: shipping.Package | None = None,
+               on_existing: str = OnExisting.CHECK.value) -> str:
         """Record a job and start its driver; returns its id. `workdir` fills `spec.workdir` if unset;
-        `code`, the job's packed folder, is kept in its state directory and shipped at every launch."""
+        `code`, the job's packed folder, is kept in its state directory and shipped at every launch.
+
+        The job's checkpoint folder must be free and hold no other run's checkpoints
+        (`orchestrator.control.ownership`; `on_existing` says what to do if it does): else
+        FolderInUseError or FolderMismatchError, and nothing is recorded.
+        """
         parsed = JobSpec.from_dict(spec)
         job_id = f"{parsed.name}-{secrets.token_hex(3)}"
         parsed = parsed.with_checkpoint_directory(self.home.default_checkpoint_dir(parsed.name))
         parsed = parsed.model_copy(update={"workdir": parsed.workdir or workdir})
-        self.store.create_job(job_id, parsed.name, parsed.model_dump(mode="json"))
+        ownership.record_job(self.store, job_id, parsed, OnExisting(on_existing))
         self.home.job_dir(job_id).mkdir(parents=True, exist_ok=True)
         if code is not None:
             shipping.keep(code, self.home.job_dir(job_id))

@@ -10,6 +10,7 @@ starts on a slice that became READY while the last one trained.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -197,6 +198,8 @@ class JobDriver(AutoscalingMixin):
         outcome = self.limits.outcome(outcome)
         self.captures.attempt_ended(att.generation, outcome.reason)
         k = outcome.kind
+        if k is OutcomeKind.SUCCEEDED and (finished := self._finished_before()) is not None:
+            outcome = dataclasses.replace(outcome, reason=finished)
         if k not in (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVISION_FAILED, OutcomeKind.RESIZED,
                      OutcomeKind.BUDGET_SPENT):
             steps_done = att.last_step + 1
@@ -228,6 +231,19 @@ class JobDriver(AutoscalingMixin):
         else:
             self.transition(JobState.RECOVERING, d.reason, data=StateChange(outcome=k.value))
             att.cancel.wait(d.backoff_s)
+
+    def _finished_before(self) -> str | None:
+        """Why a job that succeeded trained no step of its own: its folder held a run that had already finished."""
+        job = self.store.job(self.job_id)
+        committed, total = (job.result or {}).get("steps"), self.spec().workload.steps
+        if self.store.last_step(self.job_id) is not None or committed is None or total is None or committed < total:
+            return None
+        where = self.spec().checkpoint.directory
+        if committed == total:
+            return (f"resumed a finished run: step {total} of {total} was already committed in {where}; nothing to "
+                    "train (to train again from step 0, submit with --fresh)")
+        return (f"resumed a finished run: the checkpoints in {where} reach step {committed}, past this job's {total} "
+                "steps; nothing to train (to train again from step 0, submit with --fresh)")
 
     def lost_with_the_cluster(self, generation: int) -> None:
         """The job's workers went with the whole cluster (the restarted controller found none to adopt):
@@ -418,6 +434,9 @@ class JobDriver(AutoscalingMixin):
         att = self.att
         restored, unreadable = t.restored_step, list(t.unreadable)
         what = f"restored step {restored}" if restored is not None else "started from scratch"
+        total = self.spec().workload.steps
+        if restored is not None and total is not None and restored >= total:
+            what += f" of {total}: the run had already finished, nothing to train"
         if unreadable:
             what += f" (fell back: checkpoint {', '.join(map(str, unreadable))} unreadable)"
         self.store.add_event(self.job_id, Restored(t.restore_s, t.compile_s, restored, unreadable),

@@ -30,6 +30,7 @@ class EventKind(str, enum.Enum):
     RESIZE = "resize"  # a move to another slice type was asked for
     PROFILE = "profile"  # a profile capture ended (traced, or why not)
     DEADLINE = "deadline"  # at its measured speed the job now ends after its deadline, or in time again
+    FOLDER = "folder"  # at submit: what the job does with its checkpoint folder (new, resume, fresh, ...)
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,22 @@ class DeadlineForecast(Payload):
     step_s: float | None = None  # wall seconds a step, over the last steps
 
 
+@dataclass(frozen=True)
+class FolderClaimed(Payload):
+    """What a submit did with the job's checkpoint folder (`orchestrator.control.ownership`)."""
+
+    KIND: ClassVar[EventKind] = EventKind.FOLDER
+    directory: str | None = None
+    action: str | None = None  # an `ownership.Action` value: new, resume, resume-anyway, fresh
+    last_step: int | None = None  # the newest step folder there was (None: none)
+    previous_job: str | None = None  # the job the folder's record named, if any
+    differences: list[list] | None = None  # [field, in the record, in this job] for resume-anyway
+    set_aside_to: str | None = None  # for fresh: where the old checkpoints went
+
+
 PAYLOADS: dict[EventKind, type[Payload]] = {
     cls.KIND: cls for cls in (StateChange, SliceChanged, Launched, Restored, LostWork, CheckpointSaved, NoticeSeen,
-                              Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked, Profiled, DeadlineForecast)
+                              Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked, Profiled, DeadlineForecast,
+                              FolderClaimed)
 }
 assert set(PAYLOADS) == set(EventKind), "every kind has its record"

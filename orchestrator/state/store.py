@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from orchestrator.errors import IllegalTransitionError, JobNotFoundError
+from orchestrator.errors import FolderInUseError, IllegalTransitionError, JobNotFoundError
 from orchestrator.state.events import PAYLOADS, EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.states import JOB_TRANSITIONS, FailedBecause, JobState, SliceState, check_slice
 
-SCHEMA_VERSION = 3  # 2: steps.metrics; 3: jobs.cause
+SCHEMA_VERSION = 4  # 2: steps.metrics; 3: jobs.cause; 4: jobs.folder
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     cancel_requested INTEGER NOT NULL DEFAULT 0,
     error TEXT,
     result TEXT,
-    cause TEXT
+    cause TEXT,
+    folder TEXT  -- the checkpoint folder's key (`orchestrator.control.ownership.folder_key`)
 );
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -147,7 +148,10 @@ class Store:
                     db.execute("ALTER TABLE steps ADD COLUMN metrics TEXT")
                 if "cause" not in {c[1] for c in db.execute("PRAGMA table_info(jobs)")}:
                     db.execute("ALTER TABLE jobs ADD COLUMN cause TEXT")
+                if "folder" not in {c[1] for c in db.execute("PRAGMA table_info(jobs)")}:
+                    db.execute("ALTER TABLE jobs ADD COLUMN folder TEXT")  # older jobs: NULL, claim no folder
                 db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+            db.execute("CREATE INDEX IF NOT EXISTS jobs_folder ON jobs (folder)")
 
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
@@ -174,15 +178,32 @@ class Store:
     # -- jobs ------------------------------------------------------------------
 
     def create_job(self, job_id: str, name: str, spec: dict, *, reason: str = "submitted",
-                   at: float | None = None) -> JobRecord:
+                   at: float | None = None, folder: str | None = None) -> JobRecord:
+        """Record a new PENDING job. With `folder` (its checkpoint folder's key), only if no job that has
+        not ended has the same: else FolderInUseError, and nothing is written (one transaction, so of two
+        submits at the same moment one gets the folder)."""
         now = time.time() if at is None else at
         with self._tx() as db:
+            if folder is not None and (holder := self._job_using(db, folder)) is not None:
+                raise FolderInUseError(folder, holder.id, holder.state.value)
             db.execute(
-                "INSERT INTO jobs (id, name, spec, state, reason, created_at, updated_at) VALUES (?,?,?,?,?,?,?)",
-                (job_id, name, json.dumps(spec), JobState.PENDING.value, reason, now, now),
+                "INSERT INTO jobs (id, name, spec, state, reason, created_at, updated_at, folder) "
+                "VALUES (?,?,?,?,?,?,?,?)",
+                (job_id, name, json.dumps(spec), JobState.PENDING.value, reason, now, now, folder),
             )
             self._event(db, job_id, EventKind.STATE, None, JobState.PENDING.value, reason, None, now)
         return self.job(job_id)
+
+    def job_using(self, folder: str) -> JobRecord | None:
+        """The job not yet ended whose checkpoint folder has the key `folder`, if any."""
+        return self._job_using(self._conn(), folder)
+
+    @staticmethod
+    def _job_using(db: sqlite3.Connection, folder: str) -> JobRecord | None:
+        ended = [s.value for s in JobState if s.terminal]
+        row = db.execute(f"SELECT * FROM jobs WHERE folder=? AND state NOT IN ({','.join('?' * len(ended))}) "
+                         "ORDER BY created_at LIMIT 1", (folder, *ended)).fetchone()
+        return _job(row) if row else None
 
     def transition(self, job_id: str, target: JobState, reason: str, *, data: StateChange | None = None,
                    at: float | None = None, **fields: Any) -> JobRecord:

@@ -108,12 +108,23 @@ def submit(job_file: Path = typer.Argument(..., help="The job's YAML file."),
            detach: bool = typer.Option(False, "--detach", "-d", help="Return the job id at once."),
            quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress display."),
            as_json: bool = typer.Option(False, "--json", help="Progress as JSON Lines, for scripts."),
+           fresh: bool = typer.Option(False, "--fresh", help="Start from step 0: move the checkpoints in the job's "
+                                      "folder aside to <folder>.replaced-<UTC time>."),
+           resume_anyway: bool = typer.Option(False, "--resume-anyway", help="Resume the checkpoints in the job's "
+                                              "folder even if another model, optimizer or data wrote them."),
            address: Optional[str] = AddressOpt) -> None:
-    """Submit a job; wait for it with a progress display unless --detach."""
+    """Submit a job; wait for it with a progress display unless --detach.
+
+    Checkpoints of the same run in the job's folder are resumed; a folder another running job
+    uses, or one holding checkpoints of a run with other settings, is refused (exit 2).
+    """
+    if fresh and resume_anyway:
+        _fail("--fresh and --resume-anyway exclude each other: start over, or resume")
     spec = JobSpec.from_yaml(job_file)
     client = Client(address=address)
     try:
-        job = client.submit(spec, workdir=job_file.parent, source=str(job_file))
+        job = client.submit(spec, workdir=job_file.parent, source=str(job_file), fresh=fresh,
+                            resume_anyway=resume_anyway)
     except OrchestratorError:
         client.close()
         raise

@@ -27,6 +27,8 @@ from orchestrator import catalog, cluster
 from orchestrator.catalog import Tier
 from orchestrator.cluster.driver_output import keep_ray_quiet
 from orchestrator.cluster.processes import stop_marked
+from orchestrator.control import ownership
+from orchestrator.control.ownership import OnExisting
 from orchestrator.control.shipping import pack_folder
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import ClusterError, JobNotFoundError, JobStateError, OrchestratorError, SpecError
@@ -200,8 +202,21 @@ class Client:
         except ray.exceptions.RayActorError as e:
             raise ClusterError(f"the controller died during {method}: {e.error_msg}") from None
 
-    def submit(self, spec: JobSpec, *, workdir: str | Path | None = None, source: str = "<spec>") -> Job:
+    def submit(self, spec: JobSpec, *, workdir: str | Path | None = None, source: str = "<spec>",
+               fresh: bool = False, resume_anyway: bool = False) -> Job:
         """Hand a job to the controller; returns at once with its handle.
+
+        The job's checkpoint folder is its own (`orchestrator.control.ownership`): checkpoints of
+        the same run there are resumed; `FolderInUseError` if a job that has not ended uses the
+        folder; `FolderMismatchError`, naming each setting that differs, if the folder holds
+        checkpoints of a run with another model, optimizer or data (or of a run nobody recorded).
+        `fresh=True` moves any checkpoints there aside to ``<folder>.replaced-<UTC time>`` and starts
+        from step 0; `resume_anyway=True` resumes them whatever run wrote them.
+
+        Example::
+
+            job = client.submit(spec)                   # resumes the same run's checkpoints, if any
+            job = client.submit(spec, fresh=True)       # starts over; the old checkpoints are kept aside
 
         Raises `SpecError` if the controller refuses the spec (with its `problems`), or if
         the token files of `workload.data` are missing, truncated, of another dtype, beyond
@@ -209,8 +224,14 @@ class Client:
         the job's folder (`orchestrator.user.entrypoint`): checked here, before any cluster is
         started or slice provisioned. `source` (the job file) is named in those errors.
         """
+        if fresh and resume_anyway:
+            raise SpecError(source, [("", "fresh and resume_anyway exclude each other: start over, or resume")])
+        on_existing = OnExisting.FRESH if fresh else OnExisting.RESUME_ANYWAY if resume_anyway else OnExisting.CHECK
         check_data(spec, source)
         check_entrypoint(spec, source, workdir)
+        if self.address is None:  # the controller's state directory is this one: refuse before any cluster starts
+            ownership.claim(self.store, spec.with_checkpoint_directory(self.home.default_checkpoint_dir(spec.name)),
+                            on_existing)  # the controller asks again, and records the job in the same transaction
         # The embedded cluster always listens on 127.0.0.1; TPU VMs are told its address unless gcp.head_address.
         problems = gcp_problems(spec, self.address or "127.0.0.1:6379")
         if problems:
@@ -222,7 +243,9 @@ class Client:
                 raise SpecError(source, [("workdir", "an entrypoint job needs the folder its module is imported "
                                                      "from (workdir, or submit(..., workdir=...))")])
             code = pack_folder(folder, source=source)  # shipped to every host: TPU VMs share no disk with us
-        job_id = self._ask("submit", spec.model_dump(mode="json"), folder, code)
+        # Starting fresh moves the old checkpoints aside: one rename on disk, a copy of each object in a bucket.
+        job_id = self._ask("submit", spec.model_dump(mode="json"), folder, code, on_existing.value,
+                           timeout_s=600 if fresh else 60)
         return Job(self, job_id)
 
     def export(self, job_id: str, out: str | Path, *, step: int | None = None, latest: bool = False,

@@ -143,7 +143,8 @@ def _status(job: JobRecord, last: StepMetric | None) -> JobStatus:
     spec = job.spec
     return JobStatus(
         id=job.id, name=job.name, state=job.state, reason=job.reason, accelerator=spec.get("accelerator", "?"),
-        tier=spec.get("tier", "?"), step=(last.step + 1) if last else 0,
+        # A job that trained no step of its own may have resumed a finished run: its result says where it stands.
+        tier=spec.get("tier", "?"), step=(last.step + 1) if last else (job.result or {}).get("steps") or 0,
         total_steps=(spec.get("workload") or {}).get("steps"), loss=last.loss if last else None,
         tokens_per_s=last.tokens_per_s if last else None, preemptions=job.preemptions, failures=job.failures,
         error=job.error, created_at=job.created_at, updated_at=job.updated_at, metrics=last.metrics if last else {},

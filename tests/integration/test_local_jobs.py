@@ -120,8 +120,8 @@ def test_two_jobs_at_once_keep_to_their_own_slices(client, tmp_path):
     assert a.wait(timeout_s=420).state is JobState.SUCCEEDED
     assert b.wait(timeout_s=420).state is JobState.SUCCEEDED
     assert not set(launched_nodes(a)) & set(launched_nodes(b))
-    assert sorted(p.name for p in (tmp_path / "ckpt-job-a").iterdir()) == [".fence", "3", "6"]
-    assert sorted(p.name for p in (tmp_path / "ckpt-job-b").iterdir()) == [".fence", "5"]
+    assert sorted(p.name for p in (tmp_path / "ckpt-job-a").iterdir()) == [".fence", "3", "6", "identity.json"]
+    assert sorted(p.name for p in (tmp_path / "ckpt-job-b").iterdir()) == [".fence", "5", "identity.json"]
     assert "step 6/6" in a.logs() and "/5 " not in a.logs()
     assert "step 5/5" in b.logs() and "/6 " not in b.logs()
     assert len(a.metrics()) == 6 and len(b.metrics()) == 5

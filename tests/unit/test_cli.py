@@ -282,3 +282,37 @@ def test_profile_with_bad_steps_or_host_is_one_line_exit_2(home, args, says):
     assert (r.exit_code, error_lines(r)) == (2, [f"error: {says}"])
     assert not (home / "cluster.json").exists()
     assert [e.kind for e in Store(home / "state.db").events(job)] == ["state"] * 4  # nothing asked
+
+
+# -- submit onto a checkpoint folder that is not the job's --------------------------------------
+
+
+def test_submit_onto_another_runs_checkpoints_is_one_line_exit_2_and_starts_nothing(tmp_path, home):
+    from orchestrator.control.ownership import OnExisting, record_job
+    from orchestrator.domain.spec import JobSpec
+
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: tiny\nworkload: {type: lm, steps: 300, learning_rate: {peak: 3.0e-3}}\n"
+                        "checkpoint: {directory: ckpt}\n")
+    store = Store(home / "state.db")
+    record_job(store, "tiny-aaaaaa", JobSpec.from_yaml(job_file), OnExisting.CHECK)  # the first run...
+    (tmp_path / "ckpt" / "300").mkdir()
+    store.transition("tiny-aaaaaa", JobState.CANCELLED, "cancelled by the user")  # ...saved step 300 and ended
+    job_file.write_text(job_file.read_text().replace("3.0e-3", "1.0e-3"))
+    r = run("submit", str(job_file))
+    assert (r.exit_code, r.stdout) == (2, "")
+    (line,) = error_lines(r)
+    assert line.startswith(f"error: checkpoint folder {tmp_path / 'ckpt'}: holds checkpoints up to step 300 of job "
+                           "tiny-aaaaaa, trained with other settings: workload.learning_rate.peak was 0.003, is 0.001.")
+    assert "--fresh" in line and "--resume-anyway" in line
+    assert [j.id for j in store.jobs()] == ["tiny-aaaaaa"]
+    assert not (home / "cluster.json").exists()  # refused before any cluster was started
+
+
+def test_fresh_and_resume_anyway_together_are_one_line_exit_2(tmp_path, home):
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: tiny\n")
+    r = run("submit", str(job_file), "--fresh", "--resume-anyway")
+    assert (r.exit_code, error_lines(r)) == (2, ["error: --fresh and --resume-anyway exclude each other: start "
+                                                 "over, or resume"])
+    assert not (home / "cluster.json").exists()

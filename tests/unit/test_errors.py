@@ -41,6 +41,10 @@ EXAMPLES = [
     CloudApiError(action="create", project="p", zone="us-central2-b", code=429, reason="RATE", message="slow down",
                   transient=True, slice_name="s1"),
     NoCapacityError("s1", ["us-central2-b", "europe-west4-a"], "no v4-32 free"),
+    errors.CheckpointFolderError("gs://b/ckpt", "cannot be read: Forbidden"),
+    errors.FolderInUseError("/ckpt/tiny", "tiny-abc123", "RUNNING"),
+    errors.FolderMismatchError("/ckpt/tiny", "holds checkpoints up to step 300 of job tiny-abc123, trained with other "
+                               "settings", differences=[("workload.seed", 0, 1)], last_step=300, owner="tiny-abc123"),
 ]
 
 
@@ -73,7 +77,8 @@ def test_a_spec_error_raised_in_a_ray_task_arrives_with_its_problems():
 def test_request_errors_are_the_ones_to_fix_in_the_request():
     request = {type(e) for e in EXAMPLES if isinstance(e, RequestError)}
     assert request == {RequestError, SpecError, UnknownAcceleratorError, JobNotFoundError, JobStateError,
-                       OutputFileError, NoStepsError, errors.ProfileError}
+                       OutputFileError, NoStepsError, errors.ProfileError, errors.CheckpointFolderError,
+                       errors.FolderInUseError, errors.FolderMismatchError}
 
 
 def test_a_failed_write_leaves_the_old_file_and_no_temporary_file(tmp_path, monkeypatch):

@@ -22,6 +22,7 @@ EXAMPLES = [
     ev.Profiled("20261125-120000-ab12", "/ckpt/profiles/20261125-120000-ab12", [0, 1], 12, 3, 3,
                 {"0": {"bytes_in_use": 1024}}),
     ev.DeadlineForecast(240.0, 3840.0, 3600.0, 900, 0.4),
+    ev.FolderClaimed("/ckpt", "resume-anyway", 300, "lm-3f2a1c", [["workload.seed", 0, 1]], None),
     ev.ResizeAsked("v4-16", "v4-32", "spot", "more chips", 10),
 ]
 
