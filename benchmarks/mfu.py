@@ -8,11 +8,16 @@ remat's recomputation is not counted, as MFU is usually defined); the peak is th
 device's dense bf16 peak (table below, from the vendors' data sheets). The float32 run
 is the baseline measured in the same run: bf16's ratio to it is the speed-up.
 
+Each configuration runs in a process of its own, so no compiled program, allocator pool or
+cache of one run carries over to the next, and its memory is read from the compiled train
+step itself (XLA's memory analysis: arguments, outputs, temporaries, aliased bytes), beside the
+device's peak as the loop reports it. The JAX and jaxlib versions go into the results.
+
     python benchmarks/mfu.py                 # the accelerator here (a GPU: the ~100M model)
     python benchmarks/mfu.py --preset tiny   # a quick CPU check of the harness
 
 Writes `benchmarks/results/mfu.json` (`--out` elsewhere): per run `device`, `params`,
-`precision`, `remat`, `tokens_per_s`, `tflops_per_chip`, `mfu`.
+`precision`, `remat`, `tokens_per_s`, `tflops_per_chip`, `mfu`, `compiled_memory`.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -58,7 +64,9 @@ def run(preset: str, precision: str, remat: str, steps: int, skip: int) -> dict:
     ctx = context_for(cfg, send=lambda r: reports.append(r) if isinstance(r, StepDone) else None,
                       peak_flops_per_chip=peak_for(device.device_kind))
     t0 = time.perf_counter()
-    Trainer(cfg, ctx).run()
+    trainer = Trainer(cfg, ctx)
+    trainer.run()
+    memory = compiled_memory(trainer.compile())  # the program just run (kept by runtime.compile_keyed)
     steady = reports[skip:]
     seconds = sum(r.step_time_s for r in steady)
     tokens_per_s = cfg.tokens_per_step * len(steady) / seconds
@@ -71,8 +79,31 @@ def run(preset: str, precision: str, remat: str, steps: int, skip: int) -> dict:
             "global_batch_size": batch, "steps": steps, "skip": skip, "tokens_per_s": tokens_per_s,
             "tflops_per_chip": per_chip / 1e12, "mfu": per_chip / peak if peak else None,
             "peak_tflops_per_chip": peak / 1e12 if peak else None, "hbm_peak_gib": max(hbm) if hbm else None,
+            "compiled_memory": memory,
             "first_loss": reports[0].loss, "last_loss": reports[-1].loss, "wall_s": time.perf_counter() - t0,
             "attention": "cudnn" if device.platform == "gpu" else "xla" if device.platform == "cpu" else "pallas"}
+
+
+def compiled_memory(compiled) -> dict | None:
+    """Bytes the compiled program needs per device, by kind (None where the backend does not say)."""
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        return None
+    kinds = ("argument", "output", "temp", "alias", "generated_code")
+    return {kind: getattr(analysis, f"{kind}_size_in_bytes", None) for kind in kinds}
+
+
+CONFIGS = (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "full"))
+
+
+def run_alone(preset: str, precision: str, remat: str, steps: int, skip: int) -> dict:
+    """`run` in a fresh Python process: nothing compiled, allocated or cached by another run is there."""
+    cmd = [sys.executable, __file__, "--one", precision, remat, "--preset", preset, "--steps", str(steps),
+           "--skip", str(skip)]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        raise SystemExit(f"{precision}/{remat} failed (exit {r.returncode}):\n{r.stderr[-4000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -82,18 +113,24 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the figures")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "mfu.json"))
+    p.add_argument("--one", nargs=2, metavar=("PRECISION", "REMAT"), help=argparse.SUPPRESS)  # a child's run
     args = p.parse_args()
     import jax
+    import jaxlib
 
     preset = args.preset or ("tiny" if jax.default_backend() == "cpu" else "100m")
+    if args.one:
+        print(json.dumps(run(preset, *args.one, args.steps, args.skip)), flush=True)
+        return
     runs = []
-    for precision, remat in (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "full")):
-        runs.append(run(preset, precision, remat, args.steps, args.skip))
+    for precision, remat in CONFIGS:
+        runs.append(run_alone(preset, precision, remat, args.steps, args.skip))
         print(json.dumps(runs[-1]), flush=True)
     base = runs[0]["tokens_per_s"]
     for r in runs:
         r["speedup_vs_float32"] = r["tokens_per_s"] / base
     out = {"preset": preset, "runs": runs, "machine": f"{platform.machine()}, {jax.default_backend()}",
+           "jax": jax.__version__, "jaxlib": jaxlib.__version__, "each_run": "a fresh process",
            "flops": "6 x params + 12 x layers x d_model x seq_len per token (policies.model.shape)"}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
