@@ -49,6 +49,20 @@ class Attempt:
     next_provision_s: float = 0.0  # from its request to READY
     requests: int = 0  # slice requests made by this driver, for unique names
 
+    @property
+    def chosen_provider(self) -> SliceProvider:
+        """`provider`, where the code runs only after it was chosen (every request and slice comes from it)."""
+        if self.provider is None:
+            raise RuntimeError("no provider chosen yet: this attempt has requested no slice")
+        return self.provider
+
+    @property
+    def held_slice(self) -> Slice:
+        """`slice`, where the code runs only while the attempt holds one (launched, running, stopping)."""
+        if self.slice is None:
+            raise RuntimeError("this attempt holds no slice")
+        return self.slice
+
     def begin(self, generation: int) -> None:
         """A new launch: reports of `generation` count from now on."""
         self.generation, self.started, self.last_step, self.notice, self.accepting = generation, False, -1, None, True

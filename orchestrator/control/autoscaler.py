@@ -35,7 +35,7 @@ from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN, job_options
 from orchestrator.domain.spec import JobSpec, LmWorkload
 from orchestrator.errors import UnknownAcceleratorError
 from orchestrator.observe.goodput import goodput
-from orchestrator.state.events import EventKind
+from orchestrator.state.events import CheckpointSaved, EventKind, Launched, Restored, SliceChanged, StateChange
 from orchestrator.state.store import Event, StepMetric, Store
 from policies.cost.capacity_memory import POOL_HORIZON_S, chips_known, estimates, pooled
 from policies.cost.clock import DECISION_INTERVAL_S, Clock
@@ -87,7 +87,7 @@ def slice_records(events: list[Event], *, origin: float = 0.0, clock: Clock = Cl
     `origin` on `clock`; `zone` (if given) for every record, else the event's own."""
     out = []
     for e in events:
-        p = e.payload if e.kind is EventKind.SLICE else None
+        p = e.payload_as(SliceChanged) if e.kind is EventKind.SLICE else None
         if p is None or not p.name or not p.state or not p.chips:
             continue
         where = zone or getattr(p, "zone", None) or "default"
@@ -111,11 +111,14 @@ def _restart(events: list[Event], spec: JobSpec, step_s: float | None, clock: Cl
     """Restart cost as measured (provisioning, init, restore, compile), the policy's defaults before
     that; the checkpoint interval of the spec (the longest) and the time a save blocks, once measured."""
     changes = [e for e in events if e.kind is EventKind.STATE]
-    prov = [e.payload.provision_s for e in changes if e.to_state == "STARTING" and e.payload.provision_s is not None]
-    init = [e.payload.init_s for e in changes if e.to_state == "RUNNING" and e.payload.init_s is not None]
-    rest = [r.restore_s + r.compile_s for r in (e.payload for e in events if e.kind is EventKind.RESTORE)]
-    saves = [e.payload.blocking_s for e in events
-             if e.kind is EventKind.CHECKPOINT and e.payload.blocking_s is not None]
+    prov = [s for e in changes
+            if e.to_state == "STARTING" and (s := e.payload_as(StateChange).provision_s) is not None]
+    init = [s for e in changes if e.to_state == "RUNNING" and (s := e.payload_as(StateChange).init_s) is not None]
+    # A row without its times (read back as None) is no measurement.
+    rest = [r.restore_s + r.compile_s for r in (e.payload_as(Restored) for e in events if e.kind is EventKind.RESTORE)
+            if r.restore_s is not None and r.compile_s is not None]
+    saves = [s for e in events if e.kind is EventKind.CHECKPOINT
+             and (s := e.payload_as(CheckpointSaved).blocking_s) is not None]
     restart = RestartCost()
     if prov and rest:
         startup = statistics.median(rest) + (statistics.median(init) if init else 0.0)
@@ -141,11 +144,11 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
     steps = store.steps(job_id)
 
     # Measured speed per slice type: the step times of the generations that ran on it (tokens per policy second).
-    type_of_generation = {}
-    slices = [e.payload for e in events if e.kind is EventKind.SLICE]
+    type_of_generation: dict[int | None, str | None] = {}
+    slices = [e.payload_as(SliceChanged) for e in events if e.kind is EventKind.SLICE]
     for e in events:
         if e.kind is EventKind.LAUNCHED:
-            launched = e.payload
+            launched = e.payload_as(Launched)
             type_of_generation[launched.generation] = next(
                 (s.accelerator for s in slices if s.name == launched.slice), None)
     measured: dict[str, float] = {}
@@ -153,7 +156,9 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
         times = [m.step_time_s for m in steps if m.step_time_s and type_of_generation.get(m.generation) == name]
         if len(times) >= 3:
             measured[name] = tokens_per_step / clock.policy_s(statistics.median(times))
-    options = job_options(spec.autoscaling.accelerators, [t.value for t in spec.autoscaling.tiers],
+    auto = spec.autoscaling
+    assert auto is not None, "the policy is asked only about jobs that autoscale (the driver checks)"
+    options = job_options(auto.accelerators, [t.value for t in auto.tiers],
                           flops_per_token=_flops_per_token(spec), measured_tokens_per_s=measured, zone=zone)
     step_s = step_seconds(steps)
 
@@ -162,7 +167,7 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
     since = job.created_at - clock.wall_s(POOL_HORIZON_S)
     others = slice_records(store.slice_events(since=since, exclude_job=job_id), origin=job.created_at, clock=clock)
     done_steps = (steps[-1].step + 1) if steps else 0
-    committed = max([e.payload.step or 0 for e in events if e.kind is EventKind.CHECKPOINT] + [0])
+    committed = max([e.payload_as(CheckpointSaved).step or 0 for e in events if e.kind is EventKind.CHECKPOINT] + [0])
     deadline_s = spec.deadline.total_seconds() if spec.deadline else NO_DEADLINE_S
     progress = Progress(deadline_s, float(total), float(done_steps * tokens_per_step),
                         float(min(committed, done_steps) * tokens_per_step),

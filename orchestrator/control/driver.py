@@ -15,7 +15,7 @@ import logging
 import random
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray
 import tenacity
@@ -116,10 +116,10 @@ class JobDriver(AutoscalingMixin):
         """Give back a request waiting beside the slice, and a slice READY for a switch not made."""
         att = self.att
         if att.waiting is not None:
-            release(att.provider, att.waiting.name, why)
+            release(att.chosen_provider, att.waiting.name, why)
             att.waiting = None
         if att.next_slice is not None:
-            release(att.provider, att.next_slice.name, why)
+            release(att.chosen_provider, att.next_slice.name, why)
             att.next_slice = None
 
     def _attempt(self) -> Outcome:
@@ -268,7 +268,7 @@ class JobDriver(AutoscalingMixin):
         request has a name of its own. A request still waiting from a move that the policy
         wants again is waited on rather than asked for anew.
         """
-        provider = self.att.provider
+        provider = self.att.chosen_provider
         stem = f"{self.job_id}-{attempt}" + (f"q{round_}" if round_ else "")
         names = iter(f"{stem}{suffix}" for suffix in ["", "b", "c", "d"])
         key = (spec.accelerator, spec.tier.value)
@@ -304,15 +304,16 @@ class JobDriver(AutoscalingMixin):
         started = time.monotonic()
         while True:
             if att.cancel.is_set() or self.store.job(self.job_id).cancel_requested:
-                release(att.provider, w.name, "cancelled")
+                release(att.chosen_provider, w.name, "cancelled")
                 raise CapacityError("cancelled while waiting for the slice", slice_name=w.name)
-            kind, s, why = look(att.provider, w)
-            if kind is Look.READY:
-                return s
+            kind, s, why = look(att.chosen_provider, w)
             if kind is Look.REFUSED:
                 raise CapacityError(why, slice_name=w.name)
+            assert s is not None, "a request not refused has its slice"
+            if kind is Look.READY:
+                return s
             if not self._still_wanted(spec):
-                release(att.provider, w.name, "the policy no longer wants it")
+                release(att.chosen_provider, w.name, "the policy no longer wants it")
                 raise CapacityError(f"the policy no longer wants {w.accelerator} {w.tier}", slice_name=w.name)
             job = self.store.job(self.job_id)
             if s.state in (SliceState.REQUESTED, SliceState.WAITING):
@@ -324,7 +325,7 @@ class JobDriver(AutoscalingMixin):
             elif job.state is JobState.QUEUED:
                 self.transition(JobState.PROVISIONING, f"capacity came for slice {w.name}; starting its hosts")
             if time.monotonic() - started > spec.recovery.start_timeout_s:
-                release(att.provider, w.name, "its hosts did not join in time")
+                release(att.chosen_provider, w.name, "its hosts did not join in time")
                 raise ProvisioningError(f"slice {w.name}: its hosts did not all join the cluster within "
                                         f"{spec.recovery.start_timeout_s:.0f} s", slice_name=w.name, transient=True)
             att.cancel.wait(poll)
@@ -346,7 +347,7 @@ class JobDriver(AutoscalingMixin):
 
     def transition(self, target: JobState, reason: str, *, data: StateChange | None = None,
                    cause: FailedBecause | None = None) -> None:
-        fields = {} if cause is None else {"cause": cause.value}
+        fields: dict[str, Any] = {} if cause is None else {"cause": cause.value}
         try:
             self.store.transition(self.job_id, target, reason, data=data, **fields)
         except IllegalTransitionError as e:
@@ -422,7 +423,7 @@ class JobDriver(AutoscalingMixin):
         if not att.workers or not att.started or outcome.kind is OutcomeKind.INFRA_LOST:
             return
         try:
-            history = ray.get(att.workers[0].history.remote(), timeout=5)
+            history: list[dict] = ray.get(att.workers[0].history.remote(), timeout=5)
         except Exception as e:  # the worker went with its host after all: what is recorded is what there is
             log.warning("job %s: no step history from worker 0 (%s)", self.job_id, type(e).__name__)
             return

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Callable
 
 from orchestrator import catalog
 from orchestrator.control.waiting import Look, look, release, request
@@ -35,22 +36,38 @@ from orchestrator.providers.base import CapacityError
 from orchestrator.state.events import Autoscaled, ResizeAsked
 from policies.cost.clock import DECISION_INTERVAL_S
 
+if TYPE_CHECKING:
+    from orchestrator.control.attempt import Attempt
+    from orchestrator.control.autoscaler import Choice
+    from orchestrator.control.controller import Controller
+    from orchestrator.providers.capacity import TraceClock
+    from orchestrator.state.store import Store
+
 log = logging.getLogger(__name__)
 
 
 class AutoscalingMixin:
     """Autoscaling for `JobDriver` (which holds `store`, `job_id`, `att`, `plane`, `spec()`, `_clock()`)."""
 
-    _choice = None  # the policy's last choice before provisioning (its checkpoint interval applies)
+    # What `JobDriver` holds, named here for the type checker.
+    plane: Controller
+    store: Store
+    job_id: str
+    att: Attempt
+    spec: Callable[[], JobSpec]
+    _clock: Callable[[JobSpec], TraceClock]
+
+    _choice: Choice | None = None  # the policy's last choice before provisioning (its checkpoint interval applies)
 
     def _spot_chips_available(self, spec: JobSpec) -> int:
         """The largest spot slice the job may ask for (the autoscaler takes off what the zone refused it lately)."""
+        assert spec.autoscaling is not None, "asked only for a job that autoscales (`_decide`'s callers check)"
         allowed = [catalog.lookup(a) for a in spec.autoscaling.accelerators]
         if spec.provider == "local":
             allowed = [t for t in allowed if t.hosts <= self.plane.provider.max_hosts]
         return max((t.chips for t in allowed), default=0)
 
-    def _decide(self, spec: JobSpec, current: tuple[str, str] | None, *, ready: bool = False):
+    def _decide(self, spec: JobSpec, current: tuple[str, str] | None, *, ready: bool = False) -> Choice:
         """The policy's `Choice`, told of the running slice and of the request waiting beside it."""
         from orchestrator.control.autoscaler import decide
 
@@ -67,7 +84,7 @@ class AutoscalingMixin:
         choice = self._choice = self._decide(spec, None)
         d, move = choice.decision, choice.move
         if move is not None and move.release_waiting and self.att.waiting is not None:
-            release(self.att.provider, self.att.waiting.name, "the policy no longer wants it")
+            release(self.att.chosen_provider, self.att.waiting.name, "the policy no longer wants it")
             self.att.waiting = None
         want = (choice.accelerator, choice.tier)
         if choice.accelerator is None and move is not None and move.request is not None:
@@ -122,22 +139,22 @@ class AutoscalingMixin:
             self._switch(d.reason)
             return
         if move.release_waiting and att.waiting is not None:
-            release(att.provider, att.waiting.name, "the policy no longer wants it")
+            release(att.chosen_provider, att.waiting.name, "the policy no longer wants it")
             att.waiting, att.next_slice = None, None
         if move.release_held:
             self.store.add_event(self.job_id, Autoscaled(None, None, d.expected_cost_usd, d.reason),
-                                 f"release {att.slice.name} and wait for spot: {d.reason}")
+                                 f"release {att.held_slice.name} and wait for spot: {d.reason}")
             att.resize_to, att.resize_tier = spec.accelerator, spec.tier.value
             att.stop_requested(f"the policy releases the slice: {d.reason}")
             return
         if move.request is not None and att.waiting is None:
             o = move.request
             self.store.add_event(self.job_id, Autoscaled(o.name, o.tier, d.expected_cost_usd, d.reason),
-                                 f"request {o.name} {o.tier} beside {att.slice.name}: {d.reason}")
+                                 f"request {o.name} {o.tier} beside {att.held_slice.name}: {d.reason}")
             att.requests += 1
             name = f"{self.job_id}-{att.generation + 1}m{att.requests}"
             try:
-                att.waiting = request(att.provider, self.job_id, name, spec, o.name, o.tier,
+                att.waiting = request(att.chosen_provider, self.job_id, name, spec, o.name, o.tier,
                                       created_at=self.store.job(self.job_id).created_at, limit_s=None)
             except CapacityError as e:  # refused at once: a capacity fact, asked about again next interval
                 log.info("job %s: request for %s %s refused: %s", self.job_id, o.name, o.tier, e)
@@ -151,7 +168,8 @@ class AutoscalingMixin:
         if att.next_slice is not None:
             return False  # READY already, the policy kept the running slice for now
         w = att.waiting
-        kind, s, why = look(att.provider, w)
+        assert w is not None, "followed only while a request waits (the caller checks)"
+        kind, s, why = look(att.chosen_provider, w)
         if kind is Look.WAITING:
             return False
         if kind is Look.REFUSED:
@@ -167,10 +185,11 @@ class AutoscalingMixin:
         """Stop the workers at a committed checkpoint; the next launch goes to the READY request."""
         att = self.att
         w, s = att.waiting, att.next_slice
+        assert w is not None and s is not None, "a switch is made only to a READY request (the caller checks)"
         att.waiting = None
         att.resize_to, att.resize_tier = w.accelerator, w.tier
-        reason = f"slice {s.name} ({w.accelerator} {w.tier}) is ready beside {att.slice.name}"
-        self.store.add_event(self.job_id, ResizeAsked(att.slice.tpu_type.name, w.accelerator, w.tier,
+        reason = f"slice {s.name} ({w.accelerator} {w.tier}) is ready beside {att.held_slice.name}"
+        self.store.add_event(self.job_id, ResizeAsked(att.held_slice.tpu_type.name, w.accelerator, w.tier,
                                                       f"{reason}: {why}", att.last_step + 1),
                              f"{reason}: checkpointing, then switching ({why})")
         att.stop_requested(f"move to {w.accelerator} {w.tier}: {reason}")

@@ -54,7 +54,7 @@ from rich.table import Table
 
 from orchestrator.catalog import lookup
 from orchestrator.errors import UnknownAcceleratorError
-from orchestrator.state.events import EventKind, SliceChanged
+from orchestrator.state.events import CheckpointSaved, Disrupted, EventKind, LostWork, Restored, SliceChanged, StateChange
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 from policies.decisions.recovery import RULES, Budget
 
@@ -194,7 +194,7 @@ def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric]
         preemptions=sum(k in _PREEMPTION_OUTCOMES for k in kinds),
         failures=sum(k in _FAILURE_OUTCOMES for k in kinds),
         restarts=max(0, launches - 1),
-        lost_steps=sum(int(e.payload.steps or 0) for e in events if e.kind is EventKind.LOST_WORK),
+        lost_steps=sum(int(e.payload_as(LostWork).steps or 0) for e in events if e.kind is EventKind.LOST_WORK),
         productive_steps=len({s.step for s in kept}),
     )
 
@@ -208,9 +208,10 @@ def disruptions(events: list[Event]) -> list[tuple[float, str]]:
     `outcome` of ->RECOVERING transitions. Failed provisioning never has a disruption
     event, so it always comes from the transitions.
     """
-    recovering = [(e.at, e.payload.outcome) for e in events
-                  if e.kind is EventKind.STATE and e.to_state == "RECOVERING" and e.payload.outcome]
-    recorded = [(e.at, e.payload.kind) for e in events if e.kind is EventKind.DISRUPTION and e.payload.kind]
+    recovering = [(e.at, outcome) for e in events if e.kind is EventKind.STATE and e.to_state == "RECOVERING"
+                  and (outcome := e.payload_as(StateChange).outcome)]
+    recorded = [(e.at, kind) for e in events if e.kind is EventKind.DISRUPTION
+                and (kind := e.payload_as(Disrupted).kind)]
     if not recorded:
         return recovering
     return sorted(recorded + [(at, k) for at, k in recovering if k == "provision_failed"])
@@ -220,16 +221,17 @@ def billed_slices(events: list[Event], *, end: float) -> list[BilledSlice]:
     """Each slice of the job's slice events with its billing window (open windows close at `end`)."""
     by_name: dict[str, list[tuple[float, SliceChanged]]] = {}
     for e in events:
-        if e.kind is EventKind.SLICE and e.payload.name:
-            by_name.setdefault(e.payload.name, []).append((e.at, e.payload))
+        if e.kind is EventKind.SLICE and (changed := e.payload_as(SliceChanged)).name:
+            by_name.setdefault(changed.name, []).append((e.at, changed))
     out = []
     for name, evs in by_name.items():
         first = next((x for x in evs if x[1].state == "REQUESTED"), evs[0])
         waited = [i for i, (_, s) in enumerate(evs) if s.state == "WAITING"]
         if waited:  # billed from when capacity came (after the last wait: a zone fall-through waits again)
-            first = next((x for x in evs[waited[-1]:] if x[1].state not in ("WAITING", *_BILLING_ENDS)), None)
-            if first is None:  # let go while still queued: never allocated, never billed
+            allocated = next((x for x in evs[waited[-1]:] if x[1].state not in ("WAITING", *_BILLING_ENDS)), None)
+            if allocated is None:  # let go while still queued: never allocated, never billed
                 continue
+            first = allocated
         last = next((x for x in evs if x[1].state in _BILLING_ENDS and x[0] >= first[0]), None)
         accelerator, tier = str(first[1].accelerator or "?"), str(first[1].tier or "?")
         price = next((s.usd_per_hour for _, s in evs if s.usd_per_hour is not None), None)
@@ -285,9 +287,10 @@ def state_intervals(job: JobRecord, events: list[Event], *, now: float) -> list[
         starts.append(max(e.at, starts[-1]))  # a clock step backwards must not make a negative interval
     end = starts[-1] if job.state.terminal else max(now, starts[-1])
     ends = starts[1:] + [end]
-    outcomes = [e.payload.outcome for e in changes]
-    return [StateInterval(e.to_state, s, t, outcomes[i], outcomes[i + 1] if i + 1 < len(changes) else None)
-            for i, (e, s, t) in enumerate(zip(changes, starts, ends))]
+    states = [e.to_state for e in changes if e.to_state]  # all of them (changes have a to_state)
+    outcomes = [e.payload_as(StateChange).outcome for e in changes]
+    return [StateInterval(state, s, t, outcomes[i], outcomes[i + 1] if i + 1 < len(changes) else None)
+            for i, (state, s, t) in enumerate(zip(states, starts, ends))]
 
 
 def _claims(intervals: list[StateInterval], events: list[Event],
@@ -307,14 +310,15 @@ def _claims(intervals: list[StateInterval], events: list[Event],
     compiles_in_first_step = set()  # intervals whose launch compiled its step in the first step
     for e in events:
         if e.kind is EventKind.RESTORE:
-            claim(_work_interval(intervals, starts, e.at), "restore", e.payload.restore_s)
-            claim(_work_interval(intervals, starts, e.at), "compile", e.payload.compile_s)
-            if not e.payload.compile_s:
+            restored = e.payload_as(Restored)
+            claim(_work_interval(intervals, starts, e.at), "restore", restored.restore_s)
+            claim(_work_interval(intervals, starts, e.at), "compile", restored.compile_s)
+            if not restored.compile_s:
                 compiles_in_first_step.add(_work_interval(intervals, starts, e.at))
         elif e.kind is EventKind.CHECKPOINT:
-            claim(_work_interval(intervals, starts, e.at), "checkpoint_save", e.payload.blocking_s)
+            claim(_work_interval(intervals, starts, e.at), "checkpoint_save", e.payload_as(CheckpointSaved).blocking_s)
         elif e.kind is EventKind.LOST_WORK:
-            claim(_previous_run(intervals, starts, e.at), "lost_work", e.payload.seconds)
+            claim(_previous_run(intervals, starts, e.at), "lost_work", e.payload_as(LostWork).seconds)
     stale = _stale_ranges(events)
     kept = [s for s in steps if not any(s.step in steps_range and s.at < at for at, steps_range in stale)]
     times = sorted(s.step_time_s for s in kept if s.step_time_s)
@@ -356,9 +360,11 @@ def _stale_ranges(events: list[Event]) -> list[tuple[float, range]]:
     """
     out = []
     for e in events:
-        if e.kind is not EventKind.LOST_WORK or e.payload.from_step is None:
+        if e.kind is not EventKind.LOST_WORK:
             continue
-        lost = e.payload
+        lost = e.payload_as(LostWork)
+        if lost.from_step is None:
+            continue
         a = int(lost.from_step)
         b = int(lost.to_step) if lost.to_step is not None else a + int(lost.steps or 0)
         out.append((e.at, range(min(a, b), max(a, b))))
@@ -367,11 +373,13 @@ def _stale_ranges(events: list[Event]) -> list[tuple[float, range]]:
 
 def _waiting_windows(events: list[Event], end: float) -> list[tuple[float, float]]:
     """[from, to) windows in which one of the job's slices was WAITING."""
-    windows, waiting_since = [], {}
+    windows: list[tuple[float, float]] = []
+    waiting_since: dict[str | None, float] = {}
     for e in events:
         if e.kind is not EventKind.SLICE:
             continue
-        name, state = e.payload.name, e.payload.state
+        changed = e.payload_as(SliceChanged)
+        name, state = changed.name, changed.state
         if name in waiting_since:
             windows.append((waiting_since.pop(name), e.at))
         if state == "WAITING":

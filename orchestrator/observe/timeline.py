@@ -23,7 +23,8 @@ import bisect
 import time
 from dataclasses import dataclass
 
-from orchestrator.state.events import EventKind
+from orchestrator.state.events import (CheckpointSaved, DeadlineForecast, Disrupted, EventKind, Launched, ResizeAsked,
+                                       Restored, StateChange)
 from orchestrator.state.states import JobState, SliceState
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 from policies.decisions.recovery import HUNG, WORKER_DIED, WORKER_UNREACHABLE
@@ -93,25 +94,25 @@ def markers(events: list[Event], steps: list[StepMetric] | None = None, *,
     for e in events:
         k = e.kind
         if k is EventKind.DISRUPTION:
-            p = e.payload
+            p = e.payload_as(Disrupted)
             cause = disruption_cause(p.kind, p.reason)
             if cause is not None:
                 after = None if p.step is None else int(p.step) + 1
                 out.append(Marker(e.at, where(e, after), cause, _CAUSE_LABEL[cause], e.reason))
         elif k is EventKind.STATE and e.to_state == "RECOVERING" and not recorded:  # an older store's record
-            cause = disruption_cause(e.payload.outcome, e.reason)
+            cause = disruption_cause(e.payload_as(StateChange).outcome, e.reason)
             if cause is not None:
                 out.append(Marker(e.at, where(e, None), cause, _CAUSE_LABEL[cause], e.reason))
         elif k is EventKind.STATE and e.to_state == "RESIZING" and not has_resize_events:
             out.append(Marker(e.at, where(e, None), "move", "resizing", e.reason))
-        elif k is EventKind.RESTORE and e.payload.restored_step is not None:  # a fresh start is nothing to mark
-            step = int(e.payload.restored_step)
+        elif k is EventKind.RESTORE and (restored := e.payload_as(Restored).restored_step) is not None:
+            step = int(restored)  # a fresh start (no restored step) is nothing to mark
             out.append(Marker(e.at, step, "restore", f"restored step {step}", e.reason))
-        elif k is EventKind.CHECKPOINT and checkpoints and e.payload.step is not None:
-            step = int(e.payload.step)
+        elif k is EventKind.CHECKPOINT and checkpoints and (saved := e.payload_as(CheckpointSaved).step) is not None:
+            step = int(saved)
             out.append(Marker(e.at, step, "checkpoint", f"saved step {step}", e.reason))
         elif k is EventKind.RESIZE:
-            r = e.payload
+            r = e.payload_as(ResizeAsked)
             tier = f" {r.tier}" if r.tier else ""
             out.append(Marker(e.at, where(e, r.step), "move", f"move {r.from_accelerator or '?'} → {r.to or '?'}{tier}",
                               e.reason))
@@ -155,12 +156,12 @@ def move_line(store: Store, job: JobRecord) -> str | None:
     asked = [e for e in events if e.kind is EventKind.RESIZE and e.seq > running_since]
     live = store.slices(job_id=job.id, live_only=True)
     if job.state is JobState.RUNNING:
-        launched = [e.payload.slice for e in events if e.kind is EventKind.LAUNCHED
-                    and e.payload.generation == job.generation]
+        launched = [e.payload_as(Launched).slice for e in events if e.kind is EventKind.LAUNCHED
+                    and e.payload_as(Launched).generation == job.generation]
         running = launched[-1] if launched else None
         beside = [r for r in live if r["name"] != running]
         if asked:
-            r = asked[-1].payload
+            r = asked[-1].payload_as(ResizeAsked)
             target = f"{r.to} {r.tier}" if r.tier else str(r.to)
             step = f" (step {r.step})" if r.step is not None else ""
             return f"moving to {target}: checkpointing{step}, then the old slice goes"
@@ -185,6 +186,6 @@ def move_line(store: Store, job: JobRecord) -> str | None:
 def deadline_line(store: Store, job: JobRecord) -> str | None:
     """While the job's last deadline forecast says it is late: "will miss its deadline: ..."; else None."""
     forecasts = store.events(job.id, kind=EventKind.DEADLINE)
-    if not forecasts or (forecasts[-1].payload.late_by_s or 0.0) <= 0:
+    if not forecasts or (forecasts[-1].payload_as(DeadlineForecast).late_by_s or 0.0) <= 0:
         return None
     return f"will miss its deadline: {forecasts[-1].reason}"

@@ -15,11 +15,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, TypeVar
 
 from orchestrator.errors import FolderInUseError, IllegalTransitionError, JobNotFoundError
 from orchestrator.state.events import PAYLOADS, EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.states import JOB_TRANSITIONS, FailedBecause, JobState, SliceState, check_slice
+
+P = TypeVar("P", bound=Payload)
 
 SCHEMA_VERSION = 4  # 2: steps.metrics; 3: jobs.cause; 4: jobs.folder
 
@@ -111,6 +113,13 @@ class Event:
     def payload(self) -> Payload:
         """The event's record (`orchestrator.state.events`), as it was written."""
         return PAYLOADS[self.kind].from_data(self.data)
+
+    def payload_as(self, cls: type[P]) -> P:
+        """The event's record as `cls`, the record class of the kind the caller checked (any other is a bug)."""
+        payload = self.payload
+        if not isinstance(payload, cls):
+            raise TypeError(f"job {self.job_id}: event {self.seq} is a {self.kind.value} event, not {cls.__name__}")
+        return payload
 
 
 @dataclass(frozen=True)
