@@ -49,7 +49,7 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Atte
                 stop=tenacity.stop_after_delay(30), wait=tenacity.wait_fixed(1), reraise=True,
                 retry=tenacity.retry_if_exception_type(ray.exceptions.ActorUnavailableError))
             probe(lambda: ray.get([w.info.remote() for w in workers], timeout=30))
-            history = probe(lambda: ray.get(workers[0].history.remote(), timeout=30))
+            history: list[dict] = probe(lambda: ray.get(workers[0].history.remote(), timeout=30))
         except Exception as e:  # some part is gone: relaunch
             log.warning("job %s: cannot adopt generation %d (%s)", job.id, job.generation, e)
         else:
@@ -75,9 +75,11 @@ def _take_over(plane: "Controller", job: JobRecord, rec: dict, t: catalog.TpuTyp
         plane.provider.adopt(s, rec["data"]["pgids"])
         return plane.provider
     from orchestrator.control.driver import parse_stored_spec
+    from orchestrator.providers.gcp import GcpTpuProvider
 
     spec = parse_stored_spec(job.spec)
     provider = plane.provider_for(spec)
+    assert isinstance(provider, GcpTpuProvider) and spec.gcp is not None, "a slice not local is on gcp"
     provider.adopt(s, rec["data"].get("zone") or spec.gcp.zones[0])
     for found in provider.list(job_id=job.id):
         if found.name != s.name:

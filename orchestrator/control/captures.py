@@ -121,13 +121,14 @@ class Captures:
         ok = {h: r for h, r in sorted(p.done.items()) if r.error is None}
         errors = [error] if error else []
         errors += [f"host {h}: {r.error}" for h, r in sorted(p.done.items()) if r.error]
-        first = min((r.first_step for r in ok.values()), default=None)
+        first = min((r.first_step for r in ok.values() if r.first_step is not None), default=None)
         steps = min((r.steps for r in ok.values()), default=0)
         event = Profiled(capture=req.capture_id, path=req.destination if ok else None, hosts=list(req.hosts),
                          first_step=first, steps=steps, steps_asked=req.steps,
                          memory={str(h): memory_total(r.memory) for h, r in ok.items()},
                          error="; ".join(errors) or None)
         if ok:
+            assert first is not None, "a host that traced without an error names its first step"
             where = ", ".join(map(str, ok))
             reason = (f"profiled steps {first}-{first + steps - 1} on host{'s' if len(ok) > 1 else ''} {where}: "
                       f"{req.destination}" + (f" ({event.error})" if event.error else ""))

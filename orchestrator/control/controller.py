@@ -161,7 +161,9 @@ class Controller:
         driver = self._driver(job_id)
         if driver is None or job.state is not JobState.RUNNING:
             raise JobStateError(job_id, job.state.value, "profiled", (JobState.RUNNING.value,))
-        return driver.captures.ask(driver.att, driver.spec().checkpoint.directory, steps, host, memory)
+        directory = driver.spec().checkpoint.directory
+        assert directory is not None, "a submitted job's spec has its checkpoint directory (`submit` fills it)"
+        return driver.captures.ask(driver.att, directory, steps, host, memory)
 
     def profile_abandon(self, job_id: str, capture_id: str, why: str) -> None:
         """End a capture the client stopped waiting for (its event says `why`)."""
@@ -226,6 +228,7 @@ class Controller:
         from orchestrator.providers.startup import WorkerSetup
 
         g = spec.gcp
+        assert g is not None, "a gcp job's spec has its gcp section (checked by semantic_problems)"
         key = (g.project, tuple(g.zones), g.endpoint)
         with self._lock:
             if key not in self._gcp:
@@ -292,12 +295,15 @@ class Controller:
                 self.release_record(rec)
 
 
+class _OwnLog(logging.FileHandler):
+    _orchestrator = True  # marks the handler this module added (one per process)
+
+
 def _log_to(path: Path) -> None:
     root = logging.getLogger()
     if any(getattr(h, "_orchestrator", False) for h in root.handlers):
         return
-    h = logging.FileHandler(path)
-    h._orchestrator = True
+    h = _OwnLog(path)
     h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(h)
     root.setLevel(logging.INFO)

@@ -72,6 +72,7 @@ def training_settings(spec: JobSpec, devices: int, hosts: int) -> dict:
 def train_config(spec: JobSpec, devices: int, hosts: int) -> TrainConfig:
     """The built-in trainer's config for `spec` on a slice of `devices` chips on `hosts` hosts."""
     w = spec.workload
+    assert isinstance(w, LmWorkload), "the built-in trainer runs only the lm workload (`workload_for` checks)"
     shape = w.model.shape()
     plan = plan_mesh(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(), shape=shape,
                      global_batch_size=w.global_batch_size)
@@ -93,7 +94,7 @@ def _slice_type(spec: JobSpec, devices: int) -> catalog.TpuType:
 
 def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: Attempt) -> Outcome | None:
     """Start generation `att.generation` on `att.slice`; an outcome only if its workers could not all be placed."""
-    s = att.slice
+    s = att.held_slice
     t = s.tpu_type
     timeout = spec.recovery.start_timeout_s
     bundles = [{"TPU": float(t.chips_per_host), h.resource: 1.0} for h in s.hosts]
@@ -109,7 +110,8 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
     env = shipping.runtime_env(code, ship_project=spec.provider != "local")  # what the hosts cannot have
     actor = ray.remote(HostWorker)
     att.workers = [
-        actor.options(num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8, runtime_env=env,
+        actor.options(  # type: ignore[misc]  # ray types .remote() of an actor class as the handle or the class
+            num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8, runtime_env=env,
                       scheduling_strategy=PlacementGroupSchedulingStrategy(att.pg, placement_group_bundle_index=i),
                       name=worker_name(s.name, att.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
         .remote(job_id=job_id, generation=att.generation, rank=i, num_hosts=t.hosts,
@@ -117,11 +119,12 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
                 controller=_report_to(spec), workload_type=spec.workload.type)
         for i in range(t.hosts)
     ]
-    placed = ray.get([w.info.remote() for w in att.workers], timeout=timeout)
+    placed: list[dict] = ray.get([w.info.remote() for w in att.workers], timeout=timeout)
     store.add_event(job_id, Launched(s.name, [p["node_id"] for p in placed], [p["pid"] for p in placed],
                                      att.generation),
                     f"{t.hosts} workers of generation {att.generation} on slice {s.name}")
-    coordinator = ray.get(att.workers[0].coordinator_address.remote(), timeout=120) if t.hosts > 1 else None
+    coordinator: str | None = (ray.get(att.workers[0].coordinator_address.remote(), timeout=120)  # type: ignore[assignment]  # ray types a handle's methods as Never
+                               if t.hosts > 1 else None)
     workload = workload_for(spec, t.chips, t.hosts)
     if code is not None:
         workload["workdir"] = None  # the shipped copy (the runtime environment's working_dir), not the folder
@@ -149,7 +152,7 @@ def teardown(att: Attempt) -> None:
     kill_workers(att.workers, att.pg)
     att.workers, att.pg = [], None
     if att.slice is not None:
-        att.provider.release(att.slice.name)
+        att.chosen_provider.release(att.slice.name)
         att.slice = None
 
 
@@ -177,4 +180,6 @@ def write_fence(spec: JobSpec, generation: int, owner: str | None = None) -> Non
     """
     from workers import storage
 
-    storage.write_fence(spec.checkpoint.directory, generation, owner, endpoint=spec.storage.endpoint)
+    directory = spec.checkpoint.directory
+    assert directory is not None, "a submitted job's spec has its checkpoint directory (Controller.submit fills it)"
+    storage.write_fence(directory, generation, owner, endpoint=spec.storage.endpoint)

@@ -91,6 +91,7 @@ class Limits:
         step_s = step_seconds(list(self._marks))
         if step_s is None or len(self._marks) < 5 or spec.workload.steps is None:
             return
+        assert spec.deadline is not None, "forecast only for a job with a deadline (the caller checks)"
         job = self.store.job(self.job_id)
         f = forecast(elapsed_s=time.time() - job.created_at, deadline_s=spec.deadline.total_seconds(),
                      steps_left=spec.workload.steps - (att.last_step + 1), step_s=step_s)

@@ -139,5 +139,7 @@ def project_source(name: str) -> tuple[Path, str]:
 
     from ray._private.runtime_env.packaging import get_uri_for_directory
 
-    path = Path(importlib.import_module(name).__file__).parent
+    source = importlib.import_module(name).__file__
+    assert source is not None, f"{name} is a regular package (with its __init__.py), not a namespace one"
+    path = Path(source).parent
     return path, get_uri_for_directory(str(path), include_gitignore=False, excludes=PROJECT_EXCLUDES)

@@ -38,6 +38,7 @@ from policies.decisions.recovery import (
     results_outcome,
 )
 from workers.crash import stderr_tail
+from workers.protocol import WorkerResult
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Ca
         if (ended := _provider_says(att)) is not None:
             return ended
         try:
-            results = ray.get([w.result.remote() for w in att.workers], timeout=0.5)
+            results: list[WorkerResult | None] | None = ray.get([w.result.remote() for w in att.workers], timeout=0.5)
         except ray.exceptions.RayActorError as e:
             return worker_died(store, job_id, att, e)
         except ray.exceptions.GetTimeoutError:
@@ -65,7 +66,9 @@ def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Ca
                 return _confirm_failure(store, job_id, att, outcome)
             if outcome is not None:
                 if outcome.kind is OutcomeKind.SUCCEEDED:
-                    store.update_job(job_id, result={"steps": results[0].steps, "param_sums": results[0].param_sums})
+                    first = results[0]
+                    assert first is not None, "every host has its result when the job succeeded"
+                    store.update_job(job_id, result={"steps": first.steps, "param_sums": first.param_sums})
                 return outcome
         if att.cancel.is_set() or store.job(job_id).cancel_requested:
             stop_for_cancel(att, stop_sent, grace)
@@ -75,6 +78,7 @@ def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Ca
                 for w in att.workers:
                     w.request_stop.remote(att.notice)
                 stop_sent = True
+            assert att.notice_at is not None, "set with the notice (Attempt.stop_requested)"
             if time.monotonic() - att.notice_at > grace:
                 return Outcome(OutcomeKind.PREEMPTED, f"preemption notice ({att.notice}); no checkpoint within "
                                                       f"the {grace:.0f} s grace window")
@@ -86,7 +90,7 @@ def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Ca
 
 def _provider_says(att: Attempt) -> Outcome | None:
     """The provider sees a host go within a poll; a notice only marks the attempt."""
-    for ev in att.provider.poll_events(slices=[att.slice.name]):  # other slices' events stay for their own drivers
+    for ev in att.chosen_provider.poll_events(slices=[att.held_slice.name]):  # other slices' events stay for their own drivers
         if ev.kind is SliceEventKind.PREEMPTION_NOTICE:
             att.stop_requested(ev.reason)
         else:
@@ -102,7 +106,7 @@ def _host_lost(att: Attempt) -> str | None:
     """The provider's word that a host of the slice went, waiting up to SETTLE_S for it."""
     deadline = time.monotonic() + SETTLE_S
     while True:
-        lost = att.provider.poll_events(slices=[att.slice.name])
+        lost = att.chosen_provider.poll_events(slices=[att.held_slice.name])
         if lost:
             return lost[0].reason
         if time.monotonic() >= deadline:

@@ -13,6 +13,7 @@ controller's scheduling code is the same on a laptop and on a pod:
 
 from __future__ import annotations
 
+import builtins
 import enum
 import re
 import time
@@ -118,7 +119,7 @@ class SliceProvider(Protocol):
     def list(self, *, job_id: str | None = None) -> list[Slice]:
         """Slices this provider knows of (those labelled by this tool, for cloud providers)."""
 
-    def poll_events(self, *, slices: Collection[str] | None = None) -> list[SliceEvent]:
+    def poll_events(self, *, slices: Collection[str] | None = None) -> builtins.list[SliceEvent]:
         """Events (host lost, notice, reclaim, no capacity) seen since the previous call, of the
         named slices only (all if None): a job's driver takes its own slices' events and leaves
         every other slice's for its own job."""

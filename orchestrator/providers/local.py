@@ -9,6 +9,7 @@ does (SIGKILL, no goodbye), which is what the fault-injection tests use.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import threading
@@ -249,7 +250,7 @@ class LocalProvider:
         """Make one host vanish at once, as a preempted VM does (for fault injection)."""
         cluster.stop_group(self.home, self._pgids[name][worker_id], hard=True, grace_s=2.0)
 
-    def poll_events(self, *, slices: Collection[str] | None = None) -> list[SliceEvent]:
+    def poll_events(self, *, slices: Collection[str] | None = None) -> builtins.list[SliceEvent]:
         with self._lock:
             names = [n for n in self._slices if slices is None or n in slices]
         reclaim = []
@@ -278,7 +279,7 @@ class LocalProvider:
                 return True
         return False
 
-    def _replay_capacity(self, s: Slice) -> list[str]:
+    def _replay_capacity(self, s: Slice) -> builtins.list[str]:
         """The replayed trace's word on an up spot slice: a notice when capacity drops below it,
         the slice's end (to reclaim: returned) the grace later (under the lock)."""
         req = self._reqs.get(s.name)

@@ -21,7 +21,7 @@ import errno
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 
 class OutcomeKind(str, enum.Enum):
@@ -130,17 +130,26 @@ _CAUSE_ORDER = [FailureCause.IMPORT, FailureCause.STORAGE, FailureCause.EXIT, Fa
 class HostResult(Protocol):
     """How one host's training ended (`workers.protocol.WorkerResult` is one)."""
 
-    ending: str  # "succeeded", "stopped" (at an agreed step, checkpointed), "failed"
-    rank: int
-    steps: int | None
-    notice: str | None
-    error: str | None
-    traceback: str | None
-    cause: str | None  # a FailureCause value, for "failed"
-    exit_code: int | None  # for FailureCause.EXIT
+    # Read-only (properties), as a frozen record's fields are.
+    @property
+    def ending(self) -> str: ...  # "succeeded", "stopped" (at an agreed step, checkpointed), "failed"
+    @property
+    def rank(self) -> int: ...
+    @property
+    def steps(self) -> int | None: ...
+    @property
+    def notice(self) -> str | None: ...
+    @property
+    def error(self) -> str | None: ...
+    @property
+    def traceback(self) -> str | None: ...
+    @property
+    def cause(self) -> str | None: ...  # a FailureCause value, for "failed"
+    @property
+    def exit_code(self) -> int | None: ...  # for FailureCause.EXIT
 
 
-def results_outcome(results: list[HostResult | None], *, resizing_to: str | None,
+def results_outcome(results: Sequence[HostResult | None], *, resizing_to: str | None,
                     notice: str | None) -> Outcome | None:
     """What the workers' results say (None while any host still trains and none failed).
 
@@ -158,9 +167,10 @@ def results_outcome(results: list[HostResult | None], *, resizing_to: str | None
         cause = _CAUSE_ORDER[order(f)]
         return Outcome(_CAUSE_KIND[cause], f"host {f.rank}: {f.error}", traceback=f.traceback,
                        transient=not (cause is FailureCause.EXIT and f.exit_code == 0))
-    if not all(results):
+    ended = [r for r in results if r is not None]
+    if len(ended) < len(results):  # a host still trains
         return None
-    stopped = [r for r in results if r.ending == "stopped"]
+    stopped = [r for r in ended if r.ending == "stopped"]
     if stopped and resizing_to:
         return Outcome(OutcomeKind.RESIZED, f"checkpointed after step {stopped[0].steps} to resize to {resizing_to}")
     if stopped:

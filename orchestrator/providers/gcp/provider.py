@@ -12,6 +12,7 @@ lifecycle table (`SLICE_TRANSITIONS`), and is told to `on_change` once.
 
 from __future__ import annotations
 
+import builtins
 import logging
 import threading
 import time
@@ -198,7 +199,7 @@ class GcpTpuProvider:
         wanted = None if job_id is None else {job_id, label_value(job_id)}
         return [s for s in out.values() if wanted is None or s.job_id in wanted]
 
-    def poll_events(self, *, slices: Collection[str] | None = None) -> list[SliceEvent]:
+    def poll_events(self, *, slices: Collection[str] | None = None) -> builtins.list[SliceEvent]:
         with self._lock:
             names = [n for n, t in self._tracked.items() if not t.released and t.state is not SliceState.GONE
                      and (slices is None or n in slices)]
