@@ -222,7 +222,7 @@ class Context:
         n, s, seed, dataset = self.global_batch_size, self.seq_len, self.seed, self.dataset
         return jax.make_array_from_callback(
             (n, s + 1), NamedSharding(self.mesh, P(BATCH_AXES, None)),
-            lambda index: dataset.rows(seed, step, n, s, index[0]))
+            lambda index: dataset.rows(seed, step, n, s, index[0]))  # type: ignore[index]  # jax never passes None (it asserts so)
 
     # -- the loop --------------------------------------------------------------
 
@@ -269,6 +269,7 @@ class Loop:
     def __init__(self, ctx: Context, state: Any, start: int, *, flops_per_step: float | None,
                  tokens_per_step: int | None):
         self.ctx, self.state, self.step = ctx, state, start
+        assert ctx.steps is not None, "made by Context.loop, which checks workload.steps"
         self.total = int(ctx.steps)
         self.flops_per_step, self.tokens_per_step = flops_per_step, tokens_per_step
         self.stopped = False  # stopped early on a notice (the step is committed)

@@ -248,7 +248,7 @@ def like_tree(like: Any, tensors: dict[str, np.ndarray], *, where: str = "<expor
     names = {tuple(n.split("/")): n for n in tensors}
     wanted = [_path_name(path) for path, _ in leaves]
     if not all(w in names for w in wanted):  # not whole: try without flax's "value" parts, if that is unambiguous
-        loose = {}
+        loose: dict[tuple[str, ...], list[str]] = {}
         for parts, n in names.items():
             loose.setdefault(_without_values(parts), []).append(n)
         if all(len(v) == 1 for v in loose.values()) and len({_without_values(w) for w in wanted}) == len(wanted):

@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import ray
 
@@ -33,6 +34,9 @@ from workers import reaper, runtime, storage
 from workers.notices import MetadataWatcher, install_sigterm
 from workers.profiling import CaptureRequest, Profiler
 from workers.protocol import Ending, Lines, Noticed, Ready, Report, StepDone, WorkerResult
+
+if TYPE_CHECKING:
+    from workers import api
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ class _LineBuffer(io.TextIOBase):
         return self._echo.fileno()
 
     @property
-    def encoding(self) -> str:
+    def encoding(self) -> str:  # type: ignore[override]  # typeshed has TextIOBase.encoding writeable; io's is not
         return getattr(self._echo, "encoding", None) or "utf-8"
 
     def isatty(self) -> bool:
@@ -85,7 +89,7 @@ class EntrypointError(Exception):
     """The job's entrypoint could not be imported (its module, a module it imports, or its function)."""
 
 
-def _chain(e: BaseException) -> list[tuple[str, int | None, str]]:
+def _chain(e: BaseException | None) -> list[tuple[str, int | None, str]]:
     """`e` and its causes, each as `policies.decisions.recovery.failure_cause` reads them."""
     out, seen = [], set()
     while e is not None and id(e) not in seen:
@@ -112,11 +116,11 @@ class HostWorker:
                  workload_type: str | None = None):
         self.job_id, self.generation, self.rank, self.num_hosts = job_id, generation, rank, num_hosts
         self._controller_name = controller
-        self._controller = None
+        self._controller: ray.actor.ActorHandle | None = None
         self._notice = threading.Event()
         self._notice_reason: str | None = None
         self._result: WorkerResult | None = None
-        self._ctx = None  # the training API's context of the running program
+        self._ctx: api.Context | None = None  # the training API's context of the running program
         self._history: list[dict] = []
         self._fence_dir: str | None = None  # where the fence is: the job's checkpoint folder
         self._storage_endpoint: str | None = None
@@ -345,7 +349,7 @@ class HostWorker:
     def _ctrl(self):
         if self._controller is None and self._controller_name and not isinstance(self._controller_name, tuple):
             self._controller = self._controller_name  # the controller's inbox (`workers.inbox`)
-        if self._controller is None and self._controller_name:
+        if self._controller is None and self._controller_name and isinstance(self._controller_name, tuple):
             name, namespace = self._controller_name
             try:
                 self._controller = ray.get_actor(name, namespace=namespace)

@@ -20,7 +20,7 @@ NAME = "inbox"
 class Inbox:
     def __init__(self, controller: tuple[str, str]):
         self._name, self._namespace = controller
-        self._controller = None
+        self._controller: ray.actor.ActorHandle | None = None
 
     def report(self, job_id: str, generation: int, rank: int, report, lines: list[str]) -> None:
         """Hand a host's report to the controller and wait until it has taken it."""

@@ -212,7 +212,9 @@ class Profiler:
         import jax
 
         a = self._active
-        error, memory = None, ()
+        assert a is not None, "finished only while a capture is under way (the callers check)"
+        error: str | None = None
+        memory: tuple[dict, ...] = ()
         try:
             jax.block_until_ready(loop.state)  # the last traced step's device work is in the trace
             memory = memory_stats()
@@ -237,6 +239,7 @@ class Profiler:
         import jax
 
         a, self._active = self._active, None
+        assert a is not None, "abandoned only while a capture is under way (the callers check)"
         try:
             jax.profiler.stop_trace()
         except Exception:

@@ -64,10 +64,13 @@ def main(argv: list[str] | None = None) -> None:
             ctx = api.Context(args=workload.get("args", {}), send=send, **training)
             getattr(importlib.import_module(module), fn)(ctx)
         tokens_per_step = (ctx.seq_len or 0) * (ctx.global_batch_size or 0)
-    state = ctx.last_loop.state
+    loop = ctx.last_loop
+    if loop is None:
+        sys.exit("the program ran no ctx.loop: there are no steps to compare")
+    state = loop.state
     params = state["params"] if isinstance(state, dict) and "params" in state else state
     with open(args.out, "w") as f:
-        json.dump({"losses": losses, "step_times_s": times, "steps": ctx.last_loop.step,
+        json.dump({"losses": losses, "step_times_s": times, "steps": loop.step,
                    "wall_s": time.perf_counter() - t0, "tokens_per_step": tokens_per_step,
                    "param_sums": api.param_checksums(params)}, f)
 

@@ -59,8 +59,11 @@ def initialize(*, coordinator_address: str | None, num_processes: int, process_i
 
     if chained := chain_sigterm():  # XLA's preemption notifier took SIGTERM over: ours first again, then it
         log.info(chained)
-    if jax.config.jax_cpu_collectives_implementation == "gloo":
-        _pin_gloo(host_address or coordinator_address.rsplit(":", 1)[0])
+    if jax.config.jax_cpu_collectives_implementation == "gloo":  # type: ignore[attr-defined]  # jax's Config declares its options at run time
+        if not host_address:
+            assert coordinator_address is not None, "several processes are given their coordinator (launch does)"
+            host_address = coordinator_address.rsplit(":", 1)[0]
+        _pin_gloo(host_address)
 
 
 def _pin_gloo(host: str) -> None:
@@ -136,7 +139,7 @@ def executable_path(lowered: "jax.stages.Lowered", key: str | None = None) -> "P
 
     `key`: `program_key(lowered)` when the caller has it already (it hashes the whole program).
     """
-    root = jax.config.jax_compilation_cache_dir
+    root = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax's Config declares its options at run time
     return Path(root) / "executables" / f"{key or program_key(lowered)}.bin" if root else None
 
 
@@ -198,9 +201,9 @@ def _compile_shared(lowered: "jax.stages.Lowered",
             return lowered.compile(), None
         return (load(payload, "process 0") if payload else None) or lowered.compile(), None
     payload = path.read_bytes() if path is not None and path.exists() else None
-    compiled = load(payload, path.name) if payload else None
+    compiled = load(payload, path.name) if payload and path is not None else None  # bytes come from a path
     if compiled is None:
-        if payload:
+        if payload and path is not None:
             path.unlink(missing_ok=True)
         compiled = lowered.compile()
         try:  # fresh from the compiler (never from JAX's cache, see _own_programs), so it serializes
@@ -285,7 +288,7 @@ def program_id(name: str, config: dict) -> str:
 
 
 def _keyed_path(key: str) -> Path | None:
-    root = jax.config.jax_compilation_cache_dir
+    root = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax's Config declares its options at run time
     return Path(root) / "executables" / f"program-{key}.pkl" if root else None
 
 
@@ -327,15 +330,17 @@ def compile_keyed(key: str, lower: Callable[[], "jax.stages.Lowered"], *,
     blob = path.read_bytes() if path is not None and path.exists() else None
     shared = jax.process_count() > 1 and client is not None
     if not shared or jax.process_index() == 0:
-        compiled = _load_keyed(blob, path.name) if blob else None
-        if compiled is None and blob:
+        compiled = _load_keyed(blob, path.name) if blob and path is not None else None  # bytes come from a path
+        if compiled is None and blob and path is not None:
             path.unlink(missing_ok=True)
         if shared:
-            digest = hashlib.sha256(blob).hexdigest() if compiled is not None else _TRACE
+            assert client is not None, "shared: a runtime of several processes has its client"
+            digest = hashlib.sha256(blob).hexdigest() if compiled is not None and blob else _TRACE
             client.key_value_set(f"program/{key}", digest, allow_overwrite=True)
-            if compiled is not None and _someone_lacks(client, key, share_timeout_s):
+            if compiled is not None and blob and _someone_lacks(client, key, share_timeout_s):
                 _publish(client, f"program-bytes/{key}", blob)
         return compiled or _trace_and_compile(path, lower, share_timeout_s)
+    assert client is not None, "shared: a runtime of several processes has its client"
     need = f"program-need/{key}/{jax.process_index()}"
     try:
         digest = client.blocking_key_value_get(f"program/{key}", int(share_timeout_s * 1000))
@@ -345,7 +350,8 @@ def compile_keyed(key: str, lower: Callable[[], "jax.stages.Lowered"], *,
         return lower().compile()
     if digest == _TRACE:  # process 0 traces and compiles, and shares the executable as compile_cached does
         return compile_cached(lower(), share_timeout_s=share_timeout_s)
-    if blob and hashlib.sha256(blob).hexdigest() == digest and (compiled := _load_keyed(blob, path.name)):
+    if blob and path is not None and hashlib.sha256(blob).hexdigest() == digest and (
+            compiled := _load_keyed(blob, path.name)):
         client.key_value_set(need, "no", allow_overwrite=True)
         return compiled  # this host keeps the same program: nothing to transfer
     if _share_key is None:  # it could not tell process 0's bytes from forged ones: make its own

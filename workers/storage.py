@@ -474,7 +474,7 @@ def _write_fence_local(directory: str, new: Fence) -> None:
             current = _parse_or_none((Path(directory) / FENCE).read_text())
         except FileNotFoundError:
             current = None
-        if not _may_replace(current, new):
+        if current is not None and not _may_replace(current, new):  # no fence may always be replaced
             raise FenceError(directory, new.generation, new.owner, current)
         _replace_local(Path(directory) / FENCE, new.to_json().encode())
     finally:
@@ -497,7 +497,7 @@ def _write_fence_gcs(directory: str, new: Fence, endpoint: str | None) -> None:
             continue
         if current is not None and current.token == new.token:
             return  # a retried upload that had got through
-        if not _may_replace(current, new):
+        if current is not None and not _may_replace(current, new):  # no fence may always be replaced
             raise FenceError(directory, new.generation, new.owner, current)
         try:
             # Only if the object is still the one just read (0: only if there is none yet).

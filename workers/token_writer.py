@@ -15,11 +15,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 
 from workers import storage
 from workers.tokens import DTYPES, INDEX, SHARD_TOKENS, DataError, Index, TokenFile
+
+if TYPE_CHECKING:
+    from _hashlib import HASH
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ def refuse_existing(out: Path | str, *, force: bool) -> None:
         if not storage.isdir(out) and storage.exists(out):
             raise DataError(str(out), "exists and is not a folder")
         return
+    out = Path(out)
     if out.exists() and not out.is_dir():
         raise DataError(str(out), "exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -68,11 +73,11 @@ class TokenWriter:
         self._tokenizer: str | None = None  # the tokenizer file's name in the folder, once set
         self._tmp: Path | None = None
         self._files: list[TokenFile] = []
-        self._current = None  # (file object, name, tokens, max, hash)
+        self._current: tuple[BinaryIO, str, int, int, HASH] | None = None  # (file object, name, tokens, max, hash)
         self._docs = 0
 
     def __enter__(self) -> "TokenWriter":
-        if storage.is_url(self.out):  # staged here, uploaded at the end
+        if isinstance(self.out, str):  # a URL (a local folder is a Path): staged here, uploaded at the end
             self._tmp = Path(tempfile.mkdtemp(prefix="tokens-"))
             return self
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -94,6 +99,7 @@ class TokenWriter:
         while arr.size:
             if self._current is None or self._current[2] == self.shard_tokens:
                 self._roll()
+            assert self._current is not None, "_roll opened the next file"
             f, name, n, mx, h = self._current
             take = arr[:self.shard_tokens - n]
             data = take.tobytes()
@@ -104,13 +110,13 @@ class TokenWriter:
 
     def set_tokenizer(self, tokenizer_json: str) -> None:
         """Keep the tokenizer that made the tokens (a `tokenizers` JSON text) beside them, as tokenizer.json."""
-        (self._tmp / "tokenizer.json").write_text(tokenizer_json)
+        (self._staging / "tokenizer.json").write_text(tokenizer_json)
         self._tokenizer = "tokenizer.json"
 
     def _roll(self) -> None:
         self._finish_file()
         name = f"tokens-{len(self._files):05d}.bin"
-        self._current = (open(self._tmp / name, "wb"), name, 0, -1, hashlib.sha256())
+        self._current = (open(self._staging / name, "wb"), name, 0, -1, hashlib.sha256())
 
     def _finish_file(self) -> None:
         if self._current is None:
@@ -123,6 +129,13 @@ class TokenWriter:
         self._current = None
 
     @property
+    def _staging(self) -> Path:
+        """The temporary folder the files are written in (`__enter__` makes it)."""
+        if self._tmp is None:
+            raise RuntimeError("a TokenWriter writes inside `with TokenWriter(...) as w:`")
+        return self._tmp
+
+    @property
     def num_tokens(self) -> int:
         return sum(f.num_tokens for f in self._files) + (self._current[2] if self._current else 0)
 
@@ -130,12 +143,12 @@ class TokenWriter:
         if exc_type is not None:
             if self._current is not None:
                 self._current[0].close()
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            shutil.rmtree(self._staging, ignore_errors=True)
             return
         try:
             self._commit()
         except BaseException:
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            shutil.rmtree(self._staging, ignore_errors=True)
             raise
 
     def _commit(self) -> None:
@@ -144,19 +157,19 @@ class TokenWriter:
             raise DataError(str(self.out), "no tokens to write")
         index = Index(dtype=self.dtype, vocab_size=self.vocab_size, eos_id=self.eos_id, files=tuple(self._files),
                       tokenizer=self._tokenizer)
-        (self._tmp / INDEX).write_text(json.dumps(index.to_dict(), indent=2) + "\n")
+        (self._staging / INDEX).write_text(json.dumps(index.to_dict(), indent=2) + "\n")
         self.index = index
-        if storage.is_url(self.out):
+        if isinstance(self.out, str):  # a URL (a local folder is a Path)
             storage.remove_tree(self.out)  # --force: what was there goes before the new files arrive
-            storage.upload_folder(self._tmp, self.out, last=(INDEX,))  # the index last: then the folder is whole
-            shutil.rmtree(self._tmp, ignore_errors=True)
+            storage.upload_folder(self._staging, self.out, last=(INDEX,))  # the index last: then the folder is whole
+            shutil.rmtree(self._staging, ignore_errors=True)
             log.info("wrote %s: %d tokens in %d file(s)", self.out, index.num_tokens, len(index.files))
             return
         if self.out.exists():  # --force: the old folder goes only once the new one is complete
             old = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
             self.out.rename(old / "replaced")
-            self._tmp.rename(self.out)
+            self._staging.rename(self.out)
             shutil.rmtree(old, ignore_errors=True)
         else:
-            self._tmp.rename(self.out)
+            self._staging.rename(self.out)
         log.info("wrote %s: %d tokens in %d file(s)", self.out, index.num_tokens, len(index.files))

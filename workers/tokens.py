@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 FORMAT = "orchestrator-tokens"
 VERSION = 1
 INDEX = "index.json"
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 SHARD_TOKENS = 1 << 28  # tokens per file: 512 MiB of uint16, small enough to copy and checksum in one go
 
 
@@ -66,9 +66,13 @@ class DataError(ValueError):
 class Dataset(Protocol):
     """What a trainer reads: token rows of a batch, a pure function of (seed, step)."""
 
-    vocab_size: int
-    num_tokens: int
-    fingerprint: str  # short; recorded in checkpoints, so a resume on other data is noticed
+    # Read-only (properties or plain attributes both do).
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def fingerprint(self) -> str: ...  # short; recorded in checkpoints, so a resume on other data is noticed
 
     def rows(self, seed: int, step: int, global_batch_size: int, seq_len: int, rows: slice) -> np.ndarray:
         """Rows `rows` of batch `step`: int32 [n, seq_len + 1] (inputs and the targets shifted by one)."""
