@@ -143,6 +143,7 @@ def fluid_plan(view: PlanInputs, horizon_s: float, tokens: float, sigmas: float 
         spot_cost = spot_tokens * spot.usd_per_token + start_usd(spot.option) if spot else 0.0
         rest = tokens - spot_tokens
         if rest <= 0:
+            assert spot is not None, "only spot time covers every token (tokens > 0)"
             plan = Plan(spot.option, None, tokens, 0.0, spot_cost,
                         horizon_s * tokens / (spot.tokens_per_up_s * up_s), True)
         else:
@@ -150,16 +151,17 @@ def fluid_plan(view: PlanInputs, horizon_s: float, tokens: float, sigmas: float 
             fill = _on_demand_fill(view, rest, window_s, start_usd)
             if fill is not None:
                 cost, fit, second, second_tokens = fill
-                plan = Plan(spot and spot.option, fit, spot_tokens, rest, spot_cost + cost, horizon_s, True,
+                plan = Plan(spot.option if spot else None, fit, spot_tokens, rest, spot_cost + cost, horizon_s, True,
                             second, second_tokens)
             else:
                 d = max(view.on_demand, key=lambda o: o.tokens_per_s) if view.on_demand else None
                 short = rest - (d.tokens_per_s * max(window_s, 0.0) if d else 0.0)
                 cost = spot_cost + rest * (d.usd_per_token if d else 0.0) + short * view.penalty_per_token
                 finish = horizon_s + short / view.fastest_tokens_per_s
-                plan = Plan(spot and spot.option, d, spot_tokens, rest, cost, finish, False)
+                plan = Plan(spot.option if spot else None, d, spot_tokens, rest, cost, finish, False)
         if best is None or plan.cost_usd < best.cost_usd:
             best = plan
+    assert best is not None, "the plan without spot is always made"
     return best
 
 
@@ -168,7 +170,7 @@ def _on_demand_fill(view: PlanInputs, tokens: float, window_s: float, start_usd)
     (slower) size for as long as the window allows and a faster one for the rest (one
     more restart). Returns (cost, first size, second size or None, tokens on the second),
     or None if even the fastest size cannot fit."""
-    best = None
+    best: tuple[float, Option, Option | None, float] | None = None
     for d in view.on_demand:
         if d.tokens_per_s * window_s >= tokens:
             cost = tokens * d.usd_per_token + start_usd(d)

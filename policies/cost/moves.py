@@ -64,7 +64,7 @@ class Move:
 
     def __str__(self) -> str:
         what = self.kind.value
-        if self.kind is MoveKind.SWITCH or (self.kind is MoveKind.KEEP and self.target is not None):
+        if self.target is not None and self.kind in (MoveKind.SWITCH, MoveKind.KEEP):  # a switch has its target
             what += f" {self.target.label}"
         if self.request is not None:
             what += f"{'' if self.kind in (MoveKind.REQUEST, MoveKind.REQUEST_BESIDE) else '; request'} " \

@@ -208,7 +208,7 @@ def _reason(snap: Snapshot, v: ActionValue) -> str:
 
 def _decision(snap: Snapshot, option: Option | None, reason: str, cost: float, finish_s: float) -> Decision:
     within = snap.budget_usd is None or snap.spent_usd + cost <= snap.budget_usd
-    if not within:
+    if not within and snap.budget_usd is not None:  # (not within: there is a budget)
         reason += f" (over budget: {_usd(snap.spent_usd + cost)} expected against {_usd(snap.budget_usd)})"
     resize = snap.current is not None and option != snap.current
     interval = None

@@ -111,6 +111,7 @@ def advance(s: SimState, now: float, cap: int, prov_s: float) -> str | None:
 def release_request(s: SimState, now: float) -> None:
     """Let the request go (in the simulator a request is billed only once the job trains on it)."""
     r = s.request
+    assert r is not None, "the caller lets go of the request there is"
     record(s, now, r.name, r.option, "RELEASED")
     s.request = None
     if r.state == "WAITING":  # let go unfilled: a refusal
@@ -120,6 +121,7 @@ def release_request(s: SimState, now: float) -> None:
 def switch(s: SimState, now: float, startup_steps: int, interval_s: float) -> None:
     """Onto the READY request: stop the held slice at a checkpoint, release it, start up on the new one."""
     r = s.request
+    assert r is not None, "a switch is onto the READY request"
     if s.held is not None:
         stop(s, now)
     s.held, s.held_name, s.request = r.option, r.name, None
@@ -129,6 +131,7 @@ def switch(s: SimState, now: float, startup_steps: int, interval_s: float) -> No
 
 def stop(s: SimState, now: float) -> None:
     """A planned stop: the held slice checkpoints first (nothing is lost) and is released."""
+    assert s.held is not None, "only a held slice is stopped"
     record(s, now, s.held_name, s.held, "RELEASED")
     s.committed, s.since_checkpoint_s, s.saving_s = s.done, 0.0, 0.0
     s.held = None
@@ -137,6 +140,7 @@ def stop(s: SimState, now: float) -> None:
 def preempt(s: SimState, now: float, saves_on_notice: bool) -> None:
     """The zone takes the held spot slice back, without notice: the work since its last
     checkpoint is lost, unless the notice is assumed to leave time to save."""
+    assert s.held is not None, "only a held slice is preempted"
     record(s, now, s.held_name, s.held, "GONE")
     s.preemptions += 1
     if saves_on_notice:
@@ -150,6 +154,7 @@ def train(s: SimState, now: float, dt: float, total_tokens: float, save_s: float
     """One step on the held slice: startup (billed, no progress), or training (a save under way
     pauses it). True once the last token is trained."""
     held = s.held
+    assert held is not None, "training is on the held slice"
     if s.startup_steps > 0:
         bill(s, dt)
         s.startup_steps -= 1
@@ -176,5 +181,6 @@ def train(s: SimState, now: float, dt: float, total_tokens: float, save_s: float
 
 def bill(s: SimState, seconds: float) -> None:
     held = s.held
+    assert held is not None, "only the held slice is billed"
     s.cost += held.usd_per_hour / 3600 * seconds
     s.billed[held.label] = s.billed.get(held.label, 0.0) + seconds

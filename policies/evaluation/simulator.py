@@ -224,6 +224,7 @@ def _step(w: _World, s: SimState, i: int) -> bool:
     if s.held is None or not sl.train(s, now, w.dt, w.job.total_tokens, w.restart.save_s):
         return False
     if s.request is not None:  # done: a request still waiting is let go
+        assert s.finish_s is not None, "set by the step that trained the last token"
         sl.record(s, s.finish_s, s.request.name, s.request.option, "RELEASED")
     return True
 

@@ -89,8 +89,8 @@ def plan_mesh(*, num_devices: int, num_hosts: int, wishes: dict[str, int], shape
         sizes[rest[0]] = num_devices // fixed
     total = math.prod(sizes.values())
     if total != num_devices:
-        shape = "x".join(f"{a}={sizes[a]}" for a in AXES)
-        raise MeshError("mesh", f"mesh {shape} uses {total} devices, not the slice's {num_devices}")
+        axes = "x".join(f"{a}={sizes[a]}" for a in AXES)
+        raise MeshError("mesh", f"mesh {axes} uses {total} devices, not the slice's {num_devices}")
     if global_batch_size % (sizes["data"] * sizes["fsdp"]):
         raise MeshError("global_batch_size",
                         f"global_batch_size={global_batch_size} is not divisible by data*fsdp="
