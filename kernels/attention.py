@@ -193,9 +193,10 @@ def attention(
             logger.warning("Attention runs on the XLA path: the Pallas kernel cannot hold %s", reason)
             impl = dispatch.XLA
     if impl == dispatch.PALLAS:
-        sizes = {"head_dim": q.shape[-1], "itemsize": q.dtype.itemsize}
-        tilings = (blocks.tiling(band.q_len, band.kv_len, **sizes),
-                   blocks.tiling(band.q_len, band.kv_len, backward=True, **sizes))
+        head_dim, itemsize = q.shape[-1], q.dtype.itemsize
+        tilings: tuple[Tiling, Tiling] | BlockSizes = (
+            blocks.tiling(band.q_len, band.kv_len, head_dim=head_dim, itemsize=itemsize),
+            blocks.tiling(band.q_len, band.kv_len, backward=True, head_dim=head_dim, itemsize=itemsize))
     else:
         blocks = block_sizes or CHUNKED_BLOCK_SIZES
         tilings = blocks
@@ -290,7 +291,7 @@ def _flash(q, k, v, segment_ids, config: _Flash):
 
 def _flash_forward(q, k, v, segment_ids, config: _Flash):
     forward = config.pass_config(backward=False)
-    out, lse = _forward_call(*_padded(forward, q, k, v, segment_ids), forward)
+    out, lse = _forward_call(*_padded(forward, q, k, v, segment_ids), config=forward)
     q_len = q.shape[2]
     out, lse = out[:, :, :q_len], lse[:, :, :q_len]
     return out, (q, k, v, segment_ids, out, lse)
@@ -302,8 +303,8 @@ def _flash_backward(config: _Flash, residuals, d_out):
     di = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)
     backward = config.pass_config(backward=True)
     operands = _padded(backward, q, k, v, segment_ids, d_out, lse, di)
-    dq = _dq_call(*operands, backward)
-    dk, dv = _dkv_call(*operands, backward)
+    dq = _dq_call(*operands, config=backward)
+    dk, dv = _dkv_call(*operands, config=backward)
     q_len, kv_len = q.shape[2], k.shape[2]
     return dq[:, :, :q_len], dk[:, :, :kv_len], dv[:, :, :kv_len], None
 
@@ -366,7 +367,7 @@ class _Specs:
 def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape, out_specs, scratch):
     """Run ``kernel`` over ``grid`` on ``operands`` (``(array, BlockSpec)`` pairs), adding segment ids."""
     arrays, in_specs = [a for a, _ in operands], [s for _, s in operands]
-    bounds = ()
+    bounds: tuple[jax.Array, ...] = ()
     if segment_ids is not None:
         ids = segment_ids.astype(jnp.int32)  # padded to the longer of the two padded lengths
         q_lo, q_hi = segment_block_bounds(ids[:, :config.blocks.q_len], config.blocks.block_q)
@@ -375,7 +376,7 @@ def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape,
         arrays += [ids[:, :config.blocks.q_len, None], ids[:, None, :config.blocks.kv_len]]  # [b, q, 1], [b, 1, kv]
         in_specs += [specs.q_segments, specs.kv_segments]
     # The trailing axes accumulate into one output block; the others are independent.
-    semantics = ("parallel",) * (len(grid) - specs.reduction_axes) + ("arbitrary",) * specs.reduction_axes
+    semantics = (generations.PARALLEL,) * (len(grid) - specs.reduction_axes) + (generations.ARBITRARY,) * specs.reduction_axes
     body = functools.partial(kernel, config=config, specs=specs, num_inputs=len(operands),
                              has_segments=segment_ids is not None)
     return pl.pallas_call(
@@ -389,7 +390,7 @@ def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape,
     )(*bounds, *arrays)
 
 
-def _forward_call(q, k, v, segment_ids, config):
+def _forward_call(q, k, v, segment_ids, *, config):
     batch, heads, q_len, head_dim = q.shape
     bq, bk = config.blocks.block_q, config.blocks.block_kv
     specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, 1, config, head_dim)
@@ -404,7 +405,7 @@ def _forward_call(q, k, v, segment_ids, config):
                  pltpu.VMEM((bq, head_dim), jnp.float32)])
 
 
-def _dq_call(q, k, v, segment_ids, d_out, lse, di, config):
+def _dq_call(q, k, v, segment_ids, d_out, lse, di, *, config):
     batch, heads, q_len, head_dim = q.shape
     bq, bk = config.blocks.block_q, config.blocks.block_kv
     specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, 1, config, head_dim)
@@ -416,7 +417,7 @@ def _dq_call(q, k, v, segment_ids, d_out, lse, di, config):
         scratch=[pltpu.VMEM((bq, head_dim), jnp.float32)])
 
 
-def _dkv_call(q, k, v, segment_ids, d_out, lse, di, config):
+def _dkv_call(q, k, v, segment_ids, d_out, lse, di, *, config):
     batch, heads, _, head_dim = q.shape
     kv_heads, kv_len = k.shape[1], k.shape[2]
     group = heads // kv_heads

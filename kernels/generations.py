@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import Literal
 
 import jax
 from jax.experimental.pallas import tpu as pltpu
@@ -79,7 +80,12 @@ def current() -> Generation:
     return from_device_kind(jax.devices()[0].device_kind)
 
 
-def compiler_params(dimension_semantics: tuple[str, ...]) -> pltpu.CompilerParams:
+Semantics = Literal["parallel", "arbitrary"]  # of one grid dimension: independent, or accumulating
+PARALLEL: Semantics = "parallel"
+ARBITRARY: Semantics = "arbitrary"
+
+
+def compiler_params(dimension_semantics: tuple[Semantics, ...]) -> pltpu.CompilerParams:
     """Mosaic parameters of a Pallas call: its grid's semantics and this generation's VMEM limit."""
     return pltpu.CompilerParams(dimension_semantics=dimension_semantics,
                                 vmem_limit_bytes=current().vmem_limit_bytes)

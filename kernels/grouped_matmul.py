@@ -90,7 +90,8 @@ def grouped_matmul(
     impl = dispatch.resolve(implementation, valid=IMPLEMENTATIONS)
     padded = (k, w.shape[2])
     if impl == dispatch.PALLAS:
-        blocks, *padded = blocks.fit(k, w.shape[2])
+        blocks, padded_k, padded_n = blocks.fit(k, w.shape[2])
+        padded = (padded_k, padded_n)
     return _gmm_jit(x, w, tile_expert.astype(jnp.int32), jnp.reshape(num_tiles, (1,)).astype(jnp.int32),
                     config=_Config(impl, blocks, impl == dispatch.XLA and use_ragged_dot()), padded=tuple(padded))
 

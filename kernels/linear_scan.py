@@ -86,7 +86,8 @@ def linear_scan(
     blocks = block_sizes or ScanBlockSizes(*generations.current().scan)
     padded = (time, dim)
     if impl == dispatch.PALLAS:
-        blocks, *padded = blocks.fit(time, dim)
+        blocks, padded_time, padded_dim = blocks.fit(time, dim)
+        padded = (padded_time, padded_dim)
     h0 = jnp.zeros((batch, dim), a.dtype) if h0 is None else h0
     return _scan_jit(a, b, h0, config=_Config(impl, blocks, *padded))
 
