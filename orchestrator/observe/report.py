@@ -45,7 +45,7 @@ from orchestrator.observe.goodput import (
 )
 from orchestrator.observe.timeline import MARKER_TITLES, SAVE, Marker
 from orchestrator.observe.timeline import markers as timeline_markers
-from orchestrator.state.events import EventKind
+from orchestrator.state.events import EventKind, Profiled
 from orchestrator.state.store import Event, StepMetric, Store
 from workers.protocol import LOOP_METRICS
 
@@ -205,8 +205,8 @@ def render_png(s: ReportSeries) -> bytes:
                              label=f"generation {gen}")
         ax_loss.plot([x(s.step_at[i]) for i in rows], [s.loss[i] for i in rows], dots + "-", ms=3, lw=1,
                      color=line.get_color())
-        tps = [i for i in rows if s.tokens_per_s[i] is not None]
-        ax_tps.plot([x(s.step_at[i]) for i in tps], [s.tokens_per_s[i] for i in tps], dots + "-", ms=3, lw=1,
+        tps = [(i, rate) for i in rows if (rate := s.tokens_per_s[i]) is not None]
+        ax_tps.plot([x(s.step_at[i]) for i, _ in tps], [rate for _, rate in tps], dots + "-", ms=3, lw=1,
                     color=line.get_color())
     ax_step.set_ylabel("loss")
     ax_step.set_xlabel("step")
@@ -319,8 +319,10 @@ def training_rows(s: ReportSeries) -> str:
 def _markers(events: list[Event], steps: list[StepMetric]) -> list[Marker]:
     out = timeline_markers(events, steps)
     for e in events:
-        if e.kind is EventKind.PROFILE and e.payload.path and e.payload.steps:
-            p = e.payload
+        if e.kind is not EventKind.PROFILE:
+            continue
+        p = e.payload_as(Profiled)
+        if p.path and p.steps and p.first_step is not None:  # a capture that traced names its first step
             out.append(Marker(e.at, p.first_step, "profile",
                               f"profile steps {p.first_step}-{p.first_step + p.steps - 1}", e.reason))
     return sorted(out, key=lambda m: m.at)

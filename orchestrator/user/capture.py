@@ -91,8 +91,9 @@ def profile(client: "Client", job_id: str, *, steps: int, host: int | None, memo
     ended_at = None
     while True:
         for e in client.store.events(job.id, after_seq=seen, kind=EventKind.PROFILE):
-            if e.payload.capture == capture_id:
-                return _capture(job.id, e.payload, read=read)
+            p = e.payload_as(Profiled)
+            if p.capture == capture_id:
+                return _capture(job.id, capture_id, p, read=read)
         now = time.monotonic()
         if client.store.job(job.id).state.terminal:
             ended_at = ended_at or now  # its driver records the capture's end as the job ends
@@ -106,14 +107,14 @@ def profile(client: "Client", job_id: str, *, steps: int, host: int | None, memo
         time.sleep(0.2)
 
 
-def _capture(job_id: str, p: Profiled, *, read: bool) -> Capture:
+def _capture(job_id: str, capture_id: str, p: Profiled, *, read: bool) -> Capture:
     if not p.path:
-        raise CaptureError(f"capture {p.capture} of job {job_id} failed: {p.error or 'no host traced'}")
+        raise CaptureError(f"capture {capture_id} of job {job_id} failed: {p.error or 'no host traced'}")
     traced = [h for h in (p.hosts or []) if str(h) in (p.memory or {})]
     from workers import storage
 
     traces = tuple(read_host(storage.join(p.path, f"host-{h}"), h, summary=read) for h in traced)
-    return Capture(job_id, p.capture, p.path, tuple(p.hosts or ()), p.first_step, p.steps or 0,
+    return Capture(job_id, capture_id, p.path, tuple(p.hosts or ()), p.first_step, p.steps or 0,
                    p.steps_asked or 0, p.error, traces)
 
 
@@ -176,6 +177,7 @@ def render(c: Capture) -> list[str]:
                   "  host  program           steps  step time  compute  collectives   idle"]
         for t in summaries:
             s = t.summary
+            assert s is not None and s.program, "summaries are the traces with a program's summary"
             lines.append(f"  {t.host:>4}  {_cut(s.program, 16):<16}  {s.executions:>5}  {_ms(s.step_time_s):>9}  "
                          f"{s.compute:>7.0%}  {s.collectives:>11.0%}  {s.idle:>5.0%}")
         hosts = " and ".join(str(t.host) for t in summaries) if len(summaries) < 3 else "all hosts"
@@ -200,6 +202,7 @@ def top_ops(traces: list[HostTrace], n: int = 8) -> list[dict]:
     per_step: dict[tuple, float] = {}
     share: dict[tuple, float] = {}
     for t in traces:
+        assert t.summary is not None, "given the traces with a summary"
         for op in t.summary.top_ops:
             key = (op.name, op.kind)
             per_step[key] = per_step.get(key, 0.0) + op.per_step_s / len(traces)

@@ -18,7 +18,7 @@ from orchestrator.catalog import CATALOG
 from orchestrator.cluster import Home
 from orchestrator.observe.goodput import Goodput, billed_slices, compute_goodput
 from orchestrator.observe.timeline import MARKER_TITLES, deadline_line, disruption_cause, markers, move_line
-from orchestrator.state.events import EventKind
+from orchestrator.state.events import Disrupted, EventKind
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 
@@ -232,7 +232,8 @@ def _event_row(e: Event) -> dict:
                 EventKind.LAUNCHED: "launched", EventKind.STATE: "state"}.get(e.kind, e.kind.value)
     cause = None
     if e.kind is EventKind.DISRUPTION:
-        cause = disruption_cause(e.payload.kind, e.payload.reason)
+        disrupted = e.payload_as(Disrupted)
+        cause = disruption_cause(disrupted.kind, disrupted.reason)
         category = MARKER_TITLES.get(cause, "disruption") if cause else "disruption"
     return {"seq": e.seq, "at": e.at, "kind": e.kind.value, "category": category, "cause": cause,
             "from_state": e.from_state, "to_state": e.to_state, "reason": e.reason}
