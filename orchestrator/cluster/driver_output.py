@@ -33,8 +33,7 @@ def keep_ray_quiet(home: Home) -> Path:
             ray_logger.removeHandler(h)  # another state directory's, earlier in this process
             h.close()
         path.parent.mkdir(parents=True, exist_ok=True)
-        handler = logging.FileHandler(path, delay=True)
-        handler._orchestrator_driver_log = str(path)
+        handler = _DriverLog(path)
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         for h in [h for h in ray_logger.handlers
                   if isinstance(h, logging.StreamHandler) and getattr(h, "stream", None) in (sys.stderr, sys.stdout)]:
@@ -52,4 +51,12 @@ def _to_log(data: dict, ignore_prefix: bool = False) -> None:
         _MESSAGES.warning("(%s) %s", data.get("pid", "?"), line)
 
 
-_to_log._orchestrator = True
+setattr(_to_log, "_orchestrator", True)  # a mark on the function that replaces Ray's, read back with getattr
+
+
+class _DriverLog(logging.FileHandler):
+    """The driver log's handler; `_orchestrator_driver_log` names its file (a later call finds it by that)."""
+
+    def __init__(self, path: Path):
+        super().__init__(path, delay=True)
+        self._orchestrator_driver_log = str(path)

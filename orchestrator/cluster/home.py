@@ -18,6 +18,7 @@ from pathlib import Path
 from orchestrator.errors import ClusterError
 
 log = logging.getLogger(__name__)
+_warned_readable = False  # the state directory can be read by others: said once per process
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,9 @@ def check_private(home: Home) -> None:
     if st.st_mode & 0o022:
         raise ClusterError(f"the state directory {home.root} is writable by others (mode {st.st_mode & 0o777:o}); "
                            f"run: chmod 700 {home.root}")
-    if st.st_mode & 0o077 and not getattr(check_private, "_warned", False):
-        check_private._warned = True  # once per process
+    global _warned_readable
+    if st.st_mode & 0o077 and not _warned_readable:
+        _warned_readable = True
         log.warning("the state directory %s can be read by others (mode %o); chmod 700 keeps job logs private",
                     home.root, st.st_mode & 0o777)
     try:

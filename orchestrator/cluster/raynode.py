@@ -35,7 +35,7 @@ def _unique_socket_file(self, socket_path, default_prefix):
     return _prepare_socket_file(self, socket_path, default_prefix)
 
 
-node.Node._prepare_socket_file = _unique_socket_file
+setattr(node.Node, "_prepare_socket_file", _unique_socket_file)  # a patch of Ray's method, on purpose
 
 from ray.scripts.scripts import main  # noqa: E402
 

@@ -8,7 +8,7 @@ unknown keys; numbers are bounded by what the code can run.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
@@ -139,7 +139,9 @@ class Precision(_Frozen):
 # Rematerialisation of each transformer block in the backward pass: none (keep every activation),
 # full (keep each block's input, recompute the rest), or a `jax.checkpoint_policies` policy that
 # takes no arguments, e.g. dots_with_no_batch_dims_saveable (keep the projections' outputs).
-Remat = Literal[REMAT_CHOICES]
+Remat = Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable", "checkpoint_dots",
+                "checkpoint_dots_with_no_batch_dims", "nothing_saveable", "everything_saveable"]
+assert get_args(Remat) == REMAT_CHOICES, "Remat spells out policies.memory_fit.REMAT_CHOICES"
 MAX_MICROBATCHES = 2**20  # as many as rows in the largest global batch
 
 

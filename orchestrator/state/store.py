@@ -135,8 +135,8 @@ class StepMetric:
 
     @classmethod
     def from_row(cls, row) -> "StepMetric":
-        *values, metrics = tuple(row)
-        return cls(*values, json.loads(metrics) if metrics else {})
+        step, generation, loss, tokens_per_s, step_time_s, at, metrics = tuple(row)
+        return cls(step, generation, loss, tokens_per_s, step_time_s, at, json.loads(metrics) if metrics else {})
 
 
 class Store:
