@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from orchestrator import catalog, cluster
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 class RayBackedNodes:
     def __init__(self, home: cluster.Home, address: str, *, share_nothing: bool = False,
-                 secrets: dict[str, str] | None = None, hide: list[Path] = ()):
+                 secrets: dict[str, str] | None = None, hide: Sequence[Path] = ()):
         self.home, self.address = home, address
         self.share_nothing, self.secrets, self.hide = share_nothing, dict(secrets or {}), list(hide)
         self._lock = threading.Lock()
@@ -52,6 +53,7 @@ class RayBackedNodes:
         def start(w: int) -> int | EmulatedVm:
             log_path = self.home.root / "logs" / "emulator" / node_id / f"host-{w}.log"
             if self.share_nothing:
+                assert script is not None, "a node without its script returned above"
                 return EmulatedVm(self.home, node_id, w, script, log_path=log_path, secrets=self.secrets,
                                   hide=self.hide)
             return cluster.start_host_node(self.home, address=self.address,

@@ -56,7 +56,7 @@ class NodeRecord:
     def render(self, int_enums: bool = False) -> dict[str, Any]:
         node = _copy(self.spec)
         node.name = self.name
-        node.state = tpu_v2.Node.State[self.state]
+        node.state = tpu_v2.Node.State[self.state]  # type: ignore[misc]  # proto-plus enums are typed as plain classes
         node.id = self.uid
         node.create_time = _ts(self.create_time)
         node.api_version = tpu_v2.Node.ApiVersion.V2
@@ -91,7 +91,8 @@ class QueuedResourceRecord:
         qr.name = self.name
         qr.create_time = _ts(self.create_time)
         S = tpu_v2.QueuedResourceState
-        state = S(state=S.State[self.state], state_initiator=S.StateInitiator[self.initiator])
+        # proto-plus enums are typed as plain classes, so mypy takes an enum's [name] for a generic's.
+        state = S(state=S.State[self.state], state_initiator=S.StateInitiator[self.initiator])  # type: ignore[misc]
         # The oneof state_data names the state's own data message, as the service fills it.
         data_field = {
             "CREATING": "creating_data",

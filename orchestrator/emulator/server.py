@@ -110,6 +110,7 @@ class Emulator:
         if self._httpd is None:
             raise RuntimeError("the emulator is not running")
         host, port = self._httpd.server_address[:2]
+        assert isinstance(host, str), "an internet server's host (typeshed allows bytes for any family)"
         return f"http://{host}:{port}"
 
     def client(self, credentials: Any = None) -> Any:

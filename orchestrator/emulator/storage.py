@@ -113,6 +113,7 @@ class StorageEmulator:
         """End the emulator's process (idempotent); everything it held is gone."""
         proc = self._proc
         if proc.poll() is None:
+            assert proc.stdin is not None, "started with stdin=PIPE"
             with contextlib.suppress(OSError):
                 proc.stdin.close()  # EOF: it shuts down by itself
             try:
@@ -171,7 +172,9 @@ def running_storage(buckets: tuple[str, ...] | list[str] = ("test-bucket",), **k
 def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
     """The first line the emulator prints ("ready on URL" or why it could not start), or "" at a timeout."""
     out: list[str] = []
-    reader = threading.Thread(target=lambda: out.append(proc.stdout.readline()), daemon=True,
+    stdout = proc.stdout
+    assert stdout is not None, "started with stdout=PIPE"
+    reader = threading.Thread(target=lambda: out.append(stdout.readline()), daemon=True,
                               name="storage-emulator-start")
     reader.start()
     reader.join(timeout_s)
@@ -372,7 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     if args.exit_with_stdin:
-        threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+        def stop_at_eof() -> None:
+            sys.stdin.read()
+            stop.set()
+
+        threading.Thread(target=stop_at_eof, daemon=True).start()
     serving = threading.Thread(target=server.serve_forever, name="storage-emulator", daemon=True)
     serving.start()
     print(f"{_READY}http://{args.host}:{server.server_address[1]}", flush=True)

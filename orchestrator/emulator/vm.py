@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from orchestrator.cluster import MARK_ENV, Home, node_mark
@@ -47,13 +48,20 @@ def project_sources() -> list[Path]:
     """Where this machine has the project: the checkout of an editable install, else each package's folder."""
     paths = []
     for name in PROJECT_PACKAGES:
-        package = Path(importlib.util.find_spec(name).origin).parent
+        package = _module_file(name).parent
         checkout = package.parent
         paths.append(checkout if (checkout / "pyproject.toml").exists() else package)
     return paths
 
 
-def hidden_paths(home: Home, extra: list[Path] = ()) -> list[Path]:
+def _module_file(name: str) -> Path:
+    """The file module `name` of this installation is imported from (a package's __init__.py)."""
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.origin is not None, f"{name} is a module of this installation"
+    return Path(spec.origin)
+
+
+def hidden_paths(home: Home, extra: Sequence[Path] = ()) -> list[Path]:
     """What a VM must not see of this machine, parents first."""
     paths = {Path("/tmp"), Path("/var/tmp"), Path("/var/log"), Path("/opt"), Path.home(), home.root,
              *project_sources(), *(Path(p) for p in extra)}
@@ -64,7 +72,7 @@ class EmulatedVm:
     """One host of an emulated slice, from boot (`start`) to power-off (`kill`)."""
 
     def __init__(self, home: Home, name: str, worker_id: int, startup_script: str, *, log_path: Path,
-                 secrets: dict[str, str] | None = None, hide: list[Path] = ()):
+                 secrets: dict[str, str] | None = None, hide: Sequence[Path] = ()):
         self.home, self.name, self.worker_id = home, name, worker_id
         self.log_path = log_path
         self.dir = Path(tempfile.mkdtemp(prefix=f"tpu-vm-{name}-{worker_id}-", dir="/var/tmp"))
@@ -78,7 +86,7 @@ class EmulatedVm:
     def _write_image(self, startup_script: str, secrets: dict[str, str]) -> None:
         d = self.dir
         (d / "startup.sh").write_text(startup_script)
-        shutil.copyfile(Path(importlib.util.find_spec("orchestrator.cluster.raynode").origin), d / "raynode.py")
+        shutil.copyfile(_module_file("orchestrator.cluster.raynode"), d / "raynode.py")
         (d / "bin").mkdir()
         q = shlex.quote
         node_args = " ".join(q(a) for a in [*loopback_node_args(), "--num-cpus=1", "--include-log-monitor=False"])

@@ -91,7 +91,8 @@ class World:
             while not self._stopping:
                 now = time.monotonic()
                 self._advance(now)
-                dues = [r.due for r in itertools.chain(self._qrs.values(), self._nodes.values()) if r.due]
+                records: list[QueuedResourceRecord | NodeRecord] = [*self._qrs.values(), *self._nodes.values()]
+                dues = [r.due for r in records if r.due]
                 # Sleep until the next due move; a change that adds one notifies us.
                 self._cond.wait(timeout=max(0.0, min(dues) - now) if dues else None)
 
@@ -308,7 +309,9 @@ class World:
             return [r for n, r in sorted(self._collection(kind).items()) if n.startswith(parent + "/")]
 
     def _collection(self, kind: str) -> dict[str, Any]:
-        return {"queuedResources": self._qrs, "nodes": self._nodes, "operations": self._ops}[kind]
+        collections: dict[str, dict[str, Any]] = {"queuedResources": self._qrs, "nodes": self._nodes,
+                                                  "operations": self._ops}
+        return collections[kind]
 
     def delete_queued_resource(self, project: str, zone: str, name: str, *, force: bool) -> OperationRecord:
         with self._cond:

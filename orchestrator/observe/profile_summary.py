@@ -263,7 +263,8 @@ def _self_segments(ops: list[_Op]) -> list[tuple[_Op, float, float]]:
 def _shares(segments: list[tuple[_Op, float, float]], device: Any, start: float,
             end: float) -> tuple[float, float, float]:
     """(compute, collectives, idle) shares of [start, end] on `device`."""
-    compute, collective = [], []
+    compute: list[tuple[float, float]] = []
+    collective: list[tuple[float, float]] = []
     for op, a, b in segments:
         if op.device != device:
             continue

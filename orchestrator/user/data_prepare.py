@@ -96,8 +96,11 @@ def prepare(src: str | Path, out: str | Path, *, vocab_size: int | None = None, 
         out = Path(out)
     refuse_existing(out, force=force)  # before the work, not after it
     total = sum(_size(p) for p in files)
-    tok = (load_tokenizer(tokenizer) if tokenizer is not None
-           else train_tokenizer(files, vocab_size, progress=_Meter("training", total, progress)))
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer)
+    else:
+        assert vocab_size is not None, "without a tokenizer it has its default (above)"
+        tok = train_tokenizer(files, vocab_size, progress=_Meter("training", total, progress))
     eos_id = tok.token_to_id(EOS)
     if eos_id is None:
         raise DataError(str(tokenizer), f"has no {EOS} token to put between documents")

@@ -123,7 +123,9 @@ class DashboardServer:
 
     def __init__(self, httpd: ThreadingHTTPServer, thread: threading.Thread):
         self._httpd, self._thread = httpd, thread
-        self.host, self.port = httpd.server_address[:2]
+        host, self.port = httpd.server_address[:2]
+        assert isinstance(host, str), "an internet server's host (typeshed allows bytes for any family)"
+        self.host = host
 
     @property
     def url(self) -> str:
@@ -233,7 +235,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _host_ok(self) -> bool:
         host = self.headers.get("Host", "")
-        port = self.server.server_address[1]
+        port = self.server.server_address[1]  # type: ignore[index]  # typeshed's any server; this one has (host, port)
         return host in {f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"}
 
     def _origin(self) -> str:
@@ -328,7 +330,7 @@ class _Handler(BaseHTTPRequestHandler):
             log.info("dashboard: cancel of %s requested", job.id)
             return self._json({"ok": True, "message": f"cancel requested for {job.id}"})
         if m.group(2) == "profile":
-            return self._profile(job.id, form)
+            return self._profile(self.actions, job.id, form)
         accelerator = str(form.get("accelerator") or "")
         tier = form.get("tier") or None
         reason = str(form.get("reason") or "requested from the dashboard")[:200]
@@ -337,12 +339,12 @@ class _Handler(BaseHTTPRequestHandler):
         return self._json({"ok": True, "message": f"resizing {job.id} to {accelerator}"
                                                   + (f" {tier}" if tier else "")})
 
-    def _profile(self, job_id: str, form: dict) -> None:
+    def _profile(self, actions: Actions, job_id: str, form: dict) -> None:
         """Trace a few steps of a running job on its hosts; the capture's event says when and where."""
         steps, host = str(form.get("steps") or "3"), str(form.get("host") or "all")
         if not steps.isdigit() or not (host == "all" or host.isdigit()):
             return self._error(HTTPStatus.BAD_REQUEST, "steps must be a number, host a number or all")
-        asked = self.actions.profile(job_id, int(steps), None if host == "all" else int(host), False)
+        asked = actions.profile(job_id, int(steps), None if host == "all" else int(host), False)
         log.info("dashboard: capture %s of %s asked for", asked["capture"], job_id)
         return self._json({"ok": True, **asked, "message": f"profiling {asked['steps']} steps of {job_id}: the traces "
                            f"go to {asked['path']} (see the job's events)"})

@@ -83,15 +83,19 @@ class TpuApi:
              **kwargs: Any) -> T:
         """`fn(**kwargs)`, retrying transient errors with exponential backoff and jitter."""
         p = self._retry
+
+        def before_sleep(rs: tenacity.RetryCallState) -> None:
+            assert rs.outcome is not None, "tenacity sleeps only after a failed attempt"
+            log.warning("%s in %s/%s: %s; retry %d/%d in %.2fs", action, self.project, zone,
+                        _describe(rs.outcome.exception()), rs.attempt_number, p.attempts - 1, rs.upcoming_sleep)
+
         retrying = tenacity.Retrying(
             retry=tenacity.retry_if_exception(is_transient),
             stop=tenacity.stop_after_attempt(p.attempts) | tenacity.stop_after_delay(p.total_s),
             wait=tenacity.wait_exponential_jitter(multiplier=p.initial_s, max=p.max_s, jitter=p.initial_s),
             sleep=self._sleep,
             reraise=True,
-            before_sleep=lambda rs: log.warning(
-                "%s in %s/%s: %s; retry %d/%d in %.2fs", action, self.project, zone,
-                _describe(rs.outcome.exception()), rs.attempt_number, p.attempts - 1, rs.upcoming_sleep),
+            before_sleep=before_sleep,
         )
         try:
             return retrying(fn, timeout=self._timeout_s, **kwargs)
