@@ -56,6 +56,7 @@ def training_job(w: LmWorkload) -> TrainingJob:
 def slice_fit(spec: JobSpec, accelerator: str, field: str = "accelerator") -> SliceFit:
     """The built-in trainer's memory on one slice type (`spec.workload` must be an `LmWorkload`)."""
     w, t = spec.workload, catalog.lookup(accelerator)
+    assert isinstance(w, LmWorkload), "the built-in trainer's memory is of the lm workload (callers check)"
     try:
         mesh = plan_mesh(num_devices=t.chips, num_hosts=t.hosts, wishes=w.mesh.model_dump(), shape=w.model.shape(),
                          global_batch_size=w.global_batch_size)
@@ -92,6 +93,7 @@ def memory_problems(spec: JobSpec) -> list[tuple[str, str]]:
 
 def refusal(f: SliceFit) -> str:
     """One line: the figures per chip, what dominates, and what would fit."""
+    assert f.fit is not None, "a refusal is of a fit that was worked out"
     e, v = f.fit.estimate, f.fit
     parts = ", ".join(f"{k} {b / GIB:.1f}" for k, b in e.parts.items() if b)
     return (f"{f.accelerator}: training needs {e.total / GIB:.1f} GiB per chip but {v.usable_bytes / GIB:.1f} GiB is "

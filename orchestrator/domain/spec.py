@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 
 from orchestrator import catalog
 from orchestrator.catalog import Tier
@@ -244,6 +245,7 @@ class JobSpec(_Frozen):
         if self.provider != "gcp":
             return []
         problems = []
+        assert self.gcp is not None, "checked by semantic_problems first"
         directory, bucket = self.checkpoint.directory, self.gcp.bucket
         if directory is None and bucket is None:
             problems.append(("checkpoint.directory", "provider gcp keeps checkpoints in Cloud Storage (TPU VMs share "
@@ -346,7 +348,7 @@ def _resolve_checkpoint_dir(data: Any, folder: Path) -> Any:
     return data
 
 
-def _describe(err: dict) -> tuple[str, str]:
+def _describe(err: ErrorDetails) -> tuple[str, str]:
     loc = [str(p) for p in err["loc"]]
     # Drop the discriminator tag pydantic inserts ("workload.lm.steps" -> "workload.steps").
     if len(loc) >= 2 and loc[0] == "workload" and loc[1] in ("lm", "entrypoint"):

@@ -286,7 +286,7 @@ class LocalProvider:
         cap = req.spot_capacity if req is not None else None
         if cap is None or s.tier is not Tier.SPOT:
             return []
-        if s.state is SliceState.READY and (short := self._spot_short(req)) is not None:
+        if s.state is SliceState.READY and req is not None and (short := self._spot_short(req)) is not None:
             self._event(s.name, SliceEventKind.PREEMPTION_NOTICE, f"reclaim notice: {short}")
             self._set(s, SliceState.PREEMPTING)
         elif s.state is SliceState.PREEMPTING and time.monotonic() - self._since[s.name] > cap.grace_wall_s():

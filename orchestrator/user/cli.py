@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -23,7 +23,7 @@ from rich.markup import escape
 from typer.core import TyperGroup
 
 from orchestrator.domain.spec import JobSpec, json_schema
-from orchestrator.errors import OrchestratorError, RequestError, SpecError
+from orchestrator.errors import ClusterError, OrchestratorError, RequestError, SpecError
 from orchestrator.state.states import JobState
 from orchestrator.user.client import Client, JobStatus
 from orchestrator.user.preflight import gcp_problems
@@ -34,7 +34,7 @@ from orchestrator.user.terminal import fit_fields, table, unique_prefixes, wrap
 class _Commands(TyperGroup):
     """The command group; an `OrchestratorError` out of any command ends it with `error:` lines."""
 
-    def invoke(self, ctx: typer.Context):
+    def invoke(self, ctx: typer.Context):  # type: ignore[override]  # typer's base types it as its vendored click's
         try:
             try:
                 return super().invoke(ctx)
@@ -71,7 +71,7 @@ def _print_error(line: str) -> None:
     err.print(f"[red]error:[/red] {escape(line)}", markup=True, highlight=False)
 
 
-def _fail(message: str, code: int = EXIT_USAGE) -> None:
+def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     _print_error(message)
     raise typer.Exit(code)
 
@@ -376,14 +376,14 @@ def data_prepare(src: Path = typer.Argument(..., help="A folder of text files (s
                  pattern: str = typer.Option("*.txt", "--pattern", help="Which files of SRC to read."),
                  force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder.")) -> None:
     """Turn a folder of text files into token files that `workload.data.path` can name."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.progress import BarColumn, DownloadColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
     from orchestrator.user.data_prepare import prepare
     from workers.tokens import DataError
 
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
                   console=err, transient=True) as bars:  # on a terminal only; gone once done
-        tasks: dict[str, int] = {}
+        tasks: dict[str, TaskID] = {}
 
         def progress(what: str, done: int, total: int) -> None:
             if what not in tasks:
@@ -490,6 +490,8 @@ def up() -> None:
     import orchestrator.cluster as c
 
     info = c.read_cluster(client.home)
+    if info is None:  # it went again between the two looks
+        raise ClusterError(f"the cluster in {client.home.root} stopped just after it started; see its logs there")
     import ray
 
     ray.get(client.controller().ping.remote())

@@ -102,7 +102,7 @@ class Client:
             num_cpus=0, max_concurrency=64, max_restarts=-1,
             resources={cluster.CONTROLLER_RESOURCE: 0.01} if has_head_resource else None,
         ).remote(str(self.home.root), address)
-        ray.get(ctrl.ping.remote(), timeout=120)
+        ray.get(ctrl.ping.remote(), timeout=120)  # type: ignore[attr-defined]  # ray types a handle's method as the class's
         return ctrl
 
     def controller(self):
@@ -290,11 +290,11 @@ class Client:
 
         if storage.is_url(out):
             for job in self.store.jobs():
-                folder = str((job.spec.get("checkpoint") or {}).get("directory") or "")
-                theirs, mine = folder.rstrip("/") + "/", str(out).rstrip("/") + "/"
-                if storage.is_url(folder) and (mine.startswith(theirs) or theirs.startswith(mine)):
+                url = str((job.spec.get("checkpoint") or {}).get("directory") or "")
+                their_prefix, my_prefix = url.rstrip("/") + "/", str(out).rstrip("/") + "/"
+                if storage.is_url(url) and (my_prefix.startswith(their_prefix) or their_prefix.startswith(my_prefix)):
                     raise ExportError(str(out), f"is inside or holds the checkpoint folder of job {job.id} "
-                                                f"({folder}); write the export elsewhere")
+                                                f"({url}); write the export elsewhere")
             return
         mine = Path(os.path.realpath(out))
         for job in self.store.jobs():
