@@ -376,7 +376,8 @@ def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape,
         arrays += [ids[:, :config.blocks.q_len, None], ids[:, None, :config.blocks.kv_len]]  # [b, q, 1], [b, 1, kv]
         in_specs += [specs.q_segments, specs.kv_segments]
     # The trailing axes accumulate into one output block; the others are independent.
-    semantics = (generations.PARALLEL,) * (len(grid) - specs.reduction_axes) + (generations.ARBITRARY,) * specs.reduction_axes
+    reduced = specs.reduction_axes
+    semantics = (generations.PARALLEL,) * (len(grid) - reduced) + (generations.ARBITRARY,) * reduced
     body = functools.partial(kernel, config=config, specs=specs, num_inputs=len(operands),
                              has_segments=segment_ids is not None)
     return pl.pallas_call(

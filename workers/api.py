@@ -222,7 +222,8 @@ class Context:
         n, s, seed, dataset = self.global_batch_size, self.seq_len, self.seed, self.dataset
         return jax.make_array_from_callback(
             (n, s + 1), NamedSharding(self.mesh, P(BATCH_AXES, None)),
-            lambda index: dataset.rows(seed, step, n, s, index[0]))  # type: ignore[index]  # jax never passes None (it asserts so)
+            # JAX types the index as optional but never passes None (it asserts so before the call).
+            lambda index: dataset.rows(seed, step, n, s, index[0]))  # type: ignore[index]
 
     # -- the loop --------------------------------------------------------------
 

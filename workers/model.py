@@ -128,7 +128,9 @@ def forward(params: dict, tokens: jax.Array, shape: ModelShape, *, implementatio
     impl, per_shard = implementation, _per_shard(mesh, implementation)
 
     def on(fn, in_specs, out_specs):
-        return kernels.sharded(fn, mesh, in_specs=in_specs, out_specs=out_specs) if per_shard and mesh is not None else fn
+        if per_shard and mesh is not None:  # (per_shard: there is a mesh)
+            return kernels.sharded(fn, mesh, in_specs=in_specs, out_specs=out_specs)
+        return fn
 
     rows = BATCH_AXES
     tok, heads, vec = P(rows, None, None), P(rows, None, "model", None), P(None)

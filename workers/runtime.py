@@ -59,7 +59,8 @@ def initialize(*, coordinator_address: str | None, num_processes: int, process_i
 
     if chained := chain_sigterm():  # XLA's preemption notifier took SIGTERM over: ours first again, then it
         log.info(chained)
-    if jax.config.jax_cpu_collectives_implementation == "gloo":  # type: ignore[attr-defined]  # jax's Config declares its options at run time
+    # JAX's Config declares its options at run time (its type stub does not name them).
+    if jax.config.jax_cpu_collectives_implementation == "gloo":  # type: ignore[attr-defined]
         if not host_address:
             assert coordinator_address is not None, "several processes are given their coordinator (launch does)"
             host_address = coordinator_address.rsplit(":", 1)[0]
@@ -139,7 +140,8 @@ def executable_path(lowered: "jax.stages.Lowered", key: str | None = None) -> "P
 
     `key`: `program_key(lowered)` when the caller has it already (it hashes the whole program).
     """
-    root = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax's Config declares its options at run time
+    # JAX's Config declares its options at run time (its type stub does not name them).
+    root = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
     return Path(root) / "executables" / f"{key or program_key(lowered)}.bin" if root else None
 
 
@@ -288,7 +290,8 @@ def program_id(name: str, config: dict) -> str:
 
 
 def _keyed_path(key: str) -> Path | None:
-    root = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]  # jax's Config declares its options at run time
+    # JAX's Config declares its options at run time (its type stub does not name them).
+    root = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
     return Path(root) / "executables" / f"program-{key}.pkl" if root else None
 
 

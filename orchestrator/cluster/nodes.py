@@ -60,7 +60,8 @@ def apply_ray_env(home: Home) -> None:
 
     ray_constants.ENABLE_RAY_CLUSTER = False  # read at call time: keeps this driver on 127.0.0.1
     # Ray caches its config and token at import; make this process see the values just set.
-    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]  # ray._raylet's stub lacks them
+    # ray._raylet's type stub lacks these names.
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
     Config.initialize("")
     AuthenticationTokenLoader.instance().reset_cache()

@@ -123,8 +123,10 @@ def launch(store: Store, home: cluster.Home, job_id: str, spec: JobSpec, att: At
     store.add_event(job_id, Launched(s.name, [p["node_id"] for p in placed], [p["pid"] for p in placed],
                                      att.generation),
                     f"{t.hosts} workers of generation {att.generation} on slice {s.name}")
-    coordinator: str | None = (ray.get(att.workers[0].coordinator_address.remote(), timeout=120)  # type: ignore[assignment]  # ray types a handle's methods as Never
-                               if t.hosts > 1 else None)
+    coordinator: str | None = None
+    if t.hosts > 1:
+        # Ray types an actor handle's methods as Never.
+        coordinator = ray.get(att.workers[0].coordinator_address.remote(), timeout=120)  # type: ignore[assignment]
     workload = workload_for(spec, t.chips, t.hosts)
     if code is not None:
         workload["workdir"] = None  # the shipped copy (the runtime environment's working_dir), not the folder

@@ -90,7 +90,8 @@ def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Ca
 
 def _provider_says(att: Attempt) -> Outcome | None:
     """The provider sees a host go within a poll; a notice only marks the attempt."""
-    for ev in att.chosen_provider.poll_events(slices=[att.held_slice.name]):  # other slices' events stay for their own drivers
+    # Other slices' events stay for their own drivers.
+    for ev in att.chosen_provider.poll_events(slices=[att.held_slice.name]):
         if ev.kind is SliceEventKind.PREEMPTION_NOTICE:
             att.stop_requested(ev.reason)
         else:

@@ -54,7 +54,15 @@ from rich.table import Table
 
 from orchestrator.catalog import lookup
 from orchestrator.errors import UnknownAcceleratorError
-from orchestrator.state.events import CheckpointSaved, Disrupted, EventKind, LostWork, Restored, SliceChanged, StateChange
+from orchestrator.state.events import (
+    CheckpointSaved,
+    Disrupted,
+    EventKind,
+    LostWork,
+    Restored,
+    SliceChanged,
+    StateChange,
+)
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 from policies.decisions.recovery import RULES, Budget
 

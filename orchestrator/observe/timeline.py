@@ -23,8 +23,16 @@ import bisect
 import time
 from dataclasses import dataclass
 
-from orchestrator.state.events import (CheckpointSaved, DeadlineForecast, Disrupted, EventKind, Launched, ResizeAsked,
-                                       Restored, StateChange)
+from orchestrator.state.events import (
+    CheckpointSaved,
+    DeadlineForecast,
+    Disrupted,
+    EventKind,
+    Launched,
+    ResizeAsked,
+    Restored,
+    StateChange,
+)
 from orchestrator.state.states import JobState, SliceState
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 from policies.decisions.recovery import HUNG, WORKER_DIED, WORKER_UNREACHABLE

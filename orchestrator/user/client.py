@@ -102,7 +102,8 @@ class Client:
             num_cpus=0, max_concurrency=64, max_restarts=-1,
             resources={cluster.CONTROLLER_RESOURCE: 0.01} if has_head_resource else None,
         ).remote(str(self.home.root), address)
-        ray.get(ctrl.ping.remote(), timeout=120)  # type: ignore[attr-defined]  # ray types a handle's method as the class's
+        # Ray types an actor handle's method as the class's own (without .remote).
+        ray.get(ctrl.ping.remote(), timeout=120)  # type: ignore[attr-defined]
         return ctrl
 
     def controller(self):
