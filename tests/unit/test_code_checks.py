@@ -25,3 +25,8 @@ def test_the_layers_hold_and_no_import_cycle_is_left():
 def test_the_linter_passes():
     r = _run("ruff", "check", "--no-cache", ".")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+def test_the_types_check():
+    r = _run("mypy")  # the files and settings are pyproject.toml's [tool.mypy]
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
