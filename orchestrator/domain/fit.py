@@ -16,11 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from orchestrator import catalog
+from orchestrator.domain.workload import LmWorkload
 from policies.model.memory_fit import GIB, USABLE_FRACTION, Fit, TrainingJob, advice, fit
 from policies.model.sharding import MeshError, MeshPlan, plan_mesh
 
 if TYPE_CHECKING:
-    from orchestrator.domain.spec import JobSpec, LmWorkload
+    from orchestrator.domain.spec import JobSpec
 
 
 @dataclass(frozen=True)
