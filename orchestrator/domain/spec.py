@@ -17,12 +17,12 @@ import from here (`LmWorkload`, `EntrypointWorkload`, `ModelConfig`) are re-expo
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator
-from pydantic_core import ErrorDetails
 
 from orchestrator import catalog
 from orchestrator.catalog import Tier
@@ -348,7 +348,7 @@ def _resolve_checkpoint_dir(data: Any, folder: Path) -> Any:
     return data
 
 
-def _describe(err: ErrorDetails) -> tuple[str, str]:
+def _describe(err: Mapping[str, Any]) -> tuple[str, str]:  # one of ValidationError.errors()
     loc = [str(p) for p in err["loc"]]
     # Drop the discriminator tag pydantic inserts ("workload.lm.steps" -> "workload.steps").
     if len(loc) >= 2 and loc[0] == "workload" and loc[1] in ("lm", "entrypoint"):
