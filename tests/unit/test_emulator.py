@@ -82,8 +82,9 @@ def http(url: str, method: str = "GET", body: dict | None = None, **headers: str
 
 
 def test_queued_resource_walks_the_real_states_in_order():
-    # Slow enough (CREATING lasts 100 ms) that polling sees every state even on a busy machine.
-    with running_emulator(time_scale=0.02) as emu:
+    # Slow enough (CREATING lasts 250 ms) that polling sees every state even on a busy machine (at 100 ms
+    # one poll missed a state under a load of 15 on 2 cores).
+    with running_emulator(time_scale=0.05) as emu:
         client = emu.client()
         create(client)
         seen, node_states = [], set()
