@@ -135,3 +135,19 @@ class ProvisioningError(OrchestratorError):
         self.slice_name = slice_name
         self.transient = transient
         super().__init__(message)
+
+
+class StoreFaultError(OrchestratorError):
+    """The state store cannot be written now: its disk is full, it is read-only, or the file was
+    deleted or replaced while this process had it open.
+
+    `cause` is one of `STORE_FAULT_CAUSES`; `detail` says what the system said. A disk that
+    is full again has room, a file made writable again works again: the fault is not final.
+    """
+
+    def __init__(self, path: str | Path, cause: str, detail: str):
+        self.path, self.cause, self.detail = str(path), cause, detail
+        super().__init__(f"state store not writable: {cause} ({path}: {detail})")
+
+
+STORE_FAULT_CAUSES = ("disk full", "read-only", "deleted", "replaced", "I/O error", "cannot open")

@@ -10,6 +10,11 @@ controller dies the job trains on; the restarted controller adopts the running g
 (`orchestrator.control.adoption`) instead of starting a second one. Each launch gets a
 new generation, written to a fence file beside the checkpoints before the group starts;
 workers of an older generation never write a checkpoint.
+
+A store that cannot be written (a full disk, a read-only or deleted `state.db`) stops no
+job (`orchestrator.control.store_faults`): the controller keeps the fault in memory and
+exports it with the metrics (`status` and `logs` read it there), and refuses new jobs
+with that fault as the error.
 """
 
 from __future__ import annotations
@@ -27,11 +32,12 @@ from orchestrator.control.adoption import adopt
 from orchestrator.control.driver import JobDriver, parse_stored_spec
 from orchestrator.control.ownership import OnExisting
 from orchestrator.control.queue import AdmissionQueue
+from orchestrator.control.store_faults import HeldWrites, HoldingStore, StoreFault, StoreHealth, os_fault
 from orchestrator.domain.spec import JobSpec
-from orchestrator.errors import IllegalTransitionError, JobStateError
+from orchestrator.errors import IllegalTransitionError, JobStateError, StoreFaultError
 from orchestrator.providers.base import Slice, SliceProvider
 from orchestrator.providers.local import LocalProvider, release_recorded
-from orchestrator.state.events import Adopted, ResizeAsked, SliceChanged
+from orchestrator.state.events import Adopted, ResizeAsked, SliceChanged, StoreFaulted
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
 from workers.protocol import Report
@@ -44,9 +50,11 @@ class Controller:
         self.home = cluster.Home(Path(home_root)).ensure()
         _log_to(self.home.root / "logs" / "controller.log")
         self.store = Store(self.home.db)
+        self.store_health = StoreHealth(on_change=self._tell_jobs)
+        self.held = HeldWrites(self.store_health)  # writes that may not wait for a store at fault
         self.address = address
         self.provider = LocalProvider(self.home, address, max_hosts=max_hosts, on_change=self._save_slice)
-        self.queue = AdmissionQueue(self.store, self.provider)
+        self.queue = AdmissionQueue(HoldingStore(self.store, self.store_health, self.held), self.provider)
         self._gcp: dict[tuple, SliceProvider] = {}  # GcpTpuProvider by (project, zones, endpoint)
         self._drivers: dict[str, JobDriver] = {}
         self._lock = threading.Lock()
@@ -60,7 +68,7 @@ class Controller:
         """Prometheus metrics of every job, on 127.0.0.1 (the URL is recorded in the state directory's metrics.json)."""
         from orchestrator.observe.metrics import serve_metrics
 
-        server, port = serve_metrics(self.store, host="127.0.0.1", port=0)
+        server, port = serve_metrics(self.store, host="127.0.0.1", port=0, store_health=self.store_health)
         log.info("metrics on http://127.0.0.1:%d/metrics", port)
         return server
 
@@ -111,16 +119,19 @@ class Controller:
         job_id = f"{parsed.name}-{secrets.token_hex(3)}"
         parsed = parsed.with_checkpoint_directory(self.home.default_checkpoint_dir(parsed.name))
         parsed = parsed.model_copy(update={"workdir": parsed.workdir or workdir})
-        ownership.record_job(self.store, job_id, parsed, OnExisting(on_existing))
-        self.home.job_dir(job_id).mkdir(parents=True, exist_ok=True)
-        if code is not None:
-            shipping.keep(code, self.home.job_dir(job_id))
+        try:  # its folder first: a job recorded without it would have no driver
+            self.home.job_dir(job_id).mkdir(parents=True, exist_ok=True)
+            if code is not None:
+                shipping.keep(code, self.home.job_dir(job_id))
+        except OSError as e:
+            raise os_fault(self.home.job_dir(job_id), e) from None
+        ownership.record_job(self.store, job_id, parsed, OnExisting(on_existing))  # StoreFaultError: refused
         self._start(JobDriver(self, job_id))
         log.info("job %s submitted (%s on %s)", job_id, parsed.tier.value, parsed.accelerator)
         return job_id
 
     def cancel(self, job_id: str) -> None:
-        self.store.update_job(job_id, cancel_requested=1)
+        self.held.add(lambda: self.store.update_job(job_id, cancel_requested=1))  # its driver stops it meanwhile
         driver = self._driver(job_id)
         if driver:
             driver.cancel()
@@ -267,11 +278,30 @@ class Controller:
         """A provider's word on one of its slices: the store records it, or refuses a move its lifecycle forbids."""
         event = SliceChanged(s.name, s.tpu_type.name, s.tpu_type.chips, s.tier.value, s.state.value,
                              s.tpu_type.usd_per_hour(s.tier))
-        try:
-            self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
-                                 {"pgids": pgids, "hosts": [h.resource for h in s.hosts], "zone": s.zone}, event=event)
-        except IllegalTransitionError as e:  # a provider's bug: keep the record as it was, and say so
-            log.error("job %s: the store refused a slice move: %s", s.job_id, e)
+        data = {"pgids": pgids, "hosts": [h.resource for h in s.hosts], "zone": s.zone}
+
+        def put() -> None:
+            try:
+                self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
+                                     data, event=event)
+            except IllegalTransitionError as e:  # a provider's bug: keep the record as it was, and say so
+                log.error("job %s: the store refused a slice move: %s", s.job_id, e)
+
+        self.held.add(put)  # written now, or held while the store cannot be written
+
+    def _tell_jobs(self, line: str, ended: StoreFault | None) -> None:
+        """A store fault began or `ended`: a line in the log of every job this controller drives
+        (`orchestrator logs`), and when it ended, an event in each (`status --events`)."""
+        with self._lock:
+            drivers = list(self._drivers.values())
+        for driver in drivers:
+            driver.log_lines([f"[store] {line}"])
+            if ended is not None:
+                try:
+                    self.store.add_event(driver.job_id, StoreFaulted(ended.cause, round(time.time() - ended.since, 1),
+                                                                     ended.message), line)
+                except StoreFaultError:  # at fault again already: the next end says it
+                    pass
 
     def _reconcile(self) -> None:
         """After a restart: adopt each job's running worker group, or clean up and relaunch."""

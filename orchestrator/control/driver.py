@@ -6,6 +6,10 @@ workers, watch them until the attempt ends with a typed outcome, tear down, and 
 Workers' reports reach the driver through the controller (`report`). A move the cost
 policy asks for is made before break (`orchestrator.control.moves`): the next attempt
 starts on a slice that became READY while the last one trained.
+
+A store that cannot be written does not stop the driver (`orchestrator.control.store_faults`):
+its own writes wait until the store takes them, and what its workers report is held and
+written in order once it does; meanwhile the workers train on.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from orchestrator.control.captures import Captures
 from orchestrator.control.launch import launch, teardown, write_fence
 from orchestrator.control.limits import Limits
 from orchestrator.control.moves import AutoscalingMixin
+from orchestrator.control.store_faults import HoldingStore
 from orchestrator.control.waiting import Look, Waiting, clock_for, look, release, request
 from orchestrator.control.watch import watch
 from orchestrator.domain.spec import JobSpec
@@ -77,9 +82,11 @@ FAILED_BECAUSE: dict[OutcomeKind, FailedBecause] = {
 
 class JobDriver(AutoscalingMixin):
     def __init__(self, plane: "Controller", job_id: str, attempt: Attempt | None = None):
-        self.plane, self.store, self.job_id = plane, plane.store, job_id
+        self.plane, self.job_id = plane, job_id
+        self.store = HoldingStore(plane.store, plane.store_health, plane.held)  # its writes wait out a store fault
         self.att = attempt or Attempt()
         self._rng = random.Random()
+        self._log_failed_at = -1e9
         self.captures = Captures(self.store, job_id)  # `orchestrator profile`
         self.limits = Limits(self.store, job_id)  # budget_usd and deadline
 
@@ -346,10 +353,10 @@ class JobDriver(AutoscalingMixin):
         return self._user_queue_limit_s(spec)
 
     def transition(self, target: JobState, reason: str, *, data: StateChange | None = None,
-                   cause: FailedBecause | None = None) -> None:
+                   cause: FailedBecause | None = None, at: float | None = None) -> None:
         fields: dict[str, Any] = {} if cause is None else {"cause": cause.value}
         try:
-            self.store.transition(self.job_id, target, reason, data=data, **fields)
+            self.store.transition(self.job_id, target, reason, data=data, at=at, **fields)
         except IllegalTransitionError as e:
             log.warning("job %s: %s", self.job_id, e)
 
@@ -367,43 +374,65 @@ class JobDriver(AutoscalingMixin):
     # -- what workers report ------------------------------------------------------------
 
     def report(self, generation: int, rank: int, report: Report, lines: list[str]) -> None:
-        """Heartbeats, metrics and log lines from workers; those of an old generation are dropped."""
-        att = self.att
+        """Heartbeats, metrics and log lines from workers; those of an old generation are dropped.
+
+        It never waits for the store and never raises (a worker sends and forgets: an error here
+        would be printed by every worker at every step): what the store refuses is held.
+        """
+        att, now, store, held = self.att, time.time(), self.plane.store, self.plane.held
         if isinstance(report, ProfileDone):  # matched by its capture, whatever the generation
             self.captures.done(rank, report)
         if generation != att.generation or not att.accepting:
             return
         if lines:
-            with open(self.plane.home.job_dir(self.job_id) / "job.log", "a") as f:
-                f.writelines(f"[host-{rank}] {line}\n" for line in lines)
+            self.log_lines([f"[host-{rank}] {line}" for line in lines])
         att.last_progress = time.monotonic()
         if isinstance(report, Ready) and rank == 0 and not att.started:
             att.started = True
-            self.transition(JobState.RUNNING, "all hosts joined the runtime",
-                            data=StateChange(init_s=round(report.init_s, 3), generation=generation))
+            change = StateChange(init_s=round(report.init_s, 3), generation=generation)
+            held.add(lambda: self._transition_raw(JobState.RUNNING, "all hosts joined the runtime", change, now))
         elif isinstance(report, Timings) and rank == 0:
-            self._record_restore(report)
+            disrupted = att.disrupted_step
+            held.add(lambda: self._record_restore(report, disrupted, now))
         elif isinstance(report, StepDone) and rank == 0:
-            self._record_step(generation, report)
+            att.last_step = report.step
+            self.limits.stepped(report.step)
+            resumed_after = None
+            if not att.resumed and att.disrupted_at is not None:
+                att.resumed, resumed_after = True, now - att.disrupted_at
+            held.add(lambda: self._record_step(generation, report, resumed_after, now))
         elif isinstance(report, Saved) and rank == 0:
-            self.store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
-                                 f"saved step {report.step}")
+            held.add(lambda: store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
+                                             f"saved step {report.step}", at=now))
         elif isinstance(report, Noticed) and att.notice is None:
             att.stop_requested(f"host {rank}: {report.reason}")
-            self.store.add_event(self.job_id, NoticeSeen(rank, att.last_step + 1), f"preemption notice on host "
-                                 f"{rank} ({report.reason}) after step {att.last_step + 1}")
+            step = att.last_step + 1
+            held.add(lambda: store.add_event(self.job_id, NoticeSeen(rank, step), f"preemption notice on host "
+                                             f"{rank} ({report.reason}) after step {step}", at=now))
 
-    def _record_step(self, generation: int, r: StepDone) -> None:
-        att = self.att
-        att.last_step = r.step
-        self.limits.stepped(r.step)
-        self.store.record_steps(self.job_id, generation,
-                                [(r.step, r.loss, r.tokens_per_s, r.step_time_s, None, r.metrics)])
-        if not att.resumed and att.disrupted_at is not None:
-            att.resumed = True
-            seconds = time.time() - att.disrupted_at
-            self.store.add_event(self.job_id, Resumed(seconds, r.step + 1),
-                                 f"resumed after {seconds:.1f} s (first step done: {r.step + 1})")
+    def log_lines(self, lines: list[str]) -> None:
+        """Lines into the job's log (`orchestrator logs`); a log that cannot be written is logged, once a minute."""
+        try:
+            with open(self.plane.home.job_dir(self.job_id) / "job.log", "a") as f:
+                f.writelines(f"{line}\n" for line in lines)
+        except OSError as e:
+            if time.monotonic() - self._log_failed_at > 60:
+                self._log_failed_at = time.monotonic()
+                log.warning("job %s: cannot write its log (lines are dropped): %s", self.job_id, e)
+
+    def _transition_raw(self, target: JobState, reason: str, data: StateChange, at: float) -> None:
+        """A transition written by `HeldWrites` (the store's own, not waiting: it is retried from there)."""
+        try:
+            self.plane.store.transition(self.job_id, target, reason, data=data, at=at)
+        except IllegalTransitionError as e:
+            log.warning("job %s: %s", self.job_id, e)
+
+    def _record_step(self, generation: int, r: StepDone, resumed_after: float | None, at: float) -> None:
+        store = self.plane.store
+        store.record_steps(self.job_id, generation, [(r.step, r.loss, r.tokens_per_s, r.step_time_s, at, r.metrics)])
+        if resumed_after is not None:
+            store.add_event(self.job_id, Resumed(resumed_after, r.step + 1),
+                            f"resumed after {resumed_after:.1f} s (first step done: {r.step + 1})", at=at)
 
     def record_missed(self, generation: int, history: list[dict]) -> int:
         """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
@@ -431,8 +460,8 @@ class JobDriver(AutoscalingMixin):
         self.record_missed(att.generation, history)
         att.last_step = max([att.last_step, *(h["step"] for h in history)])
 
-    def _record_restore(self, t: Timings) -> None:
-        att = self.att
+    def _record_restore(self, t: Timings, disrupted_step: int | None, at: float) -> None:
+        store = self.plane.store  # written by `HeldWrites`: the store's own
         restored, unreadable = t.restored_step, list(t.unreadable)
         what = f"restored step {restored}" if restored is not None else "started from scratch"
         total = self.spec().workload.steps
@@ -440,12 +469,12 @@ class JobDriver(AutoscalingMixin):
             what += f" of {total}: the run had already finished, nothing to train"
         if unreadable:
             what += f" (fell back: checkpoint {', '.join(map(str, unreadable))} unreadable)"
-        self.store.add_event(self.job_id, Restored(t.restore_s, t.compile_s, restored, unreadable),
-                             f"{what}; " + (f"compile took {t.compile_s:.1f} s" if t.compile_s else
-                                            "the program compiles in its first step"))
-        if att.disrupted_step is not None:
-            lost = max(0, att.disrupted_step - (restored or 0))
-            times = [m.step_time_s for m in self.store.steps(self.job_id) if m.step_time_s]
+        store.add_event(self.job_id, Restored(t.restore_s, t.compile_s, restored, unreadable),
+                        f"{what}; " + (f"compile took {t.compile_s:.1f} s" if t.compile_s else
+                                       "the program compiles in its first step"), at=at)
+        if disrupted_step is not None:
+            lost = max(0, disrupted_step - (restored or 0))
+            times = [m.step_time_s for m in store.steps(self.job_id) if m.step_time_s]
             mean = sum(times) / len(times) if times else 0.0
-            self.store.add_event(self.job_id, LostWork(lost, lost * mean, att.disrupted_step, restored or 0),
-                                 f"lost {lost} steps (from step {att.disrupted_step} back to {restored or 0})")
+            store.add_event(self.job_id, LostWork(lost, lost * mean, disrupted_step, restored or 0),
+                            f"lost {lost} steps (from step {disrupted_step} back to {restored or 0})", at=at)

@@ -18,6 +18,14 @@ Exported (all gauges unless marked as counters):
 - orchestrator_job_time_seconds{job,category}: wall time by goodput category
 - orchestrator_job_cost_dollars_total{job,accelerator,tier} (counter)
 - orchestrator_job_preemptions_total{job}, orchestrator_job_restarts_total{job} (counters)
+
+And the store's health, from the controller's memory (the store cannot say it is not writable):
+
+- orchestrator_store_writable 1, or 0 while writes are refused
+- orchestrator_store_fault_info{cause,message} 1 while they are; orchestrator_store_fault_since_seconds
+  (Unix time of the first refused write); orchestrator_store_writes_held (waiting to be written)
+
+`read_store_fault(url)` reads these back (`status` and `logs` do).
 """
 
 from __future__ import annotations
@@ -25,10 +33,12 @@ from __future__ import annotations
 import ipaddress
 import logging
 import threading
+import urllib.request
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 from orchestrator.errors import OrchestratorError
@@ -56,7 +66,7 @@ class JobCollector(Collector):
         self._ended: dict[str, tuple[float, Goodput]] = {}  # job id -> (updated_at, goodput) of ended jobs
 
     def describe(self) -> list[Metric]:
-        return []  # so that registering does not read the store
+        return _Families().all()  # empty: registering does not read the store (and `?name[]=` can leave it out)
 
     def collect(self) -> Iterator[Metric]:
         m = _Families()
@@ -108,6 +118,53 @@ class JobCollector(Collector):
         if job.state.terminal:
             self._ended[job.id] = (job.updated_at, g)
         return g
+
+
+class StoreCollector(Collector):
+    """The store's health as the controller knows it (`orchestrator.control.store_faults.StoreHealth`)."""
+
+    NAMES = ("orchestrator_store_writable", "orchestrator_store_fault", "orchestrator_store_fault_since_seconds",
+             "orchestrator_store_writes_held")
+
+    def __init__(self, health):
+        self.health = health  # anything with a `fault` (cause, message, since, held) or None
+
+    def describe(self) -> list[Metric]:
+        return self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families(self.health.fault)
+
+    @staticmethod
+    def _families(fault=None) -> list[Metric]:
+        writable = GaugeMetricFamily("orchestrator_store_writable", "1 while the state store takes writes.",
+                                     value=0.0 if fault else 1.0)
+        info = InfoMetricFamily("orchestrator_store_fault", "Why the state store refuses writes.")
+        since = GaugeMetricFamily("orchestrator_store_fault_since_seconds", "When the store began refusing writes.")
+        held = GaugeMetricFamily("orchestrator_store_writes_held", "Writes waiting for the store.")
+        if fault is not None:
+            info.add_metric([], {"cause": fault.cause, "message": fault.message})
+            since.add_metric([], fault.since)
+            held.add_metric([], fault.held)
+        return [writable, info, since, held]
+
+
+def read_store_fault(url: str, *, timeout_s: float = 2.0) -> dict | None:
+    """The store's fault as a controller's metrics endpoint `url` exports it: {cause, message, since,
+    held}, or None while the store is writable. OSError if the endpoint does not answer."""
+    query = "&".join(f"name[]={n}" for n in ("orchestrator_store_fault_info", *StoreCollector.NAMES[2:]))
+    with urllib.request.urlopen(f"{url}?{query}", timeout=timeout_s) as r:
+        text = r.read().decode()
+    fault: dict = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "orchestrator_store_fault_info":
+                fault.update(cause=sample.labels["cause"], message=sample.labels["message"])
+            elif sample.name == "orchestrator_store_fault_since_seconds":
+                fault["since"] = sample.value
+            elif sample.name == "orchestrator_store_writes_held":
+                fault["held"] = int(sample.value)
+    return fault if "cause" in fault else None
 
 
 class _Families:
@@ -171,9 +228,11 @@ class MetricsServer:
         self._thread.join(timeout_s)
 
 
-def serve_metrics(store: Store, *, host: str = "127.0.0.1", port: int = 0,
-                  allow_remote: bool = False) -> tuple[MetricsServer, int]:
+def serve_metrics(store: Store, *, host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
+                  store_health=None) -> tuple[MetricsServer, int]:
     """Serve the jobs of `store` at http://host:port/metrics on a daemon thread; returns (server, bound port).
+
+    With `store_health` (the controller's `StoreHealth`), also the store's health.
 
     Only loopback addresses unless `allow_remote`; `port=0` picks a free port. Example::
 
@@ -187,6 +246,8 @@ def serve_metrics(store: Store, *, host: str = "127.0.0.1", port: int = 0,
     # Python and GC metrics, and a second server in one process would clash in it.
     registry = CollectorRegistry(auto_describe=False)
     registry.register(JobCollector(store))
+    if store_health is not None:
+        registry.register(StoreCollector(store_health))
     httpd, thread = start_http_server(port, addr=host, registry=registry)
     server = MetricsServer(httpd, thread)
     log.info("serving job metrics at %s", server.url)

@@ -31,6 +31,7 @@ class EventKind(str, enum.Enum):
     PROFILE = "profile"  # a profile capture ended (traced, or why not)
     DEADLINE = "deadline"  # at its measured speed the job now ends after its deadline, or in time again
     FOLDER = "folder"  # at submit: what the job does with its checkpoint folder (new, resume, fresh, ...)
+    STORE = "store"  # the state store refused writes for a while (recorded when it took them again)
 
 
 @dataclass(frozen=True)
@@ -208,9 +209,21 @@ class FolderClaimed(Payload):
     set_aside_to: str | None = None  # for fresh: where the old checkpoints went
 
 
+@dataclass(frozen=True)
+class StoreFaulted(Payload):
+    """The state store could not be written for `seconds` (a full disk, a read-only or deleted file);
+    the job went on, and what it did meanwhile was written when the store worked again."""
+
+    KIND: ClassVar[EventKind] = EventKind.STORE
+    cause: str | None = None  # StoreFaultError.cause
+    seconds: float | None = None
+    message: str | None = None
+
+
 PAYLOADS: dict[EventKind, type[Payload]] = {
     cls.KIND: cls for cls in (StateChange, SliceChanged, Launched, Restored, LostWork, CheckpointSaved, NoticeSeen,
                               Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked, Profiled, DeadlineForecast,
-                              FolderClaimed)
+                              FolderClaimed,
+                              StoreFaulted)
 }
 assert set(PAYLOADS) == set(EventKind), "every kind has its record"

@@ -4,11 +4,19 @@ The only module that writes SQL. Each state change is one transaction: a guarded
 UPDATE that succeeds only from an allowed previous state, plus its event row, so a
 crash never leaves a state without its event or the reverse. Readers (`status`,
 `logs` from another shell) never block the controller's writes.
+
+A write the file system refuses (a full disk, a read-only file) raises `StoreFaultError`
+with its cause, and leaves the connection as it was before the write, so the same write
+can be tried again once there is room. Every write first checks that the path still
+names the file this store opened (device and inode): a `state.db` deleted or replaced
+while the cluster runs would otherwise take the controller's writes into a file no one
+can read any more, and a reader would see a different history.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -17,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, TypeVar
 
-from orchestrator.errors import FolderInUseError, IllegalTransitionError, JobNotFoundError
+from orchestrator.errors import FolderInUseError, IllegalTransitionError, JobNotFoundError, StoreFaultError
 from orchestrator.state.events import PAYLOADS, EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.states import JOB_TRANSITIONS, FailedBecause, JobState, SliceState, check_slice
 
@@ -144,8 +152,20 @@ class Store:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
+        if self._schema_version() != SCHEMA_VERSION:  # a store that is current is only read: it may be read-only
+            self._create_or_upgrade()
+        self._identity = _identity(self.path)
+
+    def _schema_version(self) -> int | None:
+        try:
+            row = self._conn().execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.OperationalError:  # no meta table: a new store
+            return None
+        return int(row[0]) if row else None
+
+    def _create_or_upgrade(self) -> None:
         self._conn().executescript(_SCHEMA)  # idempotent; executescript commits on its own
-        with self._tx() as db:
+        with self._tx(check=False) as db:
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
                 db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
@@ -174,15 +194,43 @@ class Store:
         return conn
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, *, check: bool = True) -> Iterator[sqlite3.Connection]:
+        """One write transaction; StoreFaultError if the file system refuses it (nothing of it is written)."""
+        if check:
+            self.check_writable()
         db = self._conn()
-        db.execute("BEGIN IMMEDIATE")
         try:
+            db.execute("BEGIN IMMEDIATE")
             yield db
-        except BaseException:
-            db.execute("ROLLBACK")
+            db.execute("COMMIT")  # inside: a commit refused for want of space is rolled back like the rest
+        except BaseException as e:
+            self._roll_back(db)
+            fault = _fault(self.path, e) if isinstance(e, sqlite3.Error) else None
+            if fault is not None:
+                raise fault from e
             raise
-        db.execute("COMMIT")
+
+    def _roll_back(self, db: sqlite3.Connection) -> None:
+        if not db.in_transaction:
+            return
+        try:
+            db.execute("ROLLBACK")
+        except sqlite3.Error:  # a connection stuck in its transaction would refuse every later write: drop it
+            db.close()
+            self._local.conn = None
+
+    def check_writable(self) -> None:
+        """StoreFaultError unless the path still names the file this store opened and it may be written."""
+        try:
+            now = _identity(self.path)
+        except FileNotFoundError:
+            raise StoreFaultError(self.path, "deleted", "the file was removed while the cluster had it open; "
+                                                        "writes to it would reach no reader") from None
+        if now != self._identity:
+            raise StoreFaultError(self.path, "replaced", f"another file is at this path now (inode {now[1]}, "
+                                                         f"opened as inode {self._identity[1]})")
+        if not os.access(self.path, os.W_OK):
+            raise StoreFaultError(self.path, "read-only", "permission to write the file is denied")
 
     # -- jobs ------------------------------------------------------------------
 
@@ -388,6 +436,20 @@ class Store:
             q, args = q + " WHERE job_id=?", [job_id]
         out = [dict(r) | {"data": json.loads(r["data"])} for r in self._conn().execute(q, args).fetchall()]
         return [s for s in out if s["state"] not in ("GONE", "RELEASED")] if live_only else out
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+# SQLite's primary result codes (an extended code's low byte) that mean the file system refused a write.
+_FAULTS = {13: "disk full", 8: "read-only", 10: "I/O error", 14: "cannot open"}
+
+
+def _fault(path: Path, e: sqlite3.Error) -> StoreFaultError | None:
+    cause = _FAULTS.get((getattr(e, "sqlite_errorcode", None) or 0) & 0xFF)
+    return StoreFaultError(path, cause, str(e)) if cause else None
 
 
 def _job(row: sqlite3.Row) -> JobRecord:

@@ -205,7 +205,7 @@ def status_lines(st: JobStatus, g, *, width: int) -> list[str]:
 
     where = f", position {st.queue_position} in the queue" if st.queue_position else ""
     lines = wrap(f"{st.id}  {st.state_name}{where}  ({st.reason})", width, hanging="  ")
-    for note in (st.moving, st.stalled, st.warning):
+    for note in (st.moving, st.stalled, st.warning, st.store_fault):
         if note:
             lines += wrap(note, width, indent="  ", hanging="    ")
     wall = ("wall time " if st.done else "running for ") + format_duration(st.wall_s or 0.0)
@@ -238,6 +238,10 @@ def _print_jobs(jobs: list[JobStatus], as_json: bool) -> None:
     stalled = [s for s in jobs if s.stalled]
     if stalled:
         for line in wrap(f"{len(stalled)} job(s) not ended, but {stalled[0].stalled}", out.width):
+            out.print(f"[yellow]{escape(line)}[/yellow]", highlight=False)
+    fault = next((s.store_fault for s in jobs if s.store_fault), None)
+    if fault:
+        for line in wrap(fault, out.width):
             out.print(f"[yellow]{escape(line)}[/yellow]", highlight=False)
 
 
@@ -285,6 +289,9 @@ def logs(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."),
         drain(None)
     else:
         sys.stdout.write(job.logs())
+        st = job.status()
+        if st.store_fault:  # the job's log may be on the same full disk: the controller says it
+            err.print(f"[yellow]{escape(st.store_fault)}[/yellow]", highlight=False)
 
 
 def _available(lines) -> list[str]:

@@ -17,6 +17,7 @@ Examples::
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -31,7 +32,15 @@ from orchestrator.control import ownership
 from orchestrator.control.ownership import OnExisting
 from orchestrator.control.shipping import pack_folder
 from orchestrator.domain.spec import JobSpec
-from orchestrator.errors import ClusterError, JobNotFoundError, JobStateError, OrchestratorError, SpecError
+from orchestrator.errors import (
+    ClusterError,
+    JobNotFoundError,
+    JobStateError,
+    OrchestratorError,
+    SpecError,
+    StoreFaultError,
+)
+from orchestrator.observe.metrics import read_store_fault
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store
 from orchestrator.user.entrypoint import check_entrypoint
@@ -50,6 +59,7 @@ class Client:
         self._connected = False
         self._owns_cluster = False
         self._cluster_seen: tuple[float, str] = (-1e9, "gone")
+        self._fault_seen: tuple[float, str | None] = (-1e9, None)
 
     # -- cluster ---------------------------------------------------------------
 
@@ -329,6 +339,29 @@ class Client:
             self._cluster_seen = (now, "up" if cluster.read_cluster(self.home) is not None else "gone")
         return self._cluster_seen[1]
 
+    def store_fault(self) -> str | None:
+        """Why the controller cannot write the store now, with since when; None while it can (or no cluster runs).
+
+        Asked of the controller's metrics endpoint (the store cannot say it), at most once a second.
+        """
+        now = time.monotonic()
+        if now - self._fault_seen[0] <= 1.0:
+            return self._fault_seen[1]
+        line = None
+        if self.cluster_state() == "up":
+            try:
+                url = json.loads((self.home.root / "metrics.json").read_text())["url"]
+                fault = read_store_fault(url)
+            except (OSError, ValueError, KeyError) as e:  # a controller starting or gone: nothing to say
+                log.debug("no store health from the controller: %s", e)
+                fault = None
+            if fault is not None:
+                since = time.strftime("%H:%M:%S", time.localtime(fault.get("since", time.time())))
+                line = (f"{fault['message']} since {since}; training goes on and {fault.get('held', 0)} "
+                        "records wait to be written: the job picks up by itself when the store can be written")
+        self._fault_seen = (now, line)
+        return line
+
     def _status_of(self, job: JobRecord) -> JobStatus:
         """The job's status, with its place in the queue and, while not ended, whether a cluster runs it."""
         from orchestrator.control.queue import queue_position
@@ -338,7 +371,8 @@ class Client:
         if st.done:
             return st
         return replace(st, queue_position=queue_position(self.store, job), cluster=self.cluster_state(),
-                       moving=move_line(self.store, job), warning=deadline_line(self.store, job))
+                       moving=move_line(self.store, job), warning=deadline_line(self.store, job),
+                       store_fault=self.store_fault())
 
     def cancel(self, job_id: str) -> None:
         """Ask the job to stop: its hosts checkpoint the current step and stop, its slice is released.
@@ -352,8 +386,14 @@ class Client:
                                 tuple(s.value for s in JobState if not s.terminal),
                                 why="it has ended: nothing to cancel")
         job_id = job.id
-        self.store.update_job(job_id, cancel_requested=1)  # seen by the controller even if Ray is unreachable
-        if cluster.read_cluster(self.home) is not None or self.address is not None:
+        running = cluster.read_cluster(self.home) is not None or self.address is not None
+        try:
+            self.store.update_job(job_id, cancel_requested=1)  # seen by the controller even if Ray is unreachable
+        except StoreFaultError:
+            if not running:  # no controller to hear it either
+                raise
+            log.warning("the store cannot be written now; the controller is told directly")
+        if running:
             self._ask("cancel", job_id)
 
     def resize(self, job_id: str, accelerator: str, *, reason: str = "requested by the user",

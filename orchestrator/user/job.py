@@ -44,6 +44,8 @@ class JobStatus:
     moving: str | None = None
     cause: FailedBecause | None = None  # why a FAILED job failed
     warning: str | None = None  # what the job will miss at its measured speed ("will miss its deadline by 4 min")
+    # While the controller cannot write the store: "state store not writable: disk full (...) since 12:03:04; ..."
+    store_fault: str | None = None
 
     @property
     def done(self) -> bool:

@@ -24,7 +24,8 @@ from workers.protocol import LOOP_METRICS
 
 # Events worth a line of their own while watching (the rest are in `status --events`).
 SHOWN = {EventKind.DISRUPTION, EventKind.RESTORE, EventKind.RESIZE, EventKind.RESUMED, EventKind.LOST_WORK,
-         EventKind.ADOPTED, EventKind.NOTICE, EventKind.FOLDER}
+         EventKind.ADOPTED, EventKind.NOTICE, EventKind.FOLDER,
+         EventKind.STORE}
 
 
 def _fmt(x: float | None, spec: str) -> str:
@@ -48,17 +49,26 @@ def _event_line(e: Event) -> str:
 
 
 def _updates(job: Job, poll_s: float) -> Iterator[tuple[JobStatus, list[Event], float, float | None]]:
-    seq = 0
+    """The job's status, its new events (a store fault's beginning and end among them), dollars, ETA."""
+    seq, fault = 0, None
     while True:
         st = job.status()
         events = job.events()
         new = [e for e in events if e.seq > seq]
         seq = events[-1].seq if events else seq
+        if st.store_fault and not fault:  # its end is an event (`StoreFaulted`), written when the store works
+            new.append(_store_line(st.store_fault))
+        fault = st.store_fault
         usd = goodput(job._client.store, job.id).usd_total
         yield st, new, usd, eta_s(job, st)
         if st.done:
             return
         time.sleep(poll_s)
+
+
+def _store_line(text: str) -> Event:
+    """A store fault's line among the events shown (no event says it yet: the store could not take one)."""
+    return Event(0, "", time.time(), EventKind.STORE, None, None, text, None)
 
 
 def utilisation(metrics: dict) -> str:

@@ -1,0 +1,182 @@
+"""Going on through a state store that cannot be written (a full disk, a read-only or deleted `state.db`).
+
+The store raises `StoreFaultError` for a write the file system refuses. Here is what the
+controller does about it, so that no driver dies of it and no job is left RUNNING forever:
+
+- `StoreHealth` is the controller's memory of the fault: its cause, since when, how many
+  writes wait. `status` and `logs` read it from the controller's metrics endpoint (the
+  store itself cannot say it), and its log lines are rate-limited: one when the fault
+  begins or its cause changes, one a minute while it lasts, one when it ends.
+- A job's driver thread writes through `HoldingStore`: a refused write is tried again with
+  backoff (tenacity) until the store takes it, so the driver holds where it is, its
+  workers train on (or stop at a committed step), and it picks up by itself.
+- Workers' reports must not wait (they arrive on the controller's shared threads), so
+  their writes go to `HeldWrites`, kept in order and written as soon as the store works.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import tenacity
+
+from orchestrator.errors import StoreFaultError
+from orchestrator.state.store import Store
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+REMIND_EVERY_S = 60.0  # while a fault lasts, how often it is logged again
+
+
+@dataclass(frozen=True)
+class StoreFault:
+    """The store's fault as `status` shows it."""
+
+    cause: str  # StoreFaultError.cause: "disk full", "read-only", "deleted", "replaced", ...
+    message: str  # StoreFaultError's message: "state store not writable: disk full (PATH: ...)"
+    since: float  # wall time of the first refused write
+    held: int  # writes waiting to be written
+
+
+class StoreHealth:
+    """What the controller knows of its store: the fault now (None while writes go through)."""
+
+    def __init__(self, *, on_change: Callable[[str, StoreFault | None], None] | None = None,
+                 remind_every_s: float = REMIND_EVERY_S):
+        self._lock = threading.Lock()
+        self._fault: StoreFault | None = None
+        self._logged_at = 0.0
+        self._remind_every_s = remind_every_s
+        self.held = 0  # set by HeldWrites
+        # Told when a fault begins (the line) and ends (the line, and the fault that ended).
+        self.on_change = on_change
+
+    @property
+    def fault(self) -> StoreFault | None:
+        with self._lock:
+            f = self._fault
+        return None if f is None else StoreFault(f.cause, f.message, f.since, self.held)
+
+    def failed(self, e: StoreFaultError) -> None:
+        now = time.monotonic()
+        with self._lock:
+            new = self._fault is None or self._fault.cause != e.cause
+            if new:
+                self._fault = StoreFault(e.cause, str(e), time.time(), 0)
+            remind = not new and now - self._logged_at >= self._remind_every_s
+            if new or remind:
+                self._logged_at = now
+        if new:
+            log.error("%s; jobs go on, their writes are held and retried until the store works again", e)
+            if e.cause in ("deleted", "replaced"):
+                log.error("the state store %s was %s while the cluster ran: `status`, `list` and `cancel` read "
+                          "that path and cannot see the running jobs; put the file back (the controller goes on "
+                          "by itself) or stop the cluster with `orchestrator down`", e.path, e.cause)
+            self._tell(f"{e}; training goes on, its records are held until the store works again", None)
+        elif remind:
+            log.error("%s (for %.0f s now; %d writes held)", e, time.time() - self._fault.since, self.held)
+
+    def worked(self) -> None:
+        with self._lock:
+            ended, self._fault = self._fault, None
+        if ended is not None:
+            line = (f"state store writable again after {time.time() - ended.since:.1f} s ({ended.cause}); "
+                    f"the held records are written")
+            log.warning(line)
+            self._tell(line, ended)
+
+    def _tell(self, line: str, ended: StoreFault | None) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change(line, ended)
+            except Exception:  # the logs may be on the same full disk
+                log.debug("could not put a store line in the jobs' logs", exc_info=True)
+
+
+def write_through(health: StoreHealth, write: Callable[[], T], *, max_wait_s: float = 10.0) -> T:
+    """`write()`, tried again with backoff while the store refuses it; blocks until it is taken."""
+    retrying = tenacity.Retrying(
+        retry=tenacity.retry_if_exception_type(StoreFaultError),
+        wait=tenacity.wait_exponential_jitter(initial=0.2, max=max_wait_s),
+        before_sleep=lambda state: health.failed(state.outcome.exception()),
+        reraise=True)
+    result = retrying(write)
+    health.worked()
+    return result
+
+
+class HeldWrites:
+    """Writes that may not wait for the store (workers' reports): written in order, at once if the store
+    takes them, else kept and written with the next write or `flush`."""
+
+    def __init__(self, health: StoreHealth):
+        self._health = health
+        self._pending: deque[Callable[[], Any]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, write: Callable[[], Any]) -> None:
+        with self._lock:
+            self._pending.append(write)
+            try:
+                self._flush()
+            except StoreFaultError as e:
+                self._health.failed(e)
+
+    def flush(self) -> None:
+        """Write what is held, in order; StoreFaultError if the store still refuses (the rest stays held)."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        try:
+            while self._pending:
+                try:
+                    self._pending[0]()
+                except StoreFaultError:
+                    raise
+                except Exception:  # a held write that can never be written (a bug of ours): not the store's fault
+                    log.exception("a held store write failed; it is dropped")
+                self._pending.popleft()
+        finally:
+            self._health.held = len(self._pending)
+        self._health.worked()
+
+
+class HoldingStore:
+    """The store as a job's driver thread writes it: reads as the store; a write waits until the store takes
+    it (`write_through`), after the held writes before it, so the job's records keep their order."""
+
+    WRITES = frozenset({"create_job", "transition", "update_job", "update_spec", "bump_generation", "add_event",
+                        "import_event", "record_steps", "put_slice"})
+
+    def __init__(self, store: Store, health: StoreHealth, held: HeldWrites):
+        self._store, self._health, self._held = store, health, held
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if name not in self.WRITES:
+            return attr
+
+        def write(*args, **kwargs):
+            def once():
+                self._held.flush()
+                return attr(*args, **kwargs)
+            return write_through(self._health, once)
+
+        return write
+
+
+def os_fault(path, e: OSError) -> StoreFaultError:
+    """A file of the state directory that could not be written, as the store's fault."""
+    cause = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk full", errno.EROFS: "read-only",
+             errno.EACCES: "read-only", errno.EPERM: "read-only"}.get(e.errno, "I/O error")
+    return StoreFaultError(path, cause, e.strerror or str(e))
