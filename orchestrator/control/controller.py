@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -216,8 +217,9 @@ class Controller:
             jobs = list(self._drivers)
         for job_id in jobs:
             self.cancel(job_id)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and any(not self.store.job(j).state.terminal for j in jobs):
+        deadline = time.monotonic() + 60  # not while the store cannot record their ends
+        while (time.monotonic() < deadline and self.store_health.fault is None
+               and any(not self.store.job(j).state.terminal for j in jobs)):
             time.sleep(0.2)
         # A cloud is asked only while the store says one of our slices may live there: a
         # cloud endpoint that is gone would otherwise hold shutdown for its whole retry budget.
@@ -292,6 +294,8 @@ class Controller:
     def _tell_jobs(self, line: str, ended: StoreFault | None) -> None:
         """A store fault began or `ended`: a line in the log of every job this controller drives
         (`orchestrator logs`), and when it ended, an event in each (`status --events`)."""
+        if ended is None and (fault := self.store_health.fault) is not None and fault.cause == "deleted":
+            self._rescue_store()
         with self._lock:
             drivers = list(self._drivers.values())
         for driver in drivers:
@@ -302,6 +306,19 @@ class Controller:
                                                                      ended.message), line)
                 except StoreFaultError:  # at fault again already: the next end says it
                     pass
+
+    def _rescue_store(self) -> None:
+        """`state.db` was deleted under the running cluster: what this controller still reads of it goes to
+        `state.db.rescued` (room permitting), for `down`, `mv` and `up` to resume every job from."""
+        rescued = self.home.db.with_name(self.home.db.name + ".rescued")
+        try:
+            self.store.copy_to(rescued)
+        except (OSError, sqlite3.Error) as e:
+            log.error("could not write the deleted store's content to %s: %s", rescued, e)
+            return
+        log.error("%s was deleted while the cluster ran; what the controller had of it is in %s: stop the cluster "
+                  "(`orchestrator down`), `mv %s %s`, and `orchestrator up` resumes every job", self.home.db, rescued,
+                  rescued, self.home.db)
 
     def _reconcile(self) -> None:
         """After a restart: adopt each job's running worker group, or clean up and relaunch."""

@@ -148,8 +148,11 @@ class StepMetric:
 
 
 class Store:
-    def __init__(self, path: Path | str):
+    def __init__(self, path: Path | str, *, create: bool = True):
+        """The store at `path`, made there if it is not (unless `create` is False: StoreFaultError, "deleted")."""
         self.path = Path(path)
+        if not create and not self.path.exists():
+            raise StoreFaultError(self.path, "deleted", "the running cluster's store is gone from its path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._local = threading.local()
         if self._schema_version() != SCHEMA_VERSION:  # a store that is current is only read: it may be read-only
@@ -218,6 +221,17 @@ class Store:
         except sqlite3.Error:  # a connection stuck in its transaction would refuse every later write: drop it
             db.close()
             self._local.conn = None
+
+    def copy_to(self, dest: Path | str) -> None:
+        """A consistent copy of the store, as this process reads it, at `dest` (SQLite's online backup).
+
+        It reads through this process's open connection, so it works for a file deleted meanwhile.
+        """
+        target = sqlite3.connect(dest)
+        try:
+            self._conn().backup(target)
+        finally:
+            target.close()
 
     def check_writable(self) -> None:
         """StoreFaultError unless the path still names the file this store opened and it may be written."""

@@ -159,7 +159,7 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
     """Show one job (exit code 1 if it failed) or, with no JOB, all jobs."""
     client = Client()
     if job_id is None:
-        _print_jobs(client.jobs(), as_json)
+        _print_jobs(client.jobs(), as_json, client.store_fault())
         return
     job = client.job(job_id)
     st = job.status()
@@ -229,7 +229,7 @@ def _count(n: int, what: str) -> str:
     return f"{n} {what}" + ("" if n == 1 else "s")
 
 
-def _print_jobs(jobs: list[JobStatus], as_json: bool) -> None:
+def _print_jobs(jobs: list[JobStatus], as_json: bool, fault: str | None = None) -> None:
     if as_json:
         print(json.dumps([_status_dict(s) for s in jobs], indent=2))
         return
@@ -239,7 +239,6 @@ def _print_jobs(jobs: list[JobStatus], as_json: bool) -> None:
     if stalled:
         for line in wrap(f"{len(stalled)} job(s) not ended, but {stalled[0].stalled}", out.width):
             out.print(f"[yellow]{escape(line)}[/yellow]", highlight=False)
-    fault = next((s.store_fault for s in jobs if s.store_fault), None)
     if fault:
         for line in wrap(fault, out.width):
             out.print(f"[yellow]{escape(line)}[/yellow]", highlight=False)
@@ -269,7 +268,8 @@ def jobs_lines(jobs: list[JobStatus], *, width: int) -> list[str]:
 @app.command("list")
 def list_jobs(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List all jobs."""
-    _print_jobs(Client().jobs(), as_json)
+    client = Client()
+    _print_jobs(client.jobs(), as_json, client.store_fault())
 
 
 @app.command()
@@ -542,7 +542,7 @@ def dashboard(open_browser: bool = typer.Option(False, "--open", help="Also open
 @app.command()
 def down() -> None:
     """Cancel active jobs, release every slice and stop the embedded cluster."""
-    stopped = Client().down()
+    stopped = Client(stopping=True).down()
     out.print("cluster stopped" if stopped else "no cluster was running", highlight=False)
 
 

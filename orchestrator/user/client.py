@@ -52,10 +52,17 @@ log = logging.getLogger(__name__)
 
 
 class Client:
-    def __init__(self, *, address: str | None = None, home: str | Path | None = None):
+    def __init__(self, *, address: str | None = None, home: str | Path | None = None, stopping: bool = False):
+        """`stopping`: for `down`, which must work even when the running cluster's store was deleted."""
         self.home = (cluster.Home(Path(home).expanduser().resolve()) if home else cluster.Home.default()).ensure()
         self.address = address
-        self.store = Store(self.home.db)
+        # A new, empty store beside a running cluster's deleted one would hide every job it runs (and share
+        # its write-ahead log): refused, saying how to get the jobs back.
+        cluster_runs = self.home.cluster_file.exists() and not stopping
+        try:
+            self.store = Store(self.home.db, create=not cluster_runs)
+        except StoreFaultError as e:
+            raise StoreFaultError(e.path, e.cause, f"{e.detail}; {_advice(self.home, e.cause)}") from None
         self._connected = False
         self._owns_cluster = False
         self._cluster_seen: tuple[float, str] = (-1e9, "gone")
@@ -322,7 +329,12 @@ class Client:
 
     def job(self, job_id: str) -> Job:
         """A job by id, unique id prefix, or name (its newest job)."""
-        return Job(self, self.store.find_job(job_id).id)
+        try:
+            return Job(self, self.store.find_job(job_id).id)
+        except JobNotFoundError:
+            if (fault := self.store_fault()) is None:
+                raise
+            raise ClusterError(f"no job {job_id!r} in {self.home.db}, and {fault}") from None
 
     def jobs(self) -> list[JobStatus]:
         return [self._status_of(j) for j in self.store.jobs()]
@@ -357,8 +369,7 @@ class Client:
                 fault = None
             if fault is not None:
                 since = time.strftime("%H:%M:%S", time.localtime(fault.get("since", time.time())))
-                line = (f"{fault['message']} since {since}; training goes on and {fault.get('held', 0)} "
-                        "records wait to be written: the job picks up by itself when the store can be written")
+                line = f"{fault['message']} since {since}; {_advice(self.home, fault['cause'], fault.get('held', 0))}"
         self._fault_seen = (now, line)
         return line
 
@@ -473,6 +484,19 @@ def check_data(spec: JobSpec, source: str = "<spec>") -> None:
             raise SpecError(source, [("workload.data.path", f"{w.data.path}: cannot be read: {e}")]) from None
         log.warning("cannot check %s from here (%s: %s); the workers check it before their first step",
                     w.data.path, type(e).__name__, e)
+
+
+def _advice(home: cluster.Home, cause: str, held: int = 0) -> str:
+    """What a store fault means for the jobs, and what the user may do about it."""
+    rescued = home.db.with_name(home.db.name + ".rescued")
+    if cause == "deleted":
+        return (f"the controller wrote what it had to {rescued}: stop the cluster (`orchestrator down`), "
+                f"`mv {rescued} {home.db}`, and `orchestrator up` resumes every job from its last committed checkpoint")
+    if cause == "replaced":
+        return (f"put the cluster's own file back at {home.db} and the controller goes on by itself, or stop "
+                "the cluster (`orchestrator down`)")
+    return (f"training goes on and {held} records wait to be written: the job picks up by itself when the store "
+            "can be written")
 
 
 def _tier(value: Tier | str) -> Tier:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from orchestrator.errors import StoreFaultError
 from orchestrator.observe.metrics import read_store_fault, serve_metrics
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
+from tests.conftest import REPO
 
 
 @pytest.fixture
@@ -135,3 +137,31 @@ def test_a_driver_write_holds_through_a_full_disk_and_the_fault_is_exported(smal
         assert [m.loss for m in raw.steps("j1")] == [2.5]  # the held report, written first
     finally:
         server.stop()
+
+
+def test_the_content_of_a_deleted_store_can_still_be_copied_out(tmp_path):
+    store = Store(tmp_path / "state.db")
+    store.create_job("j1", "j", {})
+    store.record_steps("j1", 1, [(0, 2.5, None, None)])
+    store.path.unlink()  # the WAL beside it is left, as `rm state.db` leaves it
+    store.copy_to(tmp_path / "state.db.rescued")
+    rescued = Store(tmp_path / "state.db.rescued")
+    assert rescued.job("j1").state is JobState.PENDING and [m.loss for m in rescued.steps("j1")] == [2.5]
+
+
+def test_a_command_beside_a_running_cluster_whose_store_was_deleted_says_so_and_makes_no_empty_store(tmp_path):
+    home = tmp_path / "home"
+    store = Store(home / "state.db")
+    store.create_job("j1", "j", {})
+    (home / "cluster.json").write_text("{}")  # a cluster is recorded as running
+    store.path.unlink()
+    env = {**os.environ, "ORCHESTRATOR_HOME": str(home)}
+    for command in (["status", "j1"], ["list"], ["cancel", "j1"]):
+        r = subprocess.run([sys.executable, "-m", "orchestrator", *command], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=60)
+        said = " ".join(r.stderr.split())
+        assert r.returncode == 1, said
+        assert "error: state store not writable: deleted" in said and "the running cluster's store is gone" in said
+        assert f"mv {home / 'state.db.rescued'} {home / 'state.db'}" in said and "orchestrator up" in said
+        assert "Traceback" not in r.stderr
+    assert not store.path.exists()  # no empty store took its place

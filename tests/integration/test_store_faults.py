@@ -1,0 +1,84 @@
+"""A state directory whose disk fills up while a job trains, on a real cluster, through the command line.
+
+The state directory is a small file system of its own (tmpfs); the job's checkpoints are
+elsewhere, so only the store, the logs and the compile cache share the full disk. What the
+user sees: `status` and `logs` name the fault while it lasts, the job is not lost, and once
+space is freed it finishes by itself, every step recorded, with no `down`/`up`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from orchestrator.state.store import Store
+from tests.conftest import REPO
+from tests.integration.test_local_jobs import tiny_spec
+from tests.unit.test_store_faults import fill
+
+STEPS = 150
+
+
+@pytest.fixture
+def small_home(tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m,mode=700", "tmpfs", str(home)],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield home
+    subprocess.run(["umount", "-l", str(home)], check=True)
+
+
+def test_a_full_state_disk_holds_the_job_and_it_finishes_by_itself_once_freed(small_home, tmp_path):
+    env = {**os.environ, "ORCHESTRATOR_HOME": str(small_home)}
+
+    def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "orchestrator", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text(tiny_spec("full-disk", "v4-8", tmp_path, steps=STEPS, interval=50).to_yaml())
+    try:
+        assert cli("up").returncode == 0
+        r = cli("submit", str(job_file), "--detach")
+        assert r.returncode == 0, r.stderr
+        job_id = r.stdout.split()[0]
+        store = Store(small_home / "state.db")
+        deadline = time.monotonic() + 120
+        while (last := store.last_step(job_id)) is None or last.step < 2:
+            assert time.monotonic() < deadline, store.job(job_id).reason
+            time.sleep(0.2)
+
+        filler = fill(small_home)
+        deadline = time.monotonic() + 20
+        while "state store not writable: disk full" not in (said := " ".join(cli("status", job_id).stdout.split())):
+            assert time.monotonic() < deadline, said
+            time.sleep(0.5)
+        st = cli("status", job_id)
+        assert st.returncode == 0 and "RUNNING" in st.stdout  # not failed, not lost: held
+        assert "picks up by itself" in " ".join(st.stdout.split())
+        logs = cli("logs", job_id)
+        assert logs.returncode == 0 and "state store not writable: disk full" in " ".join(logs.stderr.split())
+        held_at = store.last_step(job_id).step
+
+        filler.unlink()
+        deadline = time.monotonic() + 120
+        while not store.job(job_id).state.terminal:
+            assert time.monotonic() < deadline, store.job(job_id).reason
+            time.sleep(0.5)
+        st = cli("status", job_id)
+        said = " ".join(st.stdout.split())
+        assert st.returncode == 0 and "SUCCEEDED" in said and "not writable" not in said, said
+        assert held_at < STEPS - 1  # steps were left when the disk filled...
+        assert [m.step for m in store.steps(job_id)] == list(range(STEPS))  # ...and what it did meanwhile is recorded
+        [fault] = [e for e in store.events(job_id) if e.kind == "store"]
+        assert fault.data["cause"] == "disk full" and fault.data["seconds"] > 0
+        assert "state store writable again" in cli("logs", job_id).stdout
+    finally:
+        cli("down")
