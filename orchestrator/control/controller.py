@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import shutil
 import sqlite3
 import threading
 import time
@@ -126,7 +127,11 @@ class Controller:
                 shipping.keep(code, self.home.job_dir(job_id))
         except OSError as e:
             raise os_fault(self.home.job_dir(job_id), e) from None
-        ownership.record_job(self.store, job_id, parsed, OnExisting(on_existing))  # StoreFaultError: refused
+        try:
+            ownership.record_job(self.store, job_id, parsed, OnExisting(on_existing))
+        except StoreFaultError:  # refused, with the store's fault as the error: no id is handed out
+            shutil.rmtree(self.home.job_dir(job_id), ignore_errors=True)
+            raise
         self._start(JobDriver(self, job_id))
         log.info("job %s submitted (%s on %s)", job_id, parsed.tier.value, parsed.accelerator)
         return job_id
@@ -342,15 +347,22 @@ class Controller:
                 self.release_record(rec)
 
 
-class _OwnLog(logging.FileHandler):
+class _LogFile(logging.FileHandler):
+    """The controller's log file. A line the disk refuses (it is full) stays in the file's buffer and is
+    written with the first line that fits; logging's default would also print a traceback to the
+    process's stderr for every such line, a flood on a disk that stays full."""
+
     _orchestrator = True  # marks the handler this module added (one per process)
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
 
 
 def _log_to(path: Path) -> None:
     root = logging.getLogger()
     if any(getattr(h, "_orchestrator", False) for h in root.handlers):
         return
-    h = _OwnLog(path)
+    h = _LogFile(path)
     h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(h)
     root.setLevel(logging.INFO)

@@ -165,3 +165,23 @@ def test_a_command_beside_a_running_cluster_whose_store_was_deleted_says_so_and_
         assert f"mv {home / 'state.db.rescued'} {home / 'state.db'}" in said and "orchestrator up" in said
         assert "Traceback" not in r.stderr
     assert not store.path.exists()  # no empty store took its place
+
+
+def test_the_controllers_log_on_a_full_disk_prints_no_traceback_per_line_and_keeps_the_lines(small_disk, capfd):
+    from orchestrator.control.controller import _LogFile
+
+    handler = _LogFile(small_disk / "controller.log")
+    logger = logging.getLogger("tests.full-disk-log")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        filler = fill(small_disk)
+        for i in range(50):
+            logger.error("line %d", i)
+        assert capfd.readouterr().err == ""  # logging's default: a traceback for each line
+        filler.unlink()
+        logger.error("after")
+        assert (small_disk / "controller.log").read_text().splitlines() == [*(f"line {i}" for i in range(50)), "after"]
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
