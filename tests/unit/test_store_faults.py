@@ -104,7 +104,19 @@ def test_a_deleted_or_replaced_file_is_named_so_and_the_original_put_back_works_
     assert Store(store.path).job("j1").reason == "found"
 
 
-def test_a_driver_write_holds_through_a_full_disk_and_the_fault_is_exported(small_disk, caplog):
+def full_disk(store: Store):
+    filler = fill(store.path.parent)
+    return filler.unlink
+
+
+def read_only_file(store: Store):
+    make_read_only(store.path)
+    return lambda: make_read_only(store.path, False)
+
+
+@pytest.mark.parametrize("fault, cause", [(full_disk, "disk full"), (read_only_file, "read-only")])
+def test_a_driver_write_holds_through_the_fault_which_is_exported_and_goes_on_by_itself(small_disk, caplog, fault,
+                                                                                         cause):
     raw = Store(small_disk / "state.db")
     raw.create_job("j1", "j", {})
     health = StoreHealth()
@@ -114,22 +126,22 @@ def test_a_driver_write_holds_through_a_full_disk_and_the_fault_is_exported(smal
     url = f"http://127.0.0.1:{port}/metrics"
     try:
         assert read_store_fault(url) is None
-        filler = fill(small_disk)
+        undo = fault(raw)
         caplog.set_level(logging.ERROR, logger="orchestrator.control.store_faults")
         held.add(lambda: raw.record_steps("j1", 1, [(0, 2.5, None, None)]))  # a worker's report: does not wait
         driver = threading.Thread(target=store.transition, args=("j1", JobState.PROVISIONING, "asking"))
         driver.start()
         deadline = time.monotonic() + 10
-        while (fault := read_store_fault(url)) is None:
+        while (seen := read_store_fault(url)) is None:
             assert time.monotonic() < deadline, "the fault never showed"
             time.sleep(0.1)
-        assert fault["cause"] == "disk full" and fault["held"] == 1
-        assert fault["message"].startswith("state store not writable: disk full")
-        time.sleep(2.0)  # several retries
+        assert seen["cause"] == cause and seen["held"] == 1
+        assert seen["message"].startswith(f"state store not writable: {cause}")
+        time.sleep(1.0)  # several retries
         assert driver.is_alive()  # the driver holds where it is
         assert len([r for r in caplog.records if "not writable" in r.getMessage()]) == 1  # logged once, not per try
 
-        filler.unlink()
+        undo()
         driver.join(timeout=15)
         assert not driver.is_alive(), "the driver did not pick up by itself"
         assert read_store_fault(url) is None
