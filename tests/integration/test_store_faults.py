@@ -1,9 +1,11 @@
-"""A state directory whose disk fills up while a job trains, on a real cluster, through the command line.
+"""A state store that cannot be written while a job trains, on a real cluster: its disk fills up, or
+`state.db` is made read-only.
 
-The state directory is a small file system of its own (tmpfs); the job's checkpoints are
-elsewhere, so only the store, the logs and the compile cache share the full disk. What the
-user sees: `status` and `logs` name the fault while it lasts, the job is not lost, and once
-space is freed it finishes by itself, every step recorded, with no `down`/`up`.
+For the full disk, the state directory is a small file system of its own (tmpfs) and the
+cluster is driven through the command line; the job's checkpoints are elsewhere, so only the
+store, the logs and the compile cache share the full disk. What the user sees: `status` and
+`logs` name the fault while it lasts, a new job is refused with it, the job is not lost, and
+once the fault is gone it finishes by itself, every step recorded, with no `down`/`up`.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import time
 
 import pytest
 
+from orchestrator import JobState
 from orchestrator.state.store import Store
 from tests.conftest import REPO
 from tests.integration.test_local_jobs import tiny_spec
-from tests.unit.test_store_faults import fill
+from tests.unit.test_store_faults import fill, make_read_only
 
 STEPS = 150
 
@@ -85,3 +88,28 @@ def test_a_full_state_disk_holds_the_job_and_it_finishes_by_itself_once_freed(sm
         assert "state store writable again" in cli("logs", job_id).stdout
     finally:
         cli("down")
+
+
+def test_a_read_only_state_db_holds_the_job_and_it_finishes_by_itself_once_writable(client, tmp_path):
+    job = client.submit(tiny_spec("read-only-db", "v4-8", tmp_path, steps=STEPS, interval=50))
+    deadline = time.monotonic() + 120
+    while (last := client.store.last_step(job.id)) is None or last.step < 2:
+        assert time.monotonic() < deadline, job.status().reason
+        time.sleep(0.2)
+    make_read_only(client.store.path)
+    try:
+        deadline = time.monotonic() + 20
+        while "state store not writable: read-only" not in (job.status().store_fault or ""):
+            assert time.monotonic() < deadline, job.status()
+            time.sleep(0.5)
+        st = job.status()
+        assert st.state is JobState.RUNNING and "picks up by itself" in st.store_fault
+        held_at = client.store.last_step(job.id).step
+    finally:
+        make_read_only(client.store.path, False)
+    final = job.wait(timeout_s=120)
+    assert final.state is JobState.SUCCEEDED, final.reason
+    assert final.store_fault is None
+    assert held_at < STEPS - 1 and [m.step for m in job.metrics()] == list(range(STEPS))
+    [fault] = [e for e in job.events() if e.kind == "store"]
+    assert fault.data["cause"] == "read-only"
