@@ -55,6 +55,8 @@ class StoreHealth:
         self._lock = threading.Lock()
         self._fault: StoreFault | None = None
         self._logged_at = 0.0
+        self._quiet: tuple[str, float] | None = None  # the cause of the fault that ended last, and until when
+        self._quiet_fault = False  # the fault now began while that was quiet: it comes and goes, said once
         self._remind_every_s = remind_every_s
         self.held = 0  # set by HeldWrites
         # Told when a fault begins (the line) and ends (the line, and the fault that ended).
@@ -72,27 +74,36 @@ class StoreHealth:
             new = self._fault is None or self._fault.cause != e.cause
             if new:
                 self._fault = StoreFault(e.cause, str(e), time.time(), 0)
+                # A fault back within the reminder interval with the same cause (a disk that is all but
+                # full takes one write and refuses the next) is the same fault, said once a minute.
+                self._quiet_fault = self._quiet is not None and self._quiet[0] == e.cause and now < self._quiet[1]
+                new = not self._quiet_fault
             remind = not new and now - self._logged_at >= self._remind_every_s
             if new or remind:
                 self._logged_at = now
+            since = self._fault.since
         if new:
             log.error("%s; jobs go on, their writes are held and retried until the store works again", e)
-            if e.cause in ("deleted", "replaced"):
-                log.error("the state store %s was %s while the cluster ran: `status`, `list` and `cancel` read "
-                          "that path and cannot see the running jobs; put the file back (the controller goes on "
-                          "by itself) or stop the cluster with `orchestrator down`", e.path, e.cause)
+            if e.cause == "replaced":
+                log.error("the state store %s was replaced while the cluster ran: `status`, `list` and `cancel` "
+                          "read that path and cannot see the running jobs; put the cluster's own file back (the "
+                          "controller goes on by itself) or stop the cluster with `orchestrator down`", e.path)
             self._tell(f"{e}; training goes on, its records are held until the store works again", None)
         elif remind:
-            log.error("%s (for %.0f s now; %d writes held)", e, time.time() - self._fault.since, self.held)
+            log.error("%s (for %.0f s now; %d writes held)", e, time.time() - since, self.held)
 
     def worked(self) -> None:
         with self._lock:
             ended, self._fault = self._fault, None
-        if ended is not None:
-            line = (f"state store writable again after {time.time() - ended.since:.1f} s ({ended.cause}); "
-                    f"the held records are written")
-            log.warning(line)
-            self._tell(line, ended)
+            if ended is None:
+                return
+            self._quiet = (ended.cause, time.monotonic() + self._remind_every_s)
+            if self._quiet_fault:  # its beginning was not said either
+                return
+        line = (f"state store writable again after {time.time() - ended.since:.1f} s ({ended.cause}); "
+                f"the held records are written")
+        log.warning(line)
+        self._tell(line, ended)
 
     def _tell(self, line: str, ended: StoreFault | None) -> None:
         if self.on_change is not None:

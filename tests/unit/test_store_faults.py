@@ -197,3 +197,18 @@ def test_the_controllers_log_on_a_full_disk_prints_no_traceback_per_line_and_kee
     finally:
         logger.removeHandler(handler)
         handler.close()
+
+
+def test_a_fault_that_comes_and_goes_is_said_once_not_each_time(caplog):
+    told = []
+    health = StoreHealth(on_change=lambda line, ended: told.append(line))
+    caplog.set_level(logging.INFO, logger="orchestrator.control.store_faults")
+    e = StoreFaultError("/h/state.db", "disk full", "database or disk is full")
+    for _ in range(100):  # a disk all but full: one write taken, the next refused
+        health.failed(e)
+        assert health.fault.cause == "disk full"
+        health.worked()
+    assert health.fault is None
+    assert len(caplog.records) == 2 and len(told) == 2  # its beginning and its end, once each
+    health.failed(StoreFaultError("/h/state.db", "read-only", "permission to write the file is denied"))
+    assert len(told) == 3 and "read-only" in told[-1]  # another cause is news
