@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import tenacity
@@ -186,7 +187,7 @@ class HoldingStore:
         return write
 
 
-def os_fault(path, e: OSError) -> StoreFaultError:
+def os_fault(path: Path | str, e: OSError) -> StoreFaultError:
     """A file of the state directory that could not be written, as the store's fault."""
     cause = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk full", errno.EROFS: "read-only",
              errno.EACCES: "read-only", errno.EPERM: "read-only"}.get(e.errno, "I/O error")
