@@ -24,8 +24,7 @@ from workers.protocol import LOOP_METRICS
 
 # Events worth a line of their own while watching (the rest are in `status --events`).
 SHOWN = {EventKind.DISRUPTION, EventKind.RESTORE, EventKind.RESIZE, EventKind.RESUMED, EventKind.LOST_WORK,
-         EventKind.ADOPTED, EventKind.NOTICE, EventKind.FOLDER,
-         EventKind.STORE}
+         EventKind.ADOPTED, EventKind.NOTICE, EventKind.FOLDER, EventKind.STORE}
 
 
 def _fmt(x: float | None, spec: str) -> str:
