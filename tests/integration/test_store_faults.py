@@ -69,7 +69,9 @@ def test_a_full_state_disk_holds_the_job_and_it_finishes_by_itself_once_freed(sm
         logs = cli("logs", job_id)
         assert logs.returncode == 0 and "state store not writable: disk full" in " ".join(logs.stderr.split())
         held_at = store.last_step(job_id).step
-        refused = cli("submit", str(job_file), "--detach")  # a new job is refused with the cause, and no id
+        other = tmp_path / "other.yaml"
+        other.write_text(tiny_spec("other", "v4-8", tmp_path, steps=4).to_yaml())
+        refused = cli("submit", str(other), "--detach")  # a new job is refused with the cause, and no id
         assert refused.returncode == 1 and refused.stdout == "", refused.stdout
         assert "error: state store not writable: disk full" in refused.stderr
 
