@@ -27,6 +27,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import cast
 
 from orchestrator import cluster
 from orchestrator.control import ownership, shipping
@@ -56,7 +57,8 @@ class Controller:
         self.held = HeldWrites(self.store_health)  # writes that may not wait for a store at fault
         self.address = address
         self.provider = LocalProvider(self.home, address, max_hosts=max_hosts, on_change=self._save_slice)
-        self.queue = AdmissionQueue(HoldingStore(self.store, self.store_health, self.held), self.provider)
+        # The queue runs on drivers' threads: its writes wait out a store fault, as theirs do.
+        self.queue = AdmissionQueue(cast(Store, HoldingStore(self.store, self.store_health, self.held)), self.provider)
         self._gcp: dict[tuple, SliceProvider] = {}  # GcpTpuProvider by (project, zones, endpoint)
         self._drivers: dict[str, JobDriver] = {}
         self._lock = threading.Lock()

@@ -19,7 +19,7 @@ import logging
 import random
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import ray
 import tenacity
@@ -48,6 +48,7 @@ from orchestrator.state.events import (
     StateChange,
 )
 from orchestrator.state.states import FailedBecause, JobState, SliceState
+from orchestrator.state.store import Store
 from policies.decisions.recovery import Budgets, Next, Outcome, OutcomeKind, after
 from workers.protocol import Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
 
@@ -83,7 +84,8 @@ FAILED_BECAUSE: dict[OutcomeKind, FailedBecause] = {
 class JobDriver(AutoscalingMixin):
     def __init__(self, plane: "Controller", job_id: str, attempt: Attempt | None = None):
         self.plane, self.job_id = plane, job_id
-        self.store = HoldingStore(plane.store, plane.store_health, plane.held)  # its writes wait out a store fault
+        # The store as the driver writes it: a write waits out a store fault (it reads and writes as a Store).
+        self.store = cast(Store, HoldingStore(plane.store, plane.store_health, plane.held))
         self.att = attempt or Attempt()
         self._rng = random.Random()
         self._log_failed_at = -1e9

@@ -82,6 +82,7 @@ class StoreHealth:
             remind = not new and now - self._logged_at >= self._remind_every_s
             if new or remind:
                 self._logged_at = now
+            assert self._fault is not None  # set above, or already set (not new)
             since = self._fault.since
         if new:
             log.error("%s; jobs go on, their writes are held and retried until the store works again", e)
@@ -116,10 +117,15 @@ class StoreHealth:
 
 def write_through(health: StoreHealth, write: Callable[[], T], *, max_wait_s: float = 10.0) -> T:
     """`write()`, tried again with backoff while the store refuses it; blocks until it is taken."""
+    def refused(state: tenacity.RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome is not None else None
+        if isinstance(error, StoreFaultError):  # the only error retried
+            health.failed(error)
+
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(StoreFaultError),
         wait=tenacity.wait_exponential_jitter(initial=0.2, max=max_wait_s),
-        before_sleep=lambda state: health.failed(state.outcome.exception()),
+        before_sleep=refused,
         reraise=True)
     result = retrying(write)
     health.worked()
@@ -190,5 +196,5 @@ class HoldingStore:
 def os_fault(path: Path | str, e: OSError) -> StoreFaultError:
     """A file of the state directory that could not be written, as the store's fault."""
     cause = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk full", errno.EROFS: "read-only",
-             errno.EACCES: "read-only", errno.EPERM: "read-only"}.get(e.errno, "I/O error")
+             errno.EACCES: "read-only", errno.EPERM: "read-only"}.get(e.errno or 0, "I/O error")
     return StoreFaultError(path, cause, e.strerror or str(e))
