@@ -34,8 +34,8 @@ from policies.decisions.recovery import (
     OutcomeKind,
     classify_failure,
     native_error,
-    native_lines,
     results_outcome,
+    telling_lines,
 )
 from workers.crash import stderr_tail
 from workers.protocol import WorkerResult
@@ -153,7 +153,7 @@ def worker_died(store: Store, job_id: str, att: Attempt, error: Exception) -> Ou
         except Exception as e:  # the host cannot run a task: it is as good as gone
             return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} (host {rank} runs no task: "
                                                    f"{type(e).__name__})", at=at)
-        said = native_lines(tail or "")[-40:]
+        said = telling_lines(tail or "")
         summary = native_error(tail) if tail is not None else "its stderr is not in its node's log folder"
         _log_lines(store, job_id, rank, [f"its worker process died: {summary}", *said])
         return Outcome(OutcomeKind.WORKER_ABORTED, f"host {rank}'s worker process died, its host still up: {summary}",
