@@ -120,7 +120,8 @@ class Checkpoints:
         unreadable: list[int] = []
         found = None
         for step in reversed(_steps_of_process_0(self.steps())):
-            out, error = None, None
+            out: Any = None
+            error: Exception | None = None
             try:
                 out = self._manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
@@ -132,6 +133,7 @@ class Checkpoints:
                             step, f"{type(error).__name__}: {str(error)[:300]}" if error else "on another host")
                 unreadable.append(int(step))
                 continue
+            assert out is not None  # every host read it, this one too
             found = Restored(out["state"], dict(out["meta"] or {}), int(step))
             break
         self._set_aside(unreadable)

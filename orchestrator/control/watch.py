@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -169,8 +170,9 @@ def _ping(att: Attempt) -> tuple[Exception | None, list[int]]:
     first, on a loaded host for seconds. Waiting for it to be seen dead, rather than calling it
     unreachable early, is what tells a worker abort from a host loss.
     """
-    refs = [w.info.remote() for w in att.workers]
-    pending, deadline = list(refs), time.monotonic() + PING_S
+    refs: list[Any] = [w.info.remote() for w in att.workers]
+    pending: list[Any] = list(refs)
+    deadline = time.monotonic() + PING_S
     while pending:
         ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
