@@ -265,6 +265,15 @@ class Loop:
     loop never waits for the device between steps; a step's time is the time between
     the moments its loss and the previous step's were ready. Every host must run the same steps:
     on a notice to any host, all stop after the same step, with it committed.
+
+    Every host issues the same gloo collectives in the same order, all from this thread (the
+    CPU client runs one multi-device program at a time, in the order they were dispatched):
+    step s's program; the vote (`agreed_stop`, one all-gather that also carries profile
+    requests); at a save step, the write agreement (`Checkpoints.save`, one all-gather) and
+    orbax's save, whose barriers go through the coordination service. What decides whether a
+    save happens (the step, the total, the voted stop) is the same on every host; what one
+    host sees alone (its notice, its fence, its clock) reaches the decision only through an
+    all-gather. The lagged loss read is a copy from this host's own device, no collective.
     """
 
     def __init__(self, ctx: Context, state: Any, start: int, *, flops_per_step: float | None,

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -34,8 +35,8 @@ from policies.decisions.recovery import (
     OutcomeKind,
     classify_failure,
     native_error,
-    native_lines,
     results_outcome,
+    telling_lines,
 )
 from workers.crash import stderr_tail
 from workers.protocol import WorkerResult
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 POLL_S = 0.25
 SETTLE_S = 1.0  # how long a failure waits for word that a host died (the others fail within seconds of it)
 PROBE_S = 30.0  # how long a dead worker's host has to run a task (the answer that it is up, and the stderr)
+PING_S = 30.0  # how long workers have to answer a ping, or to be seen dead (a process that aborts takes a while to go)
 
 
 def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Callable[[], None]) -> Outcome:
@@ -118,13 +120,12 @@ def _host_lost(att: Attempt) -> str | None:
 def _no_progress(store: Store, job_id: str, att: Attempt, hang_limit: float) -> Outcome:
     """No step for the heartbeat timeout: a host or worker gone if one is, else a hang."""
     at = time.time()
-    try:
-        ray.get([w.info.remote() for w in att.workers], timeout=10)
-    except ray.exceptions.RayActorError as e:
-        return worker_died(store, job_id, att, e)
-    except ray.exceptions.GetTimeoutError:
-        return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} (no answer within 10 s, and no step for "
-                                               f"{hang_limit:.0f} s)", at=at)
+    died, silent = _ping(att)
+    if died is not None:
+        return worker_died(store, job_id, att, died)
+    if silent:
+        return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} (no answer within {PING_S:.0f} s, and no step "
+                                               f"for {hang_limit:.0f} s)", at=at)
     return Outcome(OutcomeKind.HUNG, f"no step for {hang_limit:.0f} s while every worker answers {HUNG}", at=at)
 
 
@@ -153,12 +154,34 @@ def worker_died(store: Store, job_id: str, att: Attempt, error: Exception) -> Ou
         except Exception as e:  # the host cannot run a task: it is as good as gone
             return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} (host {rank} runs no task: "
                                                    f"{type(e).__name__})", at=at)
-        said = native_lines(tail or "")[-40:]
+        said = telling_lines(tail or "")
         summary = native_error(tail) if tail is not None else "its stderr is not in its node's log folder"
         _log_lines(store, job_id, rank, [f"its worker process died: {summary}", *said])
         return Outcome(OutcomeKind.WORKER_ABORTED, f"host {rank}'s worker process died, its host still up: {summary}",
                        traceback="\n".join(said) or None, at=at)
     return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_DIED} ({type(error).__name__})", at=at)
+
+
+def _ping(att: Attempt) -> tuple[Exception | None, list[int]]:
+    """Ask every worker whether it is there: the error of one whose process is gone (as soon as it is
+    known), else the ranks that neither answered nor died within PING_S.
+
+    A worker that aborts (a native error) is not gone at once: it writes its stack dump and core
+    first, on a loaded host for seconds. Waiting for it to be seen dead, rather than calling it
+    unreachable early, is what tells a worker abort from a host loss.
+    """
+    refs: list[Any] = [w.info.remote() for w in att.workers]
+    pending: list[Any] = list(refs)
+    deadline = time.monotonic() + PING_S
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            break
+        try:
+            ray.get(ready[0])
+        except ray.exceptions.RayActorError as e:
+            return e, []
+    return None, [refs.index(r) for r in pending]
 
 
 def _answers(worker) -> bool:
@@ -195,12 +218,11 @@ def _confirm_failure(store: Store, job_id: str, att: Attempt, failure: Outcome) 
     host_lost = _host_lost(att)
     unreachable = None
     if host_lost is None:
-        try:
-            ray.get([w.info.remote() for w in att.workers], timeout=10)
-        except ray.exceptions.RayActorError as e:
-            return worker_died(store, job_id, att, e)
-        except ray.exceptions.GetTimeoutError as e:
-            unreachable = type(e).__name__
+        died, silent = _ping(att)
+        if died is not None:
+            return worker_died(store, job_id, att, died)
+        if silent:
+            unreachable = f"host {silent[0]} answered no ping within {PING_S:.0f} s"
     return classify_failure(failure, host_lost=host_lost, unreachable=unreachable)
 
 

@@ -30,7 +30,8 @@ METADATA_URL = ("http://${GCE_METADATA_HOST:-metadata.google.internal}"
 # extras a TPU VM needs.
 WORKER_DISTRIBUTIONS = {
     "ray": "ray[default]", "jax": "jax[tpu]", "jaxlib": "jaxlib", "orbax-checkpoint": "orbax-checkpoint",
-    "optax": "optax", "numpy": "numpy", "etils": "etils[epath]", "fsspec": "fsspec", "gcsfs": "gcsfs",
+    "absl-py": "absl-py", "optax": "optax", "numpy": "numpy", "etils": "etils[epath]", "fsspec": "fsspec",
+    "gcsfs": "gcsfs",
     "google-cloud-storage": "google-cloud-storage", "safetensors": "safetensors", "pydantic": "pydantic",
 }
 

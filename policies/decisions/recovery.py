@@ -98,6 +98,10 @@ _ABSL_FATAL = re.compile(r"^F\d{4} [\d:.]+ +\d+ (.+)$")  # F1125 12:00:00.000000
 _SIGNAL = re.compile(r"\*\*\* (SIG[A-Z]+) received")
 _PY_FATAL = re.compile(r"^Fatal Python error: (.+)$")
 _NATIVE = ("terminate called", "Check failed", "Segmentation fault", "Aborted", "core dumped", "Killed")
+# What a C++ exception said before it ended the process ("terminate called after throwing ..." then
+# "  what():  ..."), and gloo's own enforce failures: the cause, where the lines above only say how it ended.
+_WHAT = re.compile(r"^\s*what\(\):\s*(.+)$")
+_ENFORCE = re.compile(r"(\[enforce fail at .+)$")
 
 
 def native_lines(stderr_tail: str) -> list[str]:
@@ -107,6 +111,16 @@ def native_lines(stderr_tail: str) -> list[str]:
             and "logging.cc:" not in ln]
 
 
+def telling_lines(stderr_tail: str, last: int = 40) -> list[str]:
+    """What to keep of a dead worker's stderr for its log: the lines that say what happened (an absl
+    FATAL, a C++ exception and its what(), gloo's enforce failure, the signal), then its last `last`
+    lines. Python's fatal-error dump lists every thread's stack after them, which would push them out."""
+    lines = native_lines(stderr_tail)
+    keep = [ln for ln in lines[:-last] if _ABSL_FATAL.match(ln) or _WHAT.match(ln) or _ENFORCE.search(ln)
+            or _SIGNAL.search(ln) or _PY_FATAL.match(ln) or "terminate called" in ln]
+    return keep + lines[-last:]
+
+
 def native_error(stderr_tail: str | None) -> str:
     """One line for the end of a worker process that died without an exception: the signal, and
     what the native code said last (an absl FATAL line, Python's fatal error, another telling line)."""
@@ -114,7 +128,13 @@ def native_error(stderr_tail: str | None) -> str:
     fatal = next((m.group(1) for ln in lines if (m := _ABSL_FATAL.match(ln))), None)
     signal_ = next((m.group(1) for ln in reversed(lines) if (m := _SIGNAL.search(ln))), None)
     py = next((m.group(1) for ln in lines if (m := _PY_FATAL.match(ln))), None)
-    said = fatal or next((ln.strip() for ln in reversed(lines) if any(w in ln for w in _NATIVE)), None)
+    enforce = next((m.group(1).strip() for ln in lines if (m := _ENFORCE.search(ln))), None)
+    thrown = next((ln.strip() for ln in lines if ln.startswith("terminate called")), None)
+    what = next((m.group(1).strip() for ln in lines if (m := _WHAT.match(ln))), None)
+    if thrown and what and what not in thrown:
+        thrown = f"{thrown}: {what}"
+    said = fatal or enforce or thrown or next((ln.strip() for ln in reversed(lines) if any(w in ln for w in _NATIVE)),
+                                              None)
     if said is None and py is None and signal_ is None:
         return "no native error on its stderr (killed from outside? SIGKILL, the OOM killer)"
     parts = [p for p in (signal_, said, None if said else py and f"Fatal Python error: {py}") if p]

@@ -18,7 +18,9 @@ from policies.decisions.recovery import (
     classify_failure,
     failure_cause,
     native_error,
+    native_lines,
     results_outcome,
+    telling_lines,
 )
 from workers.protocol import Ending, WorkerResult
 
@@ -183,3 +185,35 @@ def test_the_native_error_of_a_worker_that_died(tail, says):
 def test_an_import_error_handled_before_another_error_is_not_an_import_error():
     chain = [("ValueError", None, "bad batch"), ("ModuleNotFoundError", None, "No module named 'wandb'")]
     assert failure_cause(chain) is FailureCause.ERROR
+
+
+GLOO_ABORT = """:job_id:01000000
+:actor_name:HostWorker
+INFO workers.host: step 7/40 loss 4.9
+terminate called after throwing an instance of 'gloo::EnforceNotMet'
+  what():  [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:459] op.preamble.length <= op.nbytes. 256 vs 64. \
+Received data size doesn't match expected size. Is there a distributed collective mismatch
+*** SIGABRT received at time=1795609409 on cpu 1 ***
+PC: @     0x7f4d6b4a8eec  (unknown)  (unknown)
+Fatal Python error: Aborted
+
+""" + "".join(f'Thread 0x{i:04x} (most recent call first):\n  File "/srv/x.py", line {i} in run\n'
+              for i in range(40))
+
+
+def test_a_gloo_abort_says_what_gloo_said():
+    """The one line names gloo's enforce failure (not "Fatal Python error: Aborted"), and the lines kept
+    for the job's log hold it although Python's dump of 40 threads' stacks comes after it."""
+    assert native_error(GLOO_ABORT) == (
+        "SIGABRT: [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:459] op.preamble.length <= op.nbytes. "
+        "256 vs 64. Received data size doesn't match expected size. Is there a distributed collective mismatch")
+    kept = telling_lines(GLOO_ABORT)
+    assert any("256 vs 64" in ln for ln in kept) and "256 vs 64" not in "\n".join(native_lines(GLOO_ABORT)[-40:])
+    assert kept[-1] == native_lines(GLOO_ABORT)[-1]
+
+
+def test_a_cpp_exception_says_its_what():
+    tail = ("terminate called after throwing an instance of 'std::runtime_error'\n  what():  bad collective\n"
+            "*** SIGABRT received at time=1 on cpu 0 ***\nFatal Python error: Aborted\n")
+    assert native_error(tail) == ("SIGABRT: terminate called after throwing an instance of 'std::runtime_error': "
+                                  "bad collective")
