@@ -247,9 +247,10 @@ class Client:
         on_existing = OnExisting.FRESH if fresh else OnExisting.RESUME_ANYWAY if resume_anyway else OnExisting.CHECK
         check_data(spec, source)
         check_entrypoint(spec, source, workdir)
-        if self.address is None:  # the controller's state directory is this one: refuse before any cluster starts
-            ownership.claim(self.store, spec.with_checkpoint_directory(self.home.default_checkpoint_dir(spec.name)),
-                            on_existing)  # the controller asks again, and records the job in the same transaction
+        if self.address is None and (claimed := self._with_folder(spec)) is not None:
+            # The controller's state directory is this one: refuse before any cluster starts. The controller
+            # asks again, and records the job in the same transaction.
+            ownership.claim(self.store, claimed, on_existing)
         # The embedded cluster always listens on 127.0.0.1; TPU VMs are told its address unless gcp.head_address.
         problems = gcp_problems(spec, self.address or "127.0.0.1:6379")
         if problems:
@@ -265,6 +266,14 @@ class Client:
         job_id = self._ask("submit", spec.model_dump(mode="json"), folder, code, on_existing.value,
                            timeout_s=600 if fresh else 60)
         return Job(self, job_id)
+
+    def _with_folder(self, spec: JobSpec) -> JobSpec | None:
+        """`spec` with its checkpoint folder resolved; None for a name no folder can have (a spec that skipped
+        validation): the controller refuses it, naming the field."""
+        try:
+            return spec.with_checkpoint_directory(self.home.default_checkpoint_dir(spec.name))
+        except ValueError:
+            return None
 
     def export(self, job_id: str, out: str | Path, *, step: int | None = None, latest: bool = False,
                force: bool = False):

@@ -43,6 +43,7 @@ EXAMPLES = [
     NoCapacityError("s1", ["us-central2-b", "europe-west4-a"], "no v4-32 free"),
     errors.CheckpointFolderError("gs://b/ckpt", "cannot be read: Forbidden"),
     errors.FolderInUseError("/ckpt/tiny", "tiny-abc123", "RUNNING"),
+    errors.StoreFaultError("/home/u/.tpu-orchestrator/state.db", "disk full", "database or disk is full"),
     errors.FolderMismatchError("/ckpt/tiny", "holds checkpoints up to step 300 of job tiny-abc123, trained with other "
                                "settings", differences=[("workload.seed", 0, 1)], last_step=300, owner="tiny-abc123"),
 ]
