@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 
 JOB_MARK_ENV = "ORCHESTRATOR_JOB_MARK"
 POLL_S = 0.5
@@ -71,9 +72,9 @@ def descendants(pid: int) -> dict[int, str]:
     return out
 
 
-def marked(mark: str) -> list[int]:
-    """The live processes of this host (readable by this user) that carry `mark` in their environment."""
-    entry = f"{JOB_MARK_ENV}={mark}".encode()
+def carrying(entry: bytes) -> list[int]:
+    """The live processes of this host (readable by this user), other than this one, whose environment
+    holds `entry` (``b"NAME=value"``)."""
     pids = []
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
@@ -87,12 +88,14 @@ def marked(mark: str) -> list[int]:
     return pids
 
 
-def end(noted: dict[int, str], mark: str, grace_s: float = GRACE_S) -> list[int]:
-    """SIGTERM the `noted` processes that are still those (same start time) and every process carrying
-    `mark`; SIGKILL those left after `grace_s`. Returns the ids signalled."""
-    def left() -> list[int]:
-        return sorted({p for p, started in noted.items() if _start_time(p) == started} | set(marked(mark)))
+def marked(mark: str) -> list[int]:
+    """The live processes of this host (readable by this user) that carry `mark` in their environment."""
+    return carrying(f"{JOB_MARK_ENV}={mark}".encode())
 
+
+def terminate(left: Callable[[], list[int]], grace_s: float) -> list[int]:
+    """SIGTERM the processes `left()` names, then SIGKILL those it still names after `grace_s`.
+    Returns the ids first signalled."""
     pids = left()
     for pid in pids:
         try:
@@ -108,6 +111,13 @@ def end(noted: dict[int, str], mark: str, grace_s: float = GRACE_S) -> list[int]
         except OSError:
             pass
     return pids
+
+
+def end(noted: dict[int, str], mark: str, grace_s: float = GRACE_S) -> list[int]:
+    """SIGTERM the `noted` processes that are still those (same start time) and every process carrying
+    `mark`; SIGKILL those left after `grace_s`. Returns the ids signalled."""
+    return terminate(lambda: sorted({p for p, started in noted.items() if _start_time(p) == started}
+                                    | set(marked(mark))), grace_s)
 
 
 def guard(name: str) -> str | None:

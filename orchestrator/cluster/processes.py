@@ -15,6 +15,7 @@ from pathlib import Path
 
 from orchestrator.cluster.home import Home, node_mark
 from orchestrator.errors import ClusterError
+from workers.reaper import carrying, terminate
 
 log = logging.getLogger(__name__)
 
@@ -72,41 +73,18 @@ def _is_node(pid: int, mark: bytes, home_entry: bytes) -> bool:
 
 
 def marked_pids(home: Home) -> list[int]:
-    """Every live process (of this user: others' environments cannot be read) carrying `home`'s node mark."""
+    """Every live process but this one (of this user: others' environments cannot be read) carrying
+    `home`'s node mark."""
     if not home.token_file.is_file():  # no node was ever started from it: nothing carries its mark
         return []
-    entry = f"{MARK_ENV}={node_mark(home)}".encode()
-    pids = []
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/environ", "rb") as f:
-                    if entry in f.read().split(b"\0"):
-                        pids.append(int(name))
-            except OSError:
-                continue
-    return pids
+    return carrying(f"{MARK_ENV}={node_mark(home)}".encode())
 
 
 def stop_marked(home: Home, *, grace_s: float = 3.0) -> list[int]:
     """End every process still carrying `home`'s node mark once its nodes are stopped: what a job's code
     started and hid from the nodes' sessions (a daemon that forked twice and left the session). SIGTERM,
     then SIGKILL after `grace_s`. Returns the ids signalled."""
-    pids = [p for p in marked_pids(home) if p != os.getpid()]
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(p != os.getpid() for p in marked_pids(home)):
-        time.sleep(0.1)
-    for pid in marked_pids(home):
-        if pid != os.getpid():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    pids = terminate(lambda: marked_pids(home), grace_s)
     if pids:
         log.warning("ended %d process(es) left behind by the cluster's nodes (they carried its node mark): %s",
                     len(pids), ", ".join(map(str, pids)))

@@ -79,6 +79,8 @@ def full_disk(tmp_path):
     where.mkdir()
     r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True, text=True)
     if r.returncode != 0:
+        # Mounting needs root (CAP_SYS_ADMIN). CI and this project's machines run as root, so there the test
+        # runs; a user without it cannot make the small disk the test is about, and the skip says why.
         pytest.skip(f"cannot mount a small file system here: {r.stderr.strip()}")
     try:
         yield where
