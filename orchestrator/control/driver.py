@@ -21,7 +21,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, cast
 
-import ray
 import tenacity
 
 from orchestrator.control.attempt import Attempt
@@ -30,6 +29,7 @@ from orchestrator.control.captures import Captures
 from orchestrator.control.launch import launch, teardown, write_fence
 from orchestrator.control.limits import Limits
 from orchestrator.control.moves import AutoscalingMixin
+from orchestrator.control.reports import ReportsMixin
 from orchestrator.control.store_faults import HoldingStore
 from orchestrator.control.waiting import Look, Waiting, clock_for, look, release, request
 from orchestrator.control.watch import watch
@@ -38,19 +38,13 @@ from orchestrator.errors import IllegalTransitionError, ProvisioningError
 from orchestrator.providers.base import CapacityError, Slice
 from orchestrator.providers.capacity import TraceClock
 from orchestrator.state.events import (
-    CheckpointSaved,
     Disrupted,
     EventKind,
-    LostWork,
-    NoticeSeen,
-    Restored,
-    Resumed,
     StateChange,
 )
 from orchestrator.state.states import FailedBecause, JobState, SliceState
 from orchestrator.state.store import Store
 from policies.decisions.recovery import Budgets, Next, Outcome, OutcomeKind, after
-from workers.protocol import Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
 
 if TYPE_CHECKING:
     from orchestrator.control.controller import Controller
@@ -81,7 +75,7 @@ FAILED_BECAUSE: dict[OutcomeKind, FailedBecause] = {
 }
 
 
-class JobDriver(AutoscalingMixin):
+class JobDriver(AutoscalingMixin, ReportsMixin):
     def __init__(self, plane: "Controller", job_id: str, attempt: Attempt | None = None):
         self.plane, self.job_id = plane, job_id
         # The store as the driver writes it: a write waits out a store fault (it reads and writes as a Store).
@@ -372,111 +366,3 @@ class JobDriver(AutoscalingMixin):
         att = self.att
         att.resize_to, att.resize_tier = accelerator, tier
         att.stop_requested(f"resize to {accelerator}: {reason}")
-
-    # -- what workers report ------------------------------------------------------------
-
-    def report(self, generation: int, rank: int, report: Report, lines: list[str]) -> None:
-        """Heartbeats, metrics and log lines from workers; those of an old generation are dropped.
-
-        It never waits for the store and never raises (a worker sends and forgets: an error here
-        would be printed by every worker at every step): what the store refuses is held.
-        """
-        att, now, store, held = self.att, time.time(), self.plane.store, self.plane.held
-        if isinstance(report, ProfileDone):  # matched by its capture, whatever the generation
-            self.captures.done(rank, report)
-        if generation != att.generation or not att.accepting:
-            return
-        if lines:
-            self.log_lines([f"[host-{rank}] {line}" for line in lines])
-        att.last_progress = time.monotonic()
-        if isinstance(report, Ready) and rank == 0 and not att.started:
-            att.started = True
-            change = StateChange(init_s=round(report.init_s, 3), generation=generation)
-            held.add(lambda: self._transition_raw(JobState.RUNNING, "all hosts joined the runtime", change, now))
-        elif isinstance(report, Timings) and rank == 0:
-            disrupted = att.disrupted_step
-            held.add(lambda: self._record_restore(report, disrupted, now))
-        elif isinstance(report, StepDone) and rank == 0:
-            att.last_step = report.step
-            self.limits.stepped(report.step)
-            resumed_after = None
-            if not att.resumed and att.disrupted_at is not None:
-                att.resumed, resumed_after = True, now - att.disrupted_at
-            held.add(lambda: self._record_step(generation, report, resumed_after, now))
-        elif isinstance(report, Saved) and rank == 0:
-            held.add(lambda: store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
-                                             f"saved step {report.step}", at=now))
-        elif isinstance(report, Noticed) and att.notice is None:
-            att.stop_requested(f"host {rank}: {report.reason}")
-            step = att.last_step + 1
-            held.add(lambda: store.add_event(self.job_id, NoticeSeen(rank, step), f"preemption notice on host "
-                                             f"{rank} ({report.reason}) after step {step}", at=now))
-
-    def log_lines(self, lines: list[str]) -> None:
-        """Lines into the job's log (`orchestrator logs`); a log that cannot be written is logged, once a minute."""
-        try:
-            with open(self.plane.home.job_dir(self.job_id) / "job.log", "a") as f:
-                f.writelines(f"{line}\n" for line in lines)
-        except OSError as e:
-            if time.monotonic() - self._log_failed_at > 60:
-                self._log_failed_at = time.monotonic()
-                log.warning("job %s: cannot write its log (lines are dropped): %s", self.job_id, e)
-
-    def _transition_raw(self, target: JobState, reason: str, data: StateChange, at: float) -> None:
-        """A transition written by `HeldWrites` (the store's own, not waiting: it is retried from there)."""
-        try:
-            self.plane.store.transition(self.job_id, target, reason, data=data, at=at)
-        except IllegalTransitionError as e:
-            log.warning("job %s: %s", self.job_id, e)
-
-    def _record_step(self, generation: int, r: StepDone, resumed_after: float | None, at: float) -> None:
-        store = self.plane.store
-        store.record_steps(self.job_id, generation, [(r.step, r.loss, r.tokens_per_s, r.step_time_s, at, r.metrics)])
-        if resumed_after is not None:
-            store.add_event(self.job_id, Resumed(resumed_after, r.step + 1),
-                            f"resumed after {resumed_after:.1f} s (first step done: {r.step + 1})", at=at)
-
-    def record_missed(self, generation: int, history: list[dict]) -> int:
-        """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
-        known = {m.step for m in self.store.steps(self.job_id)}
-        # A step whose loss the worker has not read back yet (reads lag the step) is not recorded.
-        missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"), h.get("at"), h.get("metrics"))
-                  for h in history if h["step"] not in known and h.get("loss") is not None]
-        self.store.record_steps(self.job_id, generation, missed)  # one transaction, each row at its own time
-        return len(missed)
-
-    def catch_up(self, outcome: Outcome) -> None:
-        """Before a group is torn down, record the steps whose reports are still in flight.
-
-        Not after a host was lost: a dead host's worker may not answer, and recovery must not wait for it.
-        """
-        att = self.att
-        if not att.workers or not att.started or outcome.kind is OutcomeKind.INFRA_LOST:
-            return
-        try:
-            history: list[dict] = ray.get(att.workers[0].history.remote(), timeout=5)
-        except Exception as e:  # the worker went with its host after all: what is recorded is what there is
-            log.warning("job %s: no step history from worker 0 (%s)", self.job_id, type(e).__name__)
-            return
-        att.accepting = False
-        self.record_missed(att.generation, history)
-        att.last_step = max([att.last_step, *(h["step"] for h in history)])
-
-    def _record_restore(self, t: Timings, disrupted_step: int | None, at: float) -> None:
-        store = self.plane.store  # written by `HeldWrites`: the store's own
-        restored, unreadable = t.restored_step, list(t.unreadable)
-        what = f"restored step {restored}" if restored is not None else "started from scratch"
-        total = self.spec().workload.steps
-        if restored is not None and total is not None and restored >= total:
-            what += f" of {total}: the run had already finished, nothing to train"
-        if unreadable:
-            what += f" (fell back: checkpoint {', '.join(map(str, unreadable))} unreadable)"
-        store.add_event(self.job_id, Restored(t.restore_s, t.compile_s, restored, unreadable),
-                        f"{what}; " + (f"compile took {t.compile_s:.1f} s" if t.compile_s else
-                                       "the program compiles in its first step"), at=at)
-        if disrupted_step is not None:
-            lost = max(0, disrupted_step - (restored or 0))
-            times = [m.step_time_s for m in store.steps(self.job_id) if m.step_time_s]
-            mean = sum(times) / len(times) if times else 0.0
-            store.add_event(self.job_id, LostWork(lost, lost * mean, disrupted_step, restored or 0),
-                            f"lost {lost} steps (from step {disrupted_step} back to {restored or 0})", at=at)
