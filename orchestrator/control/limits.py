@@ -18,7 +18,7 @@ from collections.abc import Callable
 from orchestrator import catalog
 from orchestrator.control.attempt import Attempt
 from orchestrator.domain.spec import JobSpec
-from orchestrator.observe.goodput import format_duration, goodput
+from orchestrator.observe.goodput import billed_slices, format_duration
 from orchestrator.state.events import DeadlineForecast
 from orchestrator.state.store import Store
 from policies.decisions.limits import budget_refuses_start, budget_stop, forecast, step_seconds
@@ -85,7 +85,9 @@ class Limits:
     # -- inside -----------------------------------------------------------------------------
 
     def _spent(self) -> float:
-        return goodput(self.store, self.job_id).usd_total
+        """What `status` counts as cost (goodput's usd_total), from the slice events alone: asked once a second,
+        it reads no step rows."""
+        return sum(s.usd for s in billed_slices(self.store.events(self.job_id), end=time.time()))
 
     def _forecast(self, spec: JobSpec, att: Attempt) -> None:
         step_s = step_seconds(list(self._marks))
