@@ -12,6 +12,12 @@ sockets by taking the first unused `raylet`, `raylet.1`, ... in the session dire
 and two nodes starting at the same moment take the same name; the second raylet then
 dies on "Address already in use" and the node stalls for 30 s before it is started
 again. Here the name carries this process's id, unique among running processes.
+
+And one more: each node keeps the runtime environments it sets up (a job's shipped folder,
+the project's packages) in a folder of its own, as separate hosts would. Ray keeps them in
+`runtime_resources` of the session directory, which every node of one machine shares, and a
+node that sets up a job's folder deletes and unpacks it anew: under the working directory of
+a worker another node had already started there (its `os.getcwd()` then fails).
 """
 
 import os
@@ -36,6 +42,9 @@ def _unique_socket_file(self, socket_path, default_prefix):
 
 
 setattr(node.Node, "_prepare_socket_file", _unique_socket_file)  # a patch of Ray's method, on purpose
+# read when the node's parameters are made, below `runtime_resources` so Ray's layout stays recognisable
+ray_constants.DEFAULT_RUNTIME_ENV_DIR_NAME = os.path.join(ray_constants.DEFAULT_RUNTIME_ENV_DIR_NAME,
+                                                          f"node-{os.getpid()}")
 
 from ray.scripts.scripts import main  # noqa: E402
 

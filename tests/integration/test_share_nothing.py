@@ -13,6 +13,7 @@ adopts the GCP slice its workers run on), and the losses and parameters of an un
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -76,15 +77,21 @@ def test_a_gcp_host_sees_none_of_the_submitting_machines_files(client, tmp_path,
     assert "host 0 sees none of the submitting machine's files" in logs
     assert "host 1 sees none of the submitting machine's files" in logs
     # The project's packages and the job's folder are the shipped copies, unpacked on the host.
-    assert "runtime_resources/py_modules_files" in logs and str(REPO) not in logs.split("workers imported from")[1]
-    assert "runtime_resources/working_dir_files" in logs
+    assert re.search(r"runtime_resources/node-\d+/py_modules_files", logs)
+    assert str(REPO) not in logs.split("workers imported from")[1]
+    assert re.search(r"runtime_resources/node-\d+/working_dir_files", logs)
 
 
 def test_the_same_probe_on_the_shared_disk_sees_them(client, tmp_path):
     spec, folder = probe_spec("probe-local", client, tmp_path, str(tmp_path / "ckpt"))
-    st = client.submit(spec, workdir=folder).wait(timeout_s=300)
+    job = client.submit(spec, workdir=folder)
+    st = job.wait(timeout_s=300)
     assert st.state is JobState.FAILED
     assert "sees the submitting machine's files" in st.reason and "state.db" in st.reason
+    # Each host runs in its own unpacked copy of the job's folder, as separate machines would: on one
+    # shared copy, the second node to set the folder up deleted it under the first one's worker.
+    folders = set(re.findall(r"working directory (\S+)", job.logs()))
+    assert len(folders) == 2 and all("working_dir_files" in f for f in folders), folders
 
 
 def reclaim_then_kill_the_controller(client, emu, job, *, reclaim_at: int, kill_at: int) -> None:
