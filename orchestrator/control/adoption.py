@@ -18,7 +18,7 @@ import tenacity
 
 from orchestrator import catalog, cluster
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
-from orchestrator.control.launch import kill_workers
+from orchestrator.control.group import RayWorkerGroup, kill_workers
 from orchestrator.providers.base import Host, Slice
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState, SliceState
@@ -55,9 +55,11 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Atte
         else:
             provider = _take_over(plane, job, rec, t)
             att = Attempt(generation=job.generation, provider=provider, slice=provider.get(rec["name"]),
-                          workers=workers, pg=pg,
                           started=True, adopted=True, accepting=True,
                           last_step=max((h["step"] for h in history), default=-1))
+            from orchestrator.control.driver import parse_stored_spec  # the driver imports this module
+
+            att.group = RayWorkerGroup(plane.store, plane.home, job.id, parse_stored_spec(job.spec), att, workers, pg)
             return att, history
     kill_workers(workers, pg)
     if running is not None:

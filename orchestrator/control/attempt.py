@@ -1,4 +1,4 @@
-"""What a job's driver knows of its current attempt: one slice, one generation of workers.
+"""What a job's driver knows of its current attempt: one slice, one generation of workers (its group).
 
 In memory only (the store has the rest); a driver keeps one `Attempt` for the job's whole
 life and resets the per-launch fields at each launch.
@@ -14,9 +14,7 @@ from typing import TYPE_CHECKING
 from orchestrator.providers.base import Slice, SliceProvider
 
 if TYPE_CHECKING:
-    from ray.actor import ActorHandle
-    from ray.util.placement_group import PlacementGroup
-
+    from orchestrator.control.group import WorkerGroup
     from orchestrator.control.waiting import Waiting
 
 
@@ -25,8 +23,7 @@ class Attempt:
     generation: int = 0
     provider: SliceProvider | None = None  # of the current slice
     slice: Slice | None = None
-    workers: list[ActorHandle] = field(default_factory=list)  # one HostWorker per host, rank order
-    pg: PlacementGroup | None = None
+    group: WorkerGroup | None = None  # the workers of `generation` on `slice`, once launched
     started: bool = False  # every host joined the runtime
     accepting: bool = False  # whether reports of `generation` still count (not once its attempt ended)
     adopted: bool = False  # a group started by an earlier controller
@@ -63,9 +60,26 @@ class Attempt:
             raise RuntimeError("this attempt holds no slice")
         return self.slice
 
+    @property
+    def held_group(self) -> WorkerGroup:
+        """`group`, where the code runs only while the attempt's workers are launched."""
+        if self.group is None:
+            raise RuntimeError("this attempt has launched no workers")
+        return self.group
+
     def begin(self, generation: int) -> None:
         """A new launch: reports of `generation` count from now on."""
         self.generation, self.started, self.last_step, self.notice, self.accepting = generation, False, -1, None, True
+
+    def teardown(self) -> None:
+        """End the workers and release the slice (each idempotent); reports of this generation no longer count."""
+        self.accepting = False  # a dying group's last words must not land after its disruption
+        if self.group is not None:
+            self.group.stop()
+            self.group = None
+        if self.slice is not None:
+            self.chosen_provider.release(self.slice.name)
+            self.slice = None
 
     def stop_requested(self, reason: str) -> None:
         if self.notice is None:

@@ -56,13 +56,13 @@ class Captures:
 
         Returns at once with the capture's id and folder; its `Profiled` event comes once the hosts are done.
         """
-        if not att.started or not att.workers:
+        if not att.started or att.group is None:
             raise JobStateError(self.job_id, "starting", "profiled", ("RUNNING",))
         if att.notice is not None:
             raise ProfileError(f"job {self.job_id} is stopping ({att.notice}); profile it once it runs again")
         if not 1 <= steps <= MAX_STEPS:
             raise ProfileError(f"--steps must be 1 to {MAX_STEPS}, got {steps}")
-        n = len(att.workers)
+        n = att.group.hosts
         if host is not None and not 0 <= host < n:
             raise ProfileError(f"--host {host}: job {self.job_id} runs on {n} host{'s' if n > 1 else ''} "
                                f"(0{f' to {n - 1}' if n > 1 else ''}), or use --host all")
@@ -77,8 +77,7 @@ class Captures:
             req = CaptureRequest(self._number, capture_id, steps, hosts,
                                  storage.join(checkpoint_dir, "profiles", capture_id), memory)
             self._pending = _Pending(req, att.generation, time.time())
-        for w in att.workers:  # every host votes; only the chosen ones trace
-            w.request_profile.remote(req)
+        att.group.request_profile(req)  # every host votes; only the chosen ones trace
         log.info("job %s: capture %s of %d steps on host(s) %s", self.job_id, capture_id, steps, list(hosts))
         return {"capture": capture_id, "path": req.destination, "hosts": list(hosts), "steps": steps}
 

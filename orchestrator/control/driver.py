@@ -19,6 +19,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import tenacity
@@ -26,7 +27,8 @@ import tenacity
 from orchestrator.control.attempt import Attempt
 from orchestrator.control.autoscaler import with_checkpoint_interval
 from orchestrator.control.captures import Captures
-from orchestrator.control.launch import launch, teardown, write_fence
+from orchestrator.control.group import RayWorkerGroup, WorkerGroup
+from orchestrator.control.launch import write_fence
 from orchestrator.control.limits import Limits
 from orchestrator.control.moves import AutoscalingMixin
 from orchestrator.control.reports import ReportsMixin
@@ -75,9 +77,19 @@ FAILED_BECAUSE: dict[OutcomeKind, FailedBecause] = {
 }
 
 
+def ray_group(driver: JobDriver, spec: JobSpec) -> WorkerGroup:
+    """The real group: one `HostWorker` actor per host of the attempt's slice."""
+    return RayWorkerGroup(driver.store, driver.plane.home, driver.job_id, spec, driver.att)
+
+
 class JobDriver(AutoscalingMixin, ReportsMixin):
-    def __init__(self, plane: "Controller", job_id: str, attempt: Attempt | None = None):
-        self.plane, self.job_id = plane, job_id
+    """The job's state machine: each attempt goes QUEUED/PROVISIONING -> STARTING -> RUNNING and ends with an
+    `Outcome`, from which `policies.decisions.recovery.after` names the next state. A transition the store
+    refuses is a bug of ours: it ends the driver's loop loudly (the job FAILED_CONTROLLER), never silently."""
+
+    def __init__(self, plane: "Controller", job_id: str, attempt: Attempt | None = None, *,
+                 groups: Callable[[JobDriver, JobSpec], WorkerGroup] = ray_group):
+        self.plane, self.job_id, self.groups = plane, job_id, groups
         # The store as the driver writes it: a write waits out a store fault (it reads and writes as a Store).
         self.store = cast(Store, HoldingStore(plane.store, plane.store_health, plane.held))
         self.att = attempt or Attempt()
@@ -102,15 +114,18 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
                     outcome = watch(self.store, self.job_id, self.spec(), att, on_poll=self._on_poll)
                     self.catch_up(outcome)
                 finally:
-                    teardown(att)
+                    att.teardown()
                 self._after(outcome)
             while not self.store.job(self.job_id).state.terminal:
                 self._after(self._attempt())
         except Exception as e:  # a bug of ours: end the job visibly rather than leave it hanging
             log.exception("job %s: controller error", self.job_id)
-            teardown(att)
-            self.transition(JobState.FAILED, f"controller error: {type(e).__name__}: {e}",
-                            cause=FailedBecause.CONTROLLER)
+            att.teardown()
+            try:
+                self.transition(JobState.FAILED, f"controller error: {type(e).__name__}: {e}",
+                                cause=FailedBecause.CONTROLLER)
+            except IllegalTransitionError:  # it ended meanwhile (its state says how)
+                log.exception("job %s: could not record the controller error", self.job_id)
         finally:
             self._release_requests("the job is over")
             on_exit(self.job_id)
@@ -175,12 +190,15 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
                                              overlap_s=(round(time.time() - att.next_ready_at, 3)
                                                         if att.next_ready_at is not None else None)))
             att.next_ready_at = None
-            outcome = (launch(self.store, self.plane.home, job_id, spec, att)
-                       or watch(self.store, job_id, spec, att, on_poll=self._on_poll))
+            att.group = self.groups(self, spec)
+            if (failed := att.group.launch()) is not None:
+                return failed
+            att.last_progress = time.monotonic()
+            outcome = watch(self.store, job_id, spec, att, on_poll=self._on_poll)
             self.catch_up(outcome)
             return outcome
         finally:
-            teardown(att)
+            att.teardown()
 
     def _on_slice(self, s: Slice) -> JobSpec:
         """The spec the launch on `s` uses: the stored one, moved to `s`'s type and tier if it differs."""
@@ -350,11 +368,9 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
 
     def transition(self, target: JobState, reason: str, *, data: StateChange | None = None,
                    cause: FailedBecause | None = None, at: float | None = None) -> None:
+        """Move the job to `target`; raises IllegalTransitionError if the store refuses (see the class)."""
         fields: dict[str, Any] = {} if cause is None else {"cause": cause.value}
-        try:
-            self.store.transition(self.job_id, target, reason, data=data, at=at, **fields)
-        except IllegalTransitionError as e:
-            log.warning("job %s: %s", self.job_id, e)
+        self.store.transition(self.job_id, target, reason, data=data, at=at, **fields)
 
     # -- requests from the controller ---------------------------------------------------
 

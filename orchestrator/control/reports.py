@@ -13,8 +13,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import ray
-
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError
 from orchestrator.state.events import CheckpointSaved, LostWork, NoticeSeen, Restored, Resumed, StateChange
@@ -121,12 +119,10 @@ class ReportsMixin:
         Not after a host was lost: a dead host's worker may not answer, and recovery must not wait for it.
         """
         att = self.att
-        if not att.workers or not att.started or outcome.kind is OutcomeKind.INFRA_LOST:
+        if att.group is None or not att.started or outcome.kind is OutcomeKind.INFRA_LOST:
             return
-        try:
-            history: list[dict] = ray.get(att.workers[0].history.remote(), timeout=5)
-        except Exception as e:  # the worker went with its host after all: what is recorded is what there is
-            log.warning("job %s: no step history from worker 0 (%s)", self.job_id, type(e).__name__)
+        history = att.group.history()
+        if history is None:  # the worker went with its host after all: what is recorded is what there is
             return
         att.accepting = False
         self.record_missed(att.generation, history)

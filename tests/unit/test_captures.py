@@ -12,12 +12,15 @@ from orchestrator.state.store import Store
 from workers.protocol import ProfileDone
 
 
-class FakeWorker:
+class FakeGroup:
+    """A worker group of two hosts that keeps the capture requests handed to its hosts."""
+
+    hosts = 2
+
     def __init__(self):
         self.asked = []
-        self.request_profile = self  # `w.request_profile.remote(req)`, as on an actor handle
 
-    def remote(self, req):
+    def request_profile(self, req):
         self.asked.append(req)
 
 
@@ -25,7 +28,7 @@ class FakeWorker:
 def setup(tmp_path):
     store = Store(tmp_path / "s.db")
     store.create_job("j", "j", {})
-    att = Attempt(generation=3, started=True, workers=[FakeWorker(), FakeWorker()])
+    att = Attempt(generation=3, started=True, group=FakeGroup())
     return store, att, Captures(store, "j")
 
 
@@ -37,8 +40,8 @@ def test_every_host_is_asked_and_the_chosen_hosts_reports_make_one_event(setup):
     store, att, captures = setup
     asked = captures.ask(att, "/ckpt", 3, None, False)
     assert asked["path"] == f"/ckpt/profiles/{asked['capture']}" and asked["hosts"] == [0, 1]
-    (req0,), (req1,) = (w.asked for w in att.workers)
-    assert req0 == req1 and req0.hosts == (0, 1) and req0.number > 0
+    (req0,) = att.group.asked
+    assert req0.hosts == (0, 1) and req0.number > 0
     with pytest.raises(ProfileError, match="is under way; ask again once it ends"):
         captures.ask(att, "/ckpt", 3, None, False)
     memory = ({"device": "tpu:0", "bytes_in_use": 2, "peak_bytes_in_use": 5, "bytes_limit": 16},
@@ -54,7 +57,7 @@ def test_every_host_is_asked_and_the_chosen_hosts_reports_make_one_event(setup):
     assert p.memory["1"] == {"devices": 2, "bytes_in_use": 5, "peak_bytes_in_use": 9, "bytes_limit": 32}
     assert event.reason == f"profiled steps 12-14 on hosts 0, 1: {req0.destination}"
     second = captures.ask(att, "/ckpt", 1, 1, True)  # the next one may begin; its number is newer
-    assert att.workers[0].asked[-1].number > req0.number and second["hosts"] == [1]
+    assert att.group.asked[-1].number > req0.number and second["hosts"] == [1]
 
 
 def test_a_capture_that_never_began_ends_with_the_hosts_reason(setup):
@@ -92,7 +95,7 @@ def test_requests_that_cannot_be_asked(setup):
         captures.ask(att, "/ckpt", 3, None, False)
     with pytest.raises(JobStateError):
         captures.ask(Attempt(), "/ckpt", 3, None, False)
-    assert all(w.asked == [] for w in att.workers)
+    assert att.group.asked == []
 
 
 def test_memory_total_of_a_cpu_host():

@@ -1,0 +1,269 @@
+"""One slice's workers for one generation: launched together, asked how they fare, stopped together.
+
+The driver holds one `WorkerGroup` per launch (`Attempt.group`) and never a worker itself:
+what it decides (`orchestrator.control.driver`, `orchestrator.control.watch`) reads only
+this interface, so it runs the same against `RayWorkerGroup` (one `HostWorker` actor per
+host, gang-placed) and against the scripted groups of the driver's tests.
+
+`RayWorkerGroup`: one `HostWorker` per host, all or none (a placement group with one
+bundle per host); host 0 brings up the JAX runtime's coordinator and the others join once
+it listens. Workers are detached actors named by slice, generation and rank, so a
+restarted controller finds them (`orchestrator.control.adoption`). A worker whose process
+is gone is asked about where it ran: its Ray node dead, or a task that cannot run there,
+is a host loss; otherwise its stderr's end says how it aborted.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from orchestrator import cluster
+from orchestrator.cluster.home import Home
+from orchestrator.control import shipping
+from orchestrator.control.attempt import Attempt, pg_name, worker_name
+from orchestrator.control.launch import workload_for
+from orchestrator.domain.spec import JobSpec
+from orchestrator.state.events import EventKind, Launched
+from orchestrator.state.store import Store
+from policies.decisions.recovery import (
+    WORKER_DIED,
+    WORKER_UNREACHABLE,
+    Outcome,
+    OutcomeKind,
+    native_error,
+    telling_lines,
+)
+from workers import inbox
+from workers.crash import stderr_tail
+from workers.host import HostWorker
+from workers.protocol import WorkerResult
+
+if TYPE_CHECKING:
+    from ray.actor import ActorHandle
+
+    from workers.profiling import CaptureRequest
+
+log = logging.getLogger(__name__)
+
+PROBE_S = 30.0  # how long a dead worker's host has to run a task (the answer that it is up, and the stderr)
+PING_S = 30.0  # how long workers have to answer a ping, or to be seen dead (a process that aborts takes a while to go)
+
+
+class WorkerGone(Exception):
+    """A worker's process is gone (its host, or the process alone: `WorkerGroup.died` tells which)."""
+
+    def __init__(self, error_type: str, message: str = ""):
+        super().__init__(f"{error_type}: {message}" if message else error_type)
+        self.error_type = error_type  # what the group's runtime raised (RayActorError, ActorDiedError, ...)
+
+
+class WorkerGroup(Protocol):
+    """The workers of one generation on one slice, as the driver sees them."""
+
+    hosts: int
+
+    def launch(self) -> Outcome | None:
+        """Place and start every host's worker; an outcome only if they could not all be placed."""
+
+    def results(self, timeout_s: float) -> list[WorkerResult | None] | None:
+        """Each host's result (None while it trains); None if they do not all answer within `timeout_s`.
+        Raises `WorkerGone` if a worker's process is gone."""
+
+    def request_stop(self, reason: str) -> None:
+        """Ask every host to stop after the same step, with that step's checkpoint committed."""
+
+    def ping(self) -> tuple[WorkerGone | None, list[int]]:
+        """A worker gone (as soon as one is known), else the ranks that neither answered nor died in time."""
+
+    def died(self, error: WorkerGone, store: Store, job_id: str) -> Outcome:
+        """How a worker's process went, once the provider has not said its host went: INFRA_LOST or
+        WORKER_ABORTED (its native error in the job's log)."""
+
+    def history(self) -> list[dict] | None:
+        """Worker 0's steps of this generation (None if it does not answer)."""
+
+    def request_profile(self, request: CaptureRequest) -> None:
+        """Hand every host a profile capture (each votes; the chosen ones trace)."""
+
+    def stop(self) -> None:
+        """End every worker and free their places; idempotent."""
+
+
+class RayWorkerGroup:
+    """`HostWorker` actors in a placement group on one slice's hosts."""
+
+    def __init__(self, store: Store, home: Home, job_id: str, spec: JobSpec, att: Attempt,
+                 workers: list[ActorHandle] | None = None, pg: PlacementGroup | None = None):
+        self.store, self.home, self.job_id, self.spec, self.att = store, home, job_id, spec, att
+        self.workers: list[ActorHandle] = workers or []  # rank order
+        self.pg = pg
+        self.hosts = att.held_slice.tpu_type.hosts
+
+    def launch(self) -> Outcome | None:
+        att, spec, s = self.att, self.spec, self.att.held_slice
+        t = s.tpu_type
+        timeout = spec.recovery.start_timeout_s
+        bundles = [{"TPU": float(t.chips_per_host), h.resource: 1.0} for h in s.hosts]
+        self.pg = placement_group(bundles, strategy="STRICT_SPREAD", name=pg_name(s.name, att.generation),
+                                  lifetime="detached")
+        try:
+            ray.get(self.pg.ready(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            return Outcome(OutcomeKind.PROVISION_FAILED,
+                           f"the {t.hosts} workers of slice {s.name} could not all be placed within {timeout:.0f} s "
+                           f"(each needs {t.chips_per_host} TPU chips on its own host)", transient=True)
+        code = shipping.kept(self.home.job_dir(self.job_id))
+        env = shipping.runtime_env(code, ship_project=spec.provider != "local")  # what the hosts cannot have
+        actor = ray.remote(HostWorker)
+        self.workers = [
+            actor.options(  # type: ignore[misc]  # ray types .remote() of an actor class as the handle or the class
+                num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8, runtime_env=env,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                name=worker_name(s.name, att.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
+            .remote(job_id=self.job_id, generation=att.generation, rank=i, num_hosts=t.hosts,
+                    devices_per_host=t.chips_per_host, platform="cpu", compile_cache_dir=str(self.home.compile_cache),
+                    controller=_report_to(spec), workload_type=spec.workload.type)
+            for i in range(t.hosts)
+        ]
+        placed: list[dict] = ray.get([w.info.remote() for w in self.workers], timeout=timeout)
+        self.store.add_event(self.job_id, Launched(s.name, [p["node_id"] for p in placed],
+                                                   [p["pid"] for p in placed], att.generation),
+                             f"{t.hosts} workers of generation {att.generation} on slice {s.name}")
+        coordinator: str | None = None
+        if t.hosts > 1:
+            # Ray types an actor handle's methods as Never.
+            coordinator = ray.get(self.workers[0].coordinator_address.remote(), timeout=120)  # type: ignore[assignment]
+        workload = workload_for(spec, t.chips, t.hosts)
+        if code is not None:
+            workload["workdir"] = None  # the shipped copy (the runtime environment's working_dir), not the folder
+        share_key = secrets.token_bytes(32)  # seals what hosts hand each other through the coordinator
+        ray.get(self.workers[0].start.remote(coordinator, workload, share_key), timeout=120)
+        if coordinator is not None:  # the others join once host 0 listens (an early one waits out a backoff)
+            ray.get(self.workers[0].coordinator_listening.remote(coordinator, 10.0), timeout=30)
+        ray.get([w.start.remote(coordinator, workload, share_key) for w in self.workers[1:]], timeout=120)
+        return None
+
+    def results(self, timeout_s: float) -> list[WorkerResult | None] | None:
+        try:
+            return ray.get([w.result.remote() for w in self.workers], timeout=timeout_s)
+        except ray.exceptions.RayActorError as e:
+            raise WorkerGone(type(e).__name__, str(e)) from e
+        except ray.exceptions.GetTimeoutError:
+            return None
+
+    def request_stop(self, reason: str) -> None:
+        for w in self.workers:
+            w.request_stop.remote(reason)
+
+    def ping(self) -> tuple[WorkerGone | None, list[int]]:
+        """A worker that aborts (a native error) is not gone at once: it writes its stack dump and core
+        first, on a loaded host for seconds. Waiting for it to be seen dead, rather than calling it
+        unreachable early, is what tells a worker abort from a host loss."""
+        refs: list[Any] = [w.info.remote() for w in self.workers]
+        pending: list[Any] = list(refs)
+        deadline = time.monotonic() + PING_S
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                return WorkerGone(type(e).__name__, str(e)), []
+        return None, [refs.index(r) for r in pending]
+
+    def died(self, error: WorkerGone, store: Store, job_id: str) -> Outcome:
+        at = time.time()
+        placed = _placed(store, job_id, self.att.generation)
+        dead = [rank for rank, w in enumerate(self.workers) if not _answers(w)]
+        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        for rank in dead:
+            if rank >= len(placed):
+                break
+            node, pid = placed[rank]
+            if node not in alive_nodes:
+                return Outcome(OutcomeKind.INFRA_LOST, f"host {rank} is gone (its Ray node {node[:12]} is dead)", at=at)
+            try:
+                tail = ray.get(ray.remote(num_cpus=0, max_retries=0)(stderr_tail).options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid), timeout=PROBE_S)
+            except Exception as e:  # the host cannot run a task: it is as good as gone
+                return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} (host {rank} runs no task: "
+                                                       f"{type(e).__name__})", at=at)
+            said = telling_lines(tail or "")
+            summary = native_error(tail) if tail is not None else "its stderr is not in its node's log folder"
+            log_lines(store, job_id, rank, [f"its worker process died: {summary}", *said])
+            return Outcome(OutcomeKind.WORKER_ABORTED, f"host {rank}'s worker process died, its host still up: "
+                                                       f"{summary}", traceback="\n".join(said) or None, at=at)
+        return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_DIED} ({error.error_type})", at=at)
+
+    def history(self) -> list[dict] | None:
+        try:
+            return ray.get(self.workers[0].history.remote(), timeout=5)
+        except Exception as e:  # the worker went with its host after all
+            log.warning("job %s: no step history from worker 0 (%s)", self.job_id, type(e).__name__)
+            return None
+
+    def request_profile(self, request: CaptureRequest) -> None:
+        for w in self.workers:
+            w.request_profile.remote(request)
+
+    def stop(self) -> None:
+        kill_workers(self.workers, self.pg)
+        self.workers, self.pg = [], None
+
+
+def _report_to(spec: JobSpec):
+    """Where the workers send their reports. A TPU VM has only the shipped packages and cannot load the
+    controller's class, so its hosts report to the controller's inbox (`workers.inbox`); a local host
+    shares this machine's installation and reports to the controller directly, by name."""
+    if spec.provider == "local":
+        return (cluster.CONTROLLER_NAME, cluster.NAMESPACE)
+    return inbox.start(cluster.NAMESPACE, cluster.CONTROLLER_NAME, ray.get_runtime_context().get_node_id())
+
+
+def kill_workers(workers: list, pg) -> None:
+    for w in workers:
+        try:
+            ray.kill(w, no_restart=True)
+        except Exception:  # already gone with its host
+            pass
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception:
+            pass
+
+
+def _answers(worker) -> bool:
+    try:
+        ray.get(worker.info.remote(), timeout=10)
+        return True
+    except ray.exceptions.RayActorError:
+        return False
+    except ray.exceptions.GetTimeoutError:
+        return True  # slow, not dead: the heartbeat decides
+
+
+def _placed(store: Store, job_id: str, generation: int) -> list[tuple[str, int]]:
+    """(Ray node id, process id) of each rank's worker of `generation`, from its launch event."""
+    for e in reversed(store.events(job_id)):
+        data = e.data or {}
+        if e.kind is EventKind.LAUNCHED and data.get("generation") == generation:
+            return list(zip(data.get("nodes") or [], data.get("pids") or []))
+    return []
+
+
+def log_lines(store: Store, job_id: str, rank: int, lines: list[str]) -> None:
+    """Lines into the job's log (`orchestrator logs`), as the host's own."""
+    try:
+        with open(Home(store.path.parent).job_dir(job_id) / "job.log", "a") as f:  # the store is in the home
+            f.writelines(f"[host-{rank}] {line}\n" for line in lines)
+    except OSError as e:
+        log.warning("job %s: cannot write its log: %s", job_id, e)

@@ -1,0 +1,197 @@
+"""A world for `JobDriver` without Ray: a real store and admission queue, a provider that hands out
+slices at once, and worker groups that train a step per poll and checkpoint as orbax would.
+
+What the driver decides runs as in production (its loop, `watch`, the recovery rules, limits, the
+reports it records); only what needs hosts is scripted: a slice's hosts and its workers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from orchestrator import catalog
+from orchestrator.cluster.home import Home
+from orchestrator.control.driver import JobDriver
+from orchestrator.control.queue import AdmissionQueue
+from orchestrator.control.store_faults import HeldWrites, StoreHealth
+from orchestrator.domain.spec import JobSpec
+from orchestrator.providers.base import Host, Slice, SliceEvent, SliceEventKind, SliceRequest
+from orchestrator.state.events import SliceChanged
+from orchestrator.state.states import SliceState
+from orchestrator.state.store import Store
+from workers.protocol import Ending, Ready, Saved, StepDone, Timings, WorkerResult
+
+
+class FakeProvider:
+    """Slices that are READY as soon as asked for; events the test sends (`lose_host`, `notice`, ...)."""
+
+    name = "local"
+    max_hosts = 8
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.slices: dict[str, Slice] = {}
+        self.events: list[SliceEvent] = []
+        self.lock = threading.Lock()
+
+    def _put(self, s: Slice) -> Slice:
+        self.slices[s.name] = s
+        self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
+                             {"hosts": [h.resource for h in s.hosts]},
+                             event=SliceChanged(s.name, s.tpu_type.name, s.tpu_type.chips, s.tier.value,
+                                                s.state.value, s.tpu_type.usd_per_hour(s.tier)))
+        return s
+
+    def request(self, req: SliceRequest) -> Slice:
+        hosts = tuple(Host(i, f"{req.name}-w{i}") for i in range(req.tpu_type.hosts))
+        self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.REQUESTED, provider="local"))
+        return self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.READY, hosts,
+                               "local"))
+
+    def check(self, name: str) -> Slice:
+        return self.slices[name]
+
+    def wait_ready(self, name: str, *, timeout_s: float) -> Slice:
+        return self.slices[name]
+
+    def get(self, name: str) -> Slice:
+        return self.slices[name]
+
+    def release(self, name: str) -> None:
+        s = self.slices.get(name)
+        if s is not None and not s.state.terminal:
+            self._put(Slice(s.name, s.job_id, s.tpu_type, s.tier, s.zone, SliceState.RELEASED, s.hosts, s.provider))
+
+    def list(self, *, job_id: str | None = None) -> list[Slice]:
+        return [s for s in self.slices.values() if job_id is None or s.job_id == job_id]
+
+    def poll_events(self, *, slices=None) -> list[SliceEvent]:
+        with self.lock:
+            mine = [e for e in self.events if slices is None or e.slice_name in slices]
+            self.events = [e for e in self.events if e not in mine]
+        return mine
+
+    def hosts_in_use(self) -> int:
+        return sum(s.tpu_type.hosts for s in self.slices.values() if s.state is SliceState.READY)
+
+    def send(self, slice_name: str, kind: SliceEventKind, reason: str) -> None:
+        with self.lock:
+            self.events.append(SliceEvent(slice_name, kind, reason))
+
+
+class World:
+    """What the driver's controller holds, with the fakes in place of hosts; `run` drives one job."""
+
+    def __init__(self, root: Path):
+        self.home = Home(root).ensure()
+        self.store = Store(self.home.db)
+        self.store_health = StoreHealth()
+        self.held = HeldWrites(self.store_health)
+        self.provider = FakeProvider(self.store)
+        self.queue = AdmissionQueue(self.store, self.provider)
+        self.groups: list[ScriptedGroup] = []
+        self.committed: int | None = None  # the newest checkpoint the job's workers committed (orbax's latest step)
+        self.on_step: Callable[[ScriptedGroup, int], None] = lambda group, step: None  # the test's hand in the run
+
+    def provider_for(self, spec: JobSpec) -> FakeProvider:
+        return self.provider
+
+    def submit(self, spec: dict, job_id: str = "job") -> JobDriver:
+        parsed = JobSpec.from_dict(spec).with_checkpoint_directory(str(self.home.root / "ckpt"))
+        self.store.create_job(job_id, parsed.name, parsed.model_dump(mode="json"))
+        return JobDriver(self, job_id, groups=self.group_for)  # type: ignore[arg-type]  # a World stands for the Controller
+
+    def group_for(self, driver: JobDriver, spec: JobSpec) -> ScriptedGroup:
+        group = ScriptedGroup(self, driver, spec)
+        self.groups.append(group)
+        return group
+
+    def run(self, driver: JobDriver, timeout_s: float = 30.0) -> None:
+        """Drive the job to its end (the driver's own thread), or fail the test after `timeout_s`."""
+        done = threading.Event()
+        driver.start(lambda job_id: done.set())
+        if not done.wait(timeout_s):
+            driver.cancel()
+            raise AssertionError(f"the driver did not end within {timeout_s} s")
+
+
+class ScriptedGroup:
+    """A slice's workers: restore the newest committed step, then one step a poll, saving every interval;
+    asked to stop, they stop after the next step with its checkpoint committed, as the real loop does."""
+
+    def __init__(self, world: World, driver: JobDriver, spec: JobSpec):
+        self.world, self.driver, self.spec = world, driver, spec
+        self.generation = driver.att.generation
+        self.hosts = driver.att.held_slice.tpu_type.hosts
+        self.slice_name = driver.att.held_slice.name
+        self.step = -1  # the last step done
+        self.stop_reason: str | None = None
+        self.stopped = False
+        self.ended: list[WorkerResult] | None = None
+
+    def report(self, report) -> None:
+        self.driver.report(self.generation, 0, report, [])
+
+    def launch(self):
+        restored = self.world.committed
+        self.step = restored - 1 if restored is not None else -1
+        self.report(Ready(init_s=0.1))
+        self.report(Timings(restore_s=0.1, compile_s=0.0, restored_step=restored))
+        return None
+
+    def results(self, timeout_s: float):
+        if self.ended is not None:
+            return self.ended
+        total = self.spec.workload.steps
+        self.step += 1
+        self.report(StepDone(self.step, loss=1.0 / (self.step + 1), step_time_s=0.01))
+        done = self.step + 1
+        if done % self.spec.checkpoint.interval_steps == 0 or done == total or self.stop_reason:
+            self.world.committed = done
+            self.report(Saved(done))
+        self.world.on_step(self, self.step)
+        if self.stop_reason:
+            self.ended = [WorkerResult(Ending.STOPPED, r, steps=done, notice=self.stop_reason)
+                          for r in range(self.hosts)]
+        elif done == total:
+            self.ended = [WorkerResult(Ending.SUCCEEDED, r, steps=done) for r in range(self.hosts)]
+        return None
+
+    def request_stop(self, reason: str) -> None:
+        self.stop_reason = reason
+
+    def ping(self):
+        return None, []
+
+    def died(self, error, store, job_id):
+        raise AssertionError("no worker dies alone in these tests")
+
+    def history(self):
+        return []
+
+    def request_profile(self, request) -> None:
+        raise AssertionError("no profile is asked for in these tests")
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+def spec(**extra) -> dict:
+    return {"name": "job", "accelerator": "v4-16", "tier": "spot",
+            "workload": {"type": "lm", "steps": 20, "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
+                         "seq_len": 16, "global_batch_size": 16},
+            "checkpoint": {"interval_steps": 5}, **extra}
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def chips(accelerator: str) -> int:
+    return catalog.lookup(accelerator).chips

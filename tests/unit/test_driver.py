@@ -1,0 +1,172 @@
+"""The job driver as a state machine, in seconds and without Ray (`tests/unit/driver_world.py`).
+
+Each test runs the real driver (its loop, `watch`, the recovery rules, limits, the records it
+keeps) against a provider that hands out slices at once and worker groups that train a step a
+poll; the chaos suite runs the same paths on real hosts, slowly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+from orchestrator.control import watch
+from orchestrator.control.autoscaler import Choice
+from orchestrator.observe.goodput import billed_slices
+from orchestrator.providers.base import SliceEventKind
+from orchestrator.state.events import EventKind
+from orchestrator.state.states import FailedBecause, JobState, SliceState
+from policies.cost.moves import Move
+from policies.cost.slice_options import Option
+from policies.cost.snapshot import Decision
+from tests.unit.driver_world import World, spec
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    monkeypatch.setattr(watch, "POLL_S", 0.005)  # a poll is a step of the scripted workers
+    monkeypatch.setattr(watch, "SETTLE_S", 0.05)
+    return World(tmp_path)
+
+
+def states(world, job_id="job"):
+    return [e.to_state for e in world.store.events(job_id) if e.kind is EventKind.STATE]
+
+
+def events(world, kind, job_id="job"):
+    return [e for e in world.store.events(job_id) if e.kind is kind]
+
+
+def slice_states(world):
+    return {name: s.state for name, s in world.provider.slices.items()}
+
+
+def test_a_host_lost_mid_run_recovers_on_a_new_slice_from_the_last_checkpoint(world):
+    driver = world.submit(spec())
+
+    def lose_a_host(group, step):
+        if group.generation == 1 and step == 7:  # steps 0-7 done; 5 committed
+            world.provider.send(group.slice_name, SliceEventKind.HOST_LOST, "host 1 of the slice vanished")
+
+    world.on_step = lose_a_host
+    world.run(driver)
+    job = world.store.job("job")
+    assert job.state is JobState.SUCCEEDED and job.preemptions == 1 and job.failures == 0  # spends max_preemptions
+    assert states(world) == ["PENDING", "PROVISIONING", "STARTING", "RUNNING", "RECOVERING", "PROVISIONING", "STARTING",
+                             "RUNNING", "SUCCEEDED"]
+    [disrupted] = events(world, EventKind.DISRUPTION)
+    assert disrupted.data["kind"] == "infra_lost" and "vanished" in disrupted.reason
+    assert [e.data["restored_step"] for e in events(world, EventKind.RESTORE)] == [None, 5]
+    [lost] = events(world, EventKind.LOST_WORK)
+    assert lost.data["steps"] == 3  # steps 5, 6 and 7 run again
+    g1, g2 = world.groups
+    assert g1.stopped and g2.stopped and (g1.generation, g2.generation) == (1, 2)
+    assert set(slice_states(world).values()) == {SliceState.RELEASED}  # both slices given back
+    assert [m.step for m in world.store.steps("job")][-1] == 19
+
+
+def test_a_notice_stops_at_a_committed_step_and_nothing_is_recomputed(world):
+    driver = world.submit(spec())
+
+    def notice(group, step):
+        if group.generation == 1 and step == 7:
+            world.provider.send(group.slice_name, SliceEventKind.PREEMPTION_NOTICE, "maintenance in 30 s")
+
+    world.on_step = notice
+    world.run(driver)
+    job = world.store.job("job")
+    assert job.state is JobState.SUCCEEDED and job.preemptions == 1
+    [disrupted] = events(world, EventKind.DISRUPTION)
+    assert disrupted.data["kind"] == "preempted" and "maintenance in 30 s" in disrupted.reason
+    restored = [e.data["restored_step"] for e in events(world, EventKind.RESTORE)]
+    assert restored[0] is None and restored[1] == disrupted.data["step"] + 1  # saved at the step it stopped after
+    assert events(world, EventKind.LOST_WORK)[0].data["steps"] == 0
+
+
+def test_a_transition_the_store_refuses_stops_the_driver_loudly(world, caplog):
+    driver = world.submit(spec())
+    request = world.provider.request
+
+    def request_then_another_writer_moves_the_job(req):
+        s = request(req)
+        world.store.transition("job", JobState.QUEUED, "someone else's write")  # PROVISIONING -> QUEUED
+        return s
+
+    world.provider.request = request_then_another_writer_moves_the_job
+    with caplog.at_level(logging.ERROR, logger="orchestrator.control.driver"):
+        world.run(driver)
+    job = world.store.job("job")
+    assert job.state is JobState.FAILED and job.cause == FailedBecause.CONTROLLER.value
+    assert "controller error: IllegalTransitionError" in job.reason
+    assert "cannot go from QUEUED to STARTING" in job.reason
+    assert "controller error" in caplog.text
+    assert world.groups == [] and set(slice_states(world).values()) == {SliceState.RELEASED}
+
+
+def test_a_make_before_break_move_switches_to_the_slice_that_came_ready_beside(world):
+    driver = world.submit(spec(autoscaling={"accelerators": ["v4-16", "v4-32"]}, deadline="PT24H"))
+    moving = {}
+
+    def decide(spec_, current, *, ready=False):
+        if current is None:  # before the first provisioning: v4-16 spot
+            return choice(Move(target=option("v4-16")), "v4-16")
+        if driver.att.generation == 1 and driver.att.last_step >= 4 and driver.att.waiting is None and not moving:
+            moving["asked_at"] = driver.att.last_step
+            return choice(Move(target=option("v4-32"), request=option("v4-32")), "v4-16")
+        if ready:
+            return choice(Move(target=option("v4-32"), switch=True), "v4-32")
+        return choice(None, spec_.accelerator)
+
+    driver._decide = decide
+    driver.att.next_decision = 0.0
+    world.on_step = lambda group, step: setattr(driver.att, "next_decision", 0.0)  # ask the policy every poll
+    world.run(driver)
+    job = world.store.job("job")
+    assert job.state is JobState.SUCCEEDED and job.spec["accelerator"] == "v4-32"
+    g1, g2 = world.groups
+    assert (g1.hosts, g2.hosts) == (2, 4)
+    names = [e.data["name"] for e in events(world, EventKind.SLICE) if e.data.get("state") == "READY"]
+    assert len(names) == 2  # the v4-32 came ready while the v4-16 trained
+    [asked] = events(world, EventKind.RESIZE)
+    assert asked.data["to"] == "v4-32"
+    assert [e.data["restored_step"] for e in events(world, EventKind.RESTORE)][1] == g1.step + 1  # nothing lost
+    assert "RESIZING" in states(world) and "RECOVERING" not in states(world)
+    starting = [e for e in world.store.events("job") if e.kind is EventKind.STATE and e.to_state == "STARTING"][1]
+    assert starting.data.get("overlap_s") is not None  # the new slice overlapped the old one
+
+
+def test_a_budget_stop_ends_the_job_failed_budget_at_a_committed_step(world, monkeypatch):
+    from orchestrator.control import limits
+    from policies.decisions import limits as rules
+
+    monkeypatch.setattr(limits, "CHECK_S", 0.0)
+    monkeypatch.setattr(limits, "RELEASE_S", 0.0)  # a fake slice is given back at once
+    monkeypatch.setattr(rules, "MIN_RUN_S", 1.0)
+    # A v4-32 on demand costs $51.52/h: the cap is about 3.5 s of it, the stop 1 s.
+    driver = world.submit(spec(accelerator="v4-32", tier="on-demand", budget_usd=0.05,
+                               recovery={"grace_period_s": 1},
+                               workload={**spec()["workload"], "steps": 100_000}))
+    world.on_step = lambda group, step: time.sleep(0.01)
+    world.run(driver, timeout_s=30)
+    job = world.store.job("job")
+    assert job.state is JobState.FAILED and job.cause == FailedBecause.BUDGET.value, job.reason
+    assert job.reason.startswith("budget_usd is $0.05") and "with its checkpoint committed" in job.reason
+    [group] = world.groups
+    assert group.ended is not None and group.ended[0].ending == "stopped"  # stopped at a step it committed
+    assert world.committed == group.ended[0].steps
+    spent = sum(s.usd for s in billed_slices(world.store.events("job"), end=time.time()))
+    assert 0.03 < spent <= 0.05  # it trained on most of the cap and did not pass it
+
+
+def choice(move, accelerator):
+    decision = Decision(option=None, reason="scripted", expected_cost_usd=1.0, expected_finish_s=0.0)
+    return Choice(accelerator, "spot" if accelerator else None, decision, None, move)
+
+
+def option(name):
+    from orchestrator import catalog
+
+    t = catalog.lookup(name)
+    return Option(name, t.chips, t.hosts, "spot", t.usd_per_hour(catalog.Tier.SPOT), 1000.0)
