@@ -36,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch, generations
+from kernels import dispatch, generations, hardware
 from kernels.attention_chunked import chunked_attention
 from kernels.attention_mask import MaskBand, segment_block_bounds, segments_may_meet
 
@@ -85,7 +85,7 @@ class BlockSizes:
         """
         block_q = self.block_q_bwd or self.block_q if backward else self.block_q
         block_kv = self.block_kv_bwd or self.block_kv if backward else self.block_kv
-        limit = generations.current().vmem_limit_bytes
+        limit = generations.current().chip.vmem_limit_bytes
         while vmem_bytes(block_q, block_kv, head_dim, itemsize) > limit:
             if block_kv >= block_q and block_kv > 128 and block_kv % 256 == 0:
                 block_kv //= 2
@@ -114,11 +114,11 @@ def pallas_unsupported_reason(head_dim: int, itemsize: int, blocks: BlockSizes |
     blocks = blocks or BlockSizes.for_generation(generations.current())
     smallest = min(blocks.block_q, blocks.block_q_bwd or blocks.block_q, 8)
     smallest_kv = min(blocks.block_kv, blocks.block_kv_bwd or blocks.block_kv, 128)
-    need, generation = vmem_bytes(smallest, smallest_kv, head_dim, itemsize), generations.current()
-    if need <= generation.vmem_limit_bytes:
+    need, chip = vmem_bytes(smallest, smallest_kv, head_dim, itemsize), generations.current().chip
+    if need <= chip.vmem_limit_bytes:
         return None
-    return (f"{head_dim=} ({itemsize}-byte): {need / generations.MIB:.0f} MiB of VMEM at {smallest}x{smallest_kv} "
-            f"blocks, over the {generation.vmem_limit_bytes / generations.MIB:.0f} MiB limit of a {generation.name}")
+    return (f"{head_dim=} ({itemsize}-byte): {need / hardware.MIB:.0f} MiB of VMEM at {smallest}x{smallest_kv} "
+            f"blocks, over the {chip.vmem_limit_bytes / hardware.MIB:.0f} MiB limit of a {chip.name}")
 
 
 @dataclasses.dataclass(frozen=True)

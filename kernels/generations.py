@@ -1,16 +1,13 @@
-"""TPU chip generations as the kernels see them: VMEM, the Pallas calls' VMEM limit, default blocks.
+"""TPU chip generations as the kernels see them: the chip's VMEM limit (`kernels.hardware`), default blocks.
 
 Vocabulary: a *generation* is the chip (v4, v5e, v5p, v6e), read from
-``jax.devices()[0].device_kind`` ("TPU v4", "TPU v5 lite", ...). *VMEM* is the TensorCore's
-on-chip vector memory that a Pallas block lives in; ``vmem_limit_bytes`` is how much of it
-Mosaic may use for one kernel (its buffers, double-buffered, and its scratch). Bigger
-blocks mean fewer grid steps and larger MXU tiles, until they no longer fit.
+``jax.devices()[0].device_kind`` ("TPU v4", "TPU v5 lite", ...); its hardware, VMEM and the
+Pallas calls' VMEM limit included, is the one table in `kernels.hardware`. Bigger blocks mean
+fewer grid steps and larger MXU tiles, until they no longer fit in VMEM.
 
-The VMEM sizes are those of JAX's own TPU table (``pltpu.get_tpu_info``); the limit leaves
-an eighth to Mosaic's internal scratch, except on v4, whose 16 MiB per core is already the
-compiler's default scope. The block defaults follow public measurements of flash
-attention on TPU (128x128 tiles reach a few percent of peak, 512 and more do far better)
-and the VMEM each generation has; they are starting points, not figures measured here.
+The block defaults follow public measurements of flash attention on TPU (128x128 tiles
+reach a few percent of peak, 512 and more do far better) and the VMEM each generation has;
+they are starting points, not figures measured here.
 
 `fit_block` is the one rule by which every op turns a requested block into one that tiles
 its array: a whole short axis, else the aligned block in ``[block / 2, block]`` that pads
@@ -27,18 +24,16 @@ from typing import Literal
 import jax
 from jax.experimental.pallas import tpu as pltpu
 
-logger = logging.getLogger(__name__)
+from kernels import hardware
 
-MIB = 1 << 20
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
 class Generation:
-    """One chip generation's VMEM and the kernels' default blocks on it."""
+    """One chip generation's hardware and the kernels' default blocks on it."""
 
-    name: str
-    vmem_bytes: int  # per TensorCore
-    vmem_limit_bytes: int  # given to every Pallas call
+    chip: hardware.Chip
     attention: tuple[int, int, int, int]  # block_q, block_kv, block_q_bwd, block_kv_bwd
     norm_rows: int
     rope_seq: int
@@ -47,30 +42,24 @@ class Generation:
 
 
 GENERATIONS = {
-    g.name: g for g in [
-        Generation("v4", 16 * MIB, 16 * MIB, (512, 512, 256, 512), 256, 256, (256, 512), (128, 512, 512)),
-        Generation("v5e", 128 * MIB, 112 * MIB, (512, 1024, 512, 512), 512, 512, (512, 512), (256, 512, 1024)),
-        Generation("v5p", 64 * MIB, 56 * MIB, (512, 1024, 512, 512), 512, 512, (512, 512), (256, 512, 1024)),
-        Generation("v6e", 128 * MIB, 112 * MIB, (512, 1024, 512, 1024), 512, 512, (512, 512), (256, 1024, 1024)),
+    g.chip.name: g for g in [
+        Generation(hardware.V4, (512, 512, 256, 512), 256, 256, (256, 512), (128, 512, 512)),
+        Generation(hardware.V5E, (512, 1024, 512, 512), 512, 512, (512, 512), (256, 512, 1024)),
+        Generation(hardware.V5P, (512, 1024, 512, 512), 512, 512, (512, 512), (256, 512, 1024)),
+        Generation(hardware.V6E, (512, 1024, 512, 1024), 512, 512, (512, 512), (256, 1024, 1024)),
     ]
 }
 DEFAULT = "v4"  # off TPU (interpret mode ignores the limit) and for unknown kinds: the project's slices
 
-_DEVICE_KINDS = {
-    "TPU v4": "v4", "TPU v4 lite": "v4",
-    "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p", "TPU v5p": "v5p",
-    "TPU v6 lite": "v6e", "TPU v6e": "v6e",
-}
-
 
 def from_device_kind(device_kind: str) -> Generation:
     """The generation of a ``device_kind``; the default one (logged) for kinds this table lacks."""
-    name = _DEVICE_KINDS.get(device_kind)
-    if name is None:
+    chip = hardware.from_device_kind(device_kind)
+    if chip is None:
         if device_kind.startswith("TPU"):
             logger.warning("Unknown TPU device kind %r: using the %s kernel settings", device_kind, DEFAULT)
-        name = DEFAULT
-    return GENERATIONS[name]
+        return GENERATIONS[DEFAULT]
+    return GENERATIONS[chip.name]
 
 
 def current() -> Generation:
@@ -88,7 +77,7 @@ ARBITRARY: Semantics = "arbitrary"
 def compiler_params(dimension_semantics: tuple[Semantics, ...]) -> pltpu.CompilerParams:
     """Mosaic parameters of a Pallas call: its grid's semantics and this generation's VMEM limit."""
     return pltpu.CompilerParams(dimension_semantics=dimension_semantics,
-                                vmem_limit_bytes=current().vmem_limit_bytes)
+                                vmem_limit_bytes=current().chip.vmem_limit_bytes)
 
 
 @dataclasses.dataclass(frozen=True)

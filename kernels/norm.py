@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels import dispatch, generations
+from kernels import dispatch, generations, hardware
 
 logger = logging.getLogger(__name__)
 
@@ -50,19 +50,19 @@ class NormBlockSizes:
         cap = max_rows(d, itemsize)
         if cap < 8:
             raise ValueError(f"rows of d={d} features ({itemsize}-byte) do not fit the VMEM of a "
-                             f"{generations.current().name} core, 8 at a time")
+                             f"{generations.current().chip.name} core, 8 at a time")
         return generations.fit_block(rows, min(self.block_rows, cap))
 
 
-def max_rows(d: int, itemsize: int = 4, generation: generations.Generation | None = None) -> int:
+def max_rows(d: int, itemsize: int = 4, chip: hardware.Chip | None = None) -> int:
     """Most rows of ``d`` features a block may hold (a multiple of 8; under 8: none fit).
 
     The backward holds the most: x, dy and dx double-buffered, and about four f32 rows of
     temporaries; half the VMEM limit is left to Mosaic and its own copies.
     """
-    generation = generation or generations.current()
+    chip = chip or generations.current().chip
     per_row = max(d, 1) * (6 * itemsize + 16)
-    return (generation.vmem_limit_bytes // 2 // per_row) // 8 * 8
+    return (chip.vmem_limit_bytes // 2 // per_row) // 8 * 8
 
 
 def rms_norm(

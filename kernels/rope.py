@@ -24,7 +24,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import dispatch, generations
+from kernels import dispatch, generations, hardware
 
 logger = logging.getLogger(__name__)
 
@@ -50,16 +50,16 @@ class RopeBlockSizes:
         cap = max_positions(heads, head_dim, itemsize)
         if cap < 8:
             raise ValueError(f"positions of {heads} heads x {head_dim=} ({itemsize}-byte) do not fit the VMEM "
-                             f"of a {generations.current().name} core, 8 at a time")
+                             f"of a {generations.current().chip.name} core, 8 at a time")
         return generations.fit_block(seq_len, min(self.block_seq, cap))
 
 
 def max_positions(heads: int, head_dim: int, itemsize: int = 4,
-                  generation: generations.Generation | None = None) -> int:
+                  chip: hardware.Chip | None = None) -> int:
     """Most positions a block may hold (a multiple of 8): x and out double-buffered, about six f32 copies."""
-    generation = generation or generations.current()
+    chip = chip or generations.current().chip
     per_position = max(heads * head_dim, 1) * (4 * itemsize + 24)
-    return (generation.vmem_limit_bytes // 2 // per_position) // 8 * 8
+    return (chip.vmem_limit_bytes // 2 // per_position) // 8 * 8
 
 
 def apply_rope(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from kernels import dispatch, generations
+from kernels import dispatch, generations, hardware
 from kernels.attention import vmem_bytes as attention_vmem_bytes
 from kernels.norm import max_rows
 from kernels.rope import max_positions
@@ -89,18 +89,19 @@ def check_shape(**fields) -> None:
 
 def _vmem_problems(d_model, n_heads, head_dim, itemsize, device_kind) -> list[ShapeProblem]:
     generation = generations.current() if device_kind is None else generations.from_device_kind(device_kind)
+    chip = generation.chip
     problems = []
-    if max_rows(d_model, itemsize, generation) < 8:
+    if max_rows(d_model, itemsize, chip) < 8:
         problems.append(ShapeProblem("model.d_model", f"rows of {d_model} features do not fit the VMEM of a "
-                                     f"{generation.name} 8 at a time (Pallas RMSNorm)"))
-    if max_positions(n_heads, head_dim, itemsize, generation) < 8:
+                                     f"{chip.name} 8 at a time (Pallas RMSNorm)"))
+    if max_positions(n_heads, head_dim, itemsize, chip) < 8:
         problems.append(ShapeProblem("model.d_model", f"{n_heads} heads x head_dim={head_dim} do not fit the VMEM "
-                                     f"of a {generation.name} 8 positions at a time (Pallas RoPE)"))
+                                     f"of a {chip.name} 8 positions at a time (Pallas RoPE)"))
     smallest_q, smallest_kv = 8, 128
     need = attention_vmem_bytes(smallest_q, smallest_kv, head_dim, itemsize)
-    if need > generation.vmem_limit_bytes:
-        problems.append(ShapeProblem("model.n_heads", f"head_dim={head_dim} needs {need / generations.MIB:.0f} MiB "
+    if need > chip.vmem_limit_bytes:
+        problems.append(ShapeProblem("model.n_heads", f"head_dim={head_dim} needs {need / hardware.MIB:.0f} MiB "
                                      f"of VMEM at {smallest_q}x{smallest_kv} attention blocks, over the "
-                                     f"{generation.vmem_limit_bytes / generations.MIB:.0f} MiB limit of a "
-                                     f"{generation.name} (Pallas attention)"))
+                                     f"{chip.vmem_limit_bytes / hardware.MIB:.0f} MiB limit of a "
+                                     f"{chip.name} (Pallas attention)"))
     return problems

@@ -30,20 +30,20 @@ def _pallas_calls(fn, *args) -> list:
     ("cpu", "v4"),
 ])
 def test_generation_from_device_kind(device_kind, name):
-    assert generations.from_device_kind(device_kind).name == name
+    assert generations.from_device_kind(device_kind).chip.name == name
 
 
 def test_off_tpu_the_default_generation_is_used():
-    assert generations.current().name == generations.DEFAULT
+    assert generations.current().chip.name == generations.DEFAULT
 
 
 def test_defaults_are_at_least_512_for_attention_and_fit_vmem():
     for generation in generations.GENERATIONS.values():
-        assert min(generation.attention[:2]) >= 512, generation.name
-        assert generation.vmem_limit_bytes <= generation.vmem_bytes
+        assert min(generation.attention[:2]) >= 512, generation.chip.name
+        assert generation.chip.vmem_limit_bytes <= generation.chip.vmem_bytes
         block_q, block_kv, block_q_bwd, block_kv_bwd = generation.attention
         for pair in ((block_q, block_kv), (block_q_bwd, block_kv_bwd)):  # bf16, head_dim 128: as set, not shrunk
-            assert vmem_bytes(*pair, 128, 2) <= generation.vmem_limit_bytes, (generation.name, pair)
+            assert vmem_bytes(*pair, 128, 2) <= generation.chip.vmem_limit_bytes, (generation.chip.name, pair)
 
 
 @pytest.mark.parametrize("name", ["v4", "v6e"])
@@ -55,7 +55,7 @@ def test_the_generation_sets_the_vmem_limit_and_blocks_of_every_attention_call(m
                     argnums=(0, 1, 2))
     calls = _pallas_calls(loss, q, q, q)
     assert len(calls) == 3  # forward, dQ, dK/dV
-    assert {c.params["compiler_params"].vmem_limit_bytes for c in calls} == {generation.vmem_limit_bytes}
+    assert {c.params["compiler_params"].vmem_limit_bytes for c in calls} == {generation.chip.vmem_limit_bytes}
     block_q, block_kv, block_q_bwd, block_kv_bwd = generation.attention
     forward, dq, dkv = (c.params["grid_mapping"].grid for c in calls)
     assert forward[2] == 2048 // block_q  # query blocks
@@ -66,7 +66,7 @@ def test_the_generation_sets_the_vmem_limit_and_blocks_of_every_attention_call(m
 def test_wide_heads_shrink_the_blocks_to_fit_vmem():
     tiling = BlockSizes(512, 512).tiling(4096, 4096, head_dim=4096, itemsize=2)
     assert tiling.block_q < 512 and tiling.block_kv < 512
-    assert vmem_bytes(tiling.block_q, tiling.block_kv, 4096, 2) <= generations.current().vmem_limit_bytes
+    assert vmem_bytes(tiling.block_q, tiling.block_kv, 4096, 2) <= generations.current().chip.vmem_limit_bytes
 
 
 def test_kernel_blocks_from_plain_data():
