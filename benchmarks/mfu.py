@@ -5,7 +5,7 @@ built-in kind for `--steps` steps with each precision (and bf16 with full remat)
 the loop reports model TFLOP/s per chip and MFU. The FLOPs are the stated count,
 6 x parameters + 12 x layers x d_model x seq_len per token (`policies.model.shape`:
 remat's recomputation is not counted, as MFU is usually defined); the peak is the
-device's dense bf16 peak (table below, from the vendors' data sheets). The float32 run
+device's dense bf16 peak (a TPU's from `kernels.hardware`, a GPU's from the table below). The float32 run
 is the baseline measured in the same run: bf16's ratio to it is the speed-up.
 
 Each configuration runs in a process of its own, so no compiled program, allocator pool or
@@ -33,9 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# Dense bf16 peak per chip, FLOP/s: NVIDIA H100 SXM and H200 data sheets (989.4 TFLOP/s without
-# sparsity), A100 (312), L4 (121); TPU v4 (275), from Google's TPU docs. A CPU has none stated.
-PEAKS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L4": 121e12, "TPU v4": 275e12}
+from kernels import hardware
+
+# Dense bf16 peak per GPU, FLOP/s: NVIDIA H100 SXM and H200 data sheets (989.4 TFLOP/s without
+# sparsity), A100 (312), L4 (121). A CPU has none stated.
+GPU_PEAKS = {"H100": 989.4e12, "H200": 989.4e12, "A100": 312e12, "L4": 121e12}
 
 PRESETS = {  # the built-in model's shape, seq_len, global batch
     "100m": (dict(d_model=768, n_layers=14, n_heads=12, n_kv_heads=12, d_ff=3072, vocab_size=256), 2048, 16),
@@ -44,7 +46,10 @@ PRESETS = {  # the built-in model's shape, seq_len, global batch
 
 
 def peak_for(device_kind: str) -> float | None:
-    return next((v for k, v in PEAKS.items() if k.lower() in device_kind.lower()), None)
+    chip = hardware.from_device_kind(device_kind)
+    if chip is not None:
+        return chip.peak_bf16_tflops * 1e12
+    return next((v for k, v in GPU_PEAKS.items() if k.lower() in device_kind.lower()), None)
 
 
 def run(preset: str, precision: str, remat: str, steps: int, skip: int) -> dict:

@@ -1,4 +1,4 @@
-"""The TPU accelerator catalog: one frozen table of hardware facts and list prices.
+"""The TPU accelerator catalog: the accelerator types a job may ask for, their shapes and list prices.
 
 Vocabulary (as in Google's Cloud TPU docs):
 
@@ -10,12 +10,11 @@ Vocabulary (as in Google's Cloud TPU docs):
 - tier: ``spot`` (preemptible, cheapest), ``on-demand``, or ``reserved`` (capacity
   held by a reservation, billed at the on-demand rate unless a commitment applies).
 
-Sources: Google Cloud TPU documentation (system architecture pages for v4, v5e, v5p
-and v6e: HBM per chip and peak bf16 FLOP/s per chip) and the Cloud TPU pricing page, list
-prices as seen in 2026 for us-central regions. HBM is kept in bytes in the unit each page
-gives: v4's 32 GiB, and v5e's 16 GB, v5p's 95 GB and v6e's 32 GB (decimal gigabytes).
-Spot prices vary by region; where a range was listed we keep both ends and plan with the
-high end, so cost estimates err on the expensive side.
+The chips' hardware (TensorCores, HBM, peak bf16 FLOP/s) is the one table in
+`kernels.hardware`, which the kernels read too; its docstring cites the sources. Prices: the
+Cloud TPU pricing page, list prices as seen in 2026 for us-central regions. Spot prices vary
+by region; where a range was listed we keep both ends and plan with the high end, so cost
+estimates err on the expensive side.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kernels import hardware
 from orchestrator.errors import UnknownAcceleratorError
 
 
@@ -34,21 +34,18 @@ class Tier(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Generation:
-    name: str
-    tensorcores_per_chip: int
-    hbm_bytes_per_chip: int  # what the memory-fit check (`policies.model.memory_fit`) plans against
-    hbm_gbps_per_chip: float
-    peak_bf16_tflops_per_chip: float
+    """A chip generation as the catalog sells it: its hardware and its list prices."""
+
+    chip: hardware.Chip
     ondemand_usd_per_chip_hour: float
     spot_usd_per_chip_hour: tuple[float, float]  # (low, high) across us-central regions
     counts_tensorcores: bool  # whether the number in the type name counts TensorCores
 
 
-GIB, GB = 2**30, 10**9
-V4 = Generation("v4", 2, 32 * GIB, 1200.0, 275.0, 3.22, (0.92, 0.92), True)
-V5E = Generation("v5e", 1, 16 * GB, 819.0, 197.0, 1.20, (0.21, 0.78), False)
-V5P = Generation("v5p", 2, 95 * GB, 2765.0, 459.0, 4.20, (1.35, 2.40), True)
-V6E = Generation("v6e", 1, 32 * GB, 1638.0, 918.0, 2.70, (0.65, 1.89), False)
+V4 = Generation(hardware.V4, 3.22, (0.92, 0.92), True)
+V5E = Generation(hardware.V5E, 1.20, (0.21, 0.78), False)
+V5P = Generation(hardware.V5P, 4.20, (1.35, 2.40), True)
+V6E = Generation(hardware.V6E, 2.70, (0.65, 1.89), False)
 
 
 @dataclass(frozen=True)
@@ -67,20 +64,20 @@ class TpuType:
 
     @property
     def hbm_bytes_per_chip(self) -> int:
-        return self.generation.hbm_bytes_per_chip
+        return self.generation.chip.hbm_bytes
 
     @property
     def hbm_bytes(self) -> int:
-        return self.chips * self.generation.hbm_bytes_per_chip
+        return self.chips * self.generation.chip.hbm_bytes
 
     @property
     def peak_bf16_flops_per_chip(self) -> float:
         """FLOP/s: the denominator of model FLOPs utilisation (MFU)."""
-        return self.generation.peak_bf16_tflops_per_chip * 1e12
+        return self.generation.chip.peak_bf16_tflops * 1e12
 
     @property
     def peak_bf16_tflops(self) -> float:
-        return self.chips * self.generation.peak_bf16_tflops_per_chip
+        return self.chips * self.generation.chip.peak_bf16_tflops
 
     def usd_per_chip_hour(self, tier: Tier | str) -> float:
         tier = Tier(tier)

@@ -30,7 +30,7 @@ def job_options(
     measured = {(lookup(n).chips, lookup(n).hosts): v for n, v in (measured_tokens_per_s or {}).items()}
     options = []
     for t in types:
-        model = ScalingModel(flops_per_token, t.generation.peak_bf16_tflops_per_chip * 1e12)
+        model = ScalingModel(flops_per_token, t.peak_bf16_flops_per_chip)
         speed = estimate_tokens_per_s(model, t.chips, t.hosts, measured)
         for tier in tiers:
             tier = Tier(tier)

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 import kernels
-from kernels import BlockSizes, KernelBlocks, NormBlockSizes, generations
+from kernels import BlockSizes, KernelBlocks, NormBlockSizes, generations, hardware
 from kernels.attention import vmem_bytes
 
 
@@ -31,6 +31,11 @@ def _pallas_calls(fn, *args) -> list:
 ])
 def test_generation_from_device_kind(device_kind, name):
     assert generations.from_device_kind(device_kind).chip.name == name
+
+
+def test_every_generation_is_one_of_the_hardware_table_s_chips():
+    assert {name: g.chip for name, g in generations.GENERATIONS.items()} == hardware.CHIPS
+    assert all(g.chip is hardware.CHIPS[name] for name, g in generations.GENERATIONS.items())
 
 
 def test_off_tpu_the_default_generation_is_used():

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from kernels import hardware
 from orchestrator import catalog
 from orchestrator.errors import UnknownAcceleratorError
 from policies.model.shape import ModelShape
@@ -27,6 +33,32 @@ def test_catalog_prices_and_unknown_names():
     with pytest.raises(UnknownAcceleratorError, match="valid types are: v4-8, v4-16"):
         catalog.lookup("v4-33")
     assert [t.name for t in catalog.same_generation(v4)] == ["v4-8", "v4-16", "v4-32", "v4-64", "v4-128"]
+
+
+def test_the_catalog_reads_its_hardware_from_the_kernels_table():
+    """One table of chip facts: a second copy in the catalog would drift from the kernels' (VMEM, blocks)."""
+    generations = {t.generation for t in catalog.CATALOG.values()}
+    assert all(g.chip is hardware.CHIPS[g.chip.name] for g in generations)
+    assert {g.chip.name for g in generations} == set(hardware.CHIPS)
+    copied = [f.name for f in dataclasses.fields(catalog.Generation)
+              if any(word in f.name for word in ("hbm", "flops", "vmem", "gbps", "device_kind"))]
+    assert copied == [], "hardware facts belong in kernels.hardware, read through Generation.chip"
+    v5p = catalog.lookup("v5p-8")
+    assert (v5p.hbm_bytes_per_chip, v5p.peak_bf16_flops_per_chip) == (hardware.V5P.hbm_bytes, 459e12)
+
+
+@pytest.mark.parametrize("t", catalog.CATALOG.values(), ids=lambda t: t.name)
+def test_the_number_in_a_type_name_counts_tensorcores_or_chips(t):
+    per_chip = t.generation.chip.tensorcores if t.generation.counts_tensorcores else 1
+    assert int(t.name.rsplit("-", 1)[1]) == t.chips * per_chip
+
+
+def test_reading_the_catalog_imports_no_jax():
+    """The control plane reads `kernels.hardware`; the kernels package must not load JAX for it."""
+    check = "import sys, orchestrator.catalog; assert 'jax' not in sys.modules, sorted(sys.modules)"
+    r = subprocess.run([sys.executable, "-c", check], cwd=Path(__file__).resolve().parents[2],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_rest_axis_takes_the_remaining_devices():

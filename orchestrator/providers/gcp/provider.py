@@ -326,7 +326,7 @@ class GcpTpuProvider:
         parent = self._api.parent(zone)
         qr = queued_resource(
             parent, req.name, accelerator_type=req.tpu_type.name,
-            runtime_version=self._runtimes[req.tpu_type.generation.name], labels=labels_for(req),
+            runtime_version=self._runtimes[req.tpu_type.generation.chip.name], labels=labels_for(req),
             startup_script=startup_script(self._setup, req.tpu_type, req.name), service_account=self._node_sa,
             tier=tier_fields(req.tier, zone, parent=parent, reservation=self._reservation),
             valid_for_s=req.queue_timeout_s)
