@@ -82,7 +82,7 @@ def main() -> int:
         os.kill(pids()[0], signal.SIGTERM)
         running_at(job.status().step + 150)
         print("a host removed", flush=True)
-        kill_host(client.home, client.store.slices(job_id=job.id, live_only=True)[0]["data"]["pgids"][1])
+        kill_host(client.home, client.store.slices(job_id=job.id, live_only=True)[0].data["pgids"][1])
         running_at(job.status().step + 150)
         print("a worker frozen", flush=True)
         frozen = pids()[1]

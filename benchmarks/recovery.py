@@ -54,7 +54,7 @@ def main() -> None:
             wait_until(lambda: job.status().state is JobState.RUNNING and job.status().step >= target)
             live = client.store.slices(job_id=job.id, live_only=True)[0]
             kills.append(time.time())
-            kill_host(client.home, live["data"]["pgids"][1])
+            kill_host(client.home, live.data["pgids"][1])
             wait_until(lambda: len([e for e in job.events() if e.kind == "resumed"]) == len(kills))
         st = job.wait(timeout_s=900)
         assert st.state is JobState.SUCCEEDED, st.reason

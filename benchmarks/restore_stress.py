@@ -102,7 +102,7 @@ def main() -> None:
                 metadata.set("instance/preempted", "FALSE")
             else:
                 live = client.store.slices(job_id=job.id, live_only=True)
-                kill_host(client.home, live[0]["data"]["pgids"][i % len(live[0]["data"]["pgids"])])
+                kill_host(client.home, live[0].data["pgids"][i % len(live[0].data["pgids"])])
             wait_until(lambda: len(events(job, "restore")) > restores or job.status().done, timeout_s=900)
             d = events(job, "disruption")[seen:]
             restored = events(job, "restore")[-1].data.get("restored_step")

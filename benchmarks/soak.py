@@ -76,7 +76,7 @@ def main() -> None:
             if kind == "kill_worker":
                 os.kill(rng.choice([e for e in job.events() if e.kind == "launched"][-1].data["pids"]), signal.SIGKILL)
             elif kind == "kill_host":
-                kill_host(client.home, rng.choice(live[0]["data"]["pgids"]))
+                kill_host(client.home, rng.choice(live[0].data["pgids"]))
             elif kind == "notice":
                 seen = len([e for e in job.events() if e.kind == "disruption"])
                 metadata.set("instance/preempted", "TRUE")

@@ -22,7 +22,7 @@ from orchestrator.control.group import RayWorkerGroup, kill_workers
 from orchestrator.providers.base import Host, Slice
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState, SliceState
-from orchestrator.state.store import JobRecord
+from orchestrator.state.store import JobRecord, SliceRecord
 
 if TYPE_CHECKING:
     from orchestrator.control.controller import Controller
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Attempt | None, list[dict]]:
+def adopt(plane: "Controller", job: JobRecord, slices: list[SliceRecord]) -> tuple[Attempt | None, list[dict]]:
     """The job's running group as an adopted `Attempt` (with its worker 0's step history), or None
     after stopping whatever is left of it; and the history to record (empty if none)."""
     workers, pg = [], None
@@ -39,11 +39,11 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Atte
         plane.release_record(rec)
     if job.state in (JobState.STARTING, JobState.RUNNING) and running is not None:
         rec = running
-        t = catalog.lookup(rec["accelerator"])
+        t = catalog.lookup(rec.accelerator)
         try:
-            workers = [ray.get_actor(worker_name(rec["name"], job.generation, i), namespace=cluster.NAMESPACE)
+            workers = [ray.get_actor(worker_name(rec.name, job.generation, i), namespace=cluster.NAMESPACE)
                        for i in range(t.hosts)]
-            pg = ray.util.get_placement_group(pg_name(rec["name"], job.generation))
+            pg = ray.util.get_placement_group(pg_name(rec.name, job.generation))
             # Right after a restart Ray may answer "temporarily unavailable" while it resolves the actors.
             probe = tenacity.Retrying(
                 stop=tenacity.stop_after_delay(30), wait=tenacity.wait_fixed(1), reraise=True,
@@ -54,7 +54,7 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Atte
             log.warning("job %s: cannot adopt generation %d (%s)", job.id, job.generation, e)
         else:
             provider = _take_over(plane, job, rec, t)
-            att = Attempt(generation=job.generation, provider=provider, slice=provider.get(rec["name"]),
+            att = Attempt(generation=job.generation, provider=provider, slice=provider.get(rec.name),
                           started=True, adopted=True, accepting=True,
                           last_step=max((h["step"] for h in history), default=-1))
             from orchestrator.control.driver import parse_stored_spec  # the driver imports this module
@@ -67,14 +67,14 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[dict]) -> tuple[Atte
     return None, []
 
 
-def _take_over(plane: "Controller", job: JobRecord, rec: dict, t: catalog.TpuType):
+def _take_over(plane: "Controller", job: JobRecord, rec: SliceRecord, t: catalog.TpuType):
     """Make the slice's provider follow it again; on gcp, also give back what else carries the job's
     label in the cloud (a request an earlier controller made and the store never heard of)."""
-    hosts = tuple(Host(i, r) for i, r in enumerate(rec["data"]["hosts"]))
-    s = Slice(rec["name"], job.id, t, catalog.Tier(rec["tier"]), rec["data"].get("zone"), SliceState.READY, hosts,
-              rec["provider"])
-    if rec["provider"] == "local":
-        plane.provider.adopt(s, rec["data"]["pgids"])
+    hosts = tuple(Host(i, r) for i, r in enumerate(rec.data["hosts"]))
+    s = Slice(rec.name, job.id, t, catalog.Tier(rec.tier), rec.data.get("zone"), SliceState.READY, hosts,
+              rec.provider)
+    if rec.provider == "local":
+        plane.provider.adopt(s, rec.data["pgids"])
         return plane.provider
     from orchestrator.control.driver import parse_stored_spec
     from orchestrator.providers.gcp import GcpTpuProvider
@@ -82,7 +82,7 @@ def _take_over(plane: "Controller", job: JobRecord, rec: dict, t: catalog.TpuTyp
     spec = parse_stored_spec(job.spec)
     provider = plane.provider_for(spec)
     assert isinstance(provider, GcpTpuProvider) and spec.gcp is not None, "a slice not local is on gcp"
-    provider.adopt(s, rec["data"].get("zone") or spec.gcp.zones[0])
+    provider.adopt(s, rec.data.get("zone") or spec.gcp.zones[0])
     for found in provider.list(job_id=job.id):
         if found.name != s.name:
             log.info("job %s: releasing slice %s, found in the cloud beside the one its workers run on",
@@ -91,12 +91,12 @@ def _take_over(plane: "Controller", job: JobRecord, rec: dict, t: catalog.TpuTyp
     return provider
 
 
-def running_slice(store, job: JobRecord, slices: list[dict]) -> tuple[dict | None, list[dict]]:
+def running_slice(store, job: JobRecord, slices: list[SliceRecord]) -> tuple[SliceRecord | None, list[SliceRecord]]:
     """Of a job's live slices, the one its current generation was launched on (None if none
     is), and the others: a move's request waiting beside it, or a slice READY for a switch not
     made. A job holds two slices while a move is made before break."""
     launched = [e.payload.slice for e in store.events(job.id, kind=EventKind.LAUNCHED)
                 if e.payload.generation == job.generation]
     name = launched[-1] if launched else None
-    running = next((r for r in slices if r["name"] == name), None)
+    running = next((r for r in slices if r.name == name), None)
     return running, [r for r in slices if r is not running]

@@ -36,6 +36,7 @@ from orchestrator.domain.spec import JobSpec, LmWorkload
 from orchestrator.errors import UnknownAcceleratorError
 from orchestrator.observe.goodput import goodput
 from orchestrator.state.events import CheckpointSaved, EventKind, Launched, Restored, SliceChanged, StateChange
+from orchestrator.state.states import JobState
 from orchestrator.state.store import Event, StepMetric, Store
 from policies.cost.capacity_memory import POOL_HORIZON_S, chips_known, estimates, pooled
 from policies.cost.clock import DECISION_INTERVAL_S, Clock
@@ -112,8 +113,9 @@ def _restart(events: list[Event], spec: JobSpec, step_s: float | None, clock: Cl
     that; the checkpoint interval of the spec (the longest) and the time a save blocks, once measured."""
     changes = [e for e in events if e.kind is EventKind.STATE]
     prov = [s for e in changes
-            if e.to_state == "STARTING" and (s := e.payload_as(StateChange).provision_s) is not None]
-    init = [s for e in changes if e.to_state == "RUNNING" and (s := e.payload_as(StateChange).init_s) is not None]
+            if e.to_state is JobState.STARTING and (s := e.payload_as(StateChange).provision_s) is not None]
+    init = [s for e in changes
+            if e.to_state is JobState.RUNNING and (s := e.payload_as(StateChange).init_s) is not None]
     # A row without its times (read back as None) is no measurement.
     rest = [r.restore_s + r.compile_s for r in (e.payload_as(Restored) for e in events if e.kind is EventKind.RESTORE)
             if r.restore_s is not None and r.compile_s is not None]

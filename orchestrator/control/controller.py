@@ -42,7 +42,7 @@ from orchestrator.providers.base import Slice, SliceProvider
 from orchestrator.providers.local import LocalProvider, release_recorded
 from orchestrator.state.events import Adopted, ResizeAsked, SliceChanged, StoreFaulted
 from orchestrator.state.states import JobState
-from orchestrator.state.store import Store
+from orchestrator.state.store import SliceRecord, Store
 from workers.protocol import Report
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ class Controller:
         # A cloud is asked only while the store says one of our slices may live there: a
         # cloud endpoint that is gone would otherwise hold shutdown for its whole retry budget.
         # (`orchestrator gc` looks for slices the store never heard of.)
-        clouds = {rec["provider"] for rec in self.store.slices(live_only=True)}
+        clouds = {rec.provider for rec in self.store.slices(live_only=True)}
         for provider in [self.provider, *(p for p in self._gcp.values() if p.name in clouds)]:
             try:
                 for s in provider.list():
@@ -259,14 +259,14 @@ class Controller:
                     on_change=lambda s: self._save_slice(s, []))
             return self._gcp[key]
 
-    def release_record(self, rec: dict) -> None:
+    def release_record(self, rec: SliceRecord) -> None:
         """Release a slice known only from the store (an earlier controller's)."""
         release_recorded(self.home, self.store, rec)
-        if rec["provider"] == "gcp":  # delete the cloud resources, not only our record of them
+        if rec.provider == "gcp":  # delete the cloud resources, not only our record of them
             try:
-                self.provider_for(parse_stored_spec(self.store.job(rec["job_id"]).spec)).release(rec["name"])
+                self.provider_for(parse_stored_spec(self.store.job(rec.job_id).spec)).release(rec.name)
             except Exception:  # `orchestrator gc` finds it later; say so now
-                log.exception("could not release gcp slice %s; run `orchestrator gc`", rec["name"])
+                log.exception("could not release gcp slice %s; run `orchestrator gc`", rec.name)
 
     # -- the registry -----------------------------------------------------------------
 
@@ -329,9 +329,9 @@ class Controller:
 
     def _reconcile(self) -> None:
         """After a restart: adopt each job's running worker group, or clean up and relaunch."""
-        live: dict[str, list[dict]] = {}
+        live: dict[str, list[SliceRecord]] = {}
         for rec in self.store.slices(live_only=True):
-            live.setdefault(rec["job_id"], []).append(rec)
+            live.setdefault(rec.job_id, []).append(rec)
         for job in self.store.jobs(active_only=True):
             att, history = adopt(self, job, live.pop(job.id, []))
             driver = JobDriver(self, job.id, att)

@@ -63,6 +63,7 @@ from orchestrator.state.events import (
     SliceChanged,
     StateChange,
 )
+from orchestrator.state.states import JobState
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 from policies.decisions.recovery import RULES, Budget
 
@@ -194,7 +195,7 @@ def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric]
     for s in billed_slices(events, end=end):
         usd_by[(s.accelerator, s.tier)] = usd_by.get((s.accelerator, s.tier), 0.0) + s.usd
     kinds = [kind for _, kind in disruptions(events)]
-    launches = sum(1 for e in events if e.kind is EventKind.STATE and e.to_state == "STARTING")
+    launches = sum(1 for e in events if e.kind is EventKind.STATE and e.to_state is JobState.STARTING)
     return Goodput(
         job_id=job.id, start=start, end=end, finished=job.state.terminal,
         **{f"{c}_s": spent[c] for c in CATEGORIES},
@@ -216,7 +217,7 @@ def disruptions(events: list[Event]) -> list[tuple[float, str]]:
     `outcome` of ->RECOVERING transitions. Failed provisioning never has a disruption
     event, so it always comes from the transitions.
     """
-    recovering = [(e.at, outcome) for e in events if e.kind is EventKind.STATE and e.to_state == "RECOVERING"
+    recovering = [(e.at, outcome) for e in events if e.kind is EventKind.STATE and e.to_state is JobState.RECOVERING
                   and (outcome := e.payload_as(StateChange).outcome)]
     recorded = [(e.at, kind) for e in events if e.kind is EventKind.DISRUPTION
                 and (kind := e.payload_as(Disrupted).kind)]
@@ -295,7 +296,7 @@ def state_intervals(job: JobRecord, events: list[Event], *, now: float) -> list[
         starts.append(max(e.at, starts[-1]))  # a clock step backwards must not make a negative interval
     end = starts[-1] if job.state.terminal else max(now, starts[-1])
     ends = starts[1:] + [end]
-    states = [e.to_state for e in changes if e.to_state]  # all of them (changes have a to_state)
+    states = [e.to_state.value for e in changes if e.to_state]  # all of them (changes have a to_state)
     outcomes = [e.payload_as(StateChange).outcome for e in changes]
     return [StateInterval(state, s, t, outcomes[i], outcomes[i + 1] if i + 1 < len(changes) else None)
             for i, (state, s, t) in enumerate(zip(states, starts, ends))]

@@ -432,4 +432,4 @@ def _clock(ts: float) -> str:
 
 
 def _transition(e: Event) -> str:
-    return f"{e.from_state or ''} → {e.to_state}" if e.to_state else ""
+    return f"{e.from_state.value if e.from_state else ''} → {e.to_state.value}" if e.to_state else ""

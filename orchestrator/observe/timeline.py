@@ -107,11 +107,11 @@ def markers(events: list[Event], steps: list[StepMetric] | None = None, *,
             if cause is not None:
                 after = None if p.step is None else int(p.step) + 1
                 out.append(Marker(e.at, where(e, after), cause, _CAUSE_LABEL[cause], e.reason))
-        elif k is EventKind.STATE and e.to_state == "RECOVERING" and not recorded:  # an older store's record
+        elif k is EventKind.STATE and e.to_state is JobState.RECOVERING and not recorded:  # an older store's record
             cause = disruption_cause(e.payload_as(StateChange).outcome, e.reason)
             if cause is not None:
                 out.append(Marker(e.at, where(e, None), cause, _CAUSE_LABEL[cause], e.reason))
-        elif k is EventKind.STATE and e.to_state == "RESIZING" and not has_resize_events:
+        elif k is EventKind.STATE and e.to_state is JobState.RESIZING and not has_resize_events:
             out.append(Marker(e.at, where(e, None), "move", "resizing", e.reason))
         elif k is EventKind.RESTORE and (restored := e.payload_as(Restored).restored_step) is not None:
             step = int(restored)  # a fresh start (no restored step) is nothing to mark
@@ -145,10 +145,10 @@ def wall_time(store: Store, job: JobRecord, *, now: float | None = None) -> floa
 
 # -- a move under way ----------------------------------------------------------------------
 
-_WAITING_PHASE = {SliceState.REQUESTED.value: "requesting the slice",
-                  SliceState.WAITING.value: "waiting for capacity",
-                  SliceState.PROVISIONING.value: "starting its hosts",
-                  SliceState.READY.value: "slice ready, switching at the next checkpoint"}
+_WAITING_PHASE = {SliceState.REQUESTED: "requesting the slice",
+                  SliceState.WAITING: "waiting for capacity",
+                  SliceState.PROVISIONING: "starting its hosts",
+                  SliceState.READY: "slice ready, switching at the next checkpoint"}
 
 
 def move_line(store: Store, job: JobRecord) -> str | None:
@@ -160,14 +160,15 @@ def move_line(store: Store, job: JobRecord) -> str | None:
     if job.state.terminal or job.state in (JobState.PENDING, JobState.RECOVERING):
         return None
     events = store.events(job.id)
-    running_since = max((e.seq for e in events if e.kind is EventKind.STATE and e.to_state == "RUNNING"), default=0)
+    running_since = max((e.seq for e in events if e.kind is EventKind.STATE and e.to_state is JobState.RUNNING),
+                        default=0)
     asked = [e for e in events if e.kind is EventKind.RESIZE and e.seq > running_since]
     live = store.slices(job_id=job.id, live_only=True)
     if job.state is JobState.RUNNING:
         launched = [e.payload_as(Launched).slice for e in events if e.kind is EventKind.LAUNCHED
                     and e.payload_as(Launched).generation == job.generation]
         running = launched[-1] if launched else None
-        beside = [r for r in live if r["name"] != running]
+        beside = [r for r in live if r.name != running]
         if asked:
             r = asked[-1].payload_as(ResizeAsked)
             target = f"{r.to} {r.tier}" if r.tier else str(r.to)
@@ -175,10 +176,11 @@ def move_line(store: Store, job: JobRecord) -> str | None:
             return f"moving to {target}: checkpointing{step}, then the old slice goes"
         if beside:
             b = beside[-1]
-            return f"moving to {b['accelerator']} {b['tier']}: {_WAITING_PHASE.get(b['state'], b['state'].lower())}"
+            return f"moving to {b.accelerator} {b.tier}: {_WAITING_PHASE.get(b.state, b.state.value.lower())}"
         return None
     # RESIZING, QUEUED, PROVISIONING, STARTING: only after a resize since the job last ran
-    moved = [e for e in events if e.kind is EventKind.STATE and e.to_state == "RESIZING" and e.seq > running_since]
+    moved = [e for e in events
+             if e.kind is EventKind.STATE and e.to_state is JobState.RESIZING and e.seq > running_since]
     if not moved and not asked:
         return None
     target = f"{job.spec.get('accelerator', '?')} {job.spec.get('tier', '')}".strip()
@@ -187,7 +189,7 @@ def move_line(store: Store, job: JobRecord) -> str | None:
              JobState.PROVISIONING: "provisioning",
              JobState.STARTING: "starting the workers, then restoring resharded"}[job.state]
     if job.state is JobState.PROVISIONING and live:
-        phase = _WAITING_PHASE.get(live[-1]["state"], phase) if live[-1]["state"] != "READY" else phase
+        phase = _WAITING_PHASE.get(live[-1].state, phase) if live[-1].state is not SliceState.READY else phase
     return f"moving to {target}: {phase}"
 
 

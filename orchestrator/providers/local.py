@@ -35,6 +35,7 @@ from orchestrator.providers.base import (
     host_resource,
 )
 from orchestrator.state.states import SliceState, check_slice
+from orchestrator.state.store import SliceRecord
 
 log = logging.getLogger(__name__)
 
@@ -297,12 +298,12 @@ class LocalProvider:
         return []
 
 
-def release_recorded(home: cluster.Home, store, rec: dict) -> list[int]:
+def release_recorded(home: cluster.Home, store, rec: SliceRecord) -> list[int]:
     """Stop the hosts of a slice known only from the store (an earlier controller's), and record it released.
 
     Returns the recorded process ids left alone because they are another program's now.
     """
-    foreign = cluster.stop_groups(home, rec["data"].get("pgids", []))
-    store.put_slice(rec["name"], rec["job_id"], rec["provider"], rec["accelerator"], rec["tier"],
-                    SliceState.RELEASED.value, rec["data"])
+    foreign = cluster.stop_groups(home, rec.data.get("pgids", []))
+    store.put_slice(rec.name, rec.job_id, rec.provider, rec.accelerator, rec.tier,
+                    SliceState.RELEASED.value, rec.data)
     return foreign

@@ -107,13 +107,27 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
+class SliceRecord:
+    """A slice as the store keeps it: the provider's last word on it."""
+
+    name: str
+    job_id: str
+    provider: str  # "local" or "gcp"
+    accelerator: str
+    tier: str
+    state: SliceState
+    data: dict  # the provider's: "hosts" (each host's resource, rank order), "pgids" (local), "zone"
+    updated_at: float
+
+
+@dataclass(frozen=True)
 class Event:
     seq: int
     job_id: str
     at: float
     kind: EventKind
-    from_state: str | None
-    to_state: str | None
+    from_state: JobState | None  # a STATE event's move; None for every other kind
+    to_state: JobState | None
     reason: str
     data: dict | None
 
@@ -378,9 +392,7 @@ class Store:
         q, args = "SELECT * FROM events WHERE job_id=? AND seq>?", [job_id, after_seq]
         if kind is not None:
             q, args = q + " AND kind=?", [*args, kind.value]
-        rows = self._conn().execute(q + " ORDER BY seq", args).fetchall()
-        return [Event(r["seq"], r["job_id"], r["at"], EventKind(r["kind"]), r["from_state"], r["to_state"],
-                      r["reason"], json.loads(r["data"]) if r["data"] else None) for r in rows]
+        return [_event(r) for r in self._conn().execute(q + " ORDER BY seq", args).fetchall()]
 
     def slice_events(self, *, since: float, exclude_job: str | None = None) -> list[Event]:
         """Slice events of every job since `since` (but `exclude_job`'s), oldest first: the
@@ -388,8 +400,7 @@ class Store:
         rows = self._conn().execute(
             "SELECT * FROM events WHERE kind=? AND at>=? AND job_id!=? ORDER BY at, seq",
             (EventKind.SLICE.value, since, exclude_job or "")).fetchall()
-        return [Event(r["seq"], r["job_id"], r["at"], EventKind(r["kind"]), r["from_state"], r["to_state"],
-                      r["reason"], json.loads(r["data"]) if r["data"] else None) for r in rows]
+        return [_event(r) for r in rows]
 
     def record_steps(self, job_id: str, generation: int, rows: list[tuple], *, at: float | None = None) -> None:
         """Upsert (step, loss, tokens/s, step time[, at[, metrics]]) rows; a recomputed step keeps the newest
@@ -444,12 +455,13 @@ class Store:
                 self._event(db, job_id, event.KIND, None, None, reason or f"slice {name} {state}",
                             event.to_data(), now)
 
-    def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[dict]:
+    def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[SliceRecord]:
         q, args = "SELECT * FROM slices", []
         if job_id is not None:
             q, args = q + " WHERE job_id=?", [job_id]
-        out = [dict(r) | {"data": json.loads(r["data"])} for r in self._conn().execute(q, args).fetchall()]
-        return [s for s in out if s["state"] not in ("GONE", "RELEASED")] if live_only else out
+        out = [SliceRecord(r["name"], r["job_id"], r["provider"], r["accelerator"], r["tier"], SliceState(r["state"]),
+                           json.loads(r["data"]), r["updated_at"]) for r in self._conn().execute(q, args).fetchall()]
+        return [s for s in out if not s.state.terminal] if live_only else out
 
 
 def _identity(path: Path) -> tuple[int, int]:
@@ -464,6 +476,13 @@ _FAULTS = {13: "disk full", 8: "read-only", 10: "I/O error", 14: "cannot open"}
 def _fault(path: Path, e: sqlite3.Error) -> StoreFaultError | None:
     cause = _FAULTS.get((getattr(e, "sqlite_errorcode", None) or 0) & 0xFF)
     return StoreFaultError(path, cause, str(e)) if cause else None
+
+
+def _event(r: sqlite3.Row) -> Event:
+    return Event(r["seq"], r["job_id"], r["at"], EventKind(r["kind"]),
+                 JobState(r["from_state"]) if r["from_state"] else None,
+                 JobState(r["to_state"]) if r["to_state"] else None,
+                 r["reason"], json.loads(r["data"]) if r["data"] else None)
 
 
 def _job(row: sqlite3.Row) -> JobRecord:

@@ -181,7 +181,8 @@ def status(job_id: Optional[str] = typer.Argument(None, help="Job id, id prefix,
             out.print(st.error, markup=False, highlight=False)
         if events:
             for e in job.events():
-                what = f"{e.from_state or ''} -> {e.to_state}" if e.to_state else e.kind.value
+                what = (f"{e.from_state.value if e.from_state else ''} -> {e.to_state.value}" if e.to_state
+                        else e.kind.value)
                 for line in wrap(f"{_time(e.at)}  {what}: {e.reason}", out.width, hanging=" " * 14):
                     out.print(line, markup=False, highlight=False)
     if st.done and st.state is not JobState.SUCCEEDED:

@@ -17,6 +17,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 
 from orchestrator.observe.goodput import goodput
 from orchestrator.state.events import EventKind
+from orchestrator.state.states import JobState
 from orchestrator.state.store import Event
 from orchestrator.user.client import Job, JobStatus
 from orchestrator.user.terminal import wrap
@@ -43,7 +44,7 @@ def eta_s(job: Job, st: JobStatus) -> float | None:
 
 def _event_line(e: Event) -> str:
     if e.kind is EventKind.STATE:
-        return f"{e.to_state}: {e.reason}"
+        return f"{e.to_state.value if e.to_state else ''}: {e.reason}"
     return f"{e.kind.value}: {e.reason}"
 
 
@@ -99,7 +100,8 @@ def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0
     if mode == "json":
         for st, new, usd, eta in _updates(job, poll_s):
             for e in new:
-                print(json.dumps({"event": e.kind.value, "at": e.at, "state": e.to_state, "reason": e.reason,
+                state = e.to_state.value if e.to_state else None
+                print(json.dumps({"event": e.kind.value, "at": e.at, "state": state, "reason": e.reason,
                                   "data": e.data}), flush=True)
             print(json.dumps({"job": st.id, "state": st.state.value, "step": st.step, "total_steps": st.total_steps,
                               "loss": st.loss, "tokens_per_s": st.tokens_per_s, "metrics": st.metrics, "eta_s": eta,
@@ -126,8 +128,8 @@ def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0
     with LiveBar(console) as bar:
         for st, new, usd, eta in _updates(job, poll_s):
             for e in new:
-                if e.kind in SHOWN or (e.kind is EventKind.STATE and e.to_state in ("RECOVERING", "RESIZING",
-                                                                                    "FAILED")):
+                if e.kind in SHOWN or (e.kind is EventKind.STATE and e.to_state in (
+                        JobState.RECOVERING, JobState.RESIZING, JobState.FAILED)):
                     bar.event(e)
             bar.update(st, usd, eta)
             if on_poll:

@@ -65,7 +65,7 @@ def wait_step(job, step: int) -> None:
 def host_pgids(client, job) -> list[int]:
     live = client.store.slices(job_id=job.id, live_only=True)
     assert len(live) == 1, live
-    return live[0]["data"]["pgids"]
+    return live[0].data["pgids"]
 
 
 def assert_same_model(job, reference) -> None:

@@ -26,7 +26,7 @@ PROGRAM = textwrap.dedent("""
     while job.status().step < 3 and not job.status().done:
         time.sleep(0.1)
     live = client.store.slices(job_id=job.id, live_only=True)
-    kill_host(client.home, live[0]["data"]["pgids"][1])
+    kill_host(client.home, live[0].data["pgids"][1])
     log = client.home.root / "logs" / "driver.log"
     deadline = time.monotonic() + 120  # the cluster's word on the dead node comes once its heartbeats are missed
     while time.monotonic() < deadline and not (log.exists() and "marked dead" in log.read_text()):

@@ -41,7 +41,7 @@ def test_status_after_a_cluster_crash_and_up_resumes_the_job(tmp_path):
 
         # Everything goes at once: the head, its controller, and the slice's host.
         sessions = [cluster.read_cluster(home).pgid] + [p for s in store.slices(live_only=True)
-                                                         for p in s["data"]["pgids"]]
+                                                         for p in s.data["pgids"]]
         for sid in sessions:
             cluster.kill_host(home, sid)
         deadline = time.monotonic() + 30

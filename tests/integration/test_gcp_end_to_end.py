@@ -40,8 +40,8 @@ def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path, request, gcs_e
             assert time.monotonic() < deadline and not job.status().done, job.status().reason
             time.sleep(0.1)
         live = client.store.slices(job_id=job.id, live_only=True)
-        assert len(live) == 1 and live[0]["provider"] == "gcp"
-        emu.reclaim(live[0]["name"])
+        assert len(live) == 1 and live[0].provider == "gcp"
+        emu.reclaim(live[0].name)
         st = job.wait(timeout_s=600)
         assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-2000:])
         disruption = [e for e in job.events() if e.kind == "disruption"]

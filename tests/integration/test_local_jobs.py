@@ -16,6 +16,7 @@ import pytest
 import ray
 
 from orchestrator import JobSpec, JobState
+from orchestrator.state.states import SliceState
 from tests.conftest import REPO, assert_losses_close, run_reference, train_config
 
 TINY_MODEL = {"d_model": 64, "n_layers": 1, "n_heads": 4, "d_ff": 128}
@@ -149,8 +150,8 @@ def test_workers_that_cannot_all_start_fail_clearly_and_release_the_slice(client
     assert st.state is JobState.FAILED
     assert "could not all be placed within 20 s (each needs 4 TPU chips on its own host)" in st.reason
     slices = client.store.slices(job_id=job.id)
-    assert slices and all(s["state"] == "RELEASED" for s in slices)
-    names = {s["name"] for s in slices}
+    assert slices and all(s.state is SliceState.RELEASED for s in slices)
+    names = {s.name for s in slices}
 
     def hosts_left() -> list:
         return [n for n in ray.nodes() if n["Alive"] and n["Labels"].get("ray.io/tpu-slice-name") in names]

@@ -25,7 +25,7 @@ def _our_processes(client) -> list[psutil.Process]:
     recorded one), and Ray puts each worker in a process group of its own inside it."""
     sessions = {read_cluster(client.home).pgid}
     for rec in client.store.slices(live_only=True):
-        sessions.update(rec["data"]["pgids"])
+        sessions.update(rec.data["pgids"])
     procs = []
     for p in psutil.process_iter():
         try:

@@ -97,7 +97,7 @@ def test_the_same_probe_on_the_shared_disk_sees_them(client, tmp_path):
 def reclaim_then_kill_the_controller(client, emu, job, *, reclaim_at: int, kill_at: int) -> None:
     wait_step(job, reclaim_at)
     [live] = client.store.slices(job_id=job.id, live_only=True)
-    emu.reclaim(live["name"])
+    emu.reclaim(live.name)
     wait_for(lambda: len(kinds(job, "launched")) == 2 and job.status().step >= kill_at or job.status().done, 400,
              f"the second slice to train past step {kill_at}")
     assert not job.status().done, job.status().reason
@@ -167,12 +167,12 @@ def test_a_notice_on_one_vm_and_a_vm_lost_on_share_nothing_hosts(client, tmp_pat
     job = client.submit(spec)
     wait_step(job, 6)
     [live] = client.store.slices(job_id=job.id, live_only=True)
-    backing.vms(live["name"])[1].metadata.set("instance/preempted", "TRUE")
+    backing.vms(live.name)[1].metadata.set("instance/preempted", "TRUE")
     wait_for(lambda: len(kinds(job, "launched")) == 2 and job.status().step >= 14 or job.status().done, 400,
              "the second slice to train past step 14")
     assert not job.status().done, job.status().reason
     [live] = client.store.slices(job_id=job.id, live_only=True)
-    backing.vms(live["name"])[0].kill()
+    backing.vms(live.name)[0].kill()
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
     ref = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)

@@ -11,6 +11,7 @@ import pytest
 from orchestrator.errors import IllegalTransitionError
 from orchestrator.state import events as ev
 from orchestrator.state.events import EventKind
+from orchestrator.state.states import SliceState
 from orchestrator.state.store import Store
 from tests.conftest import REPO
 
@@ -66,7 +67,7 @@ def test_the_store_enforces_the_slice_lifecycle_row_and_event_together(tmp_path)
     _slice(store, "PROVISIONING")  # the same state again: data only
     with pytest.raises(IllegalTransitionError, match="from PROVISIONING to WAITING"):
         _slice(store, "WAITING", event=dataclasses.replace(event, state="WAITING"))
-    assert [s["state"] for s in store.slices()] == ["PROVISIONING"]  # refused: the row is as it was...
+    assert [s.state for s in store.slices()] == [SliceState.PROVISIONING]  # refused: the row is as it was...
     assert [e.payload.state for e in store.events("j", kind=EventKind.SLICE)] == ["REQUESTED", "PROVISIONING"]
     _slice(store, "RELEASED")  # ...and nothing of the refused move was written
     with pytest.raises(IllegalTransitionError):

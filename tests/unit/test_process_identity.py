@@ -18,6 +18,7 @@ import time
 import pytest
 
 from orchestrator import cluster
+from orchestrator.state.states import SliceState
 from orchestrator.state.store import Store
 from tests.conftest import REPO
 
@@ -59,7 +60,7 @@ def test_down_leaves_a_recorded_slice_alone_when_its_pgid_is_another_programs(ho
         assert f"left process group {stranger.pid} alone" in r.stderr
         time.sleep(0.3)
         assert _alive(stranger)
-        assert [s["state"] for s in Store(home.db).slices()] == ["RELEASED"]  # the record is settled all the same
+        assert [s.state for s in Store(home.db).slices()] == [SliceState.RELEASED]  # the record is settled all the same
     finally:
         stranger.kill()
         stranger.wait()

@@ -19,8 +19,8 @@ from orchestrator.cluster import Home
 from orchestrator.observe.goodput import Goodput, billed_slices, compute_goodput
 from orchestrator.observe.timeline import MARKER_TITLES, deadline_line, disruption_cause, markers, move_line
 from orchestrator.state.events import Disrupted, EventKind
-from orchestrator.state.states import JobState
-from orchestrator.state.store import Event, JobRecord, StepMetric, Store
+from orchestrator.state.states import JobState, SliceState
+from orchestrator.state.store import Event, JobRecord, SliceRecord, StepMetric, Store
 
 MAX_POINTS = 2000  # per curve: a long run's steps are thinned to this many (every k-th, the last kept)
 LOG_TAIL_BYTES = 64 * 1024
@@ -107,26 +107,26 @@ class DashboardData:
             return None
         per_hour = 0.0
         for rec in self.store.slices(job_id=job.id, live_only=True):
-            if rec["state"] in ("READY", "PROVISIONING", "PREEMPTING"):
+            if rec.state in (SliceState.READY, SliceState.PROVISIONING, SliceState.PREEMPTING):  # billed
                 try:
-                    per_hour += catalog.lookup(rec["accelerator"]).usd_per_hour(rec["tier"])
+                    per_hour += catalog.lookup(rec.accelerator).usd_per_hour(rec.tier)
                 except Exception:
                     pass
         left_s = max(0, total - step) * statistics.median(recent)
         return g.usd_total + per_hour * left_s / 3600.0
 
-    def _slice_row(self, rec: dict, *, jobs_by_id: dict[str, JobRecord]) -> dict:
-        job = jobs_by_id.get(rec["job_id"])
+    def _slice_row(self, rec: SliceRecord, *, jobs_by_id: dict[str, JobRecord]) -> dict:
+        job = jobs_by_id.get(rec.job_id)
         try:
-            t = catalog.lookup(rec["accelerator"])
-            chips, hosts, price = t.chips, t.hosts, t.usd_per_hour(rec["tier"])
+            t = catalog.lookup(rec.accelerator)
+            chips, hosts, price = t.chips, t.hosts, t.usd_per_hour(rec.tier)
         except Exception:
             chips, hosts, price = 0, 0, 0.0
-        return {"name": rec["name"], "job_id": rec["job_id"], "job_name": job.name if job else "?",
-                "accelerator": rec["accelerator"], "tier": rec["tier"], "state": rec["state"],
-                "in_use": rec["state"] in ("READY", "PREEMPTING"), "chips": chips, "hosts": hosts,
-                "usd_per_hour": price, "provider": rec["provider"], "zone": _zone(rec, job),
-                "since": rec["updated_at"]}
+        return {"name": rec.name, "job_id": rec.job_id, "job_name": job.name if job else "?",
+                "accelerator": rec.accelerator, "tier": rec.tier, "state": rec.state.value,
+                "in_use": rec.state in (SliceState.READY, SliceState.PREEMPTING), "chips": chips, "hosts": hosts,
+                "usd_per_hour": price, "provider": rec.provider, "zone": _zone(rec, job),
+                "since": rec.updated_at}
 
     # -- one job --------------------------------------------------------------------
 
@@ -150,8 +150,8 @@ class DashboardData:
             "goodput_breakdown": [{"category": c, "seconds": s, "share": s / wall} for c, s in g.seconds().items()],
             "counts": {"preemptions": g.preemptions, "failures": g.failures, "restarts": g.restarts,
                        "lost_steps": g.lost_steps, "productive_steps": g.productive_steps},
-            "slices": [self._slice_row(r, jobs_by_id={job.id: job}) | _billed(r["name"], events, g.end)
-                       for r in sorted(self.store.slices(job_id=job.id), key=lambda r: r["updated_at"])],
+            "slices": [self._slice_row(r, jobs_by_id={job.id: job}) | _billed(r.name, events, g.end)
+                       for r in sorted(self.store.slices(job_id=job.id), key=lambda r: r.updated_at)],
             "resize_to": _resize_choices(job),
         })
         return row
@@ -166,11 +166,10 @@ class DashboardData:
 # -- pieces ----------------------------------------------------------------------------
 
 
-def _zone(rec: dict, job: JobRecord | None) -> str:
-    data = rec.get("data") or {}
-    if data.get("zone"):
-        return str(data["zone"])
-    if rec.get("provider") == "local":
+def _zone(rec: SliceRecord, job: JobRecord | None) -> str:
+    if rec.data.get("zone"):
+        return str(rec.data["zone"])
+    if rec.provider == "local":
         return "local"
     spec = job.spec if job else {}
     zones = (spec.get("gcp") or {}).get("zones") or []
@@ -236,7 +235,8 @@ def _event_row(e: Event) -> dict:
         cause = disruption_cause(disrupted.kind, disrupted.reason)
         category = MARKER_TITLES.get(cause, "disruption") if cause else "disruption"
     return {"seq": e.seq, "at": e.at, "kind": e.kind.value, "category": category, "cause": cause,
-            "from_state": e.from_state, "to_state": e.to_state, "reason": e.reason}
+            "from_state": e.from_state and e.from_state.value, "to_state": e.to_state and e.to_state.value,
+            "reason": e.reason}
 
 
 def _resize_choices(job: JobRecord) -> dict:
