@@ -14,7 +14,6 @@ import os
 import stat
 import subprocess
 import threading
-import time
 
 import pytest
 from google.auth.credentials import Credentials
@@ -47,6 +46,7 @@ from orchestrator.providers.gcp.states import RESOURCE_EXHAUSTED, Seen, Tracked,
 from orchestrator.providers.gcp.zones import ZonePlan
 from orchestrator.providers.startup import WorkerSetup, startup_script
 from orchestrator.state.states import SLICE_TRANSITIONS, SliceState
+from tests import waiting
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,12 +129,8 @@ def create_foreign_qr(emulator, zone: str, name: str) -> None:
 
 
 def wait_for(cond, timeout_s: float = 5.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if (v := cond()):
-            return v
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
+    """`tests.waiting.wait_for` at this file's pace: the emulator's operations take milliseconds here."""
+    return waiting.wait_for(cond, timeout_s, what, poll_s=0.01)
 
 
 # -- lifecycle --------------------------------------------------------------------------

@@ -6,21 +6,13 @@ hold the machine while the others wait.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import ray
 
 from orchestrator import JobState
 from orchestrator.control.queue import queue_position
 from tests.integration.test_local_jobs import tiny_spec
-
-
-def _until(cond, timeout_s: float = 300, what: str = "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+from tests.waiting import wait_for
 
 
 def _entered(job, state: JobState) -> float:
@@ -38,23 +30,23 @@ def two_hosts(client):
 def test_jobs_wait_queued_for_hosts_without_failing_and_start_in_order(two_hosts, tmp_path):
     client = two_hosts
     holders = [client.submit(tiny_spec(f"hold-{i}", "v4-8", tmp_path, steps=60, interval=30)) for i in range(2)]
-    _until(lambda: all(h.status().state is JobState.RUNNING for h in holders), what="the holders to run")
+    wait_for(lambda: all(h.status().state is JobState.RUNNING for h in holders), 300, "the holders to run")
 
     big = client.submit(tiny_spec("big", "v4-16", tmp_path, steps=6, interval=3))  # 2 hosts
-    _until(lambda: big.status().state is JobState.QUEUED, what="the big job to queue")
+    wait_for(lambda: big.status().state is JobState.QUEUED, 300, "the big job to queue")
     urgent = client.submit(tiny_spec("urgent", "v4-8", tmp_path, steps=6, interval=3, priority=5))
     impatient = client.submit(tiny_spec("impatient", "v4-8", tmp_path, steps=6, interval=3, queue_timeout="PT2S"))
     doomed = client.submit(tiny_spec("doomed", "v4-8", tmp_path, steps=6, interval=3))
-    _until(lambda: all(j.status().state is JobState.QUEUED for j in (urgent, doomed)), what="all to queue")
+    wait_for(lambda: all(j.status().state is JobState.QUEUED for j in (urgent, doomed)), 300, "all to queue")
 
     # The line: priority first, then submission time.
     store = client.store
     assert queue_position(store, urgent.record()) == 1
     assert queue_position(store, big.record()) == 2
-    _until(lambda: urgent.status().reason == "first in the queue; needs 1 host, 0 of 2 free (the others are held "
-           "by running jobs)", what="urgent's reason")
-    _until(lambda: big.status().reason.startswith(f"position 2 in the queue, behind {urgent.id} (priority 5)"),
-           what="big's reason")
+    wait_for(lambda: urgent.status().reason == "first in the queue; needs 1 host, 0 of 2 free (the others are "
+             "held by running jobs)", 300, "urgent's reason")
+    wait_for(lambda: big.status().reason.startswith(f"position 2 in the queue, behind {urgent.id} (priority 5)"),
+             300, "big's reason")
     doomed.cancel()  # a queued job can be cancelled
     assert doomed.wait(timeout_s=60).state is JobState.CANCELLED
     st = impatient.wait(timeout_s=120)  # waited past its queue_timeout: FAILED, saying why

@@ -8,7 +8,6 @@ reports it records); only what needs hosts is scripted: a slice's hosts and its 
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -184,13 +183,6 @@ def spec(**extra) -> dict:
             "workload": {"type": "lm", "steps": 20, "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
                          "seq_len": 16, "global_batch_size": 16},
             "checkpoint": {"interval_steps": 5}, **extra}
-
-
-def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def chips(accelerator: str) -> int:
