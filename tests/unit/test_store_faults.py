@@ -9,7 +9,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from orchestrator.observe.metrics import read_store_fault, serve_metrics
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
 from tests.conftest import REPO
+from tests.waiting import wait_for
 
 
 @pytest.fixture
@@ -131,15 +131,22 @@ def test_a_driver_write_holds_through_the_fault_which_is_exported_and_goes_on_by
         undo = fault(raw)
         caplog.set_level(logging.ERROR, logger="orchestrator.control.store_faults")
         held.add(lambda: raw.record_steps("j1", 1, [(0, 2.5, None, None)]))  # a worker's report: does not wait
-        driver = threading.Thread(target=store.transition, args=("j1", JobState.PROVISIONING, "asking"))
+        driver_refusals = []  # each refused try of the driver's write is told to the health
+        tell = health.failed
+
+        def failed(e: StoreFaultError) -> None:
+            if threading.current_thread().name == "driver":
+                driver_refusals.append(e)
+            tell(e)
+
+        health.failed = failed
+        driver = threading.Thread(target=store.transition, args=("j1", JobState.PROVISIONING, "asking"),
+                                  name="driver")
         driver.start()
-        deadline = time.monotonic() + 10
-        while (seen := read_store_fault(url)) is None:
-            assert time.monotonic() < deadline, "the fault never showed"
-            time.sleep(0.1)
+        seen = wait_for(lambda: read_store_fault(url), 10, "the fault in the metrics", poll_s=0.1)
         assert seen["cause"] == cause and seen["held"] == 1
         assert seen["message"].startswith(f"state store not writable: {cause}")
-        time.sleep(1.0)  # several retries
+        wait_for(lambda: len(driver_refusals) >= 2, 10, "the driver's write refused twice (its first try, a retry)")
         assert driver.is_alive()  # the driver holds where it is
         assert len([r for r in caplog.records if "not writable" in r.getMessage()]) == 1  # logged once, not per try
 
