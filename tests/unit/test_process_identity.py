@@ -21,6 +21,7 @@ from orchestrator import cluster
 from orchestrator.state.states import SliceState
 from orchestrator.state.store import Store
 from tests.conftest import REPO
+from tests.waiting import wait_for
 
 
 @pytest.fixture
@@ -58,7 +59,7 @@ def test_down_leaves_a_recorded_slice_alone_when_its_pgid_is_another_programs(ho
         assert r.returncode == 0, r.stderr
         assert "no cluster was running" in r.stdout
         assert f"left process group {stranger.pid} alone" in r.stderr
-        time.sleep(0.3)
+        time.sleep(0.3)  # time for a signal from `down`, were there one, to end it: the check is that none came
         assert _alive(stranger)
         assert [s.state for s in Store(home.db).slices()] == [SliceState.RELEASED]  # the record is settled all the same
     finally:
@@ -77,7 +78,7 @@ def test_a_stale_cluster_record_is_dropped_at_once_and_its_pgid_left_alone(home)
         assert "no cluster was running" in r.stdout
         assert not home.cluster_file.exists()
         assert not (home.root / "metrics.json").exists()  # no stale metrics address either
-        time.sleep(0.3)
+        time.sleep(0.3)  # time for a signal from `down`, were there one, to end it: the check is that none came
         assert _alive(stranger)
     finally:
         stranger.kill()
@@ -174,8 +175,7 @@ def test_a_node_started_before_nodes_carried_the_mark_is_still_ours(home):
     other_home = fake_node(home_root=str(home.root.parent / "other"), raynode=True)
     shell = fake_node(home_root=str(home.root), raynode=False)  # e.g. a shell with ORCHESTRATOR_HOME exported
     try:
-        time.sleep(0.2)
-        assert cluster.session_is_ours(home, old.pid)
+        wait_for(lambda: cluster.session_is_ours(home, old.pid), 10, "the old node's program to run")
         assert not cluster.session_is_ours(home, other_home.pid)
         assert not cluster.session_is_ours(home, shell.pid)
     finally:
