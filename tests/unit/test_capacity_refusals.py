@@ -62,7 +62,7 @@ def test_a_spot_request_above_capacity_waits_unstarted_and_expires_unbilled(tmp_
     assert p.hosts_in_use() == 0  # a waiting request holds no host
     w = Waiting("s1", "v4-8", "spot", time.monotonic(), 0.3)
     assert look(p, w)[0] is Look.WAITING
-    time.sleep(0.4)
+    time.sleep(0.4)  # past the 0.3 s queue timeout: the provider reads it off the clock at the next look
     kind, _, why = look(p, w)
     assert kind is Look.REFUSED and "queue timeout" in why
     states = [e.payload.state for e in store.events("j", kind=EventKind.SLICE)]
@@ -84,7 +84,7 @@ def test_events_are_taken_per_slice(tmp_path):
     cap = SpotCapacity(trace_file(tmp_path, [0] * 100), TraceClock(origin=time.time(), scale=60.0))
     p.request(spot_request("mine", cap, timeout_s=0.1))
     p.request(spot_request("other", cap, timeout_s=0.1))
-    time.sleep(0.2)
+    time.sleep(0.2)  # past both 0.1 s queue timeouts: the provider reads them off the clock when polled
     mine = p.poll_events(slices=["mine"])
     assert [(e.slice_name, e.kind) for e in mine] == [("mine", SliceEventKind.NO_CAPACITY)]
     # The other job's event was left for it, not dropped.

@@ -148,7 +148,7 @@ def test_a_budget_stop_ends_the_job_failed_budget_at_a_committed_step(world, mon
     driver = world.submit(spec(accelerator="v4-32", tier="on-demand", budget_usd=0.05,
                                recovery={"grace_period_s": 1},
                                workload={**spec()["workload"], "steps": 100_000}))
-    world.on_step = lambda group, step: time.sleep(0.01)
+    world.on_step = lambda group, step: time.sleep(0.01)  # steps that take time: the budget is spent by the clock
     world.run(driver, timeout_s=30)
     job = world.store.job("job")
     assert job.state is JobState.FAILED and job.cause == FailedBecause.BUDGET.value, job.reason

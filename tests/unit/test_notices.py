@@ -31,7 +31,7 @@ def train():  # the training thread, as HostWorker._main
     for step in range(100):
         if rank == 1 and step == 3:
             os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(0.1)
+        time.sleep(0.1)  # a step's work: the main thread runs the signal handler before this step's sync point
         if multihost_utils.reached_preemption_sync_point(step):  # JAX's own notifier: every process, one step
             print(f"jax sync point at step {step}; project heard {heard}", flush=True)
             return

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import REPO
+from workers import reaper
 
 WORKER = """
 import os, sys, time
@@ -49,8 +50,9 @@ def test_a_double_forked_daemon_ends_once_its_worker_is_gone(tmp_path):
             time.sleep(0.05)
         daemon = int(pidfile.read_text())
         assert int(Path(f"/proc/{daemon}/stat").read_text().rsplit(")", 1)[1].split()[1]) == worker.pid  # subreaper
-        time.sleep(1.0)
-        assert running(daemon)  # not while the worker lives
+        # Two looks of the watcher (POLL_S apart): it has noted the daemon, and spares it while the worker lives.
+        time.sleep(2 * reaper.POLL_S)
+        assert running(daemon)
         os.kill(worker.pid, signal.SIGKILL)  # as Ray ends a worker at teardown
         worker.wait()
         deadline = time.monotonic() + 15
