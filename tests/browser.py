@@ -68,6 +68,9 @@ class Browser:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as r:
                 pages = [t for t in json.load(r) if t["type"] == "page"]
             if not pages:
+                if time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError("chromium opened no page")
                 time.sleep(0.1)
         self._ws = websocket.create_connection(pages[0]["webSocketDebuggerUrl"], timeout=60, suppress_origin=True)
         self._id = 0

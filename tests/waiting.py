@@ -24,3 +24,9 @@ def wait_for(condition: Callable[[], T], timeout_s: float, what: str, poll_s: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(poll_s)
+
+
+def wait_step(job, step: int, timeout_s: float = 300) -> None:
+    """Until `job` (a `Job` handle) has done `step`; AssertionError with its reason if it ended first."""
+    wait_for(lambda: job.status().step >= step or job.status().done, timeout_s, f"{job.id} to reach step {step}")
+    assert not job.status().done, job.status().reason

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from orchestrator import JobSpec
 from orchestrator.cluster import kill_host
-from tests.chaos.test_faults import INTERVAL, MODEL, STEPS, assert_same_model, host_pgids, kinds, wait_step
+from tests.chaos.test_faults import INTERVAL, MODEL, STEPS, assert_same_model, host_pgids, kinds
 from tests.conftest import run_reference, train_config
 from tests.storage_fixture import unique_folder
-from tests.waiting import wait_for
+from tests.waiting import wait_for, wait_step
 from workers import storage
 
 

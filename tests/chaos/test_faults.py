@@ -21,7 +21,7 @@ from orchestrator import JobSpec, JobState
 from orchestrator.cluster import kill_host
 from orchestrator.observe.goodput import goodput
 from tests.conftest import assert_losses_close, run_reference, train_config
-from tests.waiting import wait_for
+from tests.waiting import wait_for, wait_step
 
 STEPS, INTERVAL = 20, 4
 MODEL = {"d_model": 256, "n_layers": 2, "n_heads": 4, "d_ff": 1024}  # big enough that a save takes a while
@@ -46,11 +46,6 @@ def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ref")
     out = run_reference(train_config(chaos_spec("chaos-ref", tmp)), devices=8, tmp_path=tmp)
     return {"losses": out["losses"], "params": out["param_sums"]}
-
-
-def wait_step(job, step: int) -> None:
-    wait_for(lambda: job.status().step >= step or job.status().done, 300, f"step {step}")
-    assert not job.status().done, job.status().reason
 
 
 def host_pgids(client, job) -> list[int]:

@@ -18,10 +18,10 @@ from orchestrator import JobSpec, JobState
 from orchestrator.cluster import kill_host
 from orchestrator.emulator.metadata import FakeMetadataServer
 from orchestrator.user.data_prepare import prepare
-from tests.chaos.test_faults import host_pgids, kinds, wait_step
+from tests.chaos.test_faults import host_pgids, kinds
 from tests.conftest import REPO, assert_losses_close, run_workload_reference
 from tests.integration.test_resize import wait_running_at
-from tests.waiting import wait_for
+from tests.waiting import wait_for, wait_step
 
 EXAMPLE = REPO / "examples" / "user-train"
 STEPS, INTERVAL = 20, 4

@@ -18,6 +18,7 @@ import ray
 from orchestrator import JobSpec, JobState
 from orchestrator.state.states import SliceState
 from tests.conftest import REPO, assert_losses_close, run_reference, train_config
+from tests.waiting import wait_step
 
 TINY_MODEL = {"d_model": 64, "n_layers": 1, "n_heads": 4, "d_ff": 128}
 
@@ -76,8 +77,7 @@ def test_resumed_run_equals_uninterrupted(client, tmp_path):
     assert reference.wait(timeout_s=300).state is JobState.SUCCEEDED
     spec = tiny_spec("resume", "v4-8", tmp_path, steps=64, interval=8)
     first = client.submit(spec)
-    while first.status().step < 9 and not first.status().done:
-        time.sleep(0.2)
+    wait_step(first, 9)
     first.cancel()
     assert first.wait(timeout_s=120).state is JobState.CANCELLED
     done_before = len(losses(first))

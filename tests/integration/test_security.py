@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
@@ -18,6 +17,7 @@ from orchestrator import JobState
 from orchestrator.cluster import read_cluster
 from tests.conftest import REPO
 from tests.integration.test_local_jobs import tiny_spec
+from tests.waiting import wait_step
 
 
 def _our_processes(client) -> list[psutil.Process]:
@@ -38,9 +38,7 @@ def _our_processes(client) -> list[psutil.Process]:
 
 def test_everything_listens_on_loopback_only(client, tmp_path):
     job = client.submit(tiny_spec("sockets", "v4-16", tmp_path, steps=30, interval=10))
-    while job.status().step < 3:
-        assert not job.status().done, job.status().reason
-        time.sleep(0.2)
+    wait_step(job, 3)
     listening = []
     for p in _our_processes(client):
         try:

@@ -24,11 +24,11 @@ from orchestrator.cluster import read_cluster
 from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.server import serve
 from orchestrator.user.data_prepare import prepare
-from tests.chaos.test_faults import kinds, wait_step
+from tests.chaos.test_faults import kinds
 from tests.conftest import REPO, assert_losses_close, run_reference, run_workload_reference, train_config
 from tests.integration.test_local_jobs import tiny_spec
 from tests.storage_fixture import unique_folder
-from tests.waiting import wait_for
+from tests.waiting import wait_for, wait_step
 
 PROBE = REPO / "tests" / "integration" / "share_nothing" / "probe.py"
 EXAMPLE = REPO / "examples" / "user-train"
