@@ -56,26 +56,28 @@ def run(preset: str, precision: str, remat: str, steps: int, skip: int) -> dict:
     import jax
 
     from policies.model.shape import ModelShape
+    from workers import api
     from workers.protocol import StepDone
-    from workers.train import TrainConfig, Trainer, context_for
+    from workers.settings import LmSettings, TrainingSettings
+    from workers.train import Trainer
 
     shape, seq_len, batch = PRESETS[preset]
     model = ModelShape(**shape)
-    cfg = TrainConfig(model=model, seq_len=seq_len, global_batch_size=batch, steps=steps, seed=0, lr_peak=3e-4,
-                      lr_end=3e-5, warmup_steps=2, weight_decay=0.01, mesh_shape=(len(jax.devices()), 1, 1),
-                      precision=precision, remat=remat)
     device = jax.devices()[0]
+    settings = TrainingSettings(steps=steps, seq_len=seq_len, global_batch_size=batch, seed=0,
+                                mesh_shape=(len(jax.devices()), 1, 1), precision=precision, remat=remat,
+                                peak_flops_per_chip=peak_for(device.device_kind))
+    lm = LmSettings(model=model, lr_peak=3e-4, lr_end=3e-5, warmup_steps=2, weight_decay=0.01)
     reports: list[StepDone] = []
-    ctx = context_for(cfg, send=lambda r: reports.append(r) if isinstance(r, StepDone) else None,
-                      peak_flops_per_chip=peak_for(device.device_kind))
+    ctx = api.Context(settings=settings, send=lambda r: reports.append(r) if isinstance(r, StepDone) else None)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, ctx)
+    trainer = Trainer(lm, ctx)
     trainer.run()
     memory = compiled_memory(trainer.compile())  # the program just run (kept by runtime.compile_keyed)
     steady = reports[skip:]
     seconds = sum(r.step_time_s for r in steady)
-    tokens_per_s = cfg.tokens_per_step * len(steady) / seconds
-    flops = model.flops_per_token(seq_len) * cfg.tokens_per_step
+    tokens_per_s = settings.tokens_per_step * len(steady) / seconds
+    flops = model.flops_per_token(seq_len) * settings.tokens_per_step
     per_chip = flops * len(steady) / seconds / len(jax.devices())
     peak = peak_for(device.device_kind)
     hbm = [r.metrics.get("hbm_peak_gib") for r in reports if "hbm_peak_gib" in r.metrics]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import pickle
 import signal
 import subprocess
 import sys
@@ -50,12 +51,13 @@ def spec(name: str, steps: int, metadata_url: str) -> JobSpec:
 
 def reference(job_spec: JobSpec, tmp: Path) -> dict:
     """The same training in one plain process with as many devices, nothing disturbing it."""
-    from orchestrator.control.launch import train_config
+    from orchestrator.control.launch import workload_for
 
     t = job_spec.tpu_type
-    cfg = dataclasses.replace(train_config(job_spec, t.chips, t.hosts), checkpoint_dir=None)
-    (tmp / "cfg.json").write_text(json.dumps(cfg.to_dict()))
-    subprocess.run([sys.executable, "-m", "workers.reference", "--config", str(tmp / "cfg.json"), "--devices",
+    workload = workload_for(job_spec, t.chips, t.hosts)
+    workload["settings"] = dataclasses.replace(workload["settings"], checkpoint_dir=None)
+    (tmp / "workload.pkl").write_bytes(pickle.dumps(workload))
+    subprocess.run([sys.executable, "-m", "workers.reference", "--workload", str(tmp / "workload.pkl"), "--devices",
                     str(t.chips), "--out", str(tmp / "ref.json")], check=True, cwd=REPO, timeout=1800)
     return json.loads((tmp / "ref.json").read_text())
 

@@ -47,15 +47,16 @@ def training_state(preset: str):
     import jax
 
     from policies.model.shape import ModelShape
-    from workers.train import TrainConfig, Trainer
+    from workers import api
+    from workers.settings import LmSettings
+    from workers.train import Trainer
 
-    cfg = TrainConfig(model=ModelShape(**PRESETS[preset]), seq_len=128, global_batch_size=8, steps=10, seed=0,
-                      lr_peak=3e-4, lr_end=3e-5, warmup_steps=2, weight_decay=0.01, mesh_shape=(1, 1, 1))
-    trainer = Trainer(cfg)
+    lm = LmSettings(model=ModelShape(**PRESETS[preset]), lr_peak=3e-4, lr_end=3e-5, warmup_steps=2, weight_decay=0.01)
+    trainer = Trainer(lm, api.local_context(steps=10, seq_len=128, global_batch_size=8, mesh_shape=(1, 1, 1)))
     state = trainer.init_state()
     jax.block_until_ready(state)
     nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
-    return state, trainer.abstract_state, nbytes, cfg.model.num_params()
+    return state, trainer.abstract_state, nbytes, lm.model.num_params()
 
 
 def save_and_restore(folder: str, state, abstract) -> dict:

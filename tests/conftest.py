@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -40,36 +41,25 @@ def client(session_home):
     c.down()
 
 
-def run_reference(cfg, devices: int, tmp_path: Path, *, env: dict | None = None) -> dict:
-    """Per-step losses of `cfg` trained in one plain process with `devices` CPU devices (`env`: extra variables)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    cfg_file, out = tmp_path / "ref-config.json", tmp_path / "ref-out.json"
-    cfg_file.write_text(json.dumps(dataclasses.replace(cfg, checkpoint_dir=None).to_dict()))
-    subprocess.run([sys.executable, "-m", "workers.reference", "--config", str(cfg_file), "--devices", str(devices),
-                    "--out", str(out)], check=True, cwd=REPO, timeout=600, env={**os.environ, **(env or {})})
-    return json.loads(out.read_text())
-
-
-def run_workload_reference(spec, devices: int, tmp_path: Path) -> dict:
-    """Per-step losses and final parameter sums of `spec`'s workload (built-in or a user
-    program) in one plain process."""
+def run_reference(spec, devices: int, tmp_path: Path, *, env: dict | None = None) -> dict:
+    """Per-step losses and final parameter sums of `spec`'s workload (the built-in trainer or a user
+    program) trained in one plain process with `devices` CPU devices, without checkpoints."""
     from orchestrator.control.launch import workload_for
 
     t = spec.tpu_type
+    workload = workload_for(spec, t.chips, t.hosts)
+    return run_workload(workload, devices, tmp_path, env=env)
+
+
+def run_workload(workload: dict, devices: int, tmp_path: Path, *, env: dict | None = None) -> dict:
+    """`workers.reference` on a host's `workload`, without its checkpoints (`env`: extra variables)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
-    wl_file, out = tmp_path / "ref-workload.json", tmp_path / "ref-out.json"
-    wl_file.write_text(json.dumps(workload_for(spec, t.chips, t.hosts)))
+    wl_file, out = tmp_path / "ref-workload.pkl", tmp_path / "ref-out.json"
+    settings = dataclasses.replace(workload["settings"], checkpoint_dir=None)
+    wl_file.write_bytes(pickle.dumps({**workload, "settings": settings}))
     subprocess.run([sys.executable, "-m", "workers.reference", "--workload", str(wl_file), "--devices", str(devices),
-                    "--out", str(out)], check=True, cwd=REPO, timeout=600)
+                    "--out", str(out)], check=True, cwd=REPO, timeout=600, env={**os.environ, **(env or {})})
     return json.loads(out.read_text())
-
-
-def train_config(spec):
-    """The TrainConfig the controller hands a job's hosts."""
-    from orchestrator.control.launch import train_config as config_for
-
-    t = spec.tpu_type
-    return config_for(spec, t.chips, t.hosts)
 
 
 def assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:

@@ -57,10 +57,13 @@ from jax.sharding import PartitionSpec as P
 from policies.model.sharding import AXES, BATCH_AXES
 from workers.checkpoints import Checkpoints
 from workers.protocol import Report, Saved, StepDone, Timings
+from workers.settings import TrainingSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Context", "DataMismatch", "Loop", "local_context", "param_checksums"]
+__all__ = ["Context", "DataMismatch", "Loop", "TrainingSettings", "local_context", "param_checksums"]
+
+_SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(TrainingSettings))
 
 
 class DataMismatch(ValueError):
@@ -74,22 +77,7 @@ class Context:
     rank: int = 0  # this host's worker id (0 is the coordinator)
     num_hosts: int = 1
     args: dict[str, Any] = dataclasses.field(default_factory=dict)  # the job file's `workload.args`
-    checkpoint_dir: str | None = None
-    # Training settings from the job file (None where the job file leaves them out).
-    steps: int | None = None
-    seq_len: int | None = None
-    global_batch_size: int | None = None
-    seed: int = 0
-    mesh_shape: tuple[int, ...] | None = None  # (data, fsdp, model); None: every device on `data`
-    data: str | None = None  # token files (`workers.tokens`); None: the standard library's bytes
-    checkpoint_interval: int = 20  # on spot, the cost policy's interval
-    checkpoint_keep: int = 3
-    peak_flops_per_chip: float | None = None  # the slice type's bf16 peak, for MFU
-    # The job file's numerics, for the program to honour: `compute_dtype` resolves "auto".
-    precision: str = "float32"
-    remat: str = "none"
-    microbatches: int = 1  # gradient accumulation: parts of the global batch a step
-    kernel_blocks: dict | None = None  # `kernels.KernelBlocks.from_mapping` takes it
+    settings: TrainingSettings = dataclasses.field(default_factory=TrainingSettings)
     # Hooks to the host (defaults: a plain process with no controller).
     stop_requested: Callable[[], bool] = lambda: False  # True once this host got a notice
     may_write: Callable[[], bool] = lambda: True  # False once a newer generation was launched
@@ -106,11 +94,18 @@ class Context:
         self.restore_s = 0.0
         self.last_loop: Loop | None = None
 
+    def __getattr__(self, name: str) -> Any:
+        """The settings read through (`ctx.steps` is `ctx.settings.steps`), as programs written
+        before `settings` read them; declared once, in `TrainingSettings`."""
+        if name in _SETTING_NAMES:
+            return getattr(self.settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     @property
     def compute_dtype(self) -> str:
         """`precision` on this backend: "auto" is bfloat16 on TPU and GPU, float32 on CPU."""
-        if self.precision != "auto":
-            return self.precision
+        if self.settings.precision != "auto":
+            return self.settings.precision
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
     # -- the old context's report, kept for programs that call it --------------
@@ -125,7 +120,7 @@ class Context:
         """The slice's devices as a mesh with axes ``(data, fsdp, model)``, hosts in order."""
         if self._mesh is None:
             devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # host-major
-            shape = tuple(self.mesh_shape) if self.mesh_shape else (len(devices), 1, 1)
+            shape = self.settings.mesh_shape or (len(devices), 1, 1)
             self._mesh = Mesh(np.array(devices).reshape(shape), AXES)
         return self._mesh
 
@@ -152,8 +147,9 @@ class Context:
 
     @property
     def checkpoints(self) -> Checkpoints | None:
-        if self._checkpoints is None and self.checkpoint_dir:
-            self._checkpoints = Checkpoints(self.checkpoint_dir, keep=self.checkpoint_keep, may_write=self.may_write)
+        s = self.settings
+        if self._checkpoints is None and s.checkpoint_dir:
+            self._checkpoints = Checkpoints(s.checkpoint_dir, keep=s.checkpoint_keep, may_write=self.may_write)
         return self._checkpoints
 
     def restore_or_init(self, init: Callable[[jax.Array], Any], shardings: Any = None, *,
@@ -165,7 +161,7 @@ class Context:
         the caller has its own compiled initializer (the built-in trainer's is cached).
         """
         t0 = time.perf_counter()
-        key = jax.random.key(self.seed)
+        key = jax.random.key(self.settings.seed)
         abstract = jax.eval_shape(init, key)
         if shardings is None:
             shardings = self.shardings(abstract)
@@ -184,8 +180,8 @@ class Context:
 
     def data_meta(self) -> dict:
         """What the batches depend on, recorded in every checkpoint."""
-        meta: dict[str, Any] = {"seed": self.seed}
-        if self.seq_len is not None:
+        meta: dict[str, Any] = {"seed": self.settings.seed}
+        if self.settings.seq_len is not None:
             meta["data"] = self.dataset.fingerprint
         return meta
 
@@ -194,7 +190,7 @@ class Context:
         for key in ("seed", "data"):
             if key in meta and key in mine and meta[key] != mine[key]:
                 raise DataMismatch(
-                    f"the checkpoint of step {step} in {self.checkpoint_dir} was trained with {key} "
+                    f"the checkpoint of step {step} in {self.settings.checkpoint_dir} was trained with {key} "
                     f"{meta[key]!r}, this run has {mine[key]!r}: continuing would not see the batches an "
                     "uninterrupted run would (use a new checkpoint directory for a new run)")
 
@@ -206,9 +202,10 @@ class Context:
         if self._dataset is None:
             from workers import data, tokens
 
-            if self.data is not None:  # names the file that is missing, truncated or too short, before step 0
-                tokens.check(self.data, vocab_size=None, seq_len=self.seq_len)
-            self._dataset = data.open_dataset(self.data)
+            s = self.settings
+            if s.data is not None:  # names the file that is missing, truncated or too short, before step 0
+                tokens.check(s.data, vocab_size=None, seq_len=s.seq_len)
+            self._dataset = data.open_dataset(s.data)
         return self._dataset
 
     def batch(self, step: int) -> jax.Array:
@@ -217,9 +214,10 @@ class Context:
         Each host reads only the rows its devices hold; the values depend only on
         ``(seed, step)``, not on the mesh or on how many times the job restarted.
         """
-        if self.seq_len is None or self.global_batch_size is None:
+        n, s, seed = self.settings.global_batch_size, self.settings.seq_len, self.settings.seed
+        if s is None or n is None:
             raise ValueError("ctx.batch needs workload.seq_len and workload.global_batch_size in the job file")
-        n, s, seed, dataset = self.global_batch_size, self.seq_len, self.seed, self.dataset
+        dataset = self.dataset
         return jax.make_array_from_callback(
             (n, s + 1), NamedSharding(self.mesh, P(BATCH_AXES, None)),
             # JAX types the index as optional but never passes None (it asserts so before the call).
@@ -229,11 +227,11 @@ class Context:
 
     def loop(self, state: Any, *, start: int | None = None, flops_per_step: float | None = None,
              tokens_per_step: int | None = None, compile_s: float = 0.0) -> Loop:
-        """The step loop from the restored step (or `start`) to `self.steps`."""
-        if self.steps is None:
+        """The step loop from the restored step (or `start`) to the settings' `steps`."""
+        if self.settings.steps is None:
             raise ValueError("ctx.loop needs workload.steps in the job file")
-        if tokens_per_step is None and self.seq_len and self.global_batch_size:
-            tokens_per_step = self.seq_len * self.global_batch_size
+        if tokens_per_step is None:
+            tokens_per_step = self.settings.tokens_per_step
         first = start if start is not None else (self.restored_step or 0)
         self.send(Timings(self.restore_s, compile_s, self.restored_step, self.unreadable))
         self.last_loop = Loop(self, state, first, flops_per_step=flops_per_step, tokens_per_step=tokens_per_step)
@@ -279,8 +277,8 @@ class Loop:
     def __init__(self, ctx: Context, state: Any, start: int, *, flops_per_step: float | None,
                  tokens_per_step: int | None):
         self.ctx, self.state, self.step = ctx, state, start
-        assert ctx.steps is not None, "made by Context.loop, which checks workload.steps"
-        self.total = int(ctx.steps)
+        assert ctx.settings.steps is not None, "made by Context.loop, which checks workload.steps"
+        self.total = ctx.settings.steps
         self.flops_per_step, self.tokens_per_step = flops_per_step, tokens_per_step
         self.stopped = False  # stopped early on a notice (the step is committed)
         self.closed = False
@@ -323,7 +321,7 @@ class Loop:
         ctx = self.ctx
         self._flush()  # the previous step, before a save can wait for this one
         stop = bool(ctx.agreed_stop()) if ctx.agreed_stop else bool(ctx.stop_requested())  # all hosts ask
-        if self.step % ctx.checkpoint_interval == 0 or self.step == self.total or stop:
+        if self.step % ctx.settings.checkpoint_interval == 0 or self.step == self.total or stop:
             self._save()
         self._pending = _Pending(self.step - 1, loss, metrics)
         if stop:
@@ -359,8 +357,9 @@ class Loop:
         if self.flops_per_step and step_time_s > 0:
             per_chip = self.flops_per_step / step_time_s / chips
             out["tflops_per_chip"] = per_chip / 1e12
-            if self.ctx.peak_flops_per_chip:
-                out["mfu"] = per_chip / self.ctx.peak_flops_per_chip
+            peak = self.ctx.settings.peak_flops_per_chip
+            if peak:
+                out["mfu"] = per_chip / peak
         stats = _memory_stats()
         if stats:
             out.update(stats)
@@ -412,6 +411,11 @@ def param_checksums(tree: Any) -> dict[str, float]:
     return {jax.tree_util.keystr(path): float(np.asarray(x.addressable_data(0))) for path, x in flat}
 
 
-def local_context(**settings: Any) -> Context:
-    """A context for a plain process with no controller: scripts, notebooks, tests, the bare baseline."""
-    return Context(**settings)
+def local_context(**given: Any) -> Context:
+    """A context for a plain process with no controller: scripts, notebooks, tests, the bare baseline.
+
+    `given`: `TrainingSettings` fields (``steps=30, seq_len=128``) and `Context` fields, by name.
+    """
+    settings = {k: v for k, v in given.items() if k in _SETTING_NAMES}
+    rest = {k: v for k, v in given.items() if k not in _SETTING_NAMES}
+    return Context(settings=TrainingSettings(**settings), **rest)

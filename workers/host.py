@@ -242,15 +242,21 @@ class HostWorker:
         """
         return self._profiler.vote(self._notice.is_set())
 
-    def _hooks(self, workload: dict) -> dict:
-        """This worker's side of the training API's context (`workers.api.Context`)."""
+    def _context(self, workload: dict) -> api.Context:
+        """The training API's context of the program this worker runs: the launch's settings and
+        this worker's hooks."""
         import jax
 
-        # MFU against the slice type's peak means something only on its chips (CPU devices stand in locally).
-        peak = workload.get("peak_flops_per_chip") if jax.default_backend() == "tpu" else None
-        return dict(rank=self.rank, num_hosts=self.num_hosts, peak_flops_per_chip=peak,
-                    stop_requested=self._notice.is_set, may_write=self._may_write,
-                    agreed_stop=self._any_host_noticed, send=self._send, profiler=self._profiler)
+        from workers import api
+
+        settings = workload["settings"]
+        if jax.default_backend() != "tpu":  # MFU against the slice type's peak means something only on its chips
+            settings = dataclasses.replace(settings, peak_flops_per_chip=None)  # (CPU devices stand in locally)
+        self._steps_total = settings.steps
+        self._ctx = api.Context(rank=self.rank, num_hosts=self.num_hosts, args=workload.get("args", {}),
+                                settings=settings, stop_requested=self._notice.is_set, may_write=self._may_write,
+                                agreed_stop=self._any_host_noticed, send=self._send, profiler=self._profiler)
+        return self._ctx
 
     def _ended(self, loop) -> WorkerResult:
         """How a program that ran the API's loop ended (all hosts get here together)."""
@@ -265,13 +271,10 @@ class HostWorker:
         return WorkerResult(Ending.SUCCEEDED, self.rank, steps=loop.step, param_sums=param_checksums(params))
 
     def _run_lm(self, workload: dict) -> WorkerResult:
-        from workers.train import TrainConfig, Trainer, context_for  # after runtime.configure
+        from workers.train import Trainer  # after runtime.configure
 
-        cfg = TrainConfig.from_dict(workload["config"])
-        self._steps_total = cfg.steps
-        ctx = self._ctx = context_for(cfg, **self._hooks(workload))
-        trainer = Trainer(cfg, ctx)
-        trainer.run()
+        ctx = self._context(workload)
+        Trainer(workload["lm"], ctx).run()
         return self._ended(ctx.last_loop)
 
     def _run_entrypoint(self, workload: dict) -> WorkerResult:
@@ -283,14 +286,7 @@ class HostWorker:
         except Exception as e:  # the module, a module it imports, or the function: the same on every slice
             raise EntrypointError(f"cannot import the entrypoint {workload['entrypoint']}: {type(e).__name__}: {e}") \
                 from e
-        training = dict(workload.get("training") or {})
-        if training.get("mesh_shape"):
-            training["mesh_shape"] = tuple(training["mesh_shape"])
-        from workers import api
-
-        self._steps_total = training.get("steps")
-        ctx = self._ctx = api.Context(args=workload.get("args", {}), checkpoint_dir=workload.get("checkpoint_dir"),
-                                      **training, **self._hooks(workload))
+        ctx = self._context(workload)
         fn(ctx)
         if ctx.last_loop is not None:
             ctx.last_loop.close()

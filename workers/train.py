@@ -14,7 +14,6 @@ import functools
 import logging
 import threading
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -23,68 +22,33 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels.blocks import KernelBlocks
-from policies.model.shape import ModelShape
 from policies.model.sharding import BATCH_AXES, PARAM_RULES
 from workers import api, runtime
 from workers.model import Numerics, init_params, loss_fn, param_roles
+from workers.settings import LmSettings
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    """Everything a host needs to train; plain data so it crosses process boundaries."""
-
-    model: ModelShape
-    seq_len: int
-    global_batch_size: int
-    steps: int
-    seed: int
-    lr_peak: float
-    lr_end: float
-    warmup_steps: int
-    weight_decay: float
-    mesh_shape: tuple[int, int, int]  # (data, fsdp, model)
-    checkpoint_dir: str | None = None
-    checkpoint_interval: int = 20
-    checkpoint_keep: int = 3
-    implementation: str | None = None
-    data: str | None = None  # token files (`workers.tokens`); None: the standard library's bytes
-    precision: str = "float32"  # the compute dtype: float32, bfloat16, or auto (bfloat16 on TPU and GPU)
-    remat: str = "none"  # `workers.model.Numerics.remat`
-    microbatches: int = 1  # gradient accumulation: the global batch in this many parts, one update
-    kernel_blocks: dict | None = None  # `kernels.blocks.KernelBlocks.from_mapping`; None: the chip's defaults
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
-        d = dict(d)
-        d["model"] = ModelShape(**d["model"])
-        d["mesh_shape"] = tuple(d["mesh_shape"])
-        return cls(**d)
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch_size * self.seq_len
-
-
 class Trainer:
-    """The built-in trainer: its model, optimizer and shardings around the training API's loop."""
+    """The built-in trainer: its model, optimizer and shardings around the training API's loop.
 
-    def __init__(self, cfg: TrainConfig, ctx: api.Context | None = None):
-        self.cfg = cfg
-        self.ctx = ctx or context_for(cfg)
-        self.mesh = self.ctx.mesh
+    `lm`: its own settings; the ones every program shares (steps, batch, mesh, numerics, ...)
+    are the context's (`ctx.settings`), as a user program's are.
+    """
+
+    def __init__(self, lm: LmSettings, ctx: api.Context):
+        self.lm, self.ctx, self.settings = lm, ctx, ctx.settings
+        self.mesh = ctx.mesh
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES, None))
+        assert self.settings.steps is not None, "the lm workload always has its steps (`LmWorkload.steps`)"
         schedule = optax.warmup_cosine_decay_schedule(
-            init_value=0.0, peak_value=cfg.lr_peak, warmup_steps=cfg.warmup_steps,
-            decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr_end)
+            init_value=0.0, peak_value=lm.lr_peak, warmup_steps=lm.warmup_steps,
+            decay_steps=max(self.settings.steps, lm.warmup_steps + 1), end_value=lm.lr_end)
         self.optimizer = optax.chain(optax.clip_by_global_norm(1.0),
-                                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
-        self.param_shardings = jax.tree.map(self._param_sharding, param_roles(cfg.model),
+                                     optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=lm.weight_decay))
+        self.param_shardings = jax.tree.map(self._param_sharding, param_roles(lm.model),
                                             is_leaf=lambda x: isinstance(x, (str, tuple)))
         abstract = jax.eval_shape(self._init, jax.random.key(0))
         opt_shardings = optax.tree_map_params(self.optimizer, lambda _, s: s, abstract["opt_state"],
@@ -102,12 +66,12 @@ class Trainer:
     # -- state -------------------------------------------------------------------
 
     def _init(self, key: jax.Array) -> dict:
-        params = init_params(key, self.cfg.model)
+        params = init_params(key, self.lm.model)
         return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.int32(0)}
 
     def init_state(self) -> dict:
         """A fresh state, compiled once per program and kept (`runtime.compile_keyed`)."""
-        key = jax.random.key(self.cfg.seed)
+        key = jax.random.key(self.settings.seed)
         lower = lambda: jax.jit(self._init, out_shardings=self.state_shardings).lower(key)  # noqa: E731
         return runtime.compile_keyed(self._program_id("init_state"), lower)(key)
 
@@ -118,21 +82,21 @@ class Trainer:
     # -- steps -------------------------------------------------------------------
 
     def numerics(self) -> Numerics:
-        c = self.cfg
-        return Numerics(compute_dtype=self.ctx.compute_dtype, remat=c.remat,
-                        blocks=KernelBlocks.from_mapping(c.kernel_blocks))
+        s = self.settings
+        return Numerics(compute_dtype=self.ctx.compute_dtype, remat=s.remat,
+                        blocks=KernelBlocks.from_mapping(s.kernel_blocks))
 
     def gradients(self, params: dict, batch: jax.Array) -> tuple[jax.Array, dict]:
-        """Mean loss and its gradient over `batch`, in `cfg.microbatches` parts summed in float32.
+        """Mean loss and its gradient over `batch`, in `settings.microbatches` parts summed in float32.
 
         Microbatch j takes rows j, j + m, j + 2m, ... so each device splits its own rows (no
         data moves) and every part spans the whole mesh. Equal parts make the mean of
         their means the batch's mean, so the update is the full batch's (to rounding).
         """
         grad_fn = jax.value_and_grad(functools.partial(
-            loss_fn, shape=self.cfg.model, implementation=self.cfg.implementation, mesh=self.mesh,
+            loss_fn, shape=self.lm.model, implementation=self.lm.implementation, mesh=self.mesh,
             numerics=self.numerics()))
-        m = self.cfg.microbatches
+        m = self.settings.microbatches
         if m == 1:
             return grad_fn(params, batch)
         rows, width = batch.shape
@@ -156,7 +120,9 @@ class Trainer:
     def compile(self):
         """The train step, compiled; after a restart, loaded without tracing it (`runtime.compile_keyed`)."""
         def lower():
-            batch = jax.ShapeDtypeStruct((self.cfg.global_batch_size, self.cfg.seq_len + 1), jnp.int32,
+            s = self.settings
+            assert s.global_batch_size is not None and s.seq_len is not None, "the lm workload always has both"
+            batch = jax.ShapeDtypeStruct((s.global_batch_size, s.seq_len + 1), jnp.int32,
                                          sharding=self.batch_sharding)
             step = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
                            out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
@@ -165,12 +131,13 @@ class Trainer:
         return runtime.compile_keyed(self._program_id("train_step"), lower)
 
     def _program_id(self, name: str) -> str:
-        """The program's key: everything in the config but where checkpoints go and how often."""
-        skip = ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep")
-        return runtime.program_id(name, {k: v for k, v in self.cfg.to_dict().items() if k not in skip})
+        """The program's key: every setting but where checkpoints go, how often, and the chip's peak."""
+        skip = ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep", "peak_flops_per_chip")
+        shared = {k: v for k, v in dataclasses.asdict(self.settings).items() if k not in skip}
+        return runtime.program_id(name, {**shared, **dataclasses.asdict(self.lm)})
 
     def run(self) -> tuple[dict, int]:
-        """Train from the latest checkpoint to `cfg.steps`; returns (state, completed steps).
+        """Train from the latest checkpoint to the settings' `steps`; returns (state, completed steps).
 
         On a notice to any host (the context's `agreed_stop`) every host stops after the
         same step, with that step's checkpoint committed, and returns early.
@@ -180,21 +147,14 @@ class Trainer:
         state = self.restore_or_init()
         t0 = time.perf_counter()
         step_fn = self.compile()
-        flops = self.cfg.model.flops_per_token(self.cfg.seq_len) * self.cfg.tokens_per_step
+        s = self.settings
+        assert s.seq_len is not None and s.tokens_per_step is not None, "the lm workload always has both"
+        flops = self.lm.model.flops_per_token(s.seq_len) * s.tokens_per_step
         with ctx.loop(state, flops_per_step=flops, compile_s=time.perf_counter() - t0) as loop:
             for step in loop:
                 state, loss = step_fn(loop.state, ctx.batch(step))
                 loop.done(state, loss=loss)
         return loop.state, loop.step
-
-
-def context_for(cfg: TrainConfig, **hooks) -> api.Context:
-    """The training API's context for the built-in trainer's config (`hooks`: the host's, if any)."""
-    return api.Context(steps=cfg.steps, seq_len=cfg.seq_len, global_batch_size=cfg.global_batch_size,
-                       seed=cfg.seed, mesh_shape=tuple(cfg.mesh_shape), data=cfg.data,
-                       checkpoint_dir=cfg.checkpoint_dir, checkpoint_interval=cfg.checkpoint_interval,
-                       checkpoint_keep=cfg.checkpoint_keep, precision=cfg.precision, remat=cfg.remat,
-                       microbatches=cfg.microbatches, kernel_blocks=cfg.kernel_blocks, **hooks)
 
 
 param_checksums = api.param_checksums

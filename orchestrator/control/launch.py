@@ -10,7 +10,7 @@ from orchestrator.domain.fit import microbatches_for
 from orchestrator.domain.spec import EntrypointWorkload, JobSpec, LmWorkload
 from policies.model.sharding import plan_mesh
 from workers.notices import GCE_METADATA_URL
-from workers.train import TrainConfig
+from workers.settings import LmSettings, TrainingSettings
 
 log = logging.getLogger(__name__)
 
@@ -18,14 +18,11 @@ log = logging.getLogger(__name__)
 def workload_for(spec: JobSpec, devices: int, hosts: int) -> dict:
     """What every host of a slice with `devices` chips on `hosts` hosts runs for `spec`."""
     w = spec.workload
-    ckpt = spec.checkpoint.directory
-    common = {"fence_dir": ckpt, "storage_endpoint": spec.storage.endpoint, "metadata_url": metadata_url(spec),
-              "peak_flops_per_chip": spec.tpu_type.peak_bf16_flops_per_chip}  # for MFU
+    common = {"settings": training_settings(spec, devices, hosts), "fence_dir": spec.checkpoint.directory,
+              "storage_endpoint": spec.storage.endpoint, "metadata_url": metadata_url(spec)}
     if isinstance(w, EntrypointWorkload):
-        return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "checkpoint_dir": ckpt,
-                "workdir": spec.workdir, "training": training_settings(spec, devices, hosts), **common}
-    assert isinstance(w, LmWorkload)
-    return {"type": "lm", "config": train_config(spec, devices, hosts).to_dict(), **common}
+        return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "workdir": spec.workdir, **common}
+    return {"type": "lm", "lm": lm_settings(w), **common}
 
 
 def metadata_url(spec: JobSpec) -> str | None:
@@ -36,35 +33,28 @@ def metadata_url(spec: JobSpec) -> str | None:
     return GCE_METADATA_URL if spec.provider == "gcp" else None
 
 
-def training_settings(spec: JobSpec, devices: int, hosts: int) -> dict:
-    """What a user program's `workers.api.Context` is told: its settings, resolved on this slice."""
+def training_settings(spec: JobSpec, devices: int, hosts: int) -> TrainingSettings:
+    """The settings every host's program gets (`workers.api.Context.settings`), resolved for `spec`
+    on a slice of `devices` chips on `hosts` hosts."""
     w = spec.workload
-    assert isinstance(w, EntrypointWorkload)
-    plan = plan_mesh(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(), shape=None,
-                     global_batch_size=w.global_batch_size or devices)
-    return {"steps": w.steps, "seq_len": w.seq_len, "global_batch_size": w.global_batch_size, "seed": w.seed,
-            "mesh_shape": list(plan.shape), "data": w.data.path if w.data else None,
-            "checkpoint_interval": spec.checkpoint.interval_steps, "checkpoint_keep": spec.checkpoint.keep,
-            "precision": w.precision.compute, "remat": w.remat,
-            "microbatches": microbatches_for(spec, _slice_type(spec, devices).name),
-            "kernel_blocks": w.kernel_blocks.model_dump(exclude_none=True) if w.kernel_blocks else None}
-
-
-def train_config(spec: JobSpec, devices: int, hosts: int) -> TrainConfig:
-    """The built-in trainer's config for `spec` on a slice of `devices` chips on `hosts` hosts."""
-    w = spec.workload
-    assert isinstance(w, LmWorkload), "the built-in trainer runs only the lm workload (`workload_for` checks)"
-    shape = w.model.shape()
+    shape = w.model.shape() if isinstance(w, LmWorkload) else None
     plan = plan_mesh(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(), shape=shape,
-                     global_batch_size=w.global_batch_size)
-    return TrainConfig(
-        model=shape, seq_len=w.seq_len, global_batch_size=w.global_batch_size, steps=w.steps, seed=w.seed,
-        lr_peak=w.learning_rate.peak, lr_end=w.learning_rate.end, warmup_steps=w.learning_rate.warmup_steps,
-        weight_decay=w.learning_rate.weight_decay, mesh_shape=plan.shape, checkpoint_dir=spec.checkpoint.directory,
+                     global_batch_size=w.global_batch_size or devices)
+    slice_type = _slice_type(spec, devices)
+    return TrainingSettings(
+        steps=w.steps, seq_len=w.seq_len, global_batch_size=w.global_batch_size, seed=w.seed, mesh_shape=plan.shape,
+        data=w.data.path if w.data else None, checkpoint_dir=spec.checkpoint.directory,
         checkpoint_interval=spec.checkpoint.interval_steps, checkpoint_keep=spec.checkpoint.keep,
-        implementation=w.kernels, data=w.data.path if w.data else None, precision=w.precision.compute,
-        remat=w.remat, microbatches=microbatches_for(spec, _slice_type(spec, devices).name),
-        kernel_blocks=w.kernel_blocks.model_dump(exclude_none=True) if w.kernel_blocks else None)
+        precision=w.precision.compute, remat=w.remat, microbatches=microbatches_for(spec, slice_type.name),
+        kernel_blocks=w.kernel_blocks.model_dump(exclude_none=True) if w.kernel_blocks else None,
+        peak_flops_per_chip=slice_type.peak_bf16_flops_per_chip)
+
+
+def lm_settings(w: LmWorkload) -> LmSettings:
+    """What the built-in trainer adds to the training settings: its model, schedule and kernels."""
+    lr = w.learning_rate
+    return LmSettings(model=w.model.shape(), lr_peak=lr.peak, lr_end=lr.end, warmup_steps=lr.warmup_steps,
+                      weight_decay=lr.weight_decay, implementation=w.kernels)
 
 
 def _slice_type(spec: JobSpec, devices: int) -> catalog.TpuType:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from orchestrator import JobSpec
 from orchestrator.cluster import kill_host
 from tests.chaos.test_faults import INTERVAL, MODEL, STEPS, assert_same_model, host_pgids, kinds
-from tests.conftest import run_reference, train_config
+from tests.conftest import run_reference
 from tests.storage_fixture import unique_folder
 from tests.waiting import wait_for, wait_step
 from workers import storage
@@ -32,7 +32,7 @@ def bucket_spec(name: str, folder: str, endpoint: str) -> JobSpec:
 def test_a_host_vanishes_and_the_job_resumes_from_the_bucket(client, gcs_emulator, request, tmp_path):
     folder, url = unique_folder(request), gcs_emulator.url
     spec = bucket_spec("bucket-ckpt", folder, url)
-    reference = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)
+    reference = run_reference(spec, devices=8, tmp_path=tmp_path)
     job = client.submit(spec)
     wait_step(job, 10)
     # Committed: in a bucket a step's folder is there from the save's first object, its marker comes last.

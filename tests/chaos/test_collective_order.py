@@ -13,13 +13,15 @@ writes that step, and the run ends with the losses of an undisturbed single-proc
 from __future__ import annotations
 
 import json
+import pickle
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 from orchestrator import JobSpec
-from tests.conftest import REPO, assert_losses_close, run_reference, train_config
+from orchestrator.control.launch import workload_for
+from tests.conftest import REPO, assert_losses_close, run_reference
 
 HOSTS, STEPS = 4, 8
 LAUNCH_TIMEOUT_S = 150  # a launch that hangs in a collective mismatch ends here
@@ -40,7 +42,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(cfg_file: Path, out: Path, **faults_of_host_1) -> list[dict]:
+def _launch(workload_file: Path, out: Path, **faults_of_host_1) -> list[dict]:
     """Run every host to its end; each host's report. Fails on a hang, a crash, or a gloo error."""
     port = _free_port()
     procs = []
@@ -48,7 +50,7 @@ def _launch(cfg_file: Path, out: Path, **faults_of_host_1) -> list[dict]:
     for rank in range(HOSTS):
         extra = faults if rank == 1 else []
         cmd = [sys.executable, "-m", "tests.chaos.plain_host", "--rank", str(rank), "--hosts", str(HOSTS),
-               "--port", str(port), "--config", str(cfg_file), "--out", str(out / f"host{rank}.json"),
+               "--port", str(port), "--workload", str(workload_file), "--out", str(out / f"host{rank}.json"),
                "--compile-cache", str(out.parent / "compile-cache"), *extra]
         procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
@@ -67,17 +69,16 @@ def _launch(cfg_file: Path, out: Path, **faults_of_host_1) -> list[dict]:
 
 def test_a_restored_slice_whose_host_alone_declines_a_save_stays_in_step(tmp_path):
     spec = _spec(tmp_path / "ckpt")
-    cfg = train_config(spec)
-    cfg_file = tmp_path / "cfg.json"
-    cfg_file.write_text(json.dumps(cfg.to_dict()))
-    reference = run_reference(cfg, devices=HOSTS * 4, tmp_path=tmp_path / "ref")["losses"]
+    workload_file = tmp_path / "workload.pkl"
+    workload_file.write_bytes(pickle.dumps(workload_for(spec, spec.tpu_type.chips, spec.tpu_type.hosts)))
+    reference = run_reference(spec, devices=HOSTS * 4, tmp_path=tmp_path / "ref")["losses"]
 
     (tmp_path / "a").mkdir()
-    first = _launch(cfg_file, tmp_path / "a", notice_at=3)  # every host stops after step 3, committed
+    first = _launch(workload_file, tmp_path / "a", notice_at=3)  # every host stops after step 3, committed
     assert [h["steps"] for h in first] == [3] * HOSTS
 
     (tmp_path / "b").mkdir()
-    second = _launch(cfg_file, tmp_path / "b", fence_fails=1)  # host 1 alone cannot read the fence at step 4
+    second = _launch(workload_file, tmp_path / "b", fence_fails=1)  # host 1 alone cannot read the fence at step 4
     assert [h["restored_step"] for h in second] == [3] * HOSTS
     assert [h["steps"] for h in second] == [STEPS] * HOSTS
     for h in second:  # no host wrote step 4; each says why

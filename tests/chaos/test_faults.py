@@ -20,7 +20,7 @@ import pytest
 from orchestrator import JobSpec, JobState
 from orchestrator.cluster import kill_host
 from orchestrator.observe.goodput import goodput
-from tests.conftest import assert_losses_close, run_reference, train_config
+from tests.conftest import assert_losses_close, run_reference
 from tests.waiting import wait_for, wait_step
 
 STEPS, INTERVAL = 20, 4
@@ -44,7 +44,7 @@ def reference(tmp_path_factory):
     `test_multihost_job_matches_single_process_reference`.
     """
     tmp = tmp_path_factory.mktemp("ref")
-    out = run_reference(train_config(chaos_spec("chaos-ref", tmp)), devices=8, tmp_path=tmp)
+    out = run_reference(chaos_spec("chaos-ref", tmp), devices=8, tmp_path=tmp)
     return {"losses": out["losses"], "params": out["param_sums"]}
 
 

@@ -19,7 +19,7 @@ from orchestrator.cluster import kill_host
 from orchestrator.emulator.metadata import FakeMetadataServer
 from orchestrator.user.data_prepare import prepare
 from tests.chaos.test_faults import host_pgids, kinds
-from tests.conftest import REPO, assert_losses_close, run_workload_reference
+from tests.conftest import REPO, assert_losses_close, run_reference
 from tests.integration.test_resize import wait_running_at
 from tests.waiting import wait_for, wait_step
 
@@ -49,7 +49,7 @@ def user_spec(name: str, ckpt_root: Path, tokens: str, *, accelerator: str = "v4
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tokens):
     tmp = tmp_path_factory.mktemp("user-ref")
-    out = run_workload_reference(user_spec("user-ref", tmp, tokens), devices=8, tmp_path=tmp)
+    out = run_reference(user_spec("user-ref", tmp, tokens), devices=8, tmp_path=tmp)
     assert len(out["losses"]) == STEPS and out["losses"][-1] < out["losses"][0]
     return {"losses": out["losses"], "params": out["param_sums"]}
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from benchmarks.autoscale_replay import job_spec, measure, outage_trace, write_trace
 from orchestrator import JobSpec, JobState
-from tests.conftest import assert_losses_close, run_reference, train_config
+from tests.conftest import assert_losses_close, run_reference
 
 SCALE = 40.0  # trace seconds a wall second: a 60 s tick lasts 1.5 s
 STEPS = 6000  # about 2,200 trace seconds on one undisturbed slice (about 2.7 steps a trace second here)
@@ -68,5 +68,5 @@ def test_autoscaled_job_moves_make_before_break_over_a_spot_outage(client, tmp_p
     assert m.refused_billed == 0  # requests that only waited were never billed
     assert m.deadline_met, (m.finish_s, DEADLINE_S)
 
-    ref = run_reference(train_config(spec), devices=4, tmp_path=tmp_path / "ref")
+    ref = run_reference(spec, devices=4, tmp_path=tmp_path / "ref")
     assert_losses_close([x.loss for x in metrics], ref["losses"], rtol=1e-5)

@@ -15,7 +15,7 @@ from orchestrator import JobState
 from orchestrator.cluster import read_cluster
 from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.server import serve
-from tests.conftest import assert_losses_close, run_reference, train_config
+from tests.conftest import assert_losses_close, run_reference
 from tests.integration.test_local_jobs import tiny_spec
 from tests.storage_fixture import unique_folder
 
@@ -55,7 +55,7 @@ def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path, request, gcs_e
         first, second = states.values()
         assert first[0] == "REQUESTED" and "READY" in first and first[-1] in ("GONE", "RELEASED"), first
         assert second[0] == "REQUESTED" and second[-2:] == ["READY", "RELEASED"], second
-        ref = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)
+        ref = run_reference(spec, devices=8, tmp_path=tmp_path)
         assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
         deadline = time.monotonic() + 60
         while True:  # deletes are long-running operations: give them a moment

@@ -17,7 +17,7 @@ import ray
 
 from orchestrator import JobSpec, JobState
 from orchestrator.state.states import SliceState
-from tests.conftest import REPO, assert_losses_close, run_reference, train_config
+from tests.conftest import REPO, assert_losses_close, run_reference
 from tests.waiting import wait_step
 
 TINY_MODEL = {"d_model": 64, "n_layers": 1, "n_heads": 4, "d_ff": 128}
@@ -109,7 +109,7 @@ def test_multihost_job_matches_single_process_reference(client, tmp_path, accele
     assert not any(n["Alive"] and n["Labels"].get("ray.io/tpu-slice-name") == slice_name for n in ray.nodes())
     # One orbax checkpoint written by all processes together, and the same losses as one process.
     assert sorted(int(p.name) for p in Path(spec.checkpoint.directory).iterdir() if p.name.isdigit()) == [3, 6]
-    ref = run_reference(train_config(spec), devices=spec.tpu_type.chips, tmp_path=tmp_path)
+    ref = run_reference(spec, devices=spec.tpu_type.chips, tmp_path=tmp_path)
     assert_losses_close(losses(job), ref["losses"], rtol=1e-5)
     logs = job.logs()
     assert "[host-0]" in logs and "step 6/6" in logs

@@ -14,26 +14,33 @@ from __future__ import annotations
 import dataclasses
 
 from kernels.dispatch import INTERPRET_ENV
-from tests.conftest import assert_losses_close, run_reference
+from tests.conftest import assert_losses_close, run_workload
 from workers.model import ModelShape
-from workers.train import TrainConfig
+from workers.settings import LmSettings, TrainingSettings
 
-CFG = TrainConfig(
-    model=ModelShape(d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=128, vocab_size=256,
-                     moe_experts=4, moe_top_k=2, scan_layer=True),
-    seq_len=32, global_batch_size=2, steps=3, seed=0, lr_peak=3e-3, lr_end=3e-4, warmup_steps=1,
-    weight_decay=0.01, mesh_shape=(1, 1, 1))
+SETTINGS = TrainingSettings(seq_len=32, global_batch_size=2, steps=3, seed=0, mesh_shape=(1, 1, 1))
+LM = LmSettings(model=ModelShape(d_model=64, n_layers=1, n_heads=2, n_kv_heads=1, d_ff=128, vocab_size=256,
+                                 moe_experts=4, moe_top_k=2, scan_layer=True),
+                lr_peak=3e-3, lr_end=3e-4, warmup_steps=1, weight_decay=0.01)
+
+
+def train(settings: TrainingSettings, lm: LmSettings, implementation: str, devices: int, tmp_path,
+          env: dict | None = None) -> dict:
+    """The built-in trainer on `implementation`'s kernels in one process (`workers.reference`)."""
+    workload = {"type": "lm", "settings": settings, "lm": dataclasses.replace(lm, implementation=implementation)}
+    return run_workload(workload, devices, tmp_path, env=env)
 
 
 def test_pallas_and_xla_kernels_train_alike(tmp_path):
-    xla = run_reference(dataclasses.replace(CFG, implementation="xla"), devices=1, tmp_path=tmp_path / "x")
-    pallas = run_reference(dataclasses.replace(CFG, implementation="pallas"), devices=1, tmp_path=tmp_path / "p")
+    xla = train(SETTINGS, LM, "xla", devices=1, tmp_path=tmp_path / "x")
+    pallas = train(SETTINGS, LM, "pallas", devices=1, tmp_path=tmp_path / "p")
     assert len(xla["losses"]) == 3
     assert xla["losses"][-1] < xla["losses"][0]
     assert_losses_close(pallas["losses"], xla["losses"], rtol=2e-5)
 
 
-SHARDED = dataclasses.replace(CFG, model=dataclasses.replace(CFG.model, n_kv_heads=2), mesh_shape=(2, 1, 2))
+SHARDED = dataclasses.replace(SETTINGS, mesh_shape=(2, 1, 2))
+SHARDED_LM = dataclasses.replace(LM, model=dataclasses.replace(LM.model, n_kv_heads=2))
 
 
 def _shard_maps(implementation: str) -> int:
@@ -45,10 +52,11 @@ def _shard_maps(implementation: str) -> int:
     from policies.model.sharding import AXES
     from workers.model import init_params, loss_fn
 
-    params = jax.eval_shape(lambda: init_params(jax.random.key(0), SHARDED.model))
+    model = SHARDED_LM.model
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), model))
     batch = jax.ShapeDtypeStruct((SHARDED.global_batch_size, SHARDED.seq_len + 1), jnp.int32)
     mesh = AbstractMesh(SHARDED.mesh_shape, AXES)
-    jaxpr = jax.make_jaxpr(lambda p, b: loss_fn(p, b, SHARDED.model, implementation=implementation, mesh=mesh))(
+    jaxpr = jax.make_jaxpr(lambda p, b: loss_fn(p, b, model, implementation=implementation, mesh=mesh))(
         params, batch)
     return str(jaxpr).count("shard_map[")
 
@@ -66,16 +74,14 @@ def test_sharded_pallas_training_equals_unsharded_xla(tmp_path):
     devices in lockstep and stalls on a 2-core CPU with 4 devices (the single-device test
     above covers the kernels in TPU interpret mode).
     """
-    xla = run_reference(dataclasses.replace(SHARDED, implementation="xla", mesh_shape=(1, 1, 1)), devices=1,
-                        tmp_path=tmp_path / "x")
-    pallas = run_reference(dataclasses.replace(SHARDED, implementation="pallas"), devices=4, tmp_path=tmp_path / "p",
-                           env={INTERPRET_ENV: "generic"})
+    xla = train(SETTINGS, SHARDED_LM, "xla", devices=1, tmp_path=tmp_path / "x")
+    pallas = train(SHARDED, SHARDED_LM, "pallas", devices=4, tmp_path=tmp_path / "p", env={INTERPRET_ENV: "generic"})
     assert len(pallas["losses"]) == SHARDED.steps
     assert_losses_close(pallas["losses"], xla["losses"], rtol=2e-5)
 
 
 ODD_SHAPES = dataclasses.replace(
-    CFG, seq_len=200, steps=2,
+    SETTINGS, seq_len=200, steps=2,
     kernel_blocks={"attention": {"block_q": 128, "block_kv": 128, "block_q_bwd": 64, "block_kv_bwd": 64},
                    "norm": {"block_rows": 256}, "rope": {"block_seq": 128},
                    "scan": {"block_time": 128, "block_dim": 128}})
@@ -83,9 +89,8 @@ ODD_SHAPES = dataclasses.replace(
 
 def test_lengths_the_blocks_do_not_divide_train_alike_on_pallas_and_xla(tmp_path):
     """seq_len 200 with 128-blocks (attention, RoPE, scan: fitted and padded) and 400 rows with block_rows 256."""
-    xla = run_reference(dataclasses.replace(ODD_SHAPES, implementation="xla"), devices=1, tmp_path=tmp_path / "x")
-    pallas = run_reference(dataclasses.replace(ODD_SHAPES, implementation="pallas"), devices=1,
-                           tmp_path=tmp_path / "p")
+    xla = train(ODD_SHAPES, LM, "xla", devices=1, tmp_path=tmp_path / "x")
+    pallas = train(ODD_SHAPES, LM, "pallas", devices=1, tmp_path=tmp_path / "p")
     assert len(pallas["losses"]) == ODD_SHAPES.steps
     assert_losses_close(pallas["losses"], xla["losses"], rtol=2e-5)
 
@@ -98,11 +103,11 @@ def test_the_job_s_kernel_blocks_reach_the_kernels_fitted_to_the_lengths():
     from kernels import KernelBlocks
     from workers.model import Numerics, init_params, loss_fn
 
-    cfg = ODD_SHAPES
-    params = jax.eval_shape(lambda: init_params(jax.random.key(0), cfg.model))
-    batch = jax.ShapeDtypeStruct((cfg.global_batch_size, cfg.seq_len + 1), jnp.int32)
-    numerics = Numerics(blocks=KernelBlocks.from_mapping(cfg.kernel_blocks))
-    grad = jax.grad(lambda p, b: loss_fn(p, b, cfg.model, implementation="pallas", numerics=numerics))
+    s, model = ODD_SHAPES, LM.model
+    params = jax.eval_shape(lambda: init_params(jax.random.key(0), model))
+    batch = jax.ShapeDtypeStruct((s.global_batch_size, s.seq_len + 1), jnp.int32)
+    numerics = Numerics(blocks=KernelBlocks.from_mapping(s.kernel_blocks))
+    grad = jax.grad(lambda p, b: loss_fn(p, b, model, implementation="pallas", numerics=numerics))
 
     def calls(jaxpr):
         for eqn in jaxpr.eqns:
@@ -116,8 +121,8 @@ def test_the_job_s_kernel_blocks_reach_the_kernels_fitted_to_the_lengths():
 
     first_blocks = {tuple(getattr(b, "block_size", None) for b in m.block_mappings[0].block_shape)
                     for m in calls(jax.make_jaxpr(grad)(params, batch).jaxpr)}
-    head_dim = cfg.model.d_model // cfg.model.n_heads
+    head_dim = model.d_model // model.n_heads
     assert (None, None, 104, head_dim) in first_blocks  # attention forward: 200 queries as 2 x 104 (padded to 208)
     assert (None, None, 40, head_dim) in first_blocks  # attention backward: 64 asked, 200 = 5 x 40
-    assert (200, cfg.model.d_model) in first_blocks  # the norm: 2 x 200 = 400 rows, 256 asked -> 200
+    assert (200, model.d_model) in first_blocks  # the norm: 2 x 200 = 400 rows, 256 asked -> 200
     assert (None, 104, 1) in first_blocks  # RoPE's positions: 104 of 208

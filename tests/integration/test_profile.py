@@ -22,7 +22,7 @@ from orchestrator import JobSpec, JobState
 from orchestrator.errors import JobStateError
 from orchestrator.observe.profile_summary import summarize
 from orchestrator.observe.report import report_series
-from tests.conftest import REPO, assert_losses_close, run_reference, train_config
+from tests.conftest import REPO, assert_losses_close, run_reference
 from tests.integration.test_local_jobs import losses, tiny_spec
 
 STEPS = 4
@@ -123,7 +123,7 @@ def test_profile_running_two_host_jobs(client, tmp_path):
         assert abs(t.summary.step_time_s - own) <= 0.2 * own, (t.summary.step_time_s, own)
 
     # Tracing changed nothing the steps computed.
-    ref = run_reference(train_config(spec), devices=spec.tpu_type.chips, tmp_path=tmp_path)
+    ref = run_reference(spec, devices=spec.tpu_type.chips, tmp_path=tmp_path)
     assert_losses_close(losses(job), ref["losses"], rtol=1e-5)
 
     # One event, and a mark in the report.

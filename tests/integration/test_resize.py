@@ -7,7 +7,7 @@ import time
 import ray
 
 from orchestrator import JobState
-from tests.conftest import assert_losses_close, run_reference, train_config
+from tests.conftest import assert_losses_close, run_reference
 from tests.integration.test_local_jobs import tiny_spec
 
 
@@ -40,5 +40,5 @@ def test_resize_up_and_down_keeps_the_loss_curve(client, tmp_path):
     restored = [e.data["restored_step"] for e in job.events() if e.kind == "restore"]
     assert restored[0] is None and restored[1] >= 5 and restored[2] >= 11
     assert all(e.data["steps"] == 0 for e in job.events() if e.kind == "lost_work")
-    ref = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)
+    ref = run_reference(spec, devices=8, tmp_path=tmp_path)
     assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)

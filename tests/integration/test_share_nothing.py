@@ -25,7 +25,7 @@ from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.server import serve
 from orchestrator.user.data_prepare import prepare
 from tests.chaos.test_faults import kinds
-from tests.conftest import REPO, assert_losses_close, run_reference, run_workload_reference, train_config
+from tests.conftest import REPO, assert_losses_close, run_reference
 from tests.integration.test_local_jobs import tiny_spec
 from tests.storage_fixture import unique_folder
 from tests.waiting import wait_for, wait_step
@@ -130,7 +130,7 @@ def test_the_user_example_on_vms_outlives_a_reclaim_and_its_controller(client, t
             "checkpoint": {"interval_steps": 4, "keep": 5, "directory": ckpt},
             "recovery": {"start_timeout_s": 180}, **where})
 
-    reference = run_workload_reference(spec_for("user-ref", gcs.folder + "/ref"), devices=8, tmp_path=tmp_path / "ref")
+    reference = run_reference(spec_for("user-ref", gcs.folder + "/ref"), devices=8, tmp_path=tmp_path / "ref")
     job = client.submit(spec_for("user-vms", gcs.folder + "/ckpt", provider="gcp", gcp=gcp))
     shutil.rmtree(folder)  # the code went with the job
     reclaim_then_kill_the_controller(client, emu, job, reclaim_at=6, kill_at=12)
@@ -152,7 +152,7 @@ def test_the_built_in_trainer_on_vms_outlives_a_reclaim_and_its_controller(clien
     reclaim_then_kill_the_controller(client, emu, job, reclaim_at=6, kill_at=12)
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
-    ref = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)
+    ref = run_reference(spec, devices=8, tmp_path=tmp_path)
     assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
     assert_recovered_and_adopted(job)
 
@@ -176,7 +176,7 @@ def test_a_notice_on_one_vm_and_a_vm_lost_on_share_nothing_hosts(client, tmp_pat
     backing.vms(live.name)[0].kill()
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
-    ref = run_reference(train_config(spec), devices=8, tmp_path=tmp_path)
+    ref = run_reference(spec, devices=8, tmp_path=tmp_path)
     assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
     assert [d.data["kind"] for d in kinds(job, "disruption")] == ["preempted", "infra_lost"]
     assert kinds(job, "notice") and kinds(job, "lost_work")[0].data["steps"] == 0  # the notice's step, committed

@@ -591,5 +591,5 @@ def test_the_storage_endpoint_reaches_the_hosts():
     spec = JobSpec.from_dict({"name": "a", "checkpoint": {"directory": "gs://my-bucket/a"},
                               "storage": {"endpoint": "http://127.0.0.1:8471"}})
     w = workload_for(spec, 4, 1)
-    assert (w["storage_endpoint"], w["fence_dir"], w["config"]["checkpoint_dir"]) == (
+    assert (w["storage_endpoint"], w["fence_dir"], w["settings"].checkpoint_dir) == (
         "http://127.0.0.1:8471", "gs://my-bucket/a", "gs://my-bucket/a")
