@@ -79,8 +79,6 @@ class AutoscalingMixin:
     def _autoscale_before_provisioning(self, spec: JobSpec) -> JobSpec:
         """Let the cost policy choose the slice of the next attempt: the one to run on, or the
         spot size it would wait for (requested, it waits unbilled for capacity)."""
-        from orchestrator.control.autoscaler import with_checkpoint_interval
-
         choice = self._choice = self._decide(spec, None)
         d, move = choice.decision, choice.move
         if move is not None and move.release_waiting and self.att.waiting is not None:
@@ -105,7 +103,7 @@ class AutoscalingMixin:
             self.store.update_spec(self.job_id, dict(self.store.job(self.job_id).spec, accelerator=want[0],
                                                      tier=want[1]))
             spec = self.spec()
-        return with_checkpoint_interval(spec, choice) if choice.accelerator is not None else spec
+        return spec  # its checkpoint interval applies once on the slice (`Driver._on_slice`)
 
     def _still_wanted(self, spec: JobSpec) -> bool:
         """While nothing runs and a request waits: is it still what the policy wants? (Asked every

@@ -43,6 +43,7 @@ from orchestrator.domain.workload import (
 )
 from orchestrator.errors import SpecError, UnknownAcceleratorError
 from policies.model.sharding import MeshError, plan_mesh
+from workers.settings import TrainingSettings
 
 
 class CheckpointConfig(_Frozen):
@@ -50,8 +51,10 @@ class CheckpointConfig(_Frozen):
     # taken from the file's folder (not from where the command runs). None: on provider gcp
     # gs://<gcp.bucket>/checkpoints/<job name>, else $ORCHESTRATOR_HOME/checkpoints/<job name>.
     directory: str | None = None
-    interval_steps: Steps = 20  # with autoscaling, the longest: spot slices preempted often save sooner
-    keep: Annotated[int, Field(gt=0, le=1000)] = 3  # each checkpoint is a full copy of the model and optimizer
+    # With autoscaling, the longest interval: spot slices preempted often save sooner.
+    interval_steps: Steps = TrainingSettings.checkpoint_interval
+    # Each checkpoint is a full copy of the model and optimizer.
+    keep: Annotated[int, Field(gt=0, le=1000)] = TrainingSettings.checkpoint_keep
 
     @field_validator("directory")
     @classmethod
