@@ -20,6 +20,9 @@ runtime is up. Around the user's own ``init`` and ``train_step`` it gives::
                 state, loss = step_fn(loop.state, ctx.batch(step))
                 loop.done(state, loss=loss)             # saves, agrees on stops, reports
 
+- the job file's training settings on this slice (`ctx.settings`, a frozen
+  `workers.settings.TrainingSettings` resolved once per launch; `ctx.steps`, `ctx.seq_len`,
+  ... read its fields);
 - the slice's mesh (`ctx.mesh`, axes ``data, fsdp, model`` from the spec's mesh wishes)
   and shardings for any pytree (`ctx.shardings`: FSDP over the ``fsdp`` axis by default);
 - `restore_or_init`: the newest committed checkpoint of the whole pytree restored onto

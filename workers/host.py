@@ -243,8 +243,8 @@ class HostWorker:
         return self._profiler.vote(self._notice.is_set())
 
     def _context(self, workload: dict) -> api.Context:
-        """The training API's context of the program this worker runs: the launch's settings and
-        this worker's hooks."""
+        """The training API's context of the program this worker runs (kept, for its loop after a
+        sys.exit): the launch's settings and this worker's hooks."""
         import jax
 
         from workers import api
