@@ -29,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.domain.options import job_options  # noqa: E402
+from orchestrator.domain.spec import LmWorkload  # noqa: E402
 from orchestrator.observe.goodput import billed_slices  # noqa: E402
 from orchestrator.state.events import EventKind  # noqa: E402
 from policies.cost.policy import CostPolicy  # noqa: E402
@@ -91,18 +92,19 @@ def measure(store, job_id: str, *, scale: float) -> Measured:
     never_up = {n for n, ss in states.items() if "READY" not in ss and "WAITING" in ss}
     refused_billed = len(never_up & {b.name for b in billed})
     spec = job.spec
-    w = spec["workload"]
-    tokens_per_step = w["global_batch_size"] * w["seq_len"]
+    w = spec.workload
+    assert isinstance(w, LmWorkload) and w.steps is not None and spec.deadline is not None, "the replayed lm job"
+    tokens_per_step = w.global_batch_size * w.seq_len
     step_s = effective_step_s(store.steps(job_id))
     restart = RestartCost(provisioning_s=statistics.median(provisioning_times(events)) * scale,
                           startup_s=statistics.median(startup_times(events, store.steps(job_id))) * scale,
-                          checkpoint_interval_s=spec["checkpoint"]["interval_steps"] * step_s * scale,
+                          checkpoint_interval_s=spec.checkpoint.interval_steps * step_s * scale,
                           save_s=0.0)  # the effective step time has the saves in it already
     finish_s = (end - job.created_at) * scale
-    deadline_s = _seconds(spec["deadline"])
+    deadline_s = spec.deadline.total_seconds()
     return Measured(cost, [(b.accelerator, b.tier) for b in billed], finish_s,
                     job.state.value == "SUCCEEDED" and finish_s <= deadline_s, restart,
-                    tokens_per_step / step_s / scale, float(w["steps"] * tokens_per_step), refused_billed)
+                    tokens_per_step / step_s / scale, float(w.steps * tokens_per_step), refused_billed)
 
 
 def effective_step_s(steps) -> float:
@@ -131,14 +133,6 @@ def startup_times(events, steps) -> list[float]:
     for m in steps:
         firsts[m.generation] = min(firsts.get(m.generation, m.at), m.at)
     return [firsts[g] - at for g, at in enumerate(starts, 1) if g in firsts]
-
-
-def _seconds(iso: str | float) -> float:
-    import datetime as dt
-
-    from pydantic import TypeAdapter
-
-    return TypeAdapter(dt.timedelta).validate_python(iso).total_seconds()
 
 
 def simulate_window(trace_path: str, m: Measured, *, start_s: float, deadline_s: float):

@@ -61,7 +61,7 @@ def main() -> None:
         ref = client.submit(spec("soak-ref", steps, metadata.url))
         assert ref.wait(timeout_s=3600).state is JobState.SUCCEEDED
         job = client.submit(spec("soak", steps, metadata.url))
-        ckpt = Path(job.record().spec["checkpoint"]["directory"])
+        ckpt = Path(job.record().spec.checkpoint.directory)
         for i in range(args.disruptions):
             target = min(steps - 5, job.status().step + rng.randint(1, 3))
             wait_until(lambda: (job.status().state is JobState.RUNNING and job.status().step >= target)

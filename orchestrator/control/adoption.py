@@ -57,9 +57,7 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[SliceRecord]) -> tup
             att = Attempt(generation=job.generation, provider=provider, slice=provider.get(rec.name),
                           started=True, adopted=True, accepting=True,
                           last_step=max((h["step"] for h in history), default=-1))
-            from orchestrator.control.driver import parse_stored_spec  # the driver imports this module
-
-            att.group = RayWorkerGroup(plane.store, plane.home, job.id, parse_stored_spec(job.spec), att, workers, pg)
+            att.group = RayWorkerGroup(plane.store, plane.home, job.id, job.spec, att, workers, pg)
             return att, history
     kill_workers(workers, pg)
     if running is not None:
@@ -76,10 +74,9 @@ def _take_over(plane: "Controller", job: JobRecord, rec: SliceRecord, t: catalog
     if rec.provider == "local":
         plane.provider.adopt(s, rec.data["pgids"])
         return plane.provider
-    from orchestrator.control.driver import parse_stored_spec
     from orchestrator.providers.gcp import GcpTpuProvider
 
-    spec = parse_stored_spec(job.spec)
+    spec = job.spec
     provider = plane.provider_for(spec)
     assert isinstance(provider, GcpTpuProvider) and spec.gcp is not None, "a slice not local is on gcp"
     provider.adopt(s, rec.data.get("zone") or spec.gcp.zones[0])

@@ -138,7 +138,7 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
               ready: tuple[str, str] | None = None) -> tuple[Snapshot, JobSpec, float | None, Clock]:
     """The snapshot, with the job's spec, its median step time (None before a few steps) and its clock."""
     job = store.job(job_id)
-    spec = JobSpec.model_validate({k: v for k, v in job.spec.items() if not k.startswith("_")})
+    spec = job.spec
     clock, zone, w = clock_of(spec), zone_of(spec), spec.workload
     tokens_per_step = w.global_batch_size * w.seq_len if isinstance(w, LmWorkload) else 1
     total = (w.steps or 1) * tokens_per_step

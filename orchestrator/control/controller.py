@@ -32,7 +32,7 @@ from typing import cast
 from orchestrator import cluster
 from orchestrator.control import ownership, shipping
 from orchestrator.control.adoption import adopt
-from orchestrator.control.driver import JobDriver, parse_stored_spec
+from orchestrator.control.driver import JobDriver
 from orchestrator.control.ownership import OnExisting
 from orchestrator.control.queue import AdmissionQueue
 from orchestrator.control.store_faults import HeldWrites, HoldingStore, StoreFault, StoreHealth, os_fault
@@ -158,7 +158,7 @@ class Controller:
         driver = self._driver(job_id)
         if driver is None or job.state is not JobState.RUNNING:
             raise JobStateError(job_id, job.state.value, "resized", (JobState.RUNNING.value,))
-        current = parse_stored_spec(job.spec)
+        current = job.spec
         target = JobSpec.from_dict({**current.model_dump(mode="json"), "accelerator": accelerator,
                                     "tier": tier or current.tier.value},
                                    source=f"resize of {job_id} to {accelerator}")  # SpecError if it does not fit
@@ -264,7 +264,7 @@ class Controller:
         release_recorded(self.home, self.store, rec)
         if rec.provider == "gcp":  # delete the cloud resources, not only our record of them
             try:
-                self.provider_for(parse_stored_spec(self.store.job(rec.job_id).spec)).release(rec.name)
+                self.provider_for(self.store.job(rec.job_id).spec).release(rec.name)
             except Exception:  # `orchestrator gc` finds it later; say so now
                 log.exception("could not release gcp slice %s; run `orchestrator gc`", rec.name)
 

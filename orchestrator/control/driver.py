@@ -54,14 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def parse_stored_spec(raw: dict) -> JobSpec:
-    """The spec as the store keeps it (an older store kept the working directory as `_workdir`)."""
-    data = {k: v for k, v in raw.items() if not k.startswith("_")}
-    if raw.get("_workdir") and not data.get("workdir"):
-        data["workdir"] = raw["_workdir"]
-    return JobSpec.model_validate(data)
-
-
 # How a job that fails after an attempt ended one way is named (FAILED_SETUP, FAILED_BUDGET, ...).
 FAILED_BECAUSE: dict[OutcomeKind, FailedBecause] = {
     OutcomeKind.IMPORT_ERROR: FailedBecause.SETUP,
@@ -102,7 +94,7 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         threading.Thread(target=self._main, args=(on_exit,), name=f"job-{self.job_id}", daemon=True).start()
 
     def spec(self) -> JobSpec:
-        return parse_stored_spec(self.store.job(self.job_id).spec)
+        return self.store.job(self.job_id).spec
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -203,8 +195,8 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
     def _on_slice(self, s: Slice) -> JobSpec:
         """The spec the launch on `s` uses: the stored one, moved to `s`'s type and tier if it differs."""
         job = self.store.job(self.job_id)
-        if (s.tpu_type.name, s.tier.value) != (job.spec["accelerator"], job.spec["tier"]):
-            self.store.update_spec(self.job_id, dict(job.spec, accelerator=s.tpu_type.name, tier=s.tier.value))
+        if (s.tpu_type.name, s.tier) != (job.spec.accelerator, job.spec.tier):
+            self.store.update_spec(self.job_id, job.spec.moved(s.tpu_type.name, s.tier.value))
         spec = self.spec()
         return with_checkpoint_interval(spec, self._choice) if self._choice is not None else spec
 
@@ -228,10 +220,10 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
             self.store.add_event(self.job_id, Disrupted(k.value, att.last_step, outcome.reason, att.generation,
                                                         time.time() - outcome.at),
                                  f"{k.value}: {outcome.reason} (after step {steps_done})", at=outcome.at)
-        rec = job.spec["recovery"]
+        rec = job.spec.recovery
         aborts = self.aborts() - (k is OutcomeKind.WORKER_ABORTED)  # the disruption just recorded is this one
         d = after(outcome, preemptions=job.preemptions, failures=job.failures, aborts=aborts,
-                  budgets=Budgets(rec["max_preemptions"], rec["max_failures"], rec.get("max_aborts", 2)),
+                  budgets=Budgets(rec.max_preemptions, rec.max_failures, rec.max_aborts),
                   jitter=self._rng.random())
         if d.preemptions != job.preemptions:
             self.store.update_job(self.job_id, preemptions=d.preemptions)
@@ -244,8 +236,8 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         elif d.next is Next.FAIL:
             self.transition(JobState.FAILED, d.reason, cause=FAILED_BECAUSE.get(k))
         elif d.next is Next.RESIZE:
-            self.store.update_spec(self.job_id, dict(job.spec, accelerator=att.resize_to,
-                                                     tier=att.resize_tier or job.spec["tier"]))
+            assert att.resize_to is not None, "a resize names its accelerator (JobDriver.resize, the moves)"
+            self.store.update_spec(self.job_id, job.spec.moved(att.resize_to, att.resize_tier or job.spec.tier.value))
             self.transition(JobState.RESIZING, d.reason, data=StateChange(to=att.resize_to))
             att.resize_to, att.disrupted_step = None, att.last_step + 1
             att.disrupted_at, att.resumed = time.time(), False

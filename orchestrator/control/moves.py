@@ -100,8 +100,9 @@ class AutoscalingMixin:
         self.store.add_event(self.job_id, Autoscaled(*want, d.expected_cost_usd, d.reason, every),
                              f"{verb} {want[0]} {want[1]}{saving}: {d.reason}")
         if want != (spec.accelerator, spec.tier.value):
-            self.store.update_spec(self.job_id, dict(self.store.job(self.job_id).spec, accelerator=want[0],
-                                                     tier=want[1]))
+            accelerator, tier = want
+            assert accelerator is not None and tier is not None, "a slice to run on or wait for is named"
+            self.store.update_spec(self.job_id, self.store.job(self.job_id).spec.moved(accelerator, tier))
             spec = self.spec()
         return spec  # its checkpoint interval applies once on the slice (`Driver._on_slice`)
 

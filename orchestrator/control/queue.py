@@ -15,7 +15,6 @@ import random
 import threading
 import time
 
-from orchestrator import catalog
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError
 from orchestrator.state.events import StateChange
@@ -30,17 +29,15 @@ POLL_S = 0.5
 
 
 def _waiting(job: JobRecord) -> Waiting:
-    spec = job.spec
-    return Waiting(job.id, int(spec.get("priority") or 0), job.created_at, catalog.lookup(spec["accelerator"]).hosts)
+    return Waiting(job.id, job.spec.priority, job.created_at, job.spec.tpu_type.hosts)
 
 
 def queue_position(store: Store, job: JobRecord) -> int | None:
     """The job's place in its line (1 = next), or None when it is not QUEUED."""
     if job.state is not JobState.QUEUED:
         return None
-    pool = job.spec.get("provider", "local")
     same = [_waiting(j) for j in store.jobs(active_only=True)
-            if j.state is JobState.QUEUED and j.spec.get("provider", "local") == pool]
+            if j.state is JobState.QUEUED and j.spec.provider == job.spec.provider]
     return next(i for i, w in enumerate(line(same), 1) if w.job_id == job.id)
 
 
@@ -91,7 +88,7 @@ class AdmissionQueue:
 
     def _decide(self, job: JobRecord, spec: JobSpec):
         waiting = [_waiting(j) for j in self.store.jobs(active_only=True)
-                   if j.state is JobState.QUEUED and j.spec.get("provider", "local") == "local" and j.id != job.id]
+                   if j.state is JobState.QUEUED and j.spec.provider == "local" and j.id != job.id]
         me = Waiting(job.id, spec.priority, job.created_at, spec.tpu_type.hosts)
         total = self.local.max_hosts
         return admit([*waiting, me], job.id, free_hosts=total - self.local.hosts_in_use(), total_hosts=total)

@@ -196,6 +196,10 @@ class JobSpec(_Frozen):
     def tpu_type(self) -> catalog.TpuType:
         return catalog.lookup(self.accelerator)
 
+    def moved(self, accelerator: str, tier: str) -> "JobSpec":
+        """This spec on another slice type and tier (a resize, or a move of the cost policy's)."""
+        return self.model_copy(update={"accelerator": accelerator, "tier": Tier(tier)})
+
     def with_checkpoint_directory(self, local_default: str | Path) -> "JobSpec":
         """This spec with `checkpoint.directory` filled in when left out: on provider gcp
         gs://<gcp.bucket>/checkpoints/<name>, else `local_default` (the state directory's)."""
@@ -229,6 +233,15 @@ class JobSpec(_Frozen):
         if problems:
             raise SpecError(source, problems)
         return spec
+
+    @classmethod
+    def from_stored(cls, raw: dict) -> "JobSpec":
+        """The spec as the store keeps it (validated when it was submitted; an older store kept the working
+        directory as `_workdir`)."""
+        data = {k: v for k, v in raw.items() if not k.startswith("_")}
+        if raw.get("_workdir") and not data.get("workdir"):
+            data["workdir"] = raw["_workdir"]
+        return cls.model_validate(data)
 
     def semantic_problems(self) -> list[tuple[str, str]]:
         """Problems that involve several fields (the provider's settings, the mesh against the slice)."""

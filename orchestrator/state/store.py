@@ -22,9 +22,11 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, TypeVar
 
+from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import FolderInUseError, IllegalTransitionError, JobNotFoundError, StoreFaultError
 from orchestrator.state.events import PAYLOADS, EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.states import JOB_TRANSITIONS, FailedBecause, JobState, SliceState, check_slice
@@ -92,7 +94,7 @@ CREATE TABLE IF NOT EXISTS slices (
 class JobRecord:
     id: str
     name: str
-    spec: dict
+    stored_spec: dict  # the spec's JSON as the store keeps it (`spec` is it parsed)
     state: JobState
     reason: str
     created_at: float
@@ -104,6 +106,11 @@ class JobRecord:
     error: str | None
     result: dict | None
     cause: FailedBecause | None = None  # why a FAILED job failed
+
+    @cached_property
+    def spec(self) -> JobSpec:
+        """The job's spec, typed (parsed on first read: a listing that shows names and states parses none)."""
+        return JobSpec.from_stored(self.stored_spec)
 
 
 @dataclass(frozen=True)
@@ -316,9 +323,10 @@ class Store:
         with self._tx() as db:
             db.execute(f"UPDATE jobs SET updated_at=?{sets} WHERE id=?", (time.time(), *args, job_id))
 
-    def update_spec(self, job_id: str, spec: dict) -> None:
+    def update_spec(self, job_id: str, spec: JobSpec) -> None:
         with self._tx() as db:
-            db.execute("UPDATE jobs SET spec=?, updated_at=? WHERE id=?", (json.dumps(spec), time.time(), job_id))
+            db.execute("UPDATE jobs SET spec=?, updated_at=? WHERE id=?",
+                       (json.dumps(spec.model_dump(mode="json")), time.time(), job_id))
 
     def bump_generation(self, job_id: str) -> int:
         with self._tx() as db:
@@ -487,7 +495,7 @@ def _event(r: sqlite3.Row) -> Event:
 
 def _job(row: sqlite3.Row) -> JobRecord:
     return JobRecord(
-        id=row["id"], name=row["name"], spec=json.loads(row["spec"]), state=JobState(row["state"]),
+        id=row["id"], name=row["name"], stored_spec=json.loads(row["spec"]), state=JobState(row["state"]),
         reason=row["reason"], created_at=row["created_at"], updated_at=row["updated_at"],
         generation=row["generation"], preemptions=row["preemptions"], failures=row["failures"],
         cancel_requested=bool(row["cancel_requested"]), error=row["error"],

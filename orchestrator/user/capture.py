@@ -20,7 +20,7 @@ import time
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
-from orchestrator import catalog, cluster
+from orchestrator import cluster
 from orchestrator.errors import CaptureError, ClusterError, JobStateError, ProfileError
 from orchestrator.observe.profile_summary import TraceSummary, read_trace, summarize
 from orchestrator.state.events import EventKind, Profiled
@@ -72,7 +72,7 @@ def check_request(client: "Client", job_id: str, steps: int, host: int | None):
         raise JobStateError(job.id, job.state.value, "profiled", (JobState.RUNNING.value,))
     if not 1 <= steps <= MAX_STEPS:
         raise ProfileError(f"--steps must be 1 to {MAX_STEPS}, got {steps}")
-    hosts = catalog.lookup(job.spec["accelerator"]).hosts
+    hosts = job.spec.tpu_type.hosts
     if host is not None and not 0 <= host < hosts:
         raise ProfileError(f"--host {host}: job {job.id} runs on {hosts} host{'s' if hosts > 1 else ''} "
                            f"(0{f' to {hosts - 1}' if hosts > 1 else ''}), or use --host all")

@@ -31,7 +31,7 @@ from orchestrator.cluster.processes import stop_marked
 from orchestrator.control import ownership
 from orchestrator.control.ownership import OnExisting
 from orchestrator.control.shipping import pack_folder
-from orchestrator.domain.spec import JobSpec
+from orchestrator.domain.spec import EntrypointWorkload, JobSpec, LmWorkload
 from orchestrator.errors import (
     ClusterError,
     JobNotFoundError,
@@ -299,15 +299,15 @@ class Client:
             raise JobStateError(job.id, job.state.value, "exported without --latest or --step",
                                 (JobState.SUCCEEDED.value,))
         spec = job.spec
-        workload = spec.get("workload") or {}
-        builtin = workload.get("type", "lm") == "lm"
+        w = spec.workload
+        lm = w if isinstance(w, LmWorkload) else None
         config = {"job": {"id": job.id, "name": job.name, "state": job.state.value},
-                  "workload": "lm" if builtin else workload.get("entrypoint"),
-                  "model": workload.get("model") if builtin else None,
-                  "data": (workload.get("data") or {}).get("path")}
-        directory = (spec.get("checkpoint") or {}).get("directory") or str(self.home.default_checkpoint_dir(job.name))
+                  "workload": w.entrypoint if isinstance(w, EntrypointWorkload) else "lm",
+                  "model": lm.model.model_dump(mode="json") if lm else None,
+                  "data": w.data.path if w.data else None}
+        directory = spec.checkpoint.directory or str(self.home.default_checkpoint_dir(job.name))
         self._refuse_checkpoint_folders(out)
-        storage.configure((spec.get("storage") or {}).get("endpoint"))  # where the job's gs:// folders are
+        storage.configure(spec.storage.endpoint)  # where the job's gs:// folders are
         return export_checkpoint(directory, out, step=step, config=config, force=force)
 
     def _refuse_checkpoint_folders(self, out: str | Path) -> None:
@@ -317,7 +317,7 @@ class Client:
 
         if storage.is_url(out):
             for job in self.store.jobs():
-                url = str((job.spec.get("checkpoint") or {}).get("directory") or "")
+                url = job.spec.checkpoint.directory or ""
                 their_prefix, my_prefix = url.rstrip("/") + "/", str(out).rstrip("/") + "/"
                 if storage.is_url(url) and (my_prefix.startswith(their_prefix) or their_prefix.startswith(my_prefix)):
                     raise ExportError(str(out), f"is inside or holds the checkpoint folder of job {job.id} "
@@ -325,7 +325,7 @@ class Client:
             return
         mine = Path(os.path.realpath(out))
         for job in self.store.jobs():
-            folder = (job.spec.get("checkpoint") or {}).get("directory") or self.home.default_checkpoint_dir(job.name)
+            folder = job.spec.checkpoint.directory or self.home.default_checkpoint_dir(job.name)
             if storage.is_url(folder):  # a bucket: not a path on this machine
                 continue
             theirs = Path(os.path.realpath(folder))
@@ -438,8 +438,8 @@ class Client:
             tier = _tier(tier).value
         if job.state.terminal:  # final: no need to start or ask a cluster to say so
             raise JobStateError(job.id, job.state.value, "resized", (JobState.RUNNING.value,))
-        JobSpec.from_dict({**{k: v for k, v in job.spec.items() if not k.startswith("_")}, "accelerator": accelerator,
-                           "tier": tier or job.spec["tier"]}, source=f"resize of {job.id} to {accelerator}")
+        JobSpec.from_dict({**job.spec.model_dump(mode="json"), "accelerator": accelerator,
+                           "tier": tier or job.spec.tier.value}, source=f"resize of {job.id} to {accelerator}")
         self._ask("resize", job.id, accelerator, reason, tier)  # JobStateError unless RUNNING
         return Job(self, job.id)
 

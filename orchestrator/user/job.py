@@ -142,7 +142,7 @@ class Job:
 
 
 def _status(job: JobRecord, last: StepMetric | None) -> JobStatus:
-    spec = job.spec
+    spec = job.stored_spec  # shown as stored: a status never fails on a row it cannot parse
     return JobStatus(
         id=job.id, name=job.name, state=job.state, reason=job.reason, accelerator=spec.get("accelerator", "?"),
         # A job that trained no step of its own may have resumed a finished run: its result says where it stands.

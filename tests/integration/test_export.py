@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator import cluster
+from orchestrator.domain.workload import ModelConfig
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
 from orchestrator.user.cli import app
@@ -166,7 +167,9 @@ def test_export_command_of_a_succeeded_job(checkpoint, home, tmp_path):
     params, config = export.load(tmp_path / "out")
     assert_same_tree(params, make_state(6)["params"])
     assert config["job"] == {"id": "tiny-abc123", "name": "tiny", "state": "SUCCEEDED"}
-    assert config["model"] == {"d_model": 8, "n_layers": 2} and config["workload"] == "lm"
+    # The model's whole config (what the job file left out, at its defaults): enough to build it again.
+    assert config["model"]["d_model"] == 8 and config["model"]["n_layers"] == 2 and config["workload"] == "lm"
+    assert config["model"] == ModelConfig(d_model=8, n_layers=2).model_dump(mode="json")
     r = run("export", "tiny", "-o", tmp_path / "out")
     assert r.exit_code == 2 and r.stderr.strip() == (
         f"error: {tmp_path / 'out'}: exists and is not empty (--force replaces it)")

@@ -29,7 +29,7 @@ def test_resize_up_and_down_keeps_the_loss_curve(client, tmp_path):
     wait_running_at(job, 5)
     ray.get(ctrl.resize.remote(job.id, "v4-32", "test: more speed"))
     wait_running_at(job, 11)
-    assert job.record().spec["accelerator"] == "v4-32"
+    assert job.record().spec.accelerator == "v4-32"
     ray.get(ctrl.resize.remote(job.id, "v4-16", "test: back down"))
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, st.reason

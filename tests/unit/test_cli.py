@@ -67,12 +67,12 @@ def test_schema_is_json(home):
 
 def test_status_exit_codes_follow_the_job(home):
     store = Store(home / "state.db")
-    store.create_job("good-1", "good", {"accelerator": "v4-8", "tier": "spot", "workload": {"steps": 5}})
+    store.create_job("good-1", "good", {"name": "good", "accelerator": "v4-8", "workload": {"type": "lm", "steps": 5}})
     store.transition("good-1", JobState.PROVISIONING, "x")
     store.transition("good-1", JobState.STARTING, "x")
     store.transition("good-1", JobState.RUNNING, "x")
     store.transition("good-1", JobState.SUCCEEDED, "done")
-    store.create_job("bad-1", "bad", {"accelerator": "v4-8", "tier": "spot", "workload": {"steps": 5}})
+    store.create_job("bad-1", "bad", {"name": "bad", "accelerator": "v4-8", "workload": {"type": "lm", "steps": 5}})
     store.transition("bad-1", JobState.FAILED, "boom")
     assert run("status", "good-1").exit_code == 0
     r = run("status", "bad", "--events")

@@ -46,7 +46,8 @@ def served(tmp_path):
     home = Home(tmp_path / "home").ensure()
     store = Store(home.db)
     preempted_job(store, "lm-p1a2b3")
-    store.create_job("run-0a0b0c", "run", {"accelerator": "v4-16", "tier": "spot", "workload": {"steps": 100}})
+    store.create_job("run-0a0b0c", "run", {"name": "run", "accelerator": "v4-16", "tier": "spot",
+                                          "workload": {"type": "lm", "steps": 100}})
     store.transition("run-0a0b0c", JobState.PROVISIONING, "x")
     store.transition("run-0a0b0c", JobState.STARTING, "x")
     store.transition("run-0a0b0c", JobState.RUNNING, "x")

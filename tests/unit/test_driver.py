@@ -124,7 +124,7 @@ def test_a_make_before_break_move_switches_to_the_slice_that_came_ready_beside(w
     world.on_step = lambda group, step: setattr(driver.att, "next_decision", 0.0)  # ask the policy every poll
     world.run(driver)
     job = world.store.job("job")
-    assert job.state is JobState.SUCCEEDED and job.spec["accelerator"] == "v4-32"
+    assert job.state is JobState.SUCCEEDED and job.spec.accelerator == "v4-32"
     g1, g2 = world.groups
     assert (g1.hosts, g2.hosts) == (2, 4)
     names = [e.data["name"] for e in events(world, EventKind.SLICE) if e.data.get("state") == "READY"]

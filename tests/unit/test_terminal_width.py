@@ -29,7 +29,8 @@ J = JobState
 
 
 def _running(store, job_id, name, *, steps=1000, done=73, accelerator="v4-8"):
-    store.create_job(job_id, name, {"accelerator": accelerator, "tier": "spot", "workload": {"steps": steps}})
+    store.create_job(job_id, name, {"name": name, "accelerator": accelerator, "tier": "spot",
+                                       "workload": {"type": "lm", "steps": steps}})
     store.transition(job_id, J.PROVISIONING, f"requesting {accelerator} (spot)")
     store.transition(job_id, J.STARTING, "slice ready")
     store.add_event(job_id, Launched(f"{job_id}-1", ["n1"], [1], 1), "launched")
@@ -49,7 +50,8 @@ def home(tmp_path, monkeypatch):
     store.add_event("resized-c0ffee", ResizeAsked("v4-16", "v4-32", "spot", "requested by the user", 12345),
                     "resizing v4-16 spot -> v4-32 spot: requested by the user")
     store.create_job("waiting-for-a-very-long-name-of-forty-c-123abc", "waiting-for-a-very-long-name-of-forty-c",
-                     {"accelerator": "v4-128", "tier": "on-demand", "workload": {"steps": 100}})
+                     {"name": "waiting-for-a-very-long-name-of-forty-c", "accelerator": "v4-128",
+                      "tier": "on-demand", "workload": {"type": "lm", "steps": 100}})
     store.transition("waiting-for-a-very-long-name-of-forty-c-123abc", J.QUEUED,
                      "waiting for capacity: v4-128 on-demand (up to 7200 s) behind gru-lm-disruption-3f2a1c, "
                      "0 of 8 hosts free")

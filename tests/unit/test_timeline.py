@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from orchestrator.domain.spec import JobSpec
 from orchestrator.observe.report import _MARKER_STYLE, report_series, write_report
 from orchestrator.observe.timeline import MARKER_KINDS, MARKER_TITLES, disruption_cause, markers, move_line
 from orchestrator.state.events import Adopted, Disrupted, Launched, ResizeAsked, StateChange
@@ -61,7 +62,7 @@ def test_the_report_draws_them_all(store, tmp_path):
 
 def test_status_says_what_a_move_is_doing(tmp_path):
     s = Store(tmp_path / "state.db")
-    s.create_job("j-1", "j", {"accelerator": "v4-8", "tier": "spot", "workload": {"steps": 10}})
+    s.create_job("j-1", "j", {"name": "j", "accelerator": "v4-8", "workload": {"type": "lm", "steps": 10}})
     for state in (JobState.PROVISIONING, JobState.STARTING):
         s.transition("j-1", state, "x")
     s.add_event("j-1", Launched("j-1-1", ["n"], [1], 1), "launched")
@@ -74,7 +75,8 @@ def test_status_says_what_a_move_is_doing(tmp_path):
     assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: waiting for capacity"
     s.add_event("j-1", ResizeAsked("v4-8", "v4-32", "spot", "ready", 5), "switching")
     assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: checkpointing (step 5), then the old slice goes"
-    s.update_spec("j-1", {"accelerator": "v4-32", "tier": "spot", "workload": {"steps": 10}})
+    moved = {"name": "j", "accelerator": "v4-32", "workload": {"type": "lm", "steps": 10}}
+    s.update_spec("j-1", JobSpec.from_dict(moved))
     s.transition("j-1", JobState.RESIZING, "moving")
     assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: releasing the old slice"
     s.transition("j-1", JobState.QUEUED, "waiting")

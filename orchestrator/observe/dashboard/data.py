@@ -62,7 +62,7 @@ class DashboardData:
 
     def job_row(self, job: JobRecord, *, now: float, queue_position: int | None = None) -> dict:
         """One job's line: state, step of total, loss, tokens/s, goodput, dollars so far and expected, wall time."""
-        spec = job.spec
+        spec = job.stored_spec
         last = self.store.last_step(job.id)
         g = self.goodput(job, now=now)
         total = (spec.get("workload") or {}).get("steps")
@@ -139,7 +139,7 @@ class DashboardData:
         g = self.goodput(job, now=now)
         wall = g.wall_s or 1.0
         row.update({
-            "spec": {k: v for k, v in job.spec.items() if not k.startswith("_")},
+            "spec": {k: v for k, v in job.stored_spec.items() if not k.startswith("_")},
             "error": job.error if job.state is JobState.FAILED else None,
             "curves": _curves(steps),
             "chips": _chips(events, start=g.start, end=max(g.end, now if not job.state.terminal else g.end)),
@@ -171,7 +171,7 @@ def _zone(rec: SliceRecord, job: JobRecord | None) -> str:
         return str(rec.data["zone"])
     if rec.provider == "local":
         return "local"
-    spec = job.spec if job else {}
+    spec = job.stored_spec if job else {}
     zones = (spec.get("gcp") or {}).get("zones") or []
     return spec.get("zone") or (", ".join(zones) if zones else "?")
 
@@ -242,7 +242,7 @@ def _event_row(e: Event) -> dict:
 def _resize_choices(job: JobRecord) -> dict:
     """The slice types and tiers a RUNNING job may be resized to (its generation's sizes)."""
     try:
-        t = catalog.lookup(job.spec.get("accelerator", ""))
+        t = catalog.lookup(job.stored_spec.get("accelerator", ""))
         types = [x.name for x in catalog.same_generation(t)]
     except Exception:
         types = list(CATALOG)
