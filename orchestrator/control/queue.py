@@ -33,12 +33,13 @@ def _waiting(job: JobRecord) -> Waiting:
 
 
 def queue_position(store: Store, job: JobRecord) -> int | None:
-    """The job's place in its line (1 = next), or None when it is not QUEUED."""
+    """The job's place in its line (1 = next), or None when it is not QUEUED (or no longer: `job` was read
+    before the line, and it may have left it meanwhile, admitted or cancelled)."""
     if job.state is not JobState.QUEUED:
         return None
     same = [_waiting(j) for j in store.jobs(active_only=True)
             if j.state is JobState.QUEUED and j.spec.provider == job.spec.provider]
-    return next(i for i, w in enumerate(line(same), 1) if w.job_id == job.id)
+    return next((i for i, w in enumerate(line(same), 1) if w.job_id == job.id), None)
 
 
 class AdmissionQueue:

@@ -50,3 +50,20 @@ def test_retry_after_doubles_to_a_cap_with_jitter(refusals, jitter, expected):
     from policies.decisions.admission import retry_after
 
     assert retry_after(refusals, jitter) == pytest.approx(expected)
+
+
+def test_a_job_that_left_the_line_since_it_was_read_has_no_place(tmp_path):
+    """`status` reads the job, then the line: a job admitted or cancelled in between has no place (None),
+    not an error."""
+    from orchestrator.control.queue import queue_position
+    from orchestrator.state.states import JobState
+    from orchestrator.state.store import Store
+
+    store = Store(tmp_path / "state.db")
+    for job_id in ("a", "b"):
+        store.create_job(job_id, job_id, {"name": job_id, "accelerator": "v4-16", "workload": {"type": "lm"}})
+        store.transition(job_id, JobState.QUEUED, "waiting for hosts")
+    read = store.job("b")
+    assert queue_position(store, read) == 2
+    store.transition("b", JobState.CANCELLED, "cancelled by the user")
+    assert queue_position(store, read) is None
