@@ -341,7 +341,7 @@ class Controller:
                                      f"generation {job.generation} ({missed} missed steps recorded)")
             elif job.state in (JobState.STARTING, JobState.RUNNING):  # its workers went with the cluster
                 driver.lost_with_the_cluster(job.generation)
-            elif job.state not in (JobState.PENDING, JobState.QUEUED):
+            elif job.state not in (JobState.PENDING, JobState.QUEUED, JobState.RECOVERING):
                 driver.transition(JobState.RECOVERING, "the controller restarted; relaunching")
             self._start(driver)
         for recs in live.values():  # slices of jobs that are over

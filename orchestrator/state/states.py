@@ -54,7 +54,9 @@ _J = JobState
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _J.PENDING: frozenset({_J.QUEUED, _J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
     _J.QUEUED: frozenset({_J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
-    _J.PROVISIONING: frozenset({_J.QUEUED, _J.STARTING, _J.RECOVERING, _J.FAILED, _J.CANCELLED}),
+    # PROVISIONING again: a request refused for capacity and another asked for at once (an autoscaled
+    # job's policy names the next size or tier instead of queueing).
+    _J.PROVISIONING: frozenset({_J.PROVISIONING, _J.QUEUED, _J.STARTING, _J.RECOVERING, _J.FAILED, _J.CANCELLED}),
     _J.STARTING: frozenset({_J.RUNNING, _J.RECOVERING, _J.SUCCEEDED, _J.FAILED, _J.CANCELLED}),
     _J.RUNNING: frozenset({_J.SUCCEEDED, _J.RECOVERING, _J.RESIZING, _J.FAILED, _J.CANCELLED}),
     _J.RECOVERING: frozenset({_J.QUEUED, _J.PROVISIONING, _J.FAILED, _J.CANCELLED}),

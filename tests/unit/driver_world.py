@@ -17,7 +17,7 @@ from orchestrator.control.driver import JobDriver
 from orchestrator.control.queue import AdmissionQueue
 from orchestrator.control.store_faults import HeldWrites, StoreHealth
 from orchestrator.domain.spec import JobSpec
-from orchestrator.providers.base import Host, Slice, SliceEvent, SliceEventKind, SliceRequest
+from orchestrator.providers.base import CapacityError, Host, Slice, SliceEvent, SliceEventKind, SliceRequest
 from orchestrator.state.events import SliceChanged
 from orchestrator.state.states import SliceState
 from orchestrator.state.store import Store
@@ -32,6 +32,7 @@ class FakeProvider:
 
     def __init__(self, store: Store):
         self.store = store
+        self.refuse: list[str] = []  # accelerators refused at once, one request each, in order
         self.slices: dict[str, Slice] = {}
         self.events: list[SliceEvent] = []
         self.lock = threading.Lock()
@@ -45,6 +46,9 @@ class FakeProvider:
         return s
 
     def request(self, req: SliceRequest) -> Slice:
+        if self.refuse and self.refuse[0] == req.tpu_type.name:
+            self.refuse.pop(0)
+            raise CapacityError(f"no {req.tpu_type.name} {req.tier.value} capacity now", slice_name=req.name)
         hosts = tuple(Host(i, f"{req.name}-w{i}") for i in range(req.tpu_type.hosts))
         self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.REQUESTED, provider="local"))
         return self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.READY, hosts,

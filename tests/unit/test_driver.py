@@ -137,6 +137,26 @@ def test_a_make_before_break_move_switches_to_the_slice_that_came_ready_beside(w
     assert starting.data.get("overlap_s") is not None  # the new slice overlapped the old one
 
 
+def test_a_refused_request_is_followed_by_the_policys_next_choice_without_a_failure(world):
+    """An autoscaled job's spot request refused at once: the policy is asked again and its next choice
+    requested (PROVISIONING again, an allowed move), spending no failure and queueing nothing."""
+    driver = world.submit(spec(autoscaling={"accelerators": ["v4-16", "v4-32"]}, deadline="PT24H"))
+    world.provider.refuse = ["v4-32"]
+    asked = []
+
+    def decide(spec_, current, *, ready=False):
+        asked.append(current)
+        name = "v4-32" if len(asked) == 1 else "v4-16"  # the big one first; refused, the small one
+        return choice(Move(target=option(name)), name)
+
+    driver._decide = decide
+    world.run(driver)
+    job = world.store.job("job")
+    assert job.state is JobState.SUCCEEDED and job.failures == 0 and job.spec.accelerator == "v4-16"
+    assert states(world)[:4] == ["PENDING", "PROVISIONING", "PROVISIONING", "STARTING"]
+    assert "QUEUED" not in states(world) and len(world.groups) == 1
+
+
 def test_a_budget_stop_ends_the_job_failed_budget_at_a_committed_step(world, monkeypatch):
     from orchestrator.control import limits
     from policies.decisions import limits as rules
