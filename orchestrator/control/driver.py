@@ -324,6 +324,8 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
                 raise CapacityError(why, slice_name=w.name)
             assert s is not None, "a request not refused has its slice"
             if kind is Look.READY:
+                if self.store.job(self.job_id).state is JobState.QUEUED:  # capacity came and hosts joined between looks
+                    self.transition(JobState.PROVISIONING, f"capacity came for slice {w.name}; its hosts joined")
                 return s
             if not self._still_wanted(spec):
                 release(att.chosen_provider, w.name, "the policy no longer wants it")

@@ -33,6 +33,7 @@ class FakeProvider:
     def __init__(self, store: Store):
         self.store = store
         self.refuse: list[str] = []  # accelerators refused at once, one request each, in order
+        self.waits = 0  # looks a new slice stays WAITING for capacity, then READY at the next one
         self.slices: dict[str, Slice] = {}
         self.events: list[SliceEvent] = []
         self.lock = threading.Lock()
@@ -51,11 +52,22 @@ class FakeProvider:
             raise CapacityError(f"no {req.tpu_type.name} {req.tier.value} capacity now", slice_name=req.name)
         hosts = tuple(Host(i, f"{req.name}-w{i}") for i in range(req.tpu_type.hosts))
         self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.REQUESTED, provider="local"))
+        if self.waits:
+            self.looks_left = self.waits
+            return self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.WAITING,
+                                   provider="local"))
         return self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.READY, hosts,
                                "local"))
 
     def check(self, name: str) -> Slice:
-        return self.slices[name]
+        s = self.slices[name]
+        if s.state is SliceState.WAITING:
+            self.looks_left -= 1
+            if self.looks_left < 0:  # capacity came and the hosts joined between two looks
+                hosts = tuple(Host(i, f"{name}-w{i}") for i in range(s.tpu_type.hosts))
+                self._put(Slice(s.name, s.job_id, s.tpu_type, s.tier, s.zone, SliceState.PROVISIONING, (), "local"))
+                return self._put(Slice(s.name, s.job_id, s.tpu_type, s.tier, s.zone, SliceState.READY, hosts, "local"))
+        return s
 
     def wait_ready(self, name: str, *, timeout_s: float) -> Slice:
         return self.slices[name]

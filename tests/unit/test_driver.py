@@ -87,22 +87,21 @@ def test_a_notice_stops_at_a_committed_step_and_nothing_is_recomputed(world):
 
 def test_a_transition_the_store_refuses_stops_the_driver_loudly(world, caplog):
     driver = world.submit(spec())
-    request = world.provider.request
 
-    def request_then_another_writer_moves_the_job(req):
-        s = request(req)
-        world.store.transition("job", JobState.QUEUED, "someone else's write")  # PROVISIONING -> QUEUED
-        return s
+    def another_writer_moves_the_job(group, step):
+        if step == 3:  # as a second controller on the same store might: RUNNING -> RESIZING
+            world.store.transition("job", JobState.RESIZING, "someone else's write")
 
-    world.provider.request = request_then_another_writer_moves_the_job
+    world.on_step = another_writer_moves_the_job
     with caplog.at_level(logging.ERROR, logger="orchestrator.control.driver"):
         world.run(driver)
     job = world.store.job("job")
     assert job.state is JobState.FAILED and job.cause == FailedBecause.CONTROLLER.value
     assert "controller error: IllegalTransitionError" in job.reason
-    assert "cannot go from QUEUED to STARTING" in job.reason
+    assert "cannot go from RESIZING to SUCCEEDED" in job.reason  # the training ended; the store refused
     assert "controller error" in caplog.text
-    assert world.groups == [] and set(slice_states(world).values()) == {SliceState.RELEASED}
+    [group] = world.groups
+    assert group.stopped and set(slice_states(world).values()) == {SliceState.RELEASED}
 
 
 def test_a_make_before_break_move_switches_to_the_slice_that_came_ready_beside(world):
@@ -155,6 +154,14 @@ def test_a_refused_request_is_followed_by_the_policys_next_choice_without_a_fail
     assert job.state is JobState.SUCCEEDED and job.failures == 0 and job.spec.accelerator == "v4-16"
     assert states(world)[:4] == ["PENDING", "PROVISIONING", "PROVISIONING", "STARTING"]
     assert "QUEUED" not in states(world) and len(world.groups) == 1
+
+
+def test_a_slice_that_comes_ready_between_two_looks_takes_the_job_from_queued_through_provisioning(world):
+    driver = world.submit(spec())
+    world.provider.waits = 2
+    world.run(driver)
+    assert world.store.job("job").state is JobState.SUCCEEDED
+    assert states(world)[:5] == ["PENDING", "PROVISIONING", "QUEUED", "PROVISIONING", "STARTING"]
 
 
 def test_a_budget_stop_ends_the_job_failed_budget_at_a_committed_step(world, monkeypatch):
