@@ -82,7 +82,7 @@ class WorkerGroup(Protocol):
     def ping(self) -> tuple[WorkerGone | None, list[int]]:
         """A worker gone (as soon as one is known), else the ranks that neither answered nor died in time."""
 
-    def died(self, error: WorkerGone, store: Store, job_id: str) -> Outcome:
+    def died(self, error: WorkerGone) -> Outcome:
         """How a worker's process went, once the provider has not said its host went: INFRA_LOST or
         WORKER_ABORTED (its native error in the job's log)."""
 
@@ -179,9 +179,9 @@ class RayWorkerGroup:
                 return WorkerGone(type(e).__name__, str(e)), []
         return None, [refs.index(r) for r in pending]
 
-    def died(self, error: WorkerGone, store: Store, job_id: str) -> Outcome:
+    def died(self, error: WorkerGone) -> Outcome:
         at = time.time()
-        placed = _placed(store, job_id, self.att.generation)
+        placed = _placed(self.store, self.job_id, self.att.generation)
         dead = [rank for rank, w in enumerate(self.workers) if not _answers(w)]
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         for rank in dead:
@@ -198,7 +198,7 @@ class RayWorkerGroup:
                                                        f"{type(e).__name__})", at=at)
             said = telling_lines(tail or "")
             summary = native_error(tail) if tail is not None else "its stderr is not in its node's log folder"
-            log_lines(store, job_id, rank, [f"its worker process died: {summary}", *said])
+            self._log_lines(rank, [f"its worker process died: {summary}", *said])
             return Outcome(OutcomeKind.WORKER_ABORTED, f"host {rank}'s worker process died, its host still up: "
                                                        f"{summary}", traceback="\n".join(said) or None, at=at)
         return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_DIED} ({error.error_type})", at=at)
@@ -217,6 +217,14 @@ class RayWorkerGroup:
     def stop(self) -> None:
         kill_workers(self.workers, self.pg)
         self.workers, self.pg = [], None
+
+    def _log_lines(self, rank: int, lines: list[str]) -> None:
+        """Lines into the job's log (`orchestrator logs`), as the host's own."""
+        try:
+            with open(self.home.job_dir(self.job_id) / "job.log", "a") as f:
+                f.writelines(f"[host-{rank}] {line}\n" for line in lines)
+        except OSError as e:
+            log.warning("job %s: cannot write its log: %s", self.job_id, e)
 
 
 def _report_to(spec: JobSpec):
@@ -259,11 +267,3 @@ def _placed(store: Store, job_id: str, generation: int) -> list[tuple[str, int]]
             return list(zip(data.get("nodes") or [], data.get("pids") or []))
     return []
 
-
-def log_lines(store: Store, job_id: str, rank: int, lines: list[str]) -> None:
-    """Lines into the job's log (`orchestrator logs`), as the host's own."""
-    try:
-        with open(Home(store.path.parent).job_dir(job_id) / "job.log", "a") as f:  # the store is in the home
-            f.writelines(f"[host-{rank}] {line}\n" for line in lines)
-    except OSError as e:
-        log.warning("job %s: cannot write its log: %s", job_id, e)

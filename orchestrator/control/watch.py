@@ -124,7 +124,7 @@ def worker_died(store: Store, job_id: str, att: Attempt, error: WorkerGone) -> O
     at = time.time()
     if (lost := _host_lost(att)) is not None:
         return Outcome(OutcomeKind.INFRA_LOST, lost, at=at)
-    return att.held_group.died(error, store, job_id)
+    return att.held_group.died(error)
 
 
 def _confirm_failure(store: Store, job_id: str, att: Attempt, failure: Outcome) -> Outcome:

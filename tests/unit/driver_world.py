@@ -11,7 +11,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from orchestrator import catalog
 from orchestrator.cluster.home import Home
 from orchestrator.control.driver import JobDriver
 from orchestrator.control.queue import AdmissionQueue
@@ -181,7 +180,7 @@ class ScriptedGroup:
     def ping(self):
         return None, []
 
-    def died(self, error, store, job_id):
+    def died(self, error):
         raise AssertionError("no worker dies alone in these tests")
 
     def history(self):
@@ -200,6 +199,3 @@ def spec(**extra) -> dict:
                          "seq_len": 16, "global_batch_size": 16},
             "checkpoint": {"interval_steps": 5}, **extra}
 
-
-def chips(accelerator: str) -> int:
-    return catalog.lookup(accelerator).chips
