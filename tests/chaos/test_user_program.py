@@ -125,7 +125,7 @@ def test_user_program_resized_up_and_down(client, tmp_path, tokens, reference):
     ctrl = client.controller()
     wait_running_at(job, 5)
     ray.get(ctrl.resize.remote(job.id, "v4-32", "test: more speed"))
-    wait_running_at(job, 11)
+    wait_running_at(job, 11, generation=2)
     ray.get(ctrl.resize.remote(job.id, "v4-16", "test: back down"))
     assert_same_model(job, reference)
     assert [len(e.data["nodes"]) for e in kinds(job, "launched")] == [2, 4, 2]

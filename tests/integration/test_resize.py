@@ -11,11 +11,14 @@ from tests.conftest import assert_losses_close, run_reference
 from tests.integration.test_local_jobs import tiny_spec
 
 
-def wait_running_at(job, step: int) -> None:
+def wait_running_at(job, step: int, generation: int = 1) -> None:
+    """Until `generation` (its n-th launch) runs past `step`: the old slice may train a few steps more
+    before it stops at the agreed step, so a step alone does not say the new slice runs."""
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         st = job.status()
-        if st.state is JobState.RUNNING and st.step >= step:
+        launches = sum(1 for e in job.events() if e.kind == "launched")
+        if st.state is JobState.RUNNING and st.step >= step and launches >= generation:
             return
         assert not st.done, st.reason
         time.sleep(0.1)
@@ -28,7 +31,7 @@ def test_resize_up_and_down_keeps_the_loss_curve(client, tmp_path):
     ctrl = client.controller()
     wait_running_at(job, 5)
     ray.get(ctrl.resize.remote(job.id, "v4-32", "test: more speed"))
-    wait_running_at(job, 11)
+    wait_running_at(job, 11, generation=2)
     assert job.record().spec.accelerator == "v4-32"
     ray.get(ctrl.resize.remote(job.id, "v4-16", "test: back down"))
     st = job.wait(timeout_s=600)
