@@ -87,6 +87,7 @@ class Context:
     agreed_stop: Callable[[], bool] | None = None  # whether any host got a notice (all must call it)
     send: Callable[[Report], None] = lambda report: None  # to the controller
     profiler: Any = None  # the host's `workers.profiling.Profiler`: captures asked for from outside
+    keeper: Any = None  # this host's `workers.memory.HostMemory` (a multi-slice job's first tier), or None
 
     def __post_init__(self):
         self._mesh: Mesh | None = None
@@ -95,7 +96,14 @@ class Context:
         self.restored_step: int | None = None
         self.unreadable: tuple[int, ...] = ()
         self.restore_s = 0.0
+        self.restored_from = "storage"
+        self.memory_miss: str | None = None
         self.last_loop: Loop | None = None
+        self.keeping = None
+        if self.keeper is not None:
+            from workers.memory import Keeping
+
+            self.keeping = Keeping(self.keeper, self.send)
 
     def __getattr__(self, name: str) -> Any:
         """The settings read through (`ctx.steps` is `ctx.settings.steps`), as programs written
@@ -169,8 +177,17 @@ class Context:
         if shardings is None:
             shardings = self.shardings(abstract)
         state = None
-        if self.checkpoints is not None:
-            target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+        target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+        step = self.settings.memory_step
+        if step is not None and self.keeper is not None:  # the survivors of a lost slice: their own copy
+            from workers.memory import MemoryMiss, recall
+
+            try:
+                state, self.restored_step, self.restored_from = recall(self.keeper, step, target), step, "memory"
+            except MemoryMiss as e:
+                self.memory_miss = str(e)
+                log.warning("host memory: no usable copy of step %d (%s); restoring from storage", step, e)
+        if state is None and self.checkpoints is not None:
             found, unreadable = self.checkpoints.restore_newest(target)
             self.unreadable = tuple(unreadable)
             if found is not None:
@@ -236,7 +253,8 @@ class Context:
         if tokens_per_step is None:
             tokens_per_step = self.settings.tokens_per_step
         first = start if start is not None else (self.restored_step or 0)
-        self.send(Timings(self.restore_s, compile_s, self.restored_step, self.unreadable))
+        self.send(Timings(self.restore_s, compile_s, self.restored_step, self.unreadable, self.restored_from,
+                          self.memory_miss))
         self.last_loop = Loop(self, state, first, flops_per_step=flops_per_step, tokens_per_step=tokens_per_step)
         return self.last_loop
 
@@ -288,6 +306,7 @@ class Loop:
         self._awaiting_done = False
         self._pending: _Pending | None = None
         self._ready_at = time.perf_counter()  # when the previous step's values were on the host
+        self._step_s: float | None = None  # the last step's time
 
     def __iter__(self) -> Iterator[int]:
         profiler = self.ctx.profiler
@@ -326,6 +345,8 @@ class Loop:
         stop = bool(ctx.agreed_stop()) if ctx.agreed_stop else bool(ctx.stop_requested())  # all hosts ask
         if self.step % ctx.settings.checkpoint_interval == 0 or self.step == self.total or stop:
             self._save()
+        if ctx.keeping is not None:  # the first tier: this host's shards, in its memory
+            ctx.keeping.after_step(self.step, state, self._step_s)
         self._pending = _Pending(self.step - 1, loss, metrics)
         if stop:
             self.stopped = True
@@ -350,6 +371,7 @@ class Loop:
         metrics = {k: _scalar(v) for k, v in p.metrics.items()}
         now = time.perf_counter()
         step_time, self._ready_at = now - self._ready_at, now
+        self._step_s = step_time
         tokens_per_s = self.tokens_per_step / step_time if self.tokens_per_step and step_time > 0 else None
         metrics.update(self._utilisation(step_time))
         self.ctx.send(StepDone(p.step, loss, tokens_per_s, step_time, metrics))

@@ -119,6 +119,7 @@ class HostWorker:
         self._controller: ray.actor.ActorHandle | None = None
         self._notice = threading.Event()
         self._notice_reason: str | None = None
+        self.multislice: dict[str, str] = {}  # this launch's multislice settings (`runtime.multislice_env`)
         self._result: WorkerResult | None = None
         self._ctx: api.Context | None = None  # the training API's context of the running program
         self._history: list[dict] = []
@@ -144,7 +145,7 @@ class HostWorker:
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "rank": self.rank,
-                "pid": os.getpid()}
+                "pid": os.getpid(), "multislice": self.multislice}
 
     def coordinator_address(self) -> str:
         ip = ray.util.get_node_ip_address()
@@ -206,8 +207,11 @@ class HostWorker:
             self._fence_dir = workload.get("fence_dir")
             if workload.get("metadata_url"):
                 watcher = MetadataWatcher(workload["metadata_url"], self._notice, self._on_notice)
-            runtime.initialize(coordinator_address=coordinator, num_processes=self.num_hosts, process_id=self.rank,
-                               host_address=ray.util.get_node_ip_address(), share_key=share_key)
+            settings = workload["settings"]
+            self.multislice = runtime.initialize(
+                coordinator_address=coordinator, num_processes=self.num_hosts, process_id=self.rank,
+                host_address=ray.util.get_node_ip_address(), share_key=share_key,
+                slice_id=self.rank * settings.slices // self.num_hosts, num_slices=settings.slices)
             self._send(Ready(time.perf_counter() - t0))
             if workload["type"] == "lm":
                 result = self._run_lm(workload)
@@ -255,7 +259,8 @@ class HostWorker:
         self._steps_total = settings.steps
         self._ctx = api.Context(rank=self.rank, num_hosts=self.num_hosts, args=workload.get("args", {}),
                                 settings=settings, stop_requested=self._notice.is_set, may_write=self._may_write,
-                                agreed_stop=self._any_host_noticed, send=self._send, profiler=self._profiler)
+                                agreed_stop=self._any_host_noticed, send=self._send, profiler=self._profiler,
+                                keeper=workload.get("keeper"))
         return self._ctx
 
     def _ended(self, loop) -> WorkerResult:

@@ -27,6 +27,8 @@ class Timings:
     compile_s: float
     restored_step: int | None
     unreadable: tuple[int, ...] = ()  # checkpoints it fell back past
+    source: str = "storage"  # where the restored step came from: storage, or the hosts' memory (`workers.memory`)
+    memory_miss: str | None = None  # why a restore from memory was refused (then it came from storage)
 
 
 # The metrics the training API's loop adds to a step's own (`workers.api.Loop`); any other name is the program's.
@@ -49,6 +51,15 @@ class Saved:
 
     step: int
     blocking_s: float | None = None
+
+
+@dataclass(frozen=True)
+class MemoryKept:
+    """How often the hosts copy the state to their memory (`workers.memory`), from what a copy costs."""
+
+    every: int  # steps between copies: a lost slice loses at most every - 1 steps
+    copy_s: float
+    step_s: float
 
 
 @dataclass(frozen=True)
@@ -79,7 +90,7 @@ class ProfileDone:
     error: str | None = None
 
 
-Report = Ready | Timings | StepDone | Saved | Noticed | Lines | ProfileDone
+Report = Ready | Timings | StepDone | Saved | MemoryKept | Noticed | Lines | ProfileDone
 
 
 class Ending(str, enum.Enum):

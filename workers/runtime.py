@@ -36,7 +36,8 @@ def configure(*, platform: str | None, devices_per_host: int, compile_cache_dir:
 
 
 def initialize(*, coordinator_address: str | None, num_processes: int, process_id: int,
-               host_address: str | None = None, share_key: bytes | None = None, timeout_s: int = 120) -> None:
+               host_address: str | None = None, share_key: bytes | None = None, timeout_s: int = 120,
+               slice_id: int = 0, num_slices: int = 1) -> dict[str, str]:
     """Join the multi-host runtime; a single host needs no handshake.
 
     Nothing listens beyond the cluster's own address: process 0 serves the runtime's
@@ -49,9 +50,12 @@ def initialize(*, coordinator_address: str | None, num_processes: int, process_i
     global _share_key
     for key in [k for k in os.environ if k.startswith("MEGASCALE_")]:
         del os.environ[key]  # stale values from an earlier slice make initialize() hang
+    multislice = multislice_env(coordinator_address, slice_id, num_slices)
+    if jax.config.jax_platforms != "cpu":  # type: ignore[attr-defined]  # TPU slices talk over DCN through it
+        os.environ.update(multislice)
     _share_key = share_key
     if num_processes == 1:
-        return
+        return multislice
     jax.distributed.initialize(coordinator_address=coordinator_address, num_processes=num_processes,
                                process_id=process_id, initialization_timeout=timeout_s,
                                coordinator_bind_address=coordinator_address)
@@ -65,6 +69,20 @@ def initialize(*, coordinator_address: str | None, num_processes: int, process_i
             assert coordinator_address is not None, "several processes are given their coordinator (launch does)"
             host_address = coordinator_address.rsplit(":", 1)[0]
         _pin_gloo(host_address)
+    return multislice
+
+
+MEGASCALE_PORT = 8080
+
+
+def multislice_env(coordinator_address: str | None, slice_id: int, num_slices: int) -> dict[str, str]:
+    """The multislice runtime's settings for this launch (TPU reads them from the environment), worked
+    out afresh each time: slice 0's first host coordinates. Empty for a single slice."""
+    if num_slices <= 1 or coordinator_address is None:
+        return {}
+    return {"MEGASCALE_COORDINATOR_ADDRESS": f"{coordinator_address.rsplit(':', 1)[0]}:{MEGASCALE_PORT}",
+            "MEGASCALE_NUM_SLICES": str(num_slices), "MEGASCALE_SLICE_ID": str(slice_id),
+            "MEGASCALE_PORT": str(MEGASCALE_PORT)}
 
 
 def _pin_gloo(host: str) -> None:

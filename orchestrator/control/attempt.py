@@ -1,4 +1,4 @@
-"""What a job's driver knows of its current attempt: one slice, one generation of workers (its group).
+"""What a job's driver knows of its current attempt: its slices, one generation of workers (its group).
 
 In memory only (the store has the rest); a driver keeps one `Attempt` for the job's whole
 life and resets the per-launch fields at each launch.
@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from orchestrator.control.memory import drop_keepers
 from orchestrator.providers.base import Slice, SliceProvider
 
 if TYPE_CHECKING:
@@ -22,7 +23,8 @@ if TYPE_CHECKING:
 class Attempt:
     generation: int = 0
     provider: SliceProvider | None = None  # of the current slice
-    slice: Slice | None = None
+    slice: Slice | None = None  # the first (or only) slice
+    others: list[Slice] = field(default_factory=list)  # a multi-slice job's other slices, in slice order
     group: WorkerGroup | None = None  # the workers of `generation` on `slice`, once launched
     started: bool = False  # every host joined the runtime
     accepting: bool = False  # whether reports of `generation` still count (not once its attempt ended)
@@ -42,6 +44,10 @@ class Attempt:
     # the next launch goes to (the running one is released only after the switch).
     waiting: Waiting | None = None
     next_slice: Slice | None = None
+    next_others: list[Slice] = field(default_factory=list)
+    lost: set[str] = field(default_factory=set)  # slices of this attempt that went (a host gone, a reclaim)
+    memory_step: int | None = None  # the next launch restores this step from the survivors' memory
+    shrunk_from: str | None = None  # the next launch goes on the survivors of this many slices
     next_ready_at: float | None = None  # wall time the next slice became READY
     next_provision_s: float = 0.0  # from its request to READY
     requests: int = 0  # slice requests made by this driver, for unique names
@@ -61,6 +67,11 @@ class Attempt:
         return self.slice
 
     @property
+    def slices(self) -> list[Slice]:
+        """Every slice the attempt holds, in slice order (slice-major process ids)."""
+        return [self.slice, *self.others] if self.slice is not None else []
+
+    @property
     def held_group(self) -> WorkerGroup:
         """`group`, where the code runs only while the attempt's workers are launched."""
         if self.group is None:
@@ -70,16 +81,21 @@ class Attempt:
     def begin(self, generation: int) -> None:
         """A new launch: reports of `generation` count from now on."""
         self.generation, self.started, self.last_step, self.notice, self.accepting = generation, False, -1, None, True
+        self.lost = set()
 
     def teardown(self) -> None:
-        """End the workers and release the slice (each idempotent); reports of this generation no longer count."""
+        """End the workers and release the slices (each idempotent) but those the next launch goes on
+        (the survivors of a lost slice); reports of this generation no longer count."""
         self.accepting = False  # a dying group's last words must not land after its disruption
         if self.group is not None:
             self.group.stop()
             self.group = None
-        if self.slice is not None:
-            self.chosen_provider.release(self.slice.name)
-            self.slice = None
+        kept = {s.name for s in [self.next_slice, *self.next_others] if s is not None}
+        for s in self.slices:
+            if s.name not in kept:
+                drop_keepers(s)  # the copies in its hosts' memory go with it
+                self.chosen_provider.release(s.name)
+        self.slice, self.others = None, []
 
     def stop_requested(self, reason: str) -> None:
         if self.notice is None:

@@ -28,8 +28,9 @@ from orchestrator.control.attempt import Attempt
 from orchestrator.control.autoscaler import with_checkpoint_interval
 from orchestrator.control.captures import Captures
 from orchestrator.control.group import RayWorkerGroup, WorkerGroup
-from orchestrator.control.launch import write_fence
+from orchestrator.control.launch import training_settings, write_fence
 from orchestrator.control.limits import Limits
+from orchestrator.control.memory import common_step, drop_keepers
 from orchestrator.control.moves import AutoscalingMixin
 from orchestrator.control.reports import ReportsMixin
 from orchestrator.control.store_faults import HoldingStore
@@ -47,6 +48,7 @@ from orchestrator.state.events import (
 from orchestrator.state.states import FailedBecause, JobState, SliceState
 from orchestrator.state.store import Store
 from policies.decisions.recovery import Budgets, Next, Outcome, OutcomeKind, after
+from policies.model.sharding import MeshError
 
 if TYPE_CHECKING:
     from orchestrator.control.controller import Controller
@@ -128,9 +130,11 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         if att.waiting is not None:
             release(att.chosen_provider, att.waiting.name, why)
             att.waiting = None
-        if att.next_slice is not None:
-            release(att.chosen_provider, att.next_slice.name, why)
-            att.next_slice = None
+        for s in [att.next_slice, *att.next_others]:
+            if s is not None:
+                drop_keepers(s)
+                release(att.chosen_provider, s.name, why)
+        att.next_slice, att.next_others = None, []
 
     def _attempt(self) -> Outcome:
         att, job_id = self.att, self.job_id
@@ -153,7 +157,7 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
             t0 = time.monotonic()
             att.provider = self.plane.provider_for(spec)
             try:
-                att.next_slice = self._provision(spec, job.generation + 1, round_=refusals)
+                self._provision_all(spec, job.generation + 1, refusals)
             except CapacityError as e:  # waiting never spends max_failures
                 refused, refusals = str(e), refusals + 1
                 queued_since = queued_since or t0
@@ -161,10 +165,17 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
                     refused = None
             except ProvisioningError as e:
                 return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
-        att.slice, att.next_slice = att.next_slice, None
+        att.slice, att.next_slice, att.others, att.next_others = att.next_slice, None, att.next_others, []
         provision_s, overlap = time.monotonic() - t0, ""
         spec = self._on_slice(att.slice)
-        if att.next_ready_at is not None:  # a move made before break: the new slice waited beside the old one
+        if att.shrunk_from is not None:  # the survivors of a lost slice go on, from their memory if they can
+            n = len(att.slices)
+            from_where = (f"restoring step {att.memory_step} from their memory" if att.memory_step is not None
+                          else "restoring from storage")
+            self.transition(JobState.PROVISIONING, f"going on on the {n} surviving slice{'s' if n > 1 else ''} "
+                            f"of {att.shrunk_from} ({', '.join(s.name for s in att.slices)}), {from_where}")
+            provision_s, att.shrunk_from = 0.0, None
+        elif att.next_ready_at is not None:  # a move made before break: the new slice waited beside the old one
             provision_s = att.next_provision_s
             overlap = f"; it overlapped the old slice for {time.time() - att.next_ready_at:.1f} s"
             self.transition(JobState.PROVISIONING, f"slice {att.slice.name} ({spec.accelerator} {spec.tier.value}), "
@@ -183,14 +194,60 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
                                                         if att.next_ready_at is not None else None)))
             att.next_ready_at = None
             att.group = self.groups(self, spec)
-            if (failed := att.group.launch()) is not None:
+            failed = att.group.launch()
+            att.memory_step = None
+            if failed is not None:
                 return failed
             att.last_progress = time.monotonic()
             outcome = watch(self.store, job_id, spec, att, on_poll=self._on_poll)
             self.catch_up(outcome)
+            self._keep_survivors(outcome, spec)
             return outcome
         finally:
             att.teardown()
+
+    def _keep_survivors(self, outcome: Outcome, spec: JobSpec) -> None:
+        """A multi-slice attempt that lost some of its slices (a host gone, a reclaim, a notice): the
+        next launch goes on the others at once, from the newest step all their hosts hold in memory
+        (`orchestrator.control.memory`; from storage if none), at the same global batch. The lost
+        slices are released with the attempt; the policy may add one back later."""
+        att = self.att
+        if len(att.slices) < 2 or not att.lost or outcome.kind not in (OutcomeKind.INFRA_LOST,
+                                                                          OutcomeKind.PREEMPTED):
+            return
+        survivors = [s for s in att.slices if s.name not in att.lost]
+        if not survivors:
+            return
+        batch = spec.workload.global_batch_size
+        try:
+            training_settings(spec, spec.tpu_type.chips, spec.tpu_type.hosts, slices=len(survivors))
+        except MeshError as e:
+            log.warning("job %s: cannot go on on %d slices (%s); restarting on new ones", self.job_id,
+                        len(survivors), e)
+            return
+        if batch is not None and batch % len(survivors):
+            log.warning("job %s: global_batch_size=%d does not split over %d slices; restarting on new ones",
+                        self.job_id, batch, len(survivors))
+            return
+        step, why = common_step(survivors)
+        if step is None:
+            log.warning("job %s: the surviving slices hold no common copy in memory (%s); they restore from storage",
+                        self.job_id, why)
+        att.next_slice, att.next_others = survivors[0], survivors[1:]
+        att.memory_step, att.shrunk_from = step, f"{len(att.slices)} slices"
+
+    def _provision_all(self, spec: JobSpec, attempt: int, refusals: int) -> None:
+        """The attempt's slices, all READY (`next_slice`, `next_others`), or none held (CapacityError)."""
+        att = self.att
+        att.next_slice = self._provision(spec, attempt, round_=refusals)
+        try:
+            for part in range(1, spec.slices):
+                att.next_others.append(self._provision(spec, attempt, round_=refusals, part=part))
+        except ProvisioningError:
+            for s in [att.next_slice, *att.next_others]:
+                release(att.chosen_provider, s.name, "the job's other slices could not all be had")
+            att.next_slice, att.next_others = None, []
+            raise
 
     def _on_slice(self, s: Slice) -> JobSpec:
         """The spec the launch on `s` uses: the stored one, moved to `s`'s type and tier if it differs."""
@@ -273,7 +330,7 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         return sum(1 for e in self.store.events(self.job_id)
                    if e.kind is EventKind.DISRUPTION and (e.data or {}).get("kind") == OutcomeKind.WORKER_ABORTED.value)
 
-    def _provision(self, spec: JobSpec, attempt: int, *, round_: int = 0) -> Slice:
+    def _provision(self, spec: JobSpec, attempt: int, *, round_: int = 0, part: int = 0) -> Slice:
         """A ready slice, asking again (with backoff and jitter) while the failure is transient.
 
         A refusal for capacity is not retried here: the queue (and for autoscaled jobs the
@@ -282,7 +339,7 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         wants again is waited on rather than asked for anew.
         """
         provider = self.att.chosen_provider
-        stem = f"{self.job_id}-{attempt}" + (f"q{round_}" if round_ else "")
+        stem = f"{self.job_id}-{attempt}" + (f"q{round_}" if round_ else "") + (f"s{part}" if part else "")
         names = iter(f"{stem}{suffix}" for suffix in ["", "b", "c", "d"])
         key = (spec.accelerator, spec.tier.value)
 

@@ -26,7 +26,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from orchestrator import cluster
 from orchestrator.cluster.home import Home
-from orchestrator.control import shipping
+from orchestrator.control import memory, shipping
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
 from orchestrator.control.launch import workload_for
 from orchestrator.domain.spec import JobSpec
@@ -65,7 +65,7 @@ class WorkerGone(Exception):
 
 
 class WorkerGroup(Protocol):
-    """The workers of one generation on one slice, as the driver sees them."""
+    """The workers of one generation on the attempt's slices, as the driver sees them."""
 
     hosts: int
 
@@ -102,53 +102,68 @@ class RayWorkerGroup:
     def __init__(self, store: Store, home: Home, job_id: str, spec: JobSpec, att: Attempt,
                  workers: list[ActorHandle] | None = None, pg: PlacementGroup | None = None):
         self.store, self.home, self.job_id, self.spec, self.att = store, home, job_id, spec, att
-        self.workers: list[ActorHandle] = workers or []  # rank order
+        self.workers: list[ActorHandle] = workers or []  # rank order: slice-major
         self.pg = pg
-        self.hosts = att.held_slice.tpu_type.hosts
+        self.slices = att.slices
+        self.hosts = sum(s.tpu_type.hosts for s in self.slices)
 
     def launch(self) -> Outcome | None:
-        att, spec, s = self.att, self.spec, self.att.held_slice
-        t = s.tpu_type
+        att, spec, slices = self.att, self.spec, self.slices
+        t, first = slices[0].tpu_type, slices[0]
         timeout = spec.recovery.start_timeout_s
-        bundles = [{"TPU": float(t.chips_per_host), h.resource: 1.0} for h in s.hosts]
-        self.pg = placement_group(bundles, strategy="STRICT_SPREAD", name=pg_name(s.name, att.generation),
+        hosts = [h for s in slices for h in s.hosts]
+        bundles = [{"TPU": float(t.chips_per_host), h.resource: 1.0} for h in hosts]
+        self.pg = placement_group(bundles, strategy="STRICT_SPREAD", name=pg_name(first.name, att.generation),
                                   lifetime="detached")
+        names = ", ".join(s.name for s in slices)
+        where = f"slice {first.name}" if len(slices) == 1 else f"{len(slices)} slices {names}"
         try:
             ray.get(self.pg.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError:
             return Outcome(OutcomeKind.PROVISION_FAILED,
-                           f"the {t.hosts} workers of slice {s.name} could not all be placed within {timeout:.0f} s "
+                           f"the {len(hosts)} workers of {where} could not all be placed within {timeout:.0f} s "
                            f"(each needs {t.chips_per_host} TPU chips on its own host)", transient=True)
         code = shipping.kept(self.home.job_dir(self.job_id))
         env = shipping.runtime_env(code, ship_project=spec.provider != "local")  # what the hosts cannot have
+        # A multi-slice job's first tier: each host's copy of the state outlives its worker (`workers.memory`).
+        keepers = [k for s in slices for k in memory.keepers(s, env)] if len(slices) > 1 else [None] * len(hosts)
         actor = ray.remote(HostWorker)
         self.workers = [
             actor.options(  # type: ignore[misc]  # ray types .remote() of an actor class as the handle or the class
                 num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8, runtime_env=env,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
                 name=worker_name(s.name, att.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
-            .remote(job_id=self.job_id, generation=att.generation, rank=i, num_hosts=t.hosts,
+            .remote(job_id=self.job_id, generation=att.generation, rank=rank, num_hosts=len(hosts),
                     devices_per_host=t.chips_per_host, platform="cpu", compile_cache_dir=str(self.home.compile_cache),
                     controller=_report_to(spec), workload_type=spec.workload.type)
-            for i in range(t.hosts)
+            for rank, (s, i) in enumerate((s, i) for s in slices for i in range(s.tpu_type.hosts))
         ]
         placed: list[dict] = ray.get([w.info.remote() for w in self.workers], timeout=timeout)
-        self.store.add_event(self.job_id, Launched(s.name, [p["node_id"] for p in placed],
+        self.store.add_event(self.job_id, Launched(first.name, [p["node_id"] for p in placed],
                                                    [p["pid"] for p in placed], att.generation),
-                             f"{t.hosts} workers of generation {att.generation} on slice {s.name}")
+                             f"{len(hosts)} workers of generation {att.generation} on {where}")
         coordinator: str | None = None
-        if t.hosts > 1:
+        if len(hosts) > 1:
             # Ray types an actor handle's methods as Never.
             coordinator = ray.get(self.workers[0].coordinator_address.remote(), timeout=120)  # type: ignore[assignment]
-        workload = workload_for(spec, t.chips, t.hosts)
+        workload = workload_for(spec, t.chips, t.hosts, slices=len(slices), memory_step=att.memory_step)
         if code is not None:
             workload["workdir"] = None  # the shipped copy (the runtime environment's working_dir), not the folder
         share_key = secrets.token_bytes(32)  # seals what hosts hand each other through the coordinator
-        ray.get(self.workers[0].start.remote(coordinator, workload, share_key), timeout=120)
+        given = [{**workload, "keeper": k} for k in keepers]
+        ray.get(self.workers[0].start.remote(coordinator, given[0], share_key), timeout=120)
         if coordinator is not None:  # the others join once host 0 listens (an early one waits out a backoff)
             ray.get(self.workers[0].coordinator_listening.remote(coordinator, 10.0), timeout=30)
-        ray.get([w.start.remote(coordinator, workload, share_key) for w in self.workers[1:]], timeout=120)
+        ray.get([w.start.remote(coordinator, g, share_key) for w, g in zip(self.workers[1:], given[1:])], timeout=120)
         return None
+
+    def slice_of(self, rank: int) -> str:
+        """The name of the slice whose host `rank` is."""
+        for s in self.slices:
+            if rank < s.tpu_type.hosts:
+                return s.name
+            rank -= s.tpu_type.hosts
+        return self.slices[-1].name
 
     def results(self, timeout_s: float) -> list[WorkerResult | None] | None:
         try:
@@ -189,11 +204,13 @@ class RayWorkerGroup:
                 break
             node, pid = placed[rank]
             if node not in alive_nodes:
+                self.att.lost.add(self.slice_of(rank))
                 return Outcome(OutcomeKind.INFRA_LOST, f"host {rank} is gone (its Ray node {node[:12]} is dead)", at=at)
             try:
                 tail = ray.get(ray.remote(num_cpus=0, max_retries=0)(stderr_tail).options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid), timeout=PROBE_S)
             except Exception as e:  # the host cannot run a task: it is as good as gone
+                self.att.lost.add(self.slice_of(rank))
                 return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} (host {rank} runs no task: "
                                                        f"{type(e).__name__})", at=at)
             said = telling_lines(tail or "")

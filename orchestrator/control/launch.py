@@ -15,10 +15,12 @@ from workers.settings import LmSettings, TrainingSettings
 log = logging.getLogger(__name__)
 
 
-def workload_for(spec: JobSpec, devices: int, hosts: int) -> dict:
-    """What every host of a slice with `devices` chips on `hosts` hosts runs for `spec`."""
+def workload_for(spec: JobSpec, devices: int, hosts: int, *, slices: int = 1, memory_step: int | None = None) -> dict:
+    """What every host of `slices` slices, each with `devices` chips on `hosts` hosts, runs for `spec`;
+    `memory_step`: the step the survivors of a lost slice restore from their memory."""
     w = spec.workload
-    common = {"settings": training_settings(spec, devices, hosts), "fence_dir": spec.checkpoint.directory,
+    settings = training_settings(spec, devices, hosts, slices=slices, memory_step=memory_step)
+    common = {"settings": settings, "fence_dir": spec.checkpoint.directory,
               "storage_endpoint": spec.storage.endpoint, "metadata_url": metadata_url(spec)}
     if isinstance(w, EntrypointWorkload):
         return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "workdir": spec.workdir, **common}
@@ -33,16 +35,24 @@ def metadata_url(spec: JobSpec) -> str | None:
     return GCE_METADATA_URL if spec.provider == "gcp" else None
 
 
-def training_settings(spec: JobSpec, devices: int, hosts: int) -> TrainingSettings:
+def training_settings(spec: JobSpec, devices: int, hosts: int, *, slices: int = 1,
+                      memory_step: int | None = None) -> TrainingSettings:
     """The settings every host's program gets (`workers.api.Context.settings`), resolved for `spec`
-    on a slice of `devices` chips on `hosts` hosts."""
+    on `slices` slices of `devices` chips on `hosts` hosts each.
+
+    The mesh is planned for one slice and its batch share; several slices multiply its ``data``
+    axis, slice-major (the layout `mesh_utils.create_hybrid_device_mesh` gives TPU slices over
+    DCN): parameters are sharded only inside a slice, so each slice holds a whole copy.
+    """
     w = spec.workload
     shape = w.model.shape() if isinstance(w, LmWorkload) else None
     plan = plan_mesh(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(), shape=shape,
-                     global_batch_size=w.global_batch_size or devices)
+                     global_batch_size=(w.global_batch_size or devices * slices) // slices)
+    data, fsdp, model = plan.shape
     slice_type = _slice_type(spec, devices)
     return TrainingSettings(
-        steps=w.steps, seq_len=w.seq_len, global_batch_size=w.global_batch_size, seed=w.seed, mesh_shape=plan.shape,
+        steps=w.steps, seq_len=w.seq_len, global_batch_size=w.global_batch_size, seed=w.seed,
+        mesh_shape=(data * slices, fsdp, model), slices=slices, memory_step=memory_step,
         data=w.data.path if w.data else None, checkpoint_dir=spec.checkpoint.directory,
         checkpoint_interval=spec.checkpoint.interval_steps, checkpoint_keep=spec.checkpoint.keep,
         precision=w.precision.compute, remat=w.remat, microbatches=microbatches_for(spec, slice_type.name),

@@ -29,7 +29,7 @@ POLL_S = 0.5
 
 
 def _waiting(job: JobRecord) -> Waiting:
-    return Waiting(job.id, job.spec.priority, job.created_at, job.spec.tpu_type.hosts)
+    return Waiting(job.id, job.spec.priority, job.created_at, job.spec.tpu_type.hosts * job.spec.slices)
 
 
 def queue_position(store: Store, job: JobRecord) -> int | None:
@@ -90,7 +90,7 @@ class AdmissionQueue:
     def _decide(self, job: JobRecord, spec: JobSpec):
         waiting = [_waiting(j) for j in self.store.jobs(active_only=True)
                    if j.state is JobState.QUEUED and j.spec.provider == "local" and j.id != job.id]
-        me = Waiting(job.id, spec.priority, job.created_at, spec.tpu_type.hosts)
+        me = Waiting(job.id, spec.priority, job.created_at, spec.tpu_type.hosts * spec.slices)
         total = self.local.max_hosts
         return admit([*waiting, me], job.id, free_hosts=total - self.local.hosts_in_use(), total_hosts=total)
 

@@ -15,10 +15,18 @@ from typing import TYPE_CHECKING
 
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError
-from orchestrator.state.events import CheckpointSaved, LostWork, NoticeSeen, Restored, Resumed, StateChange
+from orchestrator.state.events import (
+    CheckpointSaved,
+    LostWork,
+    MemoryCadence,
+    NoticeSeen,
+    Restored,
+    Resumed,
+    StateChange,
+)
 from orchestrator.state.states import JobState
 from policies.decisions.recovery import Outcome, OutcomeKind
-from workers.protocol import Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
+from workers.protocol import MemoryKept, Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
 
 if TYPE_CHECKING:
     from orchestrator.control.attempt import Attempt
@@ -71,6 +79,13 @@ class ReportsMixin:
             if not att.resumed and att.disrupted_at is not None:
                 att.resumed, resumed_after = True, now - att.disrupted_at
             held.add(lambda: self._record_step(generation, report, resumed_after, now))
+        elif isinstance(report, MemoryKept) and rank == 0:
+            risk = "no step" if report.every == 1 else f"at most {report.every - 1} steps"
+            held.add(lambda: store.add_event(
+                self.job_id, MemoryCadence(report.every, round(report.copy_s, 6), round(report.step_s, 6)),
+                f"host memory: a copy of the state every {report.every} step(s) ({report.copy_s * 1e3:.1f} ms a copy, "
+                f"{report.copy_s / report.step_s:.1%} of a step); a lost slice loses {risk}" if report.step_s else
+                f"host memory: a copy of the state every {report.every} step(s)", at=now))
         elif isinstance(report, Saved) and rank == 0:
             held.add(lambda: store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
                                              f"saved step {report.step}", at=now))
@@ -132,12 +147,16 @@ class ReportsMixin:
         store = self.plane.store  # written by `HeldWrites`: the store's own
         restored, unreadable = t.restored_step, list(t.unreadable)
         what = f"restored step {restored}" if restored is not None else "started from scratch"
+        if t.source == "memory":
+            what += " from the surviving slices' memory (no checkpoint read)"
+        elif t.memory_miss:
+            what += f" from storage (the copy in memory could not be used: {t.memory_miss})"
         total = self.spec().workload.steps
         if restored is not None and total is not None and restored >= total:
             what += f" of {total}: the run had already finished, nothing to train"
         if unreadable:
             what += f" (fell back: checkpoint {', '.join(map(str, unreadable))} unreadable)"
-        store.add_event(self.job_id, Restored(t.restore_s, t.compile_s, restored, unreadable),
+        store.add_event(self.job_id, Restored(t.restore_s, t.compile_s, restored, unreadable, t.source, t.memory_miss),
                         f"{what}; " + (f"compile took {t.compile_s:.1f} s" if t.compile_s else
                                        "the program compiles in its first step"), at=at)
         if disrupted_step is not None:

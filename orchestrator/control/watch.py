@@ -79,7 +79,8 @@ def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Ca
 def _provider_says(att: Attempt) -> Outcome | None:
     """The provider sees a host go within a poll; a notice only marks the attempt."""
     # Other slices' events stay for their own drivers.
-    for ev in att.chosen_provider.poll_events(slices=[att.held_slice.name]):
+    for ev in att.chosen_provider.poll_events(slices=[s.name for s in att.slices]):
+        att.lost.add(ev.slice_name)  # going (a notice) or gone: the others may go on without it
         if ev.kind is SliceEventKind.PREEMPTION_NOTICE:
             att.stop_requested(ev.reason)
         else:
@@ -95,8 +96,9 @@ def _host_lost(att: Attempt) -> str | None:
     """The provider's word that a host of the slice went, waiting up to SETTLE_S for it."""
     deadline = time.monotonic() + SETTLE_S
     while True:
-        lost = att.chosen_provider.poll_events(slices=[att.held_slice.name])
+        lost = att.chosen_provider.poll_events(slices=[s.name for s in att.slices])
         if lost:
+            att.lost.update(e.slice_name for e in lost)
             return lost[0].reason
         if time.monotonic() >= deadline:
             return None

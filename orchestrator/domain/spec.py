@@ -45,6 +45,9 @@ from orchestrator.errors import SpecError, UnknownAcceleratorError
 from policies.model.sharding import MeshError, plan_mesh
 from workers.settings import TrainingSettings
 
+MAX_SLICES = 4  # slices of one job (v4-16 x 4 is the 32 chips a job may take)
+MAX_CHIPS = 32
+
 
 class CheckpointConfig(_Frozen):
     # An absolute path or a Cloud Storage URL gs://BUCKET/FOLDER; in a job file a relative path is
@@ -143,6 +146,9 @@ class CapacityTraceConfig(_Frozen):
 class JobSpec(_Frozen):
     name: str
     accelerator: str = "v4-8"
+    # Several slices of `accelerator`, one JAX runtime: data parallel across slices (over the data-center
+    # network), the mesh's axes inside each; a lost slice is survived from the others' host memory.
+    slices: Annotated[int, Field(ge=1, le=MAX_SLICES)] = 1
     tier: Tier = Tier.SPOT
     provider: Literal["local", "gcp"] = "local"
     zone: str | None = None
@@ -249,7 +255,7 @@ class JobSpec(_Frozen):
             return [("gcp", "provider gcp needs a gcp section with at least project and zones")]
         if self.capacity_trace is not None and self.provider != "local":
             return [("capacity_trace", "a replayed capacity trace is for provider local only")]
-        general = self._storage_problems()
+        general = self._storage_problems() + self._slices_problems()
         if self.autoscaling is not None and self.deadline is None:
             general.append(("deadline", "autoscaling needs a deadline (e.g. deadline: PT24H): the cost policy "
                                         "weighs each slice's cost against the time left"))
@@ -278,6 +284,30 @@ class JobSpec(_Frozen):
                                                    "with this machine; put the token files in a bucket (orchestrator "
                                                    "data prepare SRC -o gs://BUCKET/FOLDER) and name that"))
         return problems
+
+    def _slices_problems(self) -> list[tuple[str, str]]:
+        """Several slices: at most `MAX_CHIPS` chips in all, a batch split evenly between them, no policy choosing."""
+        n = self.slices
+        if n == 1:
+            return []
+        problems = []
+        if n * self.tpu_type.chips > MAX_CHIPS:
+            problems.append(("slices", f"{n} slices of {self.accelerator} are {n * self.tpu_type.chips} chips; a job "
+                                       f"takes at most {MAX_CHIPS} chips in all"))
+        batch = self.workload.global_batch_size
+        if batch is not None and batch % n:
+            problems.append(("workload.global_batch_size", f"global_batch_size={batch} is not divisible by slices={n} "
+                                                           "(each slice trains an equal share of every batch)"))
+        if self.autoscaling is not None:
+            problems.append(("slices", "with autoscaling the controller runs one slice at a time (the cost policy "
+                                       "does not choose a slice count yet); leave slices out or set it to 1"))
+        return problems
+
+    @property
+    def slice_batch_size(self) -> int | None:
+        """The rows of every global batch one slice trains on."""
+        batch = self.workload.global_batch_size
+        return None if batch is None else batch // self.slices
 
     def _lm_problems(self, w: LmWorkload) -> list[tuple[str, str]]:
         """The built-in trainer's settings together, then its mesh and memory on every slice it may run on."""
@@ -311,7 +341,7 @@ class JobSpec(_Frozen):
                 num_hosts=self.tpu_type.hosts,
                 wishes=w.mesh.model_dump(),
                 shape=m.shape(),
-                global_batch_size=w.global_batch_size,
+                global_batch_size=w.global_batch_size // self.slices,
             )
         except MeshError as e:
             problems.append((f"workload.{e.field}",
@@ -324,7 +354,8 @@ class JobSpec(_Frozen):
             return []
         try:
             mesh = plan_mesh(num_devices=self.tpu_type.chips, num_hosts=self.tpu_type.hosts,
-                             wishes=w.mesh.model_dump(), shape=None, global_batch_size=w.global_batch_size)
+                             wishes=w.mesh.model_dump(), shape=None,
+                             global_batch_size=w.global_batch_size // self.slices)
         except MeshError as e:
             return [(f"workload.{e.field}", f"{e} (accelerator {self.accelerator} has {self.tpu_type.chips} devices)")]
         if w.gradient_accumulation != "auto" and mesh.rows_per_shard % w.gradient_accumulation:

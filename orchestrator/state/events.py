@@ -32,6 +32,7 @@ class EventKind(str, enum.Enum):
     DEADLINE = "deadline"  # at its measured speed the job now ends after its deadline, or in time again
     FOLDER = "folder"  # at submit: what the job does with its checkpoint folder (new, resume, fresh, ...)
     STORE = "store"  # the state store refused writes for a while (recorded when it took them again)
+    MEMORY = "memory"  # how often the hosts copy the state to their memory (a multi-slice job)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,18 @@ class Restored(Payload):
     compile_s: float | None = None
     restored_step: int | None = None  # None: started from scratch
     unreadable: list[int] = dataclasses.field(default_factory=list)  # checkpoints it fell back past
+    source: str = "storage"  # storage, or memory: the surviving slices' own copy (`workers.memory`)
+    memory_miss: str | None = None  # why the copy in memory could not be used (it came from storage)
+
+
+@dataclass(frozen=True)
+class MemoryCadence(Payload):
+    """How often the hosts of a multi-slice job copy the state to their memory, and what a lost slice risks."""
+
+    KIND: ClassVar[EventKind] = EventKind.MEMORY
+    every: int = 1
+    copy_s: float = 0.0
+    step_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -224,6 +237,6 @@ PAYLOADS: dict[EventKind, type[Payload]] = {
     cls.KIND: cls for cls in (StateChange, SliceChanged, Launched, Restored, LostWork, CheckpointSaved, NoticeSeen,
                               Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked, Profiled, DeadlineForecast,
                               FolderClaimed,
-                              StoreFaulted)
+                              StoreFaulted, MemoryCadence)
 }
 assert set(PAYLOADS) == set(EventKind), "every kind has its record"

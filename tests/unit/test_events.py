@@ -25,6 +25,7 @@ EXAMPLES = [
     ev.DeadlineForecast(240.0, 3840.0, 3600.0, 900, 0.4),
     ev.FolderClaimed("/ckpt", "resume-anyway", 300, "lm-3f2a1c", [["workload.seed", 0, 1]], None),
     ev.StoreFaulted("disk full", 12.5, "state store not writable: disk full (/h/state.db: database or disk is full)"),
+    ev.MemoryCadence(2, 0.012, 0.4), ev.Restored(0.2, 1.1, 40, [], "memory", None),
     ev.ResizeAsked("v4-16", "v4-32", "spot", "more chips", 10),
 ]
 
@@ -40,6 +41,7 @@ def test_every_kind_has_a_record_and_each_reads_back_as_written(tmp_path):
     assert [e.kind for e in back] == [p.KIND for p in EXAMPLES]
     assert back[-1].data["from"] == "v4-16"  # the stored JSON keeps its keys
     assert [e.kind for e in store.events("j", kind=EventKind.LAUNCHED)] == [EventKind.LAUNCHED]
+    assert [e.payload.source for e in store.events("j", kind=EventKind.RESTORE)] == ["storage", "memory"]
 
 
 def test_a_row_of_an_older_version_reads_back_with_what_it_has(tmp_path):

@@ -29,7 +29,7 @@ WORKLOADS = {"lm": {"type": "lm", **COMMON},
 
 
 def spec(kind: str) -> JobSpec:
-    return JobSpec.from_dict({"name": "a", "accelerator": "v4-16", "workload": WORKLOADS[kind],
+    return JobSpec.from_dict({"name": "a", "accelerator": "v4-16", "slices": 2, "workload": WORKLOADS[kind],
                               "checkpoint": {"directory": "/ckpt/a", "interval_steps": 5, "keep": 2}})
 
 
@@ -42,8 +42,9 @@ def on_a_host(workload: dict) -> api.Context:
 @pytest.mark.parametrize("kind", WORKLOADS)
 def test_every_setting_is_resolved_by_the_launch_and_read_typed_on_the_host(kind):
     s = spec(kind)
-    resolved = workload_for(s, s.tpu_type.chips, s.tpu_type.hosts)["settings"]
-    ctx = on_a_host(workload_for(s, s.tpu_type.chips, s.tpu_type.hosts))
+    launch = {"slices": s.slices, "memory_step": 8}  # the survivors of a lost slice, from their memory
+    resolved = workload_for(s, s.tpu_type.chips, s.tpu_type.hosts, **launch)["settings"]
+    ctx = on_a_host(workload_for(s, s.tpu_type.chips, s.tpu_type.hosts, **launch))
     assert type(ctx.settings) is TrainingSettings and ctx.settings == resolved
     for name in SETTINGS:
         default = TrainingSettings.__dataclass_fields__[name].default

@@ -1,0 +1,72 @@
+"""The controller's side of the hosts' memory (`workers.memory`): a keeper per host of a multi-slice
+job's slices, the step the survivors of a lost slice can all restore, and the keepers' end with their slice.
+
+A keeper lives as long as its slice is held, across the generations of workers on it; it
+goes when the slice is released (`Attempt.teardown`), and with its host when the host goes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from orchestrator import cluster
+from orchestrator.providers.base import Slice
+from workers.memory import HostMemory, keeper_name
+
+log = logging.getLogger(__name__)
+
+ASK_S = 10.0  # how long a keeper has to say what it holds
+
+
+def keepers(s: Slice, runtime_env: dict | None) -> list:
+    """The keeper of each host of `s` (made on its host where there is none yet)."""
+    out = []
+    actor = ray.remote(HostMemory)
+    for h in s.hosts:
+        name = keeper_name(s.name, h.worker_id)
+        try:
+            out.append(ray.get_actor(name, namespace=cluster.NAMESPACE))
+            continue
+        except ValueError:
+            pass
+        if h.node_id is None:
+            raise RuntimeError(f"host {h.worker_id} of slice {s.name} has not joined the cluster")
+        out.append(actor.options(  # type: ignore[arg-type]  # ray types .remote() of an actor class as the handle or the class
+            name=name, namespace=cluster.NAMESPACE, lifetime="detached", num_cpus=0, runtime_env=runtime_env,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(h.node_id, soft=False), get_if_exists=True).remote())
+    return out
+
+
+def common_step(slices: list[Slice]) -> tuple[int | None, str]:
+    """The newest step every host of `slices` holds in one layout, or None and why not."""
+    held: list[dict[int, str]] = []
+    for s in slices:
+        for h in s.hosts:
+            try:
+                keeper = ray.get_actor(keeper_name(s.name, h.worker_id), namespace=cluster.NAMESPACE)
+                steps: dict[int, str] = ray.get(keeper.steps.remote(), timeout=ASK_S)  # type: ignore[assignment]
+                held.append(steps)
+            except Exception as e:  # gone, or not answering: this host holds nothing usable
+                return None, f"host {h.worker_id} of slice {s.name} holds no copy ({type(e).__name__})"
+    if not held:
+        return None, "no host"
+    shared = set(held[0].items())
+    for other in held[1:]:
+        shared &= set(other.items())
+    if not shared:
+        return None, "the hosts hold no step in common"
+    return max(step for step, _ in shared), ""
+
+
+def drop_keepers(s: Slice) -> None:
+    """End the keepers of `s` (its copies go with them); idempotent."""
+    if not ray.is_initialized():
+        return
+    for h in s.hosts:
+        try:
+            ray.kill(ray.get_actor(keeper_name(s.name, h.worker_id), namespace=cluster.NAMESPACE), no_restart=True)
+        except Exception:  # none, or gone with its host
+            pass
