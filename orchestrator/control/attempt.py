@@ -71,6 +71,14 @@ class Attempt:
         """Every slice the attempt holds, in slice order (slice-major process ids)."""
         return [self.slice, *self.others] if self.slice is not None else []
 
+    def slice_of(self, rank: int) -> str | None:
+        """The name of the slice whose host `rank` is (ranks are slice-major)."""
+        for s in self.slices:
+            if rank < s.tpu_type.hosts:
+                return s.name
+            rank -= s.tpu_type.hosts
+        return None
+
     @property
     def held_group(self) -> WorkerGroup:
         """`group`, where the code runs only while the attempt's workers are launched."""

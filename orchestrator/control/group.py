@@ -157,14 +157,6 @@ class RayWorkerGroup:
         ray.get([w.start.remote(coordinator, g, share_key) for w, g in zip(self.workers[1:], given[1:])], timeout=120)
         return None
 
-    def slice_of(self, rank: int) -> str:
-        """The name of the slice whose host `rank` is."""
-        for s in self.slices:
-            if rank < s.tpu_type.hosts:
-                return s.name
-            rank -= s.tpu_type.hosts
-        return self.slices[-1].name
-
     def results(self, timeout_s: float) -> list[WorkerResult | None] | None:
         try:
             return ray.get([w.result.remote() for w in self.workers], timeout=timeout_s)
@@ -204,13 +196,13 @@ class RayWorkerGroup:
                 break
             node, pid = placed[rank]
             if node not in alive_nodes:
-                self.att.lost.add(self.slice_of(rank))
+                self._lost(rank)
                 return Outcome(OutcomeKind.INFRA_LOST, f"host {rank} is gone (its Ray node {node[:12]} is dead)", at=at)
             try:
                 tail = ray.get(ray.remote(num_cpus=0, max_retries=0)(stderr_tail).options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid), timeout=PROBE_S)
             except Exception as e:  # the host cannot run a task: it is as good as gone
-                self.att.lost.add(self.slice_of(rank))
+                self._lost(rank)
                 return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} (host {rank} runs no task: "
                                                        f"{type(e).__name__})", at=at)
             said = telling_lines(tail or "")
@@ -234,6 +226,10 @@ class RayWorkerGroup:
     def stop(self) -> None:
         kill_workers(self.workers, self.pg)
         self.workers, self.pg = [], None
+
+    def _lost(self, rank: int) -> None:
+        if (name := self.att.slice_of(rank)) is not None:
+            self.att.lost.add(name)
 
     def _log_lines(self, rank: int, lines: list[str]) -> None:
         """Lines into the job's log (`orchestrator logs`), as the host's own."""

@@ -90,6 +90,8 @@ class ReportsMixin:
             held.add(lambda: store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
                                              f"saved step {report.step}", at=now))
         elif isinstance(report, Noticed) and att.notice is None:
+            if (going := att.slice_of(rank)) is not None:
+                att.lost.add(going)  # its slice is going: a multi-slice job goes on without it
             att.stop_requested(f"host {rank}: {report.reason}")
             step = att.last_step + 1
             held.add(lambda: store.add_event(self.job_id, NoticeSeen(rank, step), f"preemption notice on host "

@@ -1,0 +1,108 @@
+"""Several slices, one job, on the local cluster: each slice its own hosts (Ray nodes), one JAX runtime.
+
+The yardstick is the same job on one 4-host slice (v4-32) through the controller. A job on two
+2-host slices (v4-16 x 2) at the same global batch trains with its per-step losses (1e-5). When a
+host of one slice vanishes, with no notice, the job goes on on the other slice from that slice's
+own memory: 0 steps recomputed, no checkpoint read, and the same losses and final parameters.
+When the last slice goes, it falls back to storage. A notice to one slice stops every host at a
+committed step, and the other slice goes on from its memory.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from orchestrator import JobSpec, JobState
+from orchestrator.cluster import kill_host
+from tests.conftest import assert_losses_close
+from tests.waiting import wait_for, wait_step
+
+STEPS, INTERVAL = 24, 6
+MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "d_ff": 512}
+
+
+def spec(name: str, root, *, accelerator: str = "v4-16", slices: int = 2, **recovery) -> JobSpec:
+    return JobSpec.from_dict({
+        "name": name, "accelerator": accelerator, "slices": slices,
+        "workload": {"type": "lm", "steps": STEPS, "global_batch_size": 16, "seq_len": 32, "model": MODEL,
+                     "learning_rate": {"warmup_steps": 2}},
+        "checkpoint": {"interval_steps": INTERVAL, "keep": 5, "directory": str(root / name)},
+        "recovery": {"start_timeout_s": 180, "heartbeat_timeout_s": 120, "max_preemptions": 3, **recovery}})
+
+
+def outcome(job) -> dict:
+    st = job.wait(timeout_s=600)
+    assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
+    return {"losses": [m.loss for m in job.metrics()], "params": job.record().result["param_sums"]}
+
+
+def assert_same_model(got: dict, want: dict) -> None:
+    assert_losses_close(got["losses"], want["losses"], rtol=1e-5)
+    assert set(got["params"]) == set(want["params"])
+    for k, v in want["params"].items():
+        assert abs(got["params"][k] - v) <= 1e-5 * max(1.0, abs(v)), (k, got["params"][k], v)
+
+
+def kinds(job, kind: str) -> list:
+    return [e for e in job.events() if e.kind == kind]
+
+
+def live_slices(client, job) -> list:
+    return sorted(client.store.slices(job_id=job.id, live_only=True), key=lambda r: r.name)
+
+
+@pytest.fixture(scope="module")
+def one_slice(client, tmp_path_factory):
+    """The same job on one 4-host v4-32 slice: 16 chips, as two v4-16 slices have."""
+    return outcome(client.submit(spec("ms-one", tmp_path_factory.mktemp("one"), accelerator="v4-32", slices=1)))
+
+
+def test_two_slices_train_as_one_slice_of_as_many_hosts(client, tmp_path, one_slice):
+    job = client.submit(spec("ms-two", tmp_path))
+    assert_same_model(outcome(job), one_slice)
+    (launched,) = kinds(job, "launched")
+    assert len(launched.data["nodes"]) == len(set(launched.data["nodes"])) == 4  # a host each, over 2 slices
+    assert "2 slices" in launched.reason
+    cadence = kinds(job, "memory")
+    assert cadence and cadence[0].data["every"] >= 1 and "a lost slice loses" in cadence[0].reason
+
+
+def test_a_lost_slice_costs_no_step_and_the_last_one_falls_back_to_storage(client, tmp_path, one_slice):
+    job = client.submit(spec("ms-lose", tmp_path))
+    wait_step(job, 8)
+    first, second = live_slices(client, job)
+    killed_at = time.time()
+    kill_host(client.home, second.data["pgids"][1])  # a host of the second slice, with no notice
+    wait_for(lambda: len(kinds(job, "resumed")) == 1, timeout_s=300, what="the first step on the surviving slice")
+    resumed_after = kinds(job, "resumed")[0].at - killed_at
+    (memory,) = [e for e in kinds(job, "restore") if e.data.get("source") == "memory"]
+    assert "no checkpoint read" in memory.reason
+    lost = kinds(job, "lost_work")[0].data
+    assert lost["steps"] == 0 and lost["to_step"] == memory.data["restored_step"] >= 8, lost
+    assert [s.name for s in live_slices(client, job)] == [first.name]  # the lost one released, the other kept
+    # Now the last slice goes: nothing survives in memory, the job restores from storage.
+    wait_step(job, lost["to_step"] + 6)
+    kill_host(client.home, live_slices(client, job)[0].data["pgids"][0])
+    assert_same_model(outcome(job), one_slice)
+    restores = kinds(job, "restore")
+    assert [r.data.get("source") for r in restores] == ["storage", "memory", "storage"], [r.reason for r in restores]
+    assert restores[-1].data["restored_step"] % INTERVAL == 0
+    print(f"from the kill to the next step on the surviving slice: {resumed_after:.1f} s")
+
+
+def test_a_notice_to_one_slice_stops_at_a_step_and_the_other_goes_on_from_memory(client, tmp_path, one_slice):
+    job = client.submit(spec("ms-notice", tmp_path))
+    wait_step(job, 8)
+    pids = kinds(job, "launched")[-1].data["pids"]
+    first, second = live_slices(client, job)
+    os.kill(pids[3], signal.SIGTERM)  # host 1 of the second slice: a preemption notice
+    assert_same_model(outcome(job), one_slice)
+    d = kinds(job, "disruption")[0]
+    assert d.data["kind"] == "preempted", d.reason
+    memory = [e for e in kinds(job, "restore") if e.data.get("source") == "memory"]
+    assert len(memory) == 1 and kinds(job, "lost_work")[0].data["steps"] == 0
+    assert second.name not in [s.name for s in live_slices(client, job)]
