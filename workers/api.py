@@ -100,7 +100,7 @@ class Context:
         self.memory_miss: str | None = None
         self.last_loop: Loop | None = None
         self.keeping = None
-        if self.keeper is not None:
+        if self.keeper is not None and self.settings.slices > 1:  # one slice left: its loss takes its memory
             from workers.memory import Keeping
 
             self.keeping = Keeping(self.keeper, self.send)
@@ -179,10 +179,12 @@ class Context:
         state = None
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
         step = self.settings.memory_step
-        if step is not None and self.keeper is not None:  # the survivors of a lost slice: their own copy
+        if step is not None:  # the survivors of a lost slice: their own copy
             from workers.memory import MemoryMiss, recall
 
             try:
+                if self.keeper is None:
+                    raise MemoryMiss("this host has no keeper")
                 state, self.restored_step, self.restored_from = recall(self.keeper, step, target), step, "memory"
             except MemoryMiss as e:
                 self.memory_miss = str(e)

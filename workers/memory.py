@@ -4,10 +4,11 @@ With data parallelism across slices every slice holds a whole copy of the state 
 inside the slice only), so when one slice dies the others still have all of it. A worker
 process does not outlive its runtime (when one process of a JAX runtime dies, the others
 abort within seconds), so the copy is held by a `HostMemory` actor on the same host, a
-process of its own that lives as long as the slice: every k steps each worker puts its
-addressable shards into its host's object store, owned by that actor (`ray.put(...,
-_owner=...)`), and tells it the step. The survivors' next workers read them back from the
-same host's object store: no checkpoint read, no byte over the network.
+process of its own that lives as long as the slice: every k steps each worker hands its
+addressable shards to that actor through the host's object store, and the actor copies them
+into its own memory (an object a worker put would go with the worker). The survivors' next
+workers read them back through the same host's object store: no checkpoint read, no byte
+over the network.
 
 A copy is keyed by what each shard covers (its index into the global array), not by device
 or process: a slice that survives keeps its place inside the slice (its hosts, its
@@ -40,11 +41,16 @@ class HostMemory:
 
     def __init__(self, keep: int = KEEP):
         self._keep = keep
-        self._copies: dict[int, list] = {}  # step -> [ObjectRef] (wrapped: Ray passes it unresolved)
+        self._copies: dict[int, list] = {}  # step -> the host's shards (`snapshot`)
         self._shapes: dict[int, str] = {}
 
-    def keep(self, step: int, ref: list, layout: str) -> None:
-        self._copies[step], self._shapes[step] = ref, layout
+    def keep(self, step: int, table: list, layout: str) -> None:
+        import numpy as np
+
+        # Arrays that arrive are views of the sender's object, which goes with the sender: copied.
+        own = [(kind, {k: np.array(a, copy=True) for k, a in held.items()} if kind == "array" else held)
+               for kind, held in table]
+        self._copies[step], self._shapes[step] = own, layout
         for old in sorted(self._copies)[:-self._keep]:
             del self._copies[old], self._shapes[old]
 
@@ -164,13 +170,9 @@ class Keeping:
             self._decide(step_s or 0.0)
         if self.broken or step % c.every:
             return
-        import ray
-
         t = time.perf_counter()
         try:
-            table = snapshot(state)
-            ref = ray.put(table, _owner=self.keeper)
-            self.keeper.keep.remote(step, [ref], layout(state))
+            self.keeper.keep.remote(step, snapshot(state), layout(state))
         except Exception as e:  # never stops training: a lost slice then restores from storage
             log.warning("host memory: cannot keep a copy (%s: %s); a lost slice will restore from storage",
                         type(e).__name__, e)
@@ -212,8 +214,9 @@ def recall(keeper, step: int, target: Any) -> Any:
         if held.get(step) != layout(target):
             why = f"no copy of step {step} in this shape" if step in held else f"no copy of step {step}"
         else:
-            ref = ray.get(keeper.recall.remote(step), timeout=30)
-            table = ray.get(ref[0], timeout=60)
+            table = ray.get(keeper.recall.remote(step), timeout=60)
+            if table is None:
+                raise MemoryMiss(f"the copy of step {step} went meanwhile")
             _check(table, target)
     except MemoryMiss as e:
         why = str(e)

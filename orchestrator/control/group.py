@@ -126,7 +126,8 @@ class RayWorkerGroup:
         code = shipping.kept(self.home.job_dir(self.job_id))
         env = shipping.runtime_env(code, ship_project=spec.provider != "local")  # what the hosts cannot have
         # A multi-slice job's first tier: each host's copy of the state outlives its worker (`workers.memory`).
-        keepers = [k for s in slices for k in memory.keepers(s, env)] if len(slices) > 1 else [None] * len(hosts)
+        keeps = len(slices) > 1 or att.memory_step is not None  # or the survivors of one restore from it
+        keepers = [k for s in slices for k in memory.keepers(s, env)] if keeps else [None] * len(hosts)
         actor = ray.remote(HostWorker)
         self.workers = [
             actor.options(  # type: ignore[misc]  # ray types .remote() of an actor class as the handle or the class

@@ -79,7 +79,9 @@ def test_a_lost_slice_costs_no_step_and_the_last_one_falls_back_to_storage(clien
     kill_host(client.home, second.data["pgids"][1])  # a host of the second slice, with no notice
     wait_for(lambda: len(kinds(job, "resumed")) == 1, timeout_s=300, what="the first step on the surviving slice")
     resumed_after = kinds(job, "resumed")[0].at - killed_at
-    (memory,) = [e for e in kinds(job, "restore") if e.data.get("source") == "memory"]
+    memories = [e for e in kinds(job, "restore") if e.data.get("source") == "memory"]
+    assert len(memories) == 1, "\n".join(f"{e.kind}: {e.reason}" for e in job.events())
+    memory = memories[0]
     assert "no checkpoint read" in memory.reason
     lost = kinds(job, "lost_work")[0].data
     assert lost["steps"] == 0 and lost["to_step"] == memory.data["restored_step"] >= 8, lost
