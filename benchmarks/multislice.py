@@ -1,0 +1,102 @@
+"""A lost slice of a multi-slice job against today's recovery of a one-slice job, on the local cluster.
+
+Three jobs of the same model through the real controller, each with a host killed at step
+`--kill-at` (the host's whole process group, SIGKILL: a vanished VM, no notice):
+
+- `two_slices_first`: v4-16 x 2; the survivors go on from their memory. The program for one
+  slice was never compiled on this machine: a user's first shrink at that count.
+- `one_slice`: one v4-16 (the baseline, today's recovery): a new slice, a restore from storage.
+  It also leaves the one-slice program in the executable cache.
+- `two_slices_kept`: v4-16 x 2 again, the one-slice program kept: every later shrink.
+
+For each: the time from the kill to the first step done after it, to the disruption being
+recorded, to the new generation starting, the restore and compile times, steps recomputed
+and where the state came from; for the two-slice jobs also the copy's cost per step (what
+`workers.memory` measured). Ratios are against `one_slice`, measured in the same run.
+
+    python benchmarks/multislice.py [--steps 24] [--kill-at 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.common import fresh_client, machine, save, wait_until  # noqa: E402
+from orchestrator import JobSpec, JobState  # noqa: E402
+from orchestrator.cluster import kill_host  # noqa: E402
+
+
+def spec(name: str, steps: int, slices: int) -> JobSpec:
+    return JobSpec.from_dict({
+        "name": name, "accelerator": "v4-16", "slices": slices,
+        "workload": {"type": "lm", "steps": steps, "global_batch_size": 16, "seq_len": 64,
+                     "model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "d_ff": 512}},
+        "checkpoint": {"interval_steps": 5}, "recovery": {"max_preemptions": 10}})
+
+
+def disrupted(client, name: str, steps: int, slices: int, kill_at: int) -> dict:
+    job = client.submit(spec(name, steps, slices))
+    wait_until(lambda: job.status().state is JobState.RUNNING and job.status().step >= kill_at)
+    live = sorted(client.store.slices(job_id=job.id, live_only=True), key=lambda r: r.name)
+    killed = time.time()
+    kill_host(client.home, live[-1].data["pgids"][1])
+    st = job.wait(timeout_s=900)
+    assert st.state is JobState.SUCCEEDED, st.reason
+    ev = job.events()
+    after = [e for e in ev if e.at >= killed]
+    first = lambda pred: next(e for e in after if pred(e))  # noqa: E731
+    disruption = first(lambda e: e.kind == "disruption")
+    starting = first(lambda e: e.to_state == "STARTING")
+    restore = first(lambda e: e.kind == "restore")
+    resumed = first(lambda e: e.kind == "resumed")
+    lost = first(lambda e: e.kind == "lost_work")
+    memory = [e for e in ev if e.kind == "memory"]
+    return {
+        "kill_to_next_step_s": resumed.at - killed, "detect_s": disruption.at - killed,
+        "kill_to_starting_s": starting.at - killed, "restore_s": restore.data["restore_s"],
+        "compile_s": restore.data["compile_s"], "source": restore.data.get("source", "storage"),
+        "steps_recomputed": lost.data["steps"], "restored_step": restore.data["restored_step"],
+        "copy_every": memory[0].data["every"] if memory else None,
+        "copy_s": memory[0].data["copy_s"] if memory else None,
+        "copy_share_of_step": memory[0].data["copy_s"] / memory[0].data["step_s"] if memory else None,
+        "timeline": [(round(e.at - killed, 2), e.kind, e.reason[:100]) for e in after[:12]],
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--kill-at", type=int, default=10)
+    p.add_argument("--first-only", action="store_true", help="only the first two-slice job (no ratios)")
+    args = p.parse_args()
+    client = fresh_client()
+    if args.first_only:
+        try:
+            print(disrupted(client, "two-first", args.steps, 2, args.kill_at))
+        finally:
+            client.down()
+        return
+    try:
+        runs = {"two_slices_first": disrupted(client, "two-first", args.steps, 2, args.kill_at),
+                "one_slice": disrupted(client, "one", args.steps, 1, args.kill_at),
+                "two_slices_kept": disrupted(client, "two-kept", args.steps, 2, args.kill_at)}
+    finally:
+        client.down()
+    base = runs["one_slice"]["kill_to_next_step_s"]
+    result = {**runs, "ratio_first_to_one_slice": runs["two_slices_first"]["kill_to_next_step_s"] / base,
+              "ratio_kept_to_one_slice": runs["two_slices_kept"]["kill_to_next_step_s"] / base,
+              "steps": args.steps, "kill_at": args.kill_at, "machine": machine()}
+    save("multislice", result)
+    for name, r in runs.items():
+        print(f"{name:18s} kill->next step {r['kill_to_next_step_s']:5.1f} s  (detect {r['detect_s']:.1f}, "
+              f"starting {r['kill_to_starting_s']:.1f}, restore {r['restore_s']:.2f} from {r['source']}, "
+              f"compile {r['compile_s']:.2f}), {r['steps_recomputed']} steps recomputed")
+
+
+if __name__ == "__main__":
+    main()
