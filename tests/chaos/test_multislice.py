@@ -1,11 +1,12 @@
 """Several slices, one job, on the local cluster: each slice its own hosts (Ray nodes), one JAX runtime.
 
-The yardstick is the same job on one 4-host slice (v4-32) through the controller. A job on two
-2-host slices (v4-16 x 2) at the same global batch trains with its per-step losses (1e-5). When a
-host of one slice vanishes, with no notice, the job goes on on the other slice from that slice's
-own memory: 0 steps recomputed, no checkpoint read, and the same losses and final parameters.
-When the last slice goes, it falls back to storage. A notice to one slice stops every host at a
-committed step, and the other slice goes on from its memory.
+A job on two 2-host slices (v4-16 x 2) trains with the per-step losses of the same job on one
+4-host slice (v4-32) through the controller, at the same global batch (1e-5). A job on three
+slices loses them one by one: a host of one vanishes with no notice, and the job goes on on the
+other two from their own memory (0 steps recomputed, no checkpoint read); another gets a notice,
+every host stops at the same step, and the last one goes on from its memory; then the last slice
+goes, and the job falls back to storage. Its losses and final parameters equal an undisturbed
+run's (1e-5).
 """
 
 from __future__ import annotations
@@ -18,17 +19,17 @@ import pytest
 
 from orchestrator import JobSpec, JobState
 from orchestrator.cluster import kill_host
-from tests.conftest import assert_losses_close
+from tests.conftest import assert_losses_close, run_reference
 from tests.waiting import wait_for, wait_step
 
 STEPS, INTERVAL = 24, 6
 MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "d_ff": 512}
 
 
-def spec(name: str, root, *, accelerator: str = "v4-16", slices: int = 2, **recovery) -> JobSpec:
+def spec(name: str, root, *, accelerator: str = "v4-16", slices: int = 2, batch: int = 16, **recovery) -> JobSpec:
     return JobSpec.from_dict({
         "name": name, "accelerator": accelerator, "slices": slices,
-        "workload": {"type": "lm", "steps": STEPS, "global_batch_size": 16, "seq_len": 32, "model": MODEL,
+        "workload": {"type": "lm", "steps": STEPS, "global_batch_size": batch, "seq_len": 32, "model": MODEL,
                      "learning_rate": {"warmup_steps": 2}},
         "checkpoint": {"interval_steps": INTERVAL, "keep": 5, "directory": str(root / name)},
         "recovery": {"start_timeout_s": 180, "heartbeat_timeout_s": 120, "max_preemptions": 3, **recovery}})
@@ -71,40 +72,48 @@ def test_two_slices_train_as_one_slice_of_as_many_hosts(client, tmp_path, one_sl
     assert cadence and cadence[0].data["every"] >= 1 and "a lost slice loses" in cadence[0].reason
 
 
-def test_a_lost_slice_costs_no_step_and_the_last_one_falls_back_to_storage(client, tmp_path, one_slice):
-    job = client.submit(spec("ms-lose", tmp_path))
-    wait_step(job, 8)
-    first, second = live_slices(client, job)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The three-slice job's model trained in one plain process (the equality of the two is what
+    `test_two_slices_train_as_one_slice_of_as_many_hosts` shows for a job on the cluster)."""
+    tmp = tmp_path_factory.mktemp("ref")
+    out = run_reference(spec("ms-ref", tmp, slices=3, batch=48), devices=8, tmp_path=tmp)
+    return {"losses": out["losses"], "params": out["param_sums"]}
+
+
+def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client, tmp_path, reference):
+    """Three slices: a host of the third vanishes (no notice), then the second gets a notice, then the
+    last one goes. The first two losses are survived from memory, the last from storage."""
+    job = client.submit(spec("ms-lose", tmp_path, slices=3, batch=48))
+    wait_step(job, 6)
+    first, second, third = live_slices(client, job)
     killed_at = time.time()
-    kill_host(client.home, second.data["pgids"][1])  # a host of the second slice, with no notice
-    wait_for(lambda: len(kinds(job, "resumed")) == 1, timeout_s=300, what="the first step on the surviving slice")
+    kill_host(client.home, third.data["pgids"][1])  # a host of the third slice, with no notice
+    wait_for(lambda: len(kinds(job, "resumed")) == 1, timeout_s=300, what="the first step on two slices")
     resumed_after = kinds(job, "resumed")[0].at - killed_at
-    memories = [e for e in kinds(job, "restore") if e.data.get("source") == "memory"]
-    assert len(memories) == 1, "\n".join(f"{e.kind}: {e.reason}" for e in job.events())
-    memory = memories[0]
-    assert "no checkpoint read" in memory.reason
-    lost = kinds(job, "lost_work")[0].data
-    assert lost["steps"] == 0 and lost["to_step"] == memory.data["restored_step"] >= 8, lost
-    assert [s.name for s in live_slices(client, job)] == [first.name]  # the lost one released, the other kept
-    # Now the last slice goes: nothing survives in memory, the job restores from storage.
-    wait_step(job, lost["to_step"] + 6)
-    kill_host(client.home, live_slices(client, job)[0].data["pgids"][0])
-    assert_same_model(outcome(job), one_slice)
-    restores = kinds(job, "restore")
-    assert [r.data.get("source") for r in restores] == ["storage", "memory", "storage"], [r.reason for r in restores]
-    assert restores[-1].data["restored_step"] % INTERVAL == 0
-    print(f"from the kill to the next step on the surviving slice: {resumed_after:.1f} s")
-
-
-def test_a_notice_to_one_slice_stops_at_a_step_and_the_other_goes_on_from_memory(client, tmp_path, one_slice):
-    job = client.submit(spec("ms-notice", tmp_path))
-    wait_step(job, 8)
-    pids = kinds(job, "launched")[-1].data["pids"]
-    first, second = live_slices(client, job)
-    os.kill(pids[3], signal.SIGTERM)  # host 1 of the second slice: a preemption notice
-    assert_same_model(outcome(job), one_slice)
-    d = kinds(job, "disruption")[0]
-    assert d.data["kind"] == "preempted", d.reason
     memory = [e for e in kinds(job, "restore") if e.data.get("source") == "memory"]
-    assert len(memory) == 1 and kinds(job, "lost_work")[0].data["steps"] == 0
-    assert second.name not in [s.name for s in live_slices(client, job)]
+    assert len(memory) == 1, "\n".join(f"{e.kind}: {e.reason}" for e in job.events())
+    assert "no checkpoint read" in memory[0].reason
+    lost = kinds(job, "lost_work")[0].data
+    assert lost["steps"] == 0 and lost["to_step"] == memory[0].data["restored_step"] >= 6, lost
+    assert [s.name for s in live_slices(client, job)] == [first.name, second.name]  # the lost one released
+
+    wait_step(job, lost["to_step"] + 4)  # a notice to the second slice: it stops at a step, the first goes on
+    launched = kinds(job, "launched")[-1].data
+    assert len(launched["pids"]) == 4
+    os.kill(launched["pids"][3], signal.SIGTERM)  # host 1 of the second slice
+    wait_for(lambda: len(kinds(job, "resumed")) == 2, timeout_s=300, what="the first step on one slice")
+    d = kinds(job, "disruption")[1]
+    assert d.data["kind"] == "preempted", d.reason
+    assert [e.data.get("source") for e in kinds(job, "restore")] == ["storage", "memory", "memory"]
+    assert kinds(job, "lost_work")[1].data["steps"] == 0
+    assert [s.name for s in live_slices(client, job)] == [first.name]
+
+    wait_step(job, kinds(job, "restore")[-1].data["restored_step"] + 4)  # the last slice goes
+    kill_host(client.home, live_slices(client, job)[0].data["pgids"][0])
+    assert_same_model(outcome(job), reference)
+    restores = kinds(job, "restore")
+    assert [r.data.get("source") for r in restores] == ["storage", "memory", "memory", "storage"], \
+        [r.reason for r in restores]
+    assert restores[-1].data["restored_step"] % INTERVAL == 0
+    print(f"from the kill to the next step on the surviving slices: {resumed_after:.1f} s")
