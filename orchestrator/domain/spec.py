@@ -255,10 +255,12 @@ class JobSpec(_Frozen):
             return [("gcp", "provider gcp needs a gcp section with at least project and zones")]
         if self.capacity_trace is not None and self.provider != "local":
             return [("capacity_trace", "a replayed capacity trace is for provider local only")]
-        general = self._storage_problems() + self._slices_problems()
+        general = self._storage_problems()
         if self.autoscaling is not None and self.deadline is None:
             general.append(("deadline", "autoscaling needs a deadline (e.g. deadline: PT24H): the cost policy "
                                         "weighs each slice's cost against the time left"))
+        if sliced := self._slices_problems():  # the mesh and batch checks below take the slice count as valid
+            return general + sliced
         w = self.workload
         return general + (self._lm_problems(w) if isinstance(w, LmWorkload) else self._entrypoint_problems(w))
 
@@ -304,10 +306,13 @@ class JobSpec(_Frozen):
         return problems
 
     @property
-    def slice_batch_size(self) -> int | None:
-        """The rows of every global batch one slice trains on."""
+    def _devices_note(self) -> str:
+        """What a mesh or batch problem is measured against: the slice's devices, and its share of the batch."""
+        note = f"accelerator {self.accelerator} has {self.tpu_type.chips} devices"
         batch = self.workload.global_batch_size
-        return None if batch is None else batch // self.slices
+        if self.slices > 1 and batch is not None:
+            note += f"; each of its {self.slices} slices trains {batch // self.slices} of the {batch} rows"
+        return note
 
     def _lm_problems(self, w: LmWorkload) -> list[tuple[str, str]]:
         """The built-in trainer's settings together, then its mesh and memory on every slice it may run on."""
@@ -345,7 +350,7 @@ class JobSpec(_Frozen):
             )
         except MeshError as e:
             problems.append((f"workload.{e.field}",
-                             f"{e} (accelerator {self.accelerator} has {self.tpu_type.chips} devices)"))
+                             f"{e} ({self._devices_note})"))
         return problems + memory_problems(self)
 
     def _entrypoint_problems(self, w: EntrypointWorkload) -> list[tuple[str, str]]:
@@ -357,7 +362,7 @@ class JobSpec(_Frozen):
                              wishes=w.mesh.model_dump(), shape=None,
                              global_batch_size=w.global_batch_size // self.slices)
         except MeshError as e:
-            return [(f"workload.{e.field}", f"{e} (accelerator {self.accelerator} has {self.tpu_type.chips} devices)")]
+            return [(f"workload.{e.field}", f"{e} ({self._devices_note})")]
         if w.gradient_accumulation != "auto" and mesh.rows_per_shard % w.gradient_accumulation:
             return [("workload.gradient_accumulation",
                      f"{w.gradient_accumulation} microbatches do not divide the {mesh.rows_per_shard} rows each batch "

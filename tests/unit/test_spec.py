@@ -71,6 +71,20 @@ CASES = {
     "batch vs data axis": ("name: a\naccelerator: v4-16\nworkload: {type: lm, global_batch_size: 12}\n",
                            "job.yaml: workload.global_batch_size: global_batch_size=12 is not divisible by "
                            "data*fsdp=8 (accelerator v4-16 has 8 devices)"),
+    "too many chips over slices": ("name: a\naccelerator: v4-64\nslices: 2\n",
+                                   "job.yaml: slices: 2 slices of v4-64 are 64 chips; a job takes at most 32 chips "
+                                   "in all"),
+    "batch vs slices": ("name: a\naccelerator: v4-16\nslices: 3\nworkload: {type: lm, global_batch_size: 16}\n",
+                        "job.yaml: workload.global_batch_size: global_batch_size=16 is not divisible by slices=3 "
+                        "(each slice trains an equal share of every batch)"),
+    "slice's batch vs data axis": ("name: a\naccelerator: v4-16\nslices: 2\n"
+                                   "workload: {type: lm, global_batch_size: 8}\n",
+                                   "job.yaml: workload.global_batch_size: global_batch_size=4 is not divisible by "
+                                   "data*fsdp=8 (accelerator v4-16 has 8 devices; each of its 2 slices trains 4 of "
+                                   "the 8 rows)"),
+    "slices with autoscaling": ("name: a\naccelerator: v4-16\nslices: 2\ndeadline: PT2H\nautoscaling: {}\n",
+                                "job.yaml: slices: with autoscaling the controller runs one slice at a time (the "
+                                "cost policy does not choose a slice count yet); leave slices out or set it to 1"),
     "slash in name": ("name: a/b\n",
                       "job.yaml: name: 'a/b' is not a valid job name: use 1 to 40 lowercase letters, digits and "
                       "dashes, starting and ending with a letter or digit"),
