@@ -30,7 +30,7 @@ from orchestrator.control.captures import Captures
 from orchestrator.control.group import RayWorkerGroup, WorkerGroup
 from orchestrator.control.launch import training_settings, write_fence
 from orchestrator.control.limits import Limits
-from orchestrator.control.memory import common_step, drop_keepers
+from orchestrator.control.memory import drop_keepers
 from orchestrator.control.moves import AutoscalingMixin
 from orchestrator.control.reports import ReportsMixin
 from orchestrator.control.store_faults import HoldingStore
@@ -229,7 +229,7 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
             log.warning("job %s: global_batch_size=%d does not split over %d slices; restarting on new ones",
                         self.job_id, batch, len(survivors))
             return
-        step, why = common_step(survivors)
+        step, why = att.held_group.held_step(survivors)
         if step is None:
             log.warning("job %s: the surviving slices hold no common copy in memory (%s); they restore from storage",
                         self.job_id, why)

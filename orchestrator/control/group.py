@@ -30,6 +30,7 @@ from orchestrator.control import memory, shipping
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
 from orchestrator.control.launch import workload_for
 from orchestrator.domain.spec import JobSpec
+from orchestrator.providers.base import Slice
 from orchestrator.state.events import EventKind, Launched
 from orchestrator.state.store import Store
 from policies.decisions.recovery import (
@@ -85,6 +86,9 @@ class WorkerGroup(Protocol):
     def died(self, error: WorkerGone) -> Outcome:
         """How a worker's process went, once the provider has not said its host went: INFRA_LOST or
         WORKER_ABORTED (its native error in the job's log)."""
+
+    def held_step(self, slices: list[Slice]) -> tuple[int | None, str]:
+        """The newest step every host of `slices` holds in its memory, or None and why not."""
 
     def history(self) -> list[dict] | None:
         """Worker 0's steps of this generation (None if it does not answer)."""
@@ -212,6 +216,9 @@ class RayWorkerGroup:
             return Outcome(OutcomeKind.WORKER_ABORTED, f"host {rank}'s worker process died, its host still up: "
                                                        f"{summary}", traceback="\n".join(said) or None, at=at)
         return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_DIED} ({error.error_type})", at=at)
+
+    def held_step(self, slices: list[Slice]) -> tuple[int | None, str]:
+        return memory.common_step(slices)
 
     def history(self) -> list[dict] | None:
         try:

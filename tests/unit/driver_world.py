@@ -108,6 +108,7 @@ class World:
         self.queue = AdmissionQueue(self.store, self.provider)
         self.groups: list[ScriptedGroup] = []
         self.committed: int | None = None  # the newest checkpoint the job's workers committed (orbax's latest step)
+        self.lost_memory: set[str] = set()  # slices whose hosts' memory is gone
         self.on_step: Callable[[ScriptedGroup, int], None] = lambda group, step: None  # the test's hand in the run
 
     def provider_for(self, spec: JobSpec) -> FakeProvider:
@@ -139,8 +140,10 @@ class ScriptedGroup:
     def __init__(self, world: World, driver: JobDriver, spec: JobSpec):
         self.world, self.driver, self.spec = world, driver, spec
         self.generation = driver.att.generation
-        self.hosts = driver.att.held_slice.tpu_type.hosts
+        self.slices = [s.name for s in driver.att.slices]
+        self.hosts = sum(s.tpu_type.hosts for s in driver.att.slices)
         self.slice_name = driver.att.held_slice.name
+        self.memory_step = driver.att.memory_step  # restore from the survivors' memory, not storage
         self.step = -1  # the last step done
         self.stop_reason: str | None = None
         self.stopped = False
@@ -150,10 +153,12 @@ class ScriptedGroup:
         self.driver.report(self.generation, 0, report, [])
 
     def launch(self):
-        restored = self.world.committed
+        restored, source = self.world.committed, "storage"
+        if self.memory_step is not None:
+            restored, source = self.memory_step, "memory"
         self.step = restored - 1 if restored is not None else -1
         self.report(Ready(init_s=0.1))
-        self.report(Timings(restore_s=0.1, compile_s=0.0, restored_step=restored))
+        self.report(Timings(restore_s=0.1, compile_s=0.0, restored_step=restored, source=source))
         return None
 
     def results(self, timeout_s: float):
@@ -185,6 +190,11 @@ class ScriptedGroup:
 
     def history(self):
         return []
+
+    def held_step(self, slices):
+        """Every host keeps every step in memory; a lost slice's memory went with it."""
+        gone = [s.name for s in slices if s.name in self.world.lost_memory]
+        return (None, f"{gone[0]} holds no copy") if gone else (self.step + 1, "")
 
     def request_profile(self, request) -> None:
         raise AssertionError("no profile is asked for in these tests")

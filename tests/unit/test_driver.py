@@ -85,6 +85,54 @@ def test_a_notice_stops_at_a_committed_step_and_nothing_is_recomputed(world):
     assert events(world, EventKind.LOST_WORK)[0].data["steps"] == 0
 
 
+def test_a_lost_slice_of_three_goes_on_on_the_others_from_their_memory(world):
+    """A multi-slice job: a host of one slice goes; the next generation runs on the other two at once
+    (no slice requested), restoring the last step done from their memory; the lost slice is released."""
+    driver = world.submit(spec(slices=3, workload={**spec()["workload"], "global_batch_size": 48}))
+
+    def lose_a_slice(group, step):
+        if group.generation == 1 and step == 7:  # steps 0-7 done; 5 committed
+            world.lost_memory.add(group.slices[2])
+            world.provider.send(group.slices[2], SliceEventKind.HOST_LOST, "host 0 of the third slice vanished")
+
+    world.on_step = lose_a_slice
+    world.run(driver)
+    job = world.store.job("job")
+    assert job.state is JobState.SUCCEEDED and job.preemptions == 1
+    assert states(world) == ["PENDING", "PROVISIONING", "STARTING", "RUNNING", "RECOVERING", "PROVISIONING", "STARTING",
+                             "RUNNING", "SUCCEEDED"]
+    going_on = [e.reason for e in world.store.events("job") if e.to_state == "PROVISIONING"][1]
+    assert going_on.startswith("going on on the 2 surviving slices of 3 slices") and "step 8 from their memory" in \
+        going_on, going_on
+    g1, g2 = world.groups
+    assert len(g1.slices) == 3 and g2.slices == g1.slices[:2] and g2.hosts == 4
+    assert [(e.data["restored_step"], e.data["source"]) for e in events(world, EventKind.RESTORE)] == \
+        [(None, "storage"), (8, "memory")]
+    assert events(world, EventKind.LOST_WORK)[0].data["steps"] == 0
+    assert len(world.provider.slices) == 3  # nothing asked for after the loss
+    assert set(slice_states(world).values()) == {SliceState.RELEASED}
+
+
+def test_survivors_without_a_common_copy_restore_from_storage_and_the_last_slice_restarts(world):
+    driver = world.submit(spec(slices=2))
+
+    def lose(group, step):
+        if group.generation == 1 and step == 7:  # the survivor's memory is gone too: storage
+            world.lost_memory.update(group.slices)
+            world.provider.send(group.slices[1], SliceEventKind.HOST_LOST, "host 1 of the second slice vanished")
+        if group.generation == 2 and step == 12:  # the last slice goes: a new one, from storage
+            world.provider.send(group.slices[0], SliceEventKind.HOST_LOST, "host 0 of the last slice vanished")
+
+    world.on_step = lose
+    world.run(driver)
+    assert world.store.job("job").state is JobState.SUCCEEDED
+    g1, g2, g3 = world.groups
+    assert g2.slices == g1.slices[:1] and len(g3.slices) == 2 and not set(g3.slices) & set(g1.slices)
+    assert [(e.data["restored_step"], e.data["source"]) for e in events(world, EventKind.RESTORE)] == \
+        [(None, "storage"), (5, "storage"), (10, "storage")]
+    assert set(slice_states(world).values()) == {SliceState.RELEASED}
+
+
 def test_a_transition_the_store_refuses_stops_the_driver_loudly(world, caplog):
     driver = world.submit(spec())
 
