@@ -34,6 +34,15 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[SliceRecord]) -> tup
     """The job's running group as an adopted `Attempt` (with its worker 0's step history), or None
     after stopping whatever is left of it; and the history to record (empty if none)."""
     workers, pg = [], None
+    if job.spec.slices > 1:  # not adopted: relaunched from storage (its workers span slices a restart cannot rejoin)
+        log.warning("job %s: a multi-slice job's workers are not adopted after a controller restart; relaunching",
+                    job.id)
+        for rec in slices:
+            t = catalog.lookup(rec.accelerator)
+            kill_workers([w for i in range(t.hosts) if (w := _actor(worker_name(rec.name, job.generation, i)))],
+                         _placement_group(pg_name(rec.name, job.generation)))
+            plane.release_record(rec)
+        return None, []
     running, beside = running_slice(plane.store, job, slices)
     for rec in beside:  # a request waiting beside it (make-before-break): given back; the policy asks again
         plane.release_record(rec)
@@ -63,6 +72,20 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[SliceRecord]) -> tup
     if running is not None:
         plane.release_record(running)
     return None, []
+
+
+def _actor(name: str):
+    try:
+        return ray.get_actor(name, namespace=cluster.NAMESPACE)
+    except ValueError:  # none by that name
+        return None
+
+
+def _placement_group(name: str):
+    try:
+        return ray.util.get_placement_group(name)
+    except ValueError:  # none by that name (only the first slice's name names the group)
+        return None
 
 
 def _take_over(plane: "Controller", job: JobRecord, rec: SliceRecord, t: catalog.TpuType):
