@@ -22,14 +22,15 @@ from orchestrator.cluster import kill_host
 from tests.conftest import assert_losses_close, run_reference
 from tests.waiting import wait_for, wait_step
 
-STEPS, INTERVAL = 24, 6
-MODEL = {"d_model": 128, "n_layers": 2, "n_heads": 4, "d_ff": 512}
+STEPS, INTERVAL = 22, 6
+MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "d_ff": 256}
 
 
-def spec(name: str, root, *, accelerator: str = "v4-16", slices: int = 2, batch: int = 16, **recovery) -> JobSpec:
+def spec(name: str, root, *, accelerator: str = "v4-16", slices: int = 2, batch: int = 16, steps: int = STEPS,
+         **recovery) -> JobSpec:
     return JobSpec.from_dict({
         "name": name, "accelerator": accelerator, "slices": slices,
-        "workload": {"type": "lm", "steps": STEPS, "global_batch_size": batch, "seq_len": 32, "model": MODEL,
+        "workload": {"type": "lm", "steps": steps, "global_batch_size": batch, "seq_len": 32, "model": MODEL,
                      "learning_rate": {"warmup_steps": 2}},
         "checkpoint": {"interval_steps": INTERVAL, "keep": 5, "directory": str(root / name)},
         "recovery": {"start_timeout_s": 180, "heartbeat_timeout_s": 120, "max_preemptions": 3, **recovery}})
@@ -59,11 +60,12 @@ def live_slices(client, job) -> list:
 @pytest.fixture(scope="module")
 def one_slice(client, tmp_path_factory):
     """The same job on one 4-host v4-32 slice: 16 chips, as two v4-16 slices have."""
-    return outcome(client.submit(spec("ms-one", tmp_path_factory.mktemp("one"), accelerator="v4-32", slices=1)))
+    return outcome(client.submit(spec("ms-one", tmp_path_factory.mktemp("one"), accelerator="v4-32", slices=1,
+                                      steps=8)))
 
 
 def test_two_slices_train_as_one_slice_of_as_many_hosts(client, tmp_path, one_slice):
-    job = client.submit(spec("ms-two", tmp_path))
+    job = client.submit(spec("ms-two", tmp_path, steps=8))
     assert_same_model(outcome(job), one_slice)
     (launched,) = kinds(job, "launched")
     assert len(launched.data["nodes"]) == len(set(launched.data["nodes"])) == 4  # a host each, over 2 slices
