@@ -48,6 +48,7 @@ class Attempt:
     lost: set[str] = field(default_factory=set)  # slices of this attempt that went (a host gone, a reclaim)
     memory_step: int | None = None  # the next launch restores this step from the survivors' memory
     shrunk_from: str | None = None  # the next launch goes on the survivors of this many slices
+    regrow_at: float = 0.0  # monotonic time a job short of slices may ask for one again
     next_ready_at: float | None = None  # wall time the next slice became READY
     next_provision_s: float = 0.0  # from its request to READY
     requests: int = 0  # slice requests made by this driver, for unique names

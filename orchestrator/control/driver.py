@@ -43,6 +43,7 @@ from orchestrator.providers.capacity import TraceClock
 from orchestrator.state.events import (
     Disrupted,
     EventKind,
+    ResizeAsked,
     StateChange,
 )
 from orchestrator.state.states import FailedBecause, JobState, SliceState
@@ -54,6 +55,8 @@ if TYPE_CHECKING:
     from orchestrator.control.controller import Controller
 
 log = logging.getLogger(__name__)
+
+REGROW_S = 30.0  # how long after a refused request a job short of slices asks again
 
 
 # How a job that fails after an attempt ended one way is named (FAILED_SETUP, FAILED_BUDGET, ...).
@@ -261,6 +264,35 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         """Once a poll of a running attempt: the budget and deadline, then the autoscaler."""
         self.limits.check(self.att, self.spec)
         self._autoscale_while_running()
+        self._regrow()
+
+    def _regrow(self) -> None:
+        """A multi-slice job running on fewer slices than its spec's (it lost some): ask for one beside
+        them, and once it is READY stop at a committed step and go on on all of them (make-before-break,
+        restoring from storage: the new slice's hosts hold nothing in memory)."""
+        att, spec = self.att, self.spec()
+        if (spec.autoscaling is not None or not spec.recovery.regrow or not att.started or att.notice is not None
+                or len(att.slices) >= spec.slices):
+            return
+        if att.next_slice is not None:  # READY beside the survivors (`_follow_waiting`): switch
+            new, running = att.next_slice, att.slices
+            att.waiting, att.next_others = None, list(running)
+            att.resize_to, att.resize_tier = spec.accelerator, spec.tier.value
+            reason = (f"slice {new.name} is ready beside the {len(running)} running; checkpointing, then going on "
+                      f"on {len(running) + 1} slices")
+            self.store.add_event(self.job_id, ResizeAsked(spec.accelerator, spec.accelerator, spec.tier.value, reason,
+                                                          att.last_step + 1), reason)
+            att.stop_requested(f"adding slice {new.name} back")
+            return
+        if att.waiting is None and time.monotonic() >= att.regrow_at:
+            att.regrow_at = time.monotonic() + REGROW_S  # a refused request is asked again after this
+            att.requests += 1
+            name = f"{self.job_id}-{att.generation + 1}g{att.requests}"
+            try:
+                att.waiting = request(att.chosen_provider, self.job_id, name, spec, spec.accelerator, spec.tier.value,
+                                      created_at=self.store.job(self.job_id).created_at, limit_s=None)
+            except ProvisioningError as e:  # refused at once: asked again later
+                log.info("job %s: no slice to add back now (%s)", self.job_id, e)
 
     def _after(self, outcome: Outcome) -> None:
         """Record how the attempt ended, and do what the recovery rules say comes next."""

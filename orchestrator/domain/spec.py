@@ -85,6 +85,9 @@ class RecoveryConfig(_Frozen):
     heartbeat_timeout_s: Timeout = 120.0
     grace_period_s: Timeout = 30.0
     start_timeout_s: Timeout = 300.0  # for a slice's hosts to join and its workers to start
+    # A multi-slice job that lost a slice asks for one again and, once it is READY beside the survivors,
+    # goes back to `slices` at a committed step; false: it finishes on the survivors.
+    regrow: bool = True
     # Where hosts long-poll for preemption notices; None: the GCE metadata server on gcp, none locally.
     metadata_url: str | None = None
 

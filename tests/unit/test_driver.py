@@ -88,7 +88,8 @@ def test_a_notice_stops_at_a_committed_step_and_nothing_is_recomputed(world):
 def test_a_lost_slice_of_three_goes_on_on_the_others_from_their_memory(world):
     """A multi-slice job: a host of one slice goes; the next generation runs on the other two at once
     (no slice requested), restoring the last step done from their memory; the lost slice is released."""
-    driver = world.submit(spec(slices=3, workload={**spec()["workload"], "global_batch_size": 48}))
+    driver = world.submit(spec(slices=3, workload={**spec()["workload"], "global_batch_size": 48},
+                               recovery={"regrow": False}))
 
     def lose_a_slice(group, step):
         if group.generation == 1 and step == 7:  # steps 0-7 done; 5 committed
@@ -114,7 +115,7 @@ def test_a_lost_slice_of_three_goes_on_on_the_others_from_their_memory(world):
 
 
 def test_survivors_without_a_common_copy_restore_from_storage_and_the_last_slice_restarts(world):
-    driver = world.submit(spec(slices=2))
+    driver = world.submit(spec(slices=2, recovery={"regrow": False}))
 
     def lose(group, step):
         if group.generation == 1 and step == 7:  # the survivor's memory is gone too: storage
@@ -130,6 +131,32 @@ def test_survivors_without_a_common_copy_restore_from_storage_and_the_last_slice
     assert g2.slices == g1.slices[:1] and len(g3.slices) == 2 and not set(g3.slices) & set(g1.slices)
     assert [(e.data["restored_step"], e.data["source"]) for e in events(world, EventKind.RESTORE)] == \
         [(None, "storage"), (5, "storage"), (10, "storage")]
+    assert set(slice_states(world).values()) == {SliceState.RELEASED}
+
+
+def test_a_job_short_of_a_slice_adds_one_back_make_before_break(world):
+    """After a shrink the job asks for a slice beside the survivors; once it is READY every host stops
+    at a committed step and the next generation runs on all of them, restored from storage."""
+    driver = world.submit(spec(slices=2))
+
+    def lose_a_slice(group, step):
+        if group.generation == 1 and step == 7:
+            world.provider.send(group.slices[1], SliceEventKind.HOST_LOST, "host 1 of the second slice vanished")
+
+    world.on_step = lose_a_slice
+    world.run(driver)
+    job = world.store.job("job")
+    assert job.state is JobState.SUCCEEDED and job.preemptions == 1
+    assert states(world)[4:] == ["RECOVERING", "PROVISIONING", "STARTING", "RUNNING", "RESIZING", "PROVISIONING",
+                                 "STARTING", "RUNNING", "SUCCEEDED"]
+    g1, g2, g3 = world.groups
+    assert g2.slices == g1.slices[:1] and len(g3.slices) == 2 and g3.slices[1] == g1.slices[0]  # the survivor stays
+    [resize] = events(world, EventKind.RESIZE)
+    assert f"slice {g3.slices[0]} is ready beside the 1 running" in resize.reason
+    restores = [(e.data["restored_step"], e.data["source"]) for e in events(world, EventKind.RESTORE)]
+    assert restores[:2] == [(None, "storage"), (8, "memory")] and restores[2][1] == "storage"
+    assert restores[2][0] >= resize.data["step"]  # the step every host stopped after, committed (nothing lost)
+    assert [e.data["steps"] for e in events(world, EventKind.LOST_WORK)] == [0, 0]
     assert set(slice_states(world).values()) == {SliceState.RELEASED}
 
 
