@@ -272,7 +272,7 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         restoring from storage: the new slice's hosts hold nothing in memory)."""
         att, spec = self.att, self.spec()
         if (spec.autoscaling is not None or not spec.recovery.regrow or not att.started or att.notice is not None
-                or len(att.slices) >= spec.slices):
+                or len(att.slices) >= spec.slices or att.last_step < 0):  # the survivors train again first
             return
         if att.next_slice is not None:  # READY beside the survivors (`_follow_waiting`): switch
             new, running = att.next_slice, att.slices
