@@ -240,15 +240,25 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         att.memory_step, att.shrunk_from = step, f"{len(att.slices)} slices"
 
     def _provision_all(self, spec: JobSpec, attempt: int, refusals: int) -> None:
-        """The attempt's slices, all READY (`next_slice`, `next_others`), or none held (CapacityError)."""
-        att = self.att
-        att.next_slice = self._provision(spec, attempt, round_=refusals)
+        """The attempt's slices, all READY (`next_slice`, `next_others`), or none held (ProvisioningError).
+
+        A multi-slice job asks for all its slices at once, then waits for each: on GCP each is a
+        queued resource that waits for capacity and boots on its own."""
+        att, provider = self.att, self.att.chosen_provider
+        stem = f"{self.job_id}-{attempt}" + (f"q{refusals}" if refusals else "")
+        others: list[Waiting] = []
         try:
             for part in range(1, spec.slices):
-                att.next_others.append(self._provision(spec, attempt, round_=refusals, part=part))
+                others.append(request(provider, self.job_id, f"{stem}s{part}", spec, spec.accelerator,
+                                      spec.tier.value, created_at=self.store.job(self.job_id).created_at,
+                                      limit_s=self._queue_limit_s(spec)))
+            att.next_slice = self._provision(spec, attempt, round_=refusals)
+            for w in others:
+                att.next_others.append(self._wait_for(w, spec))
         except ProvisioningError:
-            for s in [att.next_slice, *att.next_others]:
-                release(att.chosen_provider, s.name, "the job's other slices could not all be had")
+            held = {s.name for s in [att.next_slice, *att.next_others] if s is not None}
+            for name in held | {w.name for w in others}:
+                release(provider, name, "the job's other slices could not all be had")
             att.next_slice, att.next_others = None, []
             raise
 
@@ -362,7 +372,7 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         return sum(1 for e in self.store.events(self.job_id)
                    if e.kind is EventKind.DISRUPTION and (e.data or {}).get("kind") == OutcomeKind.WORKER_ABORTED.value)
 
-    def _provision(self, spec: JobSpec, attempt: int, *, round_: int = 0, part: int = 0) -> Slice:
+    def _provision(self, spec: JobSpec, attempt: int, *, round_: int = 0) -> Slice:
         """A ready slice, asking again (with backoff and jitter) while the failure is transient.
 
         A refusal for capacity is not retried here: the queue (and for autoscaled jobs the
@@ -371,7 +381,7 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         wants again is waited on rather than asked for anew.
         """
         provider = self.att.chosen_provider
-        stem = f"{self.job_id}-{attempt}" + (f"q{round_}" if round_ else "") + (f"s{part}" if part else "")
+        stem = f"{self.job_id}-{attempt}" + (f"q{round_}" if round_ else "")
         names = iter(f"{stem}{suffix}" for suffix in ["", "b", "c", "d"])
         key = (spec.accelerator, spec.tier.value)
 
