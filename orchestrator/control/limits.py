@@ -54,7 +54,7 @@ class Limits:
         """BUDGET_SPENT when the budget left does not pay for a start on `spec`'s slice, else None."""
         if spec.budget_usd is None:
             return None
-        why = budget_refuses_start(spent_usd=self._spent(), usd_per_hour=_usd_per_hour(spec),
+        why = budget_refuses_start(spent_usd=self._spent(), usd_per_hour=_usd_per_hour(spec, spec.slices),
                                    cap_usd=spec.budget_usd, stop_s=_stop_s(spec))
         return None if why is None else Outcome(OutcomeKind.BUDGET_SPENT, f"{why}; no slice started")
 
@@ -66,8 +66,8 @@ class Limits:
         self._next_check = now + CHECK_S
         spec = spec_of()
         if spec.budget_usd is not None and self.budget_stop is None and att.notice is None:
-            why = budget_stop(spent_usd=self._spent(), usd_per_hour=_usd_per_hour(spec), cap_usd=spec.budget_usd,
-                              stop_s=_stop_s(spec))
+            why = budget_stop(spent_usd=self._spent(), usd_per_hour=_usd_per_hour(spec, max(1, len(att.slices))),
+                              cap_usd=spec.budget_usd, stop_s=_stop_s(spec))
             if why is not None:
                 log.info("job %s: stopping for the budget: %s", self.job_id, why)
                 self.budget_stop = why
@@ -110,8 +110,9 @@ class Limits:
                                                            f.steps_left, round(step_s, 4)), what)
 
 
-def _usd_per_hour(spec: JobSpec) -> float:
-    return catalog.lookup(spec.accelerator).usd_per_hour(spec.tier)
+def _usd_per_hour(spec: JobSpec, slices: int) -> float:
+    """What `slices` slices of the spec's type and tier cost together."""
+    return slices * catalog.lookup(spec.accelerator).usd_per_hour(spec.tier)
 
 
 def _stop_s(spec: JobSpec) -> float:
