@@ -60,12 +60,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from orchestrator.domain.options import job_options  # noqa: E402
 from policies.cost.policy import CostPolicy  # noqa: E402
 from policies.cost.restart_cost import RestartCost  # noqa: E402
+from policies.cost.slice_options import MultiSlice, multi_slice_options  # noqa: E402
 from policies.evaluation.baselines import FixedPolicy, GreedyPolicy  # noqa: E402
-from policies.evaluation.hindsight import hindsight_optimum  # noqa: E402
+from policies.evaluation.hindsight import hindsight_optimum, single_slice_optimum  # noqa: E402
 from policies.evaluation.simulator import SimJob, simulate  # noqa: E402
 from policies.evaluation.traces import bundled_traces  # noqa: E402
 
 TOTAL_TOKENS = 20e9
+PARAMS = 1.0e9  # the model's parameters (`orchestrator.domain.options.DEFAULT_FLOPS_PER_TOKEN`'s model)
+BATCH_TOKENS = 512 * 2048  # the global batch, split evenly over the slices of a multi-slice option
+MAX_SLICES = 4  # v4-16 x1..4, v4-32 x1..2, v4-64 x1: at most 32 chips
 DEADLINE_OVER_ONDEMAND = 1.75
 POLICIES = ("product", "policy", "ondemand", "spot_restart", "greedy", "optimum", "policy_notice", "policy_own",
             "policy_own_release_first")
@@ -73,9 +77,10 @@ SWEEP = (1.25, 2.5, 3.5)  # other deadlines, as multiples of the on-demand v4-32
 RESULT_PATH = Path(__file__).parent / "results" / "cost.json"
 
 
-def benchmark_job(deadline_over_ondemand: float = DEADLINE_OVER_ONDEMAND) -> SimJob:
-    options = job_options(["v4-16", "v4-32", "v4-64"], ["spot", "on-demand"])
-    ondemand = next(o for o in options if o.name == "v4-32" and o.tier == "on-demand")
+def benchmark_job(deadline_over_ondemand: float = DEADLINE_OVER_ONDEMAND, max_slices: int = MAX_SLICES) -> SimJob:
+    options = multi_slice_options(job_options(["v4-16", "v4-32", "v4-64"], ["spot", "on-demand"]),
+                                  MultiSlice(PARAMS, BATCH_TOKENS), max_slices)
+    ondemand = next(o for o in options if o.name == "v4-32" and o.tier == "on-demand" and o.count == 1)
     return SimJob(TOTAL_TOKENS, deadline_over_ondemand * TOTAL_TOKENS / ondemand.tokens_per_s, options)
 
 
@@ -84,8 +89,8 @@ def run_window(args: tuple[str, float, float]) -> dict[str, dict]:
     trace_name, start_s, deadline_over_ondemand = args
     trace = next(t for t in bundled_traces() if t.name == trace_name)
     job = benchmark_job(deadline_over_ondemand)
-    od32 = next(o for o in job.options if o.name == "v4-32" and o.tier == "on-demand")
-    spot32 = next(o for o in job.options if o.name == "v4-32" and o.tier == "spot")
+    od32 = next(o for o in job.options if o.label == "v4-32 on-demand")
+    spot32 = next(o for o in job.options if o.label == "v4-32 spot")
     policies = {
         "policy": (CostPolicy(), RestartCost()),
         "ondemand": (FixedPolicy(od32, "ondemand"), RestartCost()),

@@ -53,6 +53,7 @@ __all__ = ["DECISION_INTERVAL_S", "NO_DEADLINE_S", "Choice", "clock_of", "decide
            "snapshot", "spot_availability", "spot_chips_now", "step_seconds", "with_checkpoint_interval"]
 
 NO_DEADLINE_S = 30 * 24 * 3600.0  # a job without a deadline still gets a horizon
+MAX_SLICES = 1  # slices a job trains on at once: the driver does not run a job on several slices yet
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
                           restart=_restart(events, spec, step_s, clock),
                           records=own, pooled_records=pooled(others, zone=zone, now_s=now_s),
                           current=_option(options, current), ready=_option(options, ready),
-                          largest_spot_chips=spot_chips_available)
+                          largest_spot_chips=spot_chips_available, max_slices=MAX_SLICES)
     return snap, spec, step_s, clock
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from policies.cost.restart_cost import RestartCost
 from policies.cost.slice_options import Option
-from policies.cost.snapshot import Snapshot, slice_hazard_per_hour
+from policies.cost.snapshot import Snapshot, slice_hazard_per_hour, slice_shrink_per_hour
 
 # Future spot time is uncertain: plans are priced in five scenarios (5-point Gauss-
 # Hermite nodes of a normal, in standard deviations, with their weights) and averaged.
@@ -52,12 +52,12 @@ class Plan:
     def describe(self) -> str:
         parts = []
         if self.spot and self.spot_tokens > 0:
-            parts.append(f"spot {self.spot.name} for {self.spot_tokens / 1e9:.2f}B tokens")
+            parts.append(f"spot {self.spot.what} for {self.spot_tokens / 1e9:.2f}B tokens")
         first = self.on_demand_tokens - self.on_demand_second_tokens
         if self.on_demand and first > 0:
-            parts.append(f"on-demand {self.on_demand.name} for {first / 1e9:.2f}B")
+            parts.append(f"on-demand {self.on_demand.what} for {first / 1e9:.2f}B")
         if self.on_demand_second and self.on_demand_second_tokens > 0:
-            parts.append(f"on-demand {self.on_demand_second.name} for {self.on_demand_second_tokens / 1e9:.2f}B")
+            parts.append(f"on-demand {self.on_demand_second.what} for {self.on_demand_second_tokens / 1e9:.2f}B")
         text = " + ".join(parts) or "nothing left to train"
         return text if self.feasible else text + " (cannot fit before the deadline)"
 
@@ -67,11 +67,12 @@ class SpotOutlook:
     """What the policy expects of one spot option; computed once per decision."""
 
     option: Option
-    hazard_per_hour: float
+    hazard_per_hour: float  # full restarts (every slice lost)
     usd_per_token: float  # restarts and lost work after preemptions folded in
     tokens_per_up_s: float  # speed x productive fraction, while the slice can be had
     fraction: float  # of the time the slice can be had
     spread_h: float  # standard deviation of spot hours over a horizon of H hours, / sqrt(H)
+    shrink_per_hour: float = 0.0  # losses of one slice of several (the job trains on)
 
     def up_s(self, horizon_s: float, sigmas: float) -> float:
         """Seconds the slice can be had within the horizon, `sigmas` deviations from the mean."""
@@ -98,16 +99,18 @@ def plan_inputs(snap: Snapshot) -> PlanInputs:
 
     Each preemption (slice hazard per hour) costs a restart and half a checkpoint
     interval of work, and provisioning is the only part of that which is not billed;
-    the checkpoints themselves cost `RestartCost.save_s` each.
+    the checkpoints themselves cost `RestartCost.save_s` each. On several slices, the loss
+    of one that leaves others costs `RestartCost.shrink_loss_s` instead (billed: the job
+    trains on).
     """
     r, spot = snap.restart, []
     for o in (o for o in snap.options if o.preemptible):
-        hazard = slice_hazard_per_hour(o, snap)
-        productive = max(0.05, 1 - r.lost_fraction(hazard))
+        hazard, shrink = slice_hazard_per_hour(o, snap), slice_shrink_per_hour(o, snap)
+        productive = max(0.05, 1 - r.lost_fraction(hazard) - shrink / 3600 * r.shrink_loss_s(o.count))
         billed = max(0.05, 1 - hazard / 3600 * r.provisioning_s)
         spot.append(SpotOutlook(o, hazard, o.usd_per_token * billed / productive, o.tokens_per_s * productive,
                                 snap.availability.fraction(o.zone, o.chips),
-                                snap.availability.spread_h(o.zone, o.chips)))
+                                snap.availability.spread_h(o.zone, o.chips), shrink))
     on_demand = tuple(sorted((o for o in snap.options if not o.preemptible), key=lambda o: o.usd_per_token))
     pairs = tuple((a, b) for a in on_demand for b in on_demand
                   if a.usd_per_token < b.usd_per_token and a.tokens_per_s < b.tokens_per_s)

@@ -19,7 +19,9 @@ Rules both paths follow through this function:
   while its plan waits for it: `Decision.wait_for`, `policies.cost.moves.next_move`);
 - the hazard counts spot preemptions only; an on-demand host loss is none;
 - `restart.checkpoint_interval_s` is the job's own (longest) interval; the interval a
-  running slice saves at was chosen when it started and is not changed while it runs.
+  running slice saves at was chosen when it started and is not changed while it runs;
+- options of more than `max_slices` slices at once are left out (the controller runs one
+  slice a job until it is wired for several: it passes 1; the simulator passes its job's).
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def build_snapshot(*, now_s: float, progress: Progress, options: tuple[Option, .
                    current: Option | None = None, current_ready_in_s: float = 0.0, ready: Option | None = None,
                    largest_spot_chips: int | None = None, feed: CapacityFeed | None = None,
                    hazard: SpotHazard = SpotHazard(), availability: SpotAvailability = SpotAvailability(),
-                   decision_interval_s: float = DECISION_INTERVAL_S) -> Snapshot:
+                   decision_interval_s: float = DECISION_INTERVAL_S, max_slices: int = 1) -> Snapshot:
     """What the policy knows now (see the module docstring for the rules)."""
+    options = tuple(o for o in options if o.count <= max_slices)
     spot = [o for o in options if o.preemptible]
     sizes = sorted({o.chips for o in spot})
     zone = spot[0].zone if spot else "default"

@@ -85,27 +85,29 @@ def value_of(action: Option | None, snap: Snapshot, view: PlanInputs, lookahead_
         return ActionValue(None, cost, plan, lookahead_s)
     r = snap.restart
     overhead_s = snap.overhead_s(action)
-    billed_overhead_s = min(overhead_s, r.startup_s)  # startup is the billed tail of a restart
+    billed_usd = snap.billed_move_usd(action)  # startup is the billed tail of a restart
     run_s = max(lookahead_s - overhead_s, 0.0)
-    hazard = next((s.hazard_per_hour for s in view.spot if s.option == action), 0.0)
+    outlook = next((s for s in view.spot if s.option == action), None)
+    hazard = outlook.hazard_per_hour if outlook else 0.0
+    shrink_share = (outlook.shrink_per_hour / 3600 * r.shrink_loss_s(action.count)) if outlook else 0.0
     interval, per_s = r.interval_s(hazard), hazard / 3600
     if per_s > 0:  # expected running time before a preemption, and work lost at one
         alive_s = (1 - math.exp(-per_s * run_s)) / per_s
         lost_s = (1 - math.exp(-per_s * run_s)) * r.lost_per_preemption_s(interval)
     else:
         alive_s, lost_s = run_s, 0.0
-    tokens = max(action.tokens_per_s * (alive_s * (1 - r.save_s / interval) - lost_s), 0.0)
+    tokens = max(action.tokens_per_s * (alive_s * (1 - r.save_s / interval - shrink_share) - lost_s), 0.0)
     usd_per_s = action.usd_per_hour / 3600
     if tokens >= remaining:  # finishes inside the lookahead
         used_s = r.train_s(remaining, action.tokens_per_s, hazard)
         late = overhead_s + used_s > horizon_s  # a miss, however small: as if no token were in time
         penalty = remaining * view.penalty_per_token if late else 0.0
         done = Plan(None, None, 0.0, 0.0, 0.0, 0.0, not late)
-        return ActionValue(action, usd_per_s * (billed_overhead_s + used_s) + penalty, done, overhead_s + used_s)
+        return ActionValue(action, billed_usd + usd_per_s * used_s + penalty, done, overhead_s + used_s)
     # A preempted slice hands over to the plan when it dies, not at the end of the lookahead.
     elapsed_s = overhead_s + alive_s
     cost, plan = expected_plan_cost(view, horizon_s - elapsed_s, remaining - tokens, action)
-    return ActionValue(action, usd_per_s * (billed_overhead_s + alive_s) + cost, plan, elapsed_s)
+    return ActionValue(action, billed_usd + usd_per_s * alive_s + cost, plan, elapsed_s)
 
 
 @dataclass(frozen=True)
@@ -172,11 +174,11 @@ def _safety_net(snap, on_demand, od_finish_s, horizon_s, slack_s) -> Decision:
     if not in_time:
         d = min(on_demand, key=od_finish_s)
         late_h = (od_finish_s(d) - horizon_s) / 3600
-        return _decision(snap, d, f"deadline at risk: even on-demand {d.name} finishes {late_h:.2f} h late",
+        return _decision(snap, d, f"deadline at risk: even on-demand {d.what} finishes {late_h:.2f} h late",
                          _finish_cost(snap, d, od_finish_s(d)), snap.now_s + od_finish_s(d))
     d = min(in_time, key=lambda o: _finish_cost(snap, o, od_finish_s(o)))
     reason = (f"safety net: losing spot now would leave {slack_s / 3600:+.2f} h of slack, so run "
-              f"on-demand {d.name}, the cheapest slice that finishes in time "
+              f"on-demand {d.what}, the cheapest slice that finishes in time "
               f"({(horizon_s - od_finish_s(d)) / 3600:.2f} h to spare)")
     return _decision(snap, d, reason, _finish_cost(snap, d, od_finish_s(d)), snap.now_s + od_finish_s(d))
 
@@ -198,7 +200,7 @@ def _reason(snap: Snapshot, v: ActionValue) -> str:
     o, plan, cost = v.option, v.plan.describe(), _usd(v.cost_usd)
     if o is None:
         return f"wait for spot: expected {cost} to finish with plan {plan}"
-    what = f"{o.tier} {o.name}"
+    what = f"{o.tier} {o.what}"
     if o == snap.current:
         return f"keep {what}: cheapest expected cost {cost}, then {plan}"
     if snap.current is not None:

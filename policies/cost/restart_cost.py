@@ -23,6 +23,10 @@ DEFAULT_CHECKPOINT_INTERVAL_S = 600.0  # the longest interval: what the job chec
 # for a ~1B model (12 GB of parameters and Adam moments over 2-8 hosts) until a job
 # measures its own; the local cluster measures a fraction of a second for its small model.
 DEFAULT_SAVE_S = 5.0
+# A job on several slices that loses one (not the last) trains on the survivors from their
+# host memory: the survivors re-form their mesh and go on within seconds, nothing lost. The
+# same pause when a slice is added back. An assumption until the controller measures it.
+DEFAULT_RESHAPE_S = 30.0
 MIN_CHECKPOINT_INTERVAL_S = 60.0
 
 
@@ -34,6 +38,7 @@ class RestartCost:
     startup_s: float = DEFAULT_STARTUP_S  # JAX init, restore, compile; billed, no progress
     checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S  # the longest; shorter on spot (below)
     save_s: float = DEFAULT_SAVE_S  # training time one checkpoint costs
+    reshape_s: float = DEFAULT_RESHAPE_S  # pause of a multi-slice job losing a slice or adding one (billed)
     # Whether a preemption notice (GCE gives about 30 s) leaves time to commit a checkpoint,
     # so that a preemption loses no work. Off by default: whether a big state commits that
     # fast from every host of a slice is not known here.
@@ -66,6 +71,13 @@ class RestartCost:
         """Share of a slice's time lost to restarts, lost work and saves at that hazard."""
         interval, per_s = self.interval_s(hazard_per_hour), hazard_per_hour / 3600
         return per_s * (self.overhead_s + self.lost_per_preemption_s(interval)) + self.save_s / interval
+
+    def shrink_loss_s(self, count: int) -> float:
+        """Training time the loss of one of `count` slices costs (the job goes on without it):
+        the pause to re-form on the survivors, a slice's share of the job's speed missing while
+        one is added back (make-before-break: its provisioning and startup), and the pause
+        when it joins."""
+        return 2 * self.reshape_s + self.overhead_s / count
 
     def lost_per_preemption_s(self, interval_s: float) -> float:
         """Work a preemption loses on average: half an interval, or none if the notice is used."""

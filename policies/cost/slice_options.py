@@ -1,17 +1,24 @@
-"""What a job can run on, and how fast: a slice type in a tier and zone, with its price
-and this job's throughput on it.
+"""What a job can run on, and how fast: `count` slices of one type in a tier and zone,
+with their price and this job's throughput on them.
 
 Before the job has measured its speed on a slice, `ScalingModel` predicts it from the
 model's training FLOPs per token (`policies.model.shape.ModelShape.flops_per_token`)
 and the chips' peak; `estimate_tokens_per_s` scales what the job measured on one size
 to the others.
+
+Several slices at once (multi-slice data parallelism): the job trains on `count` slices of
+one type, each holding a full replica's shard of the model, and the slices average their
+gradients over the data-center network (DCN) every step. `multi_slice_options` adds, for
+each single-slice option, the counts up to a chip limit; a count-N option trains at N x
+the single slice's tokens/s x `dcn_efficiency` (the share of the step not spent waiting
+on the cross-slice all-reduce) and costs N x its price.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 SPOT = "spot"
@@ -28,8 +35,17 @@ class Option:
     hosts: int
     tier: str  # SPOT, ON_DEMAND or RESERVED
     usd_per_hour: float  # for the whole slice
-    tokens_per_s: float  # this job's throughput on this slice
+    tokens_per_s: float  # this job's throughput on this slice (on all `count` slices together)
     zone: str = "default"
+    count: int = 1  # slices of type `name` trained on at once; chips, hosts and price are the total
+
+    @property
+    def slice_chips(self) -> int:
+        return self.chips // self.count
+
+    @property
+    def slice_hosts(self) -> int:
+        return self.hosts // self.count
 
     @property
     def preemptible(self) -> bool:
@@ -41,7 +57,17 @@ class Option:
 
     @property
     def label(self) -> str:
-        return f"{self.name} {self.tier}"
+        return f"{self.name} {self.tier}" if self.count == 1 else f"{self.count}x{self.name} {self.tier}"
+
+    @property
+    def what(self) -> str:
+        """The slices without the tier: "v4-16", "2xv4-16"."""
+        return self.name if self.count == 1 else f"{self.count}x{self.name}"
+
+    def with_count(self, count: int, options: Sequence[Option]) -> Option | None:
+        """The option among `options` with this one's type, tier and zone, and `count` slices."""
+        return next((o for o in options if (o.name, o.tier, o.zone, o.count) == (self.name, self.tier, self.zone,
+                                                                                count)), None)
 
 
 @dataclass(frozen=True)
@@ -76,3 +102,75 @@ def estimate_tokens_per_s(
         return model.tokens_per_s(chips, hosts)
     (c, h), seen = min(measured.items(), key=lambda kv: abs(math.log2(kv[0][0] / chips)))
     return seen * model.tokens_per_s(chips, hosts) / model.tokens_per_s(c, h)
+
+
+# --- several slices at once -------------------------------------------------------------
+
+# DCN bandwidth a v4 host gives a cross-slice all-reduce, bytes/s. An assumption, not a
+# measurement: 50 Gbit/s of each host's NIC for the gradient traffic (the TPU v4 hosts'
+# network ports are faster than that; storage, input and the other collectives share
+# them). Every estimate below scales with it: halve it and the exposed time doubles.
+DCN_BYTES_PER_S_PER_HOST = 50e9 / 8
+GRADIENT_BYTES_PER_PARAM = 2  # bf16 gradients
+BACKWARD_SHARE = 2 / 3  # of a step: the backward pass, behind which the all-reduce can run
+MAX_CHIPS = 32  # the most chips a multi-slice job may hold at once
+
+
+def dcn_all_reduce_s(*, params: float, count: int, slice_hosts: int,
+                     bytes_per_s_per_host: float = DCN_BYTES_PER_S_PER_HOST) -> float:
+    """Seconds a ring all-reduce of the bf16 gradients over `count` slices takes: each slice
+    sends and receives 2 x (N - 1) / N x the gradient bytes, spread over its hosts' NICs."""
+    if count <= 1:
+        return 0.0
+    return 2 * (count - 1) / count * GRADIENT_BYTES_PER_PARAM * params / (slice_hosts * bytes_per_s_per_host)
+
+
+def dcn_efficiency(*, params: float, count: int, slice_hosts: int, slice_step_s: float,
+                   bytes_per_s_per_host: float = DCN_BYTES_PER_S_PER_HOST) -> float:
+    """Share of a multi-slice step spent training: step / (step + the all-reduce time not
+    hidden behind the backward pass). `slice_step_s`: one slice's step on its share of the
+    global batch (the single slice's step time at global batch / N).
+
+    The exposed time over the hidden part is (N - 1) x chips per host x FLOP/s a chip does
+    / (DCN bytes/s per host x tokens in the global batch) x (params x bytes per gradient /
+    (FLOPs per token x BACKWARD_SHARE / 4)): the model's size cancels out to first order
+    (FLOPs per token ~ 6 x params), so what decides is the global batch in tokens.
+    """
+    exposed_s = max(dcn_all_reduce_s(params=params, count=count, slice_hosts=slice_hosts,
+                                     bytes_per_s_per_host=bytes_per_s_per_host) - BACKWARD_SHARE * slice_step_s, 0.0)
+    return slice_step_s / (slice_step_s + exposed_s)
+
+
+@dataclass(frozen=True)
+class MultiSlice:
+    """What `multi_slice_options` needs to price several slices: the model's parameter count
+    and the tokens of one global batch (split evenly over the slices)."""
+
+    params: float
+    batch_tokens: float
+    max_count: int = 4
+    max_chips: int = MAX_CHIPS
+    bytes_per_s_per_host: float = DCN_BYTES_PER_S_PER_HOST
+
+    def efficiency(self, one: Option, count: int) -> float:
+        """`dcn_efficiency` of `count` slices like `one` (a single-slice option)."""
+        step_s = self.batch_tokens / count / one.tokens_per_s
+        return dcn_efficiency(params=self.params, count=count, slice_hosts=one.hosts, slice_step_s=step_s,
+                              bytes_per_s_per_host=self.bytes_per_s_per_host)
+
+
+def multi_slice_options(options: Sequence[Option], multi: MultiSlice | None, max_count: int = 1) -> tuple[Option, ...]:
+    """`options` (single slices) and, for each, 2..N slices of its type while N x chips stays
+    within `multi.max_chips` and N within `max_count` and `multi.max_count`. Without `multi`
+    or with `max_count` 1: the single slices alone."""
+    out = list(options)
+    if multi is None:
+        return tuple(out)
+    for one in options:
+        assert one.count == 1, f"multi_slice_options takes single slices, not {one.label}"
+        for n in range(2, min(max_count, multi.max_count) + 1):
+            if n * one.chips > multi.max_chips:
+                break
+            out.append(replace(one, chips=n * one.chips, hosts=n * one.hosts, usd_per_hour=n * one.usd_per_hour,
+                               tokens_per_s=n * one.tokens_per_s * multi.efficiency(one, n), count=n))
+    return tuple(out)

@@ -40,7 +40,24 @@ class Snapshot:
         """Time before `option` trains if the job moves to it (or stays on it) now."""
         if option == self.current:
             return self.current_ready_in_s
+        if self.is_grow(option):  # the added slices start beside the running ones
+            return self.restart.reshape_s
         return self.restart.startup_s if option == self.ready else self.restart.overhead_s
+
+    def is_grow(self, option: Option) -> bool:
+        """Whether `option` is the running slices and more of the same type (a slice added back)."""
+        c = self.current
+        return (c is not None and self.current_ready_in_s <= 0 and option.count > c.count
+                and (option.name, option.tier, option.zone) == (c.name, c.tier, c.zone))
+
+    def billed_move_usd(self, option: Option) -> float:
+        """What the move to `option` bills before it trains: its startup (or what is left of the
+        current one's), or for a slice added back, the added slices' startup and the pause."""
+        c = self.current
+        if c is not None and self.is_grow(option):
+            return ((option.usd_per_hour - c.usd_per_hour) * self.restart.startup_s
+                    + option.usd_per_hour * self.restart.reshape_s) / 3600
+        return option.usd_per_hour / 3600 * min(self.overhead_s(option), self.restart.startup_s)
 
 
 @dataclass(frozen=True)
@@ -58,10 +75,24 @@ class Decision:
 
 
 def slice_hazard_per_hour(option: Option, snap: Snapshot) -> float:
-    """Preemptions per hour of holding `option`: the job's own estimate (`SpotHazard`), or,
-    if shorter-lived, what the zone's capacity says (one drop per mean up period of the
-    size), since the capacity signal is seen even while the job holds no spot slice."""
+    """Full restarts per hour of holding `option` (every slice of it lost): the job's own
+    estimate (`SpotHazard`), or, if shorter-lived, what the zone's capacity says (one drop
+    per mean up period of the size), since the capacity signal is seen even while the job
+    holds no spot slice. For several slices the size that counts is one slice's: while one
+    can be had the job trains on (`slice_shrink_per_hour`)."""
     if not option.preemptible:
         return 0.0
+    mean_up_h = snap.availability.uptime_h(option.zone, option.slice_chips)[0]
+    own = snap.hazard.per_host_hour(option.tier, option.zone) * option.slice_hosts
+    return max(own, 1 / max(mean_up_h, 1e-3))
+
+
+def slice_shrink_per_hour(option: Option, snap: Snapshot) -> float:
+    """Losses per hour of one slice of several that leave the job training on the rest: the
+    rate at which any slice of `option` is lost (hosts x host hazard, or the drops of its
+    whole size), less the full restarts. 0 for one slice."""
+    if not option.preemptible or option.count == 1:
+        return 0.0
     mean_up_h = snap.availability.uptime_h(option.zone, option.chips)[0]
-    return max(snap.hazard.per_slice_hour(option), 1 / max(mean_up_h, 1e-3))
+    any_loss = max(snap.hazard.per_slice_hour(option), 1 / max(mean_up_h, 1e-3))
+    return max(any_loss - slice_hazard_per_hour(option, snap), 0.0)

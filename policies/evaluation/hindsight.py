@@ -4,13 +4,17 @@ window, knowing the whole trace.
 `hindsight_optimum` is a lower bound: a dynamic programme over the same steps as
 `policies.evaluation.simulator.simulate` that knows the whole trace, and so also knows when each
 preemption comes and loses no work to it. Everything else (overheads, billing,
-capacity) is the same as in `simulate`.
+capacity) is the same as in `simulate`. Over options of several slices of one type, the
+bound lets the job drop some of its slices at a step boundary for nothing and add more
+of the same type at once for the added slices' startup alone, less than the simulator
+charges for a shrink or a grow (a pause, and the wait for the added slices), so it stays
+a lower bound. `single_slice_optimum` is the same over the job's one-slice options only.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -75,6 +79,14 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
     return Optimum(min(bound, float(cost)), float(cost), float(finish), True)
 
 
+def single_slice_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
+                         restart: RestartCost = RestartCost()) -> Optimum:
+    """`hindsight_optimum` over the job's one-slice options (what the optimum was before
+    multi-slice options)."""
+    return hindsight_optimum(replace(job, options=tuple(o for o in job.options if o.count == 1)), trace,
+                             start_s=start_s, restart=restart)
+
+
 IDLE = -1
 
 
@@ -98,6 +110,11 @@ class _DualProgramme:
         self.blocked = np.where(self.usable, 0.0, np.inf)[:, None, :, None]  # [step, 1, option, 1]
         j = np.arange(self.k + 1)
         self.step_cost = self.price[:, None] * ((j >= 1) & (j <= startup))[None, :]  # [option, j]
+        # Between options of one type, tier and zone (counts of slices): fewer for nothing, more
+        # for the added slices' startup. (from, to, $): only the bound (`dual`) uses them.
+        self.resizes = [(a, b, max(self.price[b] - self.price[a], 0.0) * startup)
+                        for a, oa in enumerate(options) for b, ob in enumerate(options)
+                        if a != b and (oa.name, oa.tier, oa.zone) == (ob.name, ob.tier, ob.zone)]
 
     def _step_value(self, mu: np.ndarray) -> np.ndarray:
         value = np.broadcast_to(self.step_cost, (len(mu), *self.step_cost.shape)).copy()
@@ -112,6 +129,10 @@ class _DualProgramme:
         for blocked in self.blocked:
             idle = np.minimum(idle, value.reshape(len(mu), -1).min(axis=1))
             value[:, :, k] = np.minimum(value[:, :, k], idle[:, None])
+            if self.resizes:
+                trained = value[:, :, 0].copy()
+                for a, b, usd in self.resizes:
+                    value[:, b, 0] = np.minimum(value[:, b, 0], trained[:, a] + usd)
             value += blocked
             new = np.full_like(value, np.inf)  # nobody is at j = k until a slice is requested
             new[:, :, :k] = value[:, :, 1:] + step_value[:, :, 1:]

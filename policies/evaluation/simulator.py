@@ -27,7 +27,11 @@ The simulated world (one job, one zone):
   `RestartCost.save_s` of billed time without progress.
 - A spot slice whose size exceeds the capacity at a step is reclaimed there, without
   notice: the work since its last checkpoint is lost, unless `RestartCost.saves_on_notice`
-  says a notice leaves time for a save (off by default).
+  says a notice leaves time for a save (off by default). Several slices of one type
+  (`Option.count`): the capacity, in chips (the trace's hosts x 4 on v4), says how many of
+  them fit; those that do not are reclaimed, and while one is left the job trains on the
+  survivors (`sim_slices.shrink`: a pause, nothing lost); the policy may add slices back
+  make-before-break (`sim_slices.switch`, a grow). Only losing the last is a full restart.
 - Billing stops the moment the last token is trained.
 
 The policy's snapshot is built by `policies.cost.knowledge.build_snapshot`, the function the
@@ -98,13 +102,14 @@ class Run:
     finish_s: float | None  # from the job's start; None if unfinished
     tokens_trained: float  # every token computed, including those lost to preemptions
     tokens_lost: float
-    preemptions: int
+    preemptions: int  # full losses (every slice the job held)
     slices_started: int  # slices the job trained on
     billed_s: dict[str, float] = field(default_factory=dict)  # by option label
     decisions: tuple[DecisionRecord, ...] = ()
     refusals: int = 0  # requests let go unfilled (timed out, no longer wanted, or lost before READY)
     records: tuple[SliceRecord, ...] = ()  # every change of every slice, as the store would hold them
     asked: tuple[tuple[float, int], ...] = ()  # each time the policy was asked, with how many records it had seen
+    shrinks: int = 0  # losses of some of several slices, the job training on
 
     @property
     def deadline_met(self) -> bool:
@@ -170,7 +175,7 @@ def simulate(
             break
     return Run(policy.name, trace.name, start_s, job.total_tokens, job.deadline_s, s.cost, s.finish_s, s.trained,
                s.lost, s.preemptions, s.slices_started, s.billed, tuple(s.decisions), s.refusals, tuple(s.records),
-               tuple(s.asked))
+               tuple(s.asked), s.shrinks)
 
 
 def _earlier_records(policy, job, trace, start_s, jobs, **kw) -> list[SliceRecord]:
@@ -212,7 +217,13 @@ def _step(w: _World, s: SimState, i: int) -> bool:
     changed = w.feed and i > 0 and cap != w.capacity[i - 1]  # a capacity feed shows every change
     preempted = s.held is not None and s.held.preemptible and cap < s.held.chips
     if preempted:
-        sl.preempt(s, now, w.restart.saves_on_notice)
+        assert s.held is not None
+        left = min(cap // s.held.slice_chips, s.held.count - 1)
+        survivors = s.held.with_count(left, w.job.options) if left else None
+        if survivors is not None:
+            sl.shrink(s, now, survivors, w.restart.reshape_s)
+        else:
+            sl.preempt(s, now, w.restart.saves_on_notice)
     event = sl.advance(s, now, cap, w.restart.provisioning_s)
     if w.feed and i > 0:
         s.unobserved_s += w.dt
@@ -240,7 +251,8 @@ def _snapshot(w: _World, s: SimState, now: float, cap: int) -> Snapshot:
                           records=s.records, pooled_records=w.memory, current=current, current_ready_in_s=ready_in,
                           ready=r.option if r is not None and r.state == "READY" else None,
                           feed=CapacityFeed(cap, s.availability) if w.feed else None, hazard=w.hazard,
-                          availability=s.availability, decision_interval_s=w.decision_interval_s)
+                          availability=s.availability, decision_interval_s=w.decision_interval_s,
+                          max_slices=max(o.count for o in w.job.options))
 
 
 def _decide(w: _World, s: SimState, now: float, cap: int) -> None:
@@ -257,7 +269,7 @@ def _decide(w: _World, s: SimState, now: float, cap: int) -> None:
         s.decisions.append(DecisionRecord(now, label, decision.reason, str(move)))
     every_s = decision.checkpoint_interval_s or w.restart.checkpoint_interval_s  # for the target, at its launch
     if move.switch:
-        sl.switch(s, now, w.startup_steps, every_s)
+        sl.switch(s, now, w.startup_steps, every_s, startup_s=w.restart.startup_s, reshape_s=w.restart.reshape_s)
         return
     if move.release_waiting:
         sl.release_request(s, now)
