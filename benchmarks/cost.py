@@ -71,8 +71,9 @@ PARAMS = 1.0e9  # the model's parameters (`orchestrator.domain.options.DEFAULT_F
 BATCH_TOKENS = 512 * 2048  # the global batch, split evenly over the slices of a multi-slice option
 MAX_SLICES = 4  # v4-16 x1..4, v4-32 x1..2, v4-64 x1: at most 32 chips
 DEADLINE_OVER_ONDEMAND = 1.75
-POLICIES = ("product", "policy", "ondemand", "spot_restart", "greedy", "optimum", "policy_notice", "policy_own",
-            "policy_own_release_first")
+POLICIES = ("product", "policy", "ondemand", "spot_restart", "greedy", "optimum", "optimum_single", "policy_notice",
+            "policy_own", "policy_own_release_first")
+OPTIMA = ("optimum", "optimum_single")
 SWEEP = (1.25, 2.5, 3.5)  # other deadlines, as multiples of the on-demand v4-32 duration
 RESULT_PATH = Path(__file__).parent / "results" / "cost.json"
 
@@ -106,12 +107,18 @@ def run_window(args: tuple[str, float, float]) -> dict[str, dict]:
     out = {}
     for name, (policy, restart) in policies.items():
         run = simulate(policy, job, trace, start_s=start_s, restart=restart, **knowledge.get(name, {}))
+        hours_by_count: dict[str, float] = {}
+        for o in job.options:
+            if o.label in run.billed_s:
+                key = f"x{o.count}"
+                hours_by_count[key] = hours_by_count.get(key, 0.0) + run.billed_s[o.label] / 3600
         out[name] = {"usd": run.cost_usd, "hours": run.hours, "deadline_met": run.deadline_met,
                      "preemptions": run.preemptions, "lost": run.tokens_lost / run.total_tokens,
-                     "refusals": run.refusals}
-    best = hindsight_optimum(job, trace, start_s=start_s)
-    out["optimum"] = {"usd": best.lower_bound_usd, "schedule_usd": best.schedule_cost_usd,
-                      "hours": best.schedule_finish_s / 3600, "deadline_met": best.feasible}
+                     "refusals": run.refusals, "shrinks": run.shrinks, "hours_by_count": hours_by_count}
+    for name, optimum in (("optimum", hindsight_optimum), ("optimum_single", single_slice_optimum)):
+        best = optimum(job, trace, start_s=start_s)
+        out[name] = {"usd": best.lower_bound_usd, "schedule_usd": best.schedule_cost_usd,
+                     "hours": best.schedule_finish_s / 3600, "deadline_met": best.feasible}
     return out
 
 
@@ -129,11 +136,16 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
                 "deadline_met": all(r["deadline_met"] for r in runs),
                 "windows_missed": sum(not r["deadline_met"] for r in runs),
             }
-            if policy != "optimum":  # tokens trained twice after preemptions, as a share of the job
+            if policy not in OPTIMA:  # tokens trained twice after preemptions, as a share of the job
                 row[policy]["lost_work_share"] = round(sum(r["lost"] for r in runs) / len(runs), 4)
-                row[policy]["refused_requests"] = round(sum(r["refusals"] for r in runs) / len(runs), 1)
-        row["optimum"]["schedule_cost_per_btok"] = round(
-            sum(w["optimum"]["schedule_usd"] for w in windows) / len(windows) * per_btok, 3)
+                row[policy]["unfilled_requests"] = round(sum(r["refusals"] for r in runs) / len(runs), 1)
+                row[policy]["shrinks"] = round(sum(r["shrinks"] for r in runs) / len(runs), 1)
+                counts = sorted({c for r in runs for c in r["hours_by_count"]})
+                row[policy]["hours_by_slice_count"] = {
+                    c: round(sum(r["hours_by_count"].get(c, 0.0) for r in runs) / len(runs), 2) for c in counts}
+        for optimum in OPTIMA:
+            row[optimum]["schedule_cost_per_btok"] = round(
+                sum(w[optimum]["schedule_usd"] for w in windows) / len(windows) * per_btok, 3)
         traces[name] = row
     def mean(values):
         values = list(values)
@@ -145,25 +157,41 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
     def saving(p):
         return mean(1 - t[p]["cost_per_btok"] / t["ondemand"]["cost_per_btok"] for t in traces.values())
 
-    def ratios(p):
-        return {name: t[p]["cost_per_btok"] / t["optimum"]["cost_per_btok"] for name, t in traces.items()}
+    def over_single(p):
+        return mean(t[p]["cost_per_btok"] / t["optimum_single"]["cost_per_btok"] for t in traces.values())
+
+    def ratios(p, optimum="optimum"):
+        return {name: t[p]["cost_per_btok"] / t[optimum]["cost_per_btok"] for name, t in traces.items()}
 
     def missed(p):
         return sum(t[p]["windows_missed"] for t in traces.values())
 
+    def unfilled(p):
+        return mean(t[p]["unfilled_requests"] for t in traces.values())
+
     worst = max(ratios("product").items(), key=lambda kv: kv[1])
+    worst_single = max(ratios("product", "optimum_single").items(), key=lambda kv: kv[1])
     summary = {
         # the headline: the product's own mode (own knowledge, pooled memory, make-before-break)
-        "product": {"policy_over_optimum": over_optimum("product"), "saving_vs_ondemand": saving("product"),
-                    "deadlines_missed": missed("product"), "worst_trace_ratio": round(worst[1], 4),
-                    "worst_trace": worst[0]},
+        "product": {"policy_over_single_slice_optimum": over_single("product"),
+                    "policy_over_optimum": over_optimum("product"), "saving_vs_ondemand": saving("product"),
+                    "deadlines_missed": missed("product"), "unfilled_requests_per_job": unfilled("product"),
+                    "shrinks_per_job": mean(t["product"]["shrinks"] for t in traces.values()),
+                    "worst_trace_over_single_slice_optimum": round(worst_single[1], 4),
+                    "worst_trace_single": worst_single[0],
+                    "worst_trace_ratio": round(worst[1], 4), "worst_trace": worst[0]},
+        "single_slice_optimum_over_optimum": over_optimum("optimum_single"),
+        "optimum_saving_vs_ondemand": saving("optimum"),
+        "single_slice_optimum_saving_vs_ondemand": saving("optimum_single"),
         # the same policy fed the zone's capacity at every step: the upper bound
         "policy_over_optimum": over_optimum("policy"),
         "policy_over_optimum_worst": round(max(ratios("policy").values()), 4),
         "saving_vs_ondemand": saving("policy"),
         "deadlines_missed": missed("policy"),
-        "others": {p: {"over_optimum": over_optimum(p), "saving_vs_ondemand": saving(p), "deadlines_missed": missed(p)}
-                   for p in POLICIES if p not in ("policy", "product")},
+        "others": {p: {"over_optimum": over_optimum(p), "over_single_slice_optimum": over_single(p),
+                       "saving_vs_ondemand": saving(p), "deadlines_missed": missed(p)}
+                   | ({} if p in OPTIMA else {"unfilled_requests_per_job": unfilled(p)})
+                   for p in POLICIES if p not in ("policy", "product", *OPTIMA)},
     }
     return {"traces": traces, "summary": summary}
 
@@ -200,10 +228,14 @@ def main(argv: list[str] | None = None) -> None:
             report["by_deadline"][str(d)] = summarise(run_all(pool, d, args.windows))["summary"]
     report["job"] = {
         "model": "dense decoder ~1B params (24 layers, d_model 2048, seq 2048)",
+        "global_batch_tokens": BATCH_TOKENS,
+        "max_slices": MAX_SLICES,
         "total_tokens": TOTAL_TOKENS,
         "deadline_hours": round(job.deadline_s / 3600, 2),
         "deadline_over_ondemand_v4_32": args.deadline,
-        "options": {o.label: {"tokens_per_s": round(o.tokens_per_s), "usd_per_hour": round(o.usd_per_hour, 2)}
+        "options": {o.label: {"tokens_per_s": round(o.tokens_per_s), "usd_per_hour": round(o.usd_per_hour, 2),
+                              "dcn_efficiency": round(MultiSlice(PARAMS, BATCH_TOKENS).efficiency(
+                                  o.with_count(1, job.options) or o, o.count), 4)}
                     for o in job.options},
         "windows_per_trace": args.windows,
     }
@@ -211,12 +243,13 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
 
-    shown = ("product", "policy", "optimum", "ondemand", "spot_restart", "greedy")
-    print(f"{'trace':58s} {'product':>8s} {'feed':>8s} {'optimum':>8s} {'ondemand':>8s} {'spot_rst':>8s} "
-          f"{'greedy':>8s}  met")
+    shown = ("product", "policy", "optimum", "optimum_single", "ondemand", "spot_restart", "greedy")
+    print(f"{'trace':58s} {'product':>8s} {'feed':>8s} {'optimum':>8s} {'opt_1':>8s} {'ondemand':>8s} "
+          f"{'spot_rst':>8s} {'greedy':>8s} {'unfilled':>8s}  met")
     for name, row in report["traces"].items():
         cells = " ".join(f"{row[p]['cost_per_btok']:8.2f}" for p in shown)
-        print(f"{name:58s} {cells}  {'yes' if row['product']['deadline_met'] else 'NO'}")
+        print(f"{name:58s} {cells} {row['product']['unfilled_requests']:8.1f}  "
+              f"{'yes' if row['product']['deadline_met'] else 'NO'}")
     print(json.dumps(report["summary"], indent=2))
     print(f"{report['seconds']} s; wrote {args.out}")
 

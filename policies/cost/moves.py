@@ -10,6 +10,15 @@ slice) and, when its plan waits for a spot size the zone cannot give now, that s
   requested too (a probe: a queued request costs nothing until it is filled, it catches
   capacity the moment it returns, and how long it waits is what the job learns of the
   zone's outages). Nothing times out: a request waits until the policy stops wanting it.
+- A spot request still waiting is kept, not traded for another spot request that the
+  zone could fill no sooner (`fills_no_later`): zone capacity is nested (a size that can
+  be had means every smaller one can), so a request for at least as many chips would
+  wait at least as long, and giving up a queued request to ask again only loses its
+  place. A request for several slices of one type, while the job holds no spot slice, takes
+  the slices that fit when some do (the policy adds the rest later), so it is filled as
+  soon as one slice of it can be; a request adding slices to those the job holds takes
+  those that fit beside them, and stays queued while the job trains, even when the
+  policy's plan stops counting on it for a while (it costs nothing until filled).
 - `switch`: the waiting request is READY and is what the policy chooses: stop the workers
   at a committed checkpoint, release the old slice, restore resharded on the new one.
 - `release_waiting`: the waiting request is no longer wanted: release it (never filled:
@@ -76,14 +85,44 @@ def next_move(target: Option | None, *, held: Option | None, waiting: Option | N
               waiting_ready: bool = False, wait_for: Option | None = None) -> Move:
     """The move that takes a job running `held` with `waiting` requested beside it (READY if
     `waiting_ready`) to the policy's choice: run `target`, and keep `wait_for` requested."""
-    if waiting_ready and waiting is not None and target == waiting and target != held:
-        return Move(target, switch=True)
+    if waiting_ready and waiting is not None and target != held and (
+            target == waiting or (held is None and target is not None and grows(target, held=waiting))):
+        return Move(waiting, switch=True)  # (fewer slices than wanted: start on them, the rest are added later)
     if target is not None and target != held:
         want = target  # a move: requested beside the running slice
     elif wait_for is not None and wait_for != held:
         want = wait_for  # the spot size the plan waits for
     else:
         want = None
+    if waiting is not None and not waiting_ready:
+        if want is not None and fills_no_later(waiting, want, held=held):
+            want = waiting  # kept: asking for `want` instead would not catch capacity sooner
+        elif want is None and target == held and grows(waiting, held=held):
+            want = waiting  # slices to add to the running ones: kept queued while they train (free until filled)
     release_held = target is None and held is not None
     return Move(target, False, release_held, waiting is not None and waiting != want,
                 want if want != waiting else None, beside=held is not None and not release_held)
+
+
+def takes_part(request: Option, *, held: Option | None) -> bool:
+    """Whether a request for several slices takes the slices that fit when not all do: while
+    the job holds no spot slice (it may start on those, and the policy adds the rest later),
+    or when it adds slices to those the job holds (`grows`)."""
+    return request.count > 1 and request.preemptible and (
+        held is None or not held.preemptible or grows(request, held=held))
+
+
+def grows(request: Option, *, held: Option | None) -> bool:
+    """Whether `request` is more slices of the type, tier and zone the job holds."""
+    return held is not None and request.count > held.count and \
+        (held.name, held.tier, held.zone) == (request.name, request.tier, request.zone)
+
+
+def fills_no_later(waiting: Option, want: Option, *, held: Option | None) -> bool:
+    """Whether the spot request `waiting` is filled no later than a spot request for `want`
+    would be, capacity being nested: `want` needs at least the chips `waiting` needs to be
+    filled (one slice of it, if it takes part of its slices)."""
+    if not (waiting.preemptible and want.preemptible) or waiting.zone != want.zone:
+        return False
+    needs = waiting.slice_chips if takes_part(waiting, held=held) else waiting.chips
+    return want.chips >= needs

@@ -16,8 +16,10 @@ so the policy learns from a replay exactly as it learns from a running job.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from policies.cost.moves import grows, takes_part
 from policies.cost.slice_history import SliceRecord
 from policies.cost.slice_options import Option
 from policies.cost.spot_estimates import SpotAvailability
@@ -85,14 +87,26 @@ def ask(s: SimState, option: Option, now: float, wait_limit_s: float | None) -> 
     record(s, now, name, option, "REQUESTED")
 
 
-def advance(s: SimState, now: float, cap: int, prov_s: float) -> str | None:
+def advance(s: SimState, now: float, cap: int, prov_s: float, options: Sequence[Option] = ()) -> str | None:
     """The request at `now` with `cap` spot chips in the zone: fills, provisions, turns READY,
     vanishes or expires. Returns "ready" when it turned READY (the policy is asked whether to
-    switch), "refused" when it was let go unfilled, else None."""
+    switch), "refused" when it was let go unfilled, else None. A waiting request for several
+    slices that takes part of them (`policies.cost.moves.takes_part`) is filled with the
+    slices that fit, if one does (`options`: those it may become)."""
     r = s.request
     if r is None or r.state == "READY":
         return None
     fits = not r.option.preemptible or cap >= r.option.chips
+    if r.state == "WAITING" and not fits and takes_part(r.option, held=s.held):
+        part = r.option.with_count(min(cap // r.option.slice_chips, r.option.count), options)
+        if part is not None and part.count > (s.held.count if grows(r.option, held=s.held) else 0):
+            # The slices that did not fit are let go unfilled: a refusal of one slice more than fit.
+            missing = r.option.with_count(part.count + 1, options) or r.option
+            rest = f"{r.name}-rest"
+            record(s, now, rest, missing, "WAITING")
+            record(s, now, rest, missing, "RELEASED")
+            s.refusals += 1
+            r.option, fits = part, True
     if r.state == "WAITING":
         if fits:
             r.state, r.ready_s = "PROVISIONING", now + prov_s

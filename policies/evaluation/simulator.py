@@ -224,7 +224,7 @@ def _step(w: _World, s: SimState, i: int) -> bool:
             sl.shrink(s, now, survivors, w.restart.reshape_s)
         else:
             sl.preempt(s, now, w.restart.saves_on_notice)
-    event = sl.advance(s, now, cap, w.restart.provisioning_s)
+    event = sl.advance(s, now, cap, w.restart.provisioning_s, w.job.options)
     if w.feed and i > 0:
         s.unobserved_s += w.dt
     if i == 0 or changed or preempted or event is not None or now >= s.next_decision_s - 1e-9:
@@ -277,4 +277,4 @@ def _decide(w: _World, s: SimState, now: float, cap: int) -> None:
         sl.stop(s, now)
     if move.request is not None:
         sl.ask(s, move.request, now, w.queue_timeout_s if w.release_first else None)
-        sl.advance(s, now, cap, w.restart.provisioning_s)
+        sl.advance(s, now, cap, w.restart.provisioning_s, w.job.options)

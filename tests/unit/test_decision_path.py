@@ -121,7 +121,9 @@ def test_one_recorded_history_gives_the_same_decisions_through_both_paths(tmp_pa
     trace = SpotTrace("two outages", 300.0, (1,) * 8 + (0,) * 24 + (1,) * 20 + (0,) * 24 + (1,) * 200, 1)
     policy = Recording()
     run = simulate(policy, job, trace, knowledge="own")
-    assert run.deadline_met and run.preemptions == 1 and run.refusals >= 3
+    # (refusals: the requests let go unfilled; a waiting request is kept rather than traded for
+    # one the zone could fill no sooner, so there are fewer than when every look re-asked)
+    assert run.deadline_met and run.preemptions == 1 and run.refusals >= 2
     # the history holds a reclaim, refusals, a move to on-demand with spot requested beside it,
     # and the switch back to spot once a request is READY
     kinds = [d.move.split(";")[0] for d in run.decisions]
