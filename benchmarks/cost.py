@@ -1,6 +1,11 @@
 """Cost of the cost-aware policy against the baselines and the hindsight optimum, on every trace.
 
-    python benchmarks/cost.py [--windows N] [--jobs N] [--deadline X] [--sweep X,Y] [--out PATH]
+    python benchmarks/cost.py [--windows N] [--jobs N] [--deadline X] [--sweep X,Y]
+                              [--policies product,ondemand,...] [--out PATH]
+
+Quick iterations: `--windows 1 --sweep '' --policies product,ondemand` runs the product,
+the on-demand baseline and both optima on one window a trace at one deadline (about a
+tenth of the full run).
 
 The job (fixed before looking at any result, and the same on every trace):
 
@@ -8,7 +13,12 @@ The job (fixed before looking at any result, and the same on every trace):
   trained on 20B tokens (about 20 tokens per parameter), throughput from the scaling
   model in `policies.cost.slice_options.ScalingModel` on v4 (v4-16: 143k, v4-32: 270k,
   v4-64: 507k tokens/s);
-- options v4-16, v4-32, v4-64 on spot and on-demand, catalog prices;
+- options: 1 to 4 slices of one type at once, at most 32 chips (v4-16 x1..4, v4-32
+  x1..2, v4-64 x1), on spot and on-demand, catalog prices (N x the slice's). N slices
+  train at N x one slice's speed x `policies.cost.slice_options.dcn_efficiency` for a
+  global batch of 512 x 2048 tokens (1.0 here: the gradient all-reduce over the data-
+  center network hides behind the backward pass); losing one slice of several is a
+  shrink (the job trains on the others, nothing lost), losing the last a full restart;
 - deadline 1.75x the on-demand v4-32 duration (20.7 h -> 36.0 h): a v4-16 alone
   could not make it, so the policy must trade size against tier;
 - restart figures: the defaults of `policies.cost.restart_cost.RestartCost` (120 s
@@ -19,8 +29,10 @@ slice family in one zone) is replayed from `--windows` start times spread evenly
 it. Policies: `product` and `policy` (policies.cost.policy.CostPolicy, online, from its priors and
 what it observes; see below), `ondemand`
 (fixed on-demand v4-32), `spot_restart` (fixed spot v4-32, waits and restarts),
-`greedy` (spot v4-32, on-demand v4-32 to the end once slack runs out) and `optimum`
-(the clairvoyant lower bound of policies.evaluation.hindsight.hindsight_optimum). One more row,
+`greedy` (spot v4-32, on-demand v4-32 to the end once slack runs out), `optimum`
+(the clairvoyant lower bound of policies.evaluation.hindsight.hindsight_optimum, over every
+slice count) and `optimum_single` (the same over one slice at a time: the optimum before
+multi-slice options, `single_slice_optimum`). One more row,
 `policy_notice`, is the capacity-fed policy in a world where every preemption notice leaves
 time to commit a checkpoint (`RestartCost.saves_on_notice`): an assumption, shown
 beside the headline figures, never in them.
@@ -41,7 +53,12 @@ more could give.
 and 3.5x): how much a looser deadline saves, for the policy and for the optimum.
 
 Per trace and policy: `cost_per_btok` and `hours` are means over the windows, and
-`deadline_met` is true only if every window met it. The optimum's `cost_per_btok`
+`deadline_met` is true only if every window met it; `unfilled_requests` are the spot
+requests created and given back before they were filled (on GCP each is a queued
+resource created and deleted), `shrinks` the losses of one slice of several, and
+`hours_by_slice_count` the billed hours on 1, 2, 3 or 4 slices, means over the windows.
+The summary gives the product against both optima, its worst trace, deadlines missed and
+unfilled requests per job. The optimum's `cost_per_btok`
 is the lower bound; `schedule_cost_per_btok` and `hours` are those of a clairvoyant
 schedule found along the way (the true optimum lies between the two).
 """
@@ -85,9 +102,9 @@ def benchmark_job(deadline_over_ondemand: float = DEADLINE_OVER_ONDEMAND, max_sl
     return SimJob(TOTAL_TOKENS, deadline_over_ondemand * TOTAL_TOKENS / ondemand.tokens_per_s, options)
 
 
-def run_window(args: tuple[str, float, float]) -> dict[str, dict]:
-    """Every policy on one trace window; returns {policy: {usd, hours, deadline_met}}."""
-    trace_name, start_s, deadline_over_ondemand = args
+def run_window(args: tuple[str, float, float, tuple[str, ...]]) -> dict[str, dict]:
+    """The policies named (and both optima) on one trace window; returns {policy: {usd, hours, deadline_met, ...}}."""
+    trace_name, start_s, deadline_over_ondemand, names = args
     trace = next(t for t in bundled_traces() if t.name == trace_name)
     job = benchmark_job(deadline_over_ondemand)
     od32 = next(o for o in job.options if o.label == "v4-32 on-demand")
@@ -106,6 +123,8 @@ def run_window(args: tuple[str, float, float]) -> dict[str, dict]:
                  "policy_own_release_first": {"knowledge": "own", "release_first": True}}
     out = {}
     for name, (policy, restart) in policies.items():
+        if name not in names:
+            continue
         run = simulate(policy, job, trace, start_s=start_s, restart=restart, **knowledge.get(name, {}))
         hours_by_count: dict[str, float] = {}
         for o in job.options:
@@ -127,7 +146,7 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
     traces = {}
     for name, windows in trace_runs.items():
         row = {}
-        for policy in POLICIES:
+        for policy in (p for p in POLICIES if p in windows[0]):
             runs = [w[policy] for w in windows]
             hours = [r["hours"] for r in runs if r["hours"] is not None]
             row[policy] = {
@@ -169,6 +188,7 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
     def unfilled(p):
         return mean(t[p]["unfilled_requests"] for t in traces.values())
 
+    first = next(iter(traces.values()))
     worst = max(ratios("product").items(), key=lambda kv: kv[1])
     worst_single = max(ratios("product", "optimum_single").items(), key=lambda kv: kv[1])
     summary = {
@@ -183,25 +203,27 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
         "single_slice_optimum_over_optimum": over_optimum("optimum_single"),
         "optimum_saving_vs_ondemand": saving("optimum"),
         "single_slice_optimum_saving_vs_ondemand": saving("optimum_single"),
-        # the same policy fed the zone's capacity at every step: the upper bound
-        "policy_over_optimum": over_optimum("policy"),
-        "policy_over_optimum_worst": round(max(ratios("policy").values()), 4),
-        "saving_vs_ondemand": saving("policy"),
-        "deadlines_missed": missed("policy"),
+    }
+    if "policy" in first:  # the same policy fed the zone's capacity at every step: the upper bound
+        summary |= {"policy_over_optimum": over_optimum("policy"),
+                    "policy_over_optimum_worst": round(max(ratios("policy").values()), 4),
+                    "saving_vs_ondemand": saving("policy"), "deadlines_missed": missed("policy")}
+    summary |= {
         "others": {p: {"over_optimum": over_optimum(p), "over_single_slice_optimum": over_single(p),
                        "saving_vs_ondemand": saving(p), "deadlines_missed": missed(p)}
                    | ({} if p in OPTIMA else {"unfilled_requests_per_job": unfilled(p)})
-                   for p in POLICIES if p not in ("policy", "product", *OPTIMA)},
+                   for p in POLICIES if p in first and p not in ("policy", "product", *OPTIMA)},
     }
     return {"traces": traces, "summary": summary}
 
 
-def run_all(pool: ProcessPoolExecutor, deadline_over_ondemand: float, windows: int) -> dict[str, list[dict]]:
-    """Every policy on every window of every trace: {trace: [one result per window]}."""
-    tasks = [(t.name, i * t.duration_s / windows, deadline_over_ondemand)
+def run_all(pool: ProcessPoolExecutor, deadline_over_ondemand: float, windows: int,
+            names: tuple[str, ...] = POLICIES) -> dict[str, list[dict]]:
+    """The policies named on every window of every trace: {trace: [one result per window]}."""
+    tasks = [(t.name, i * t.duration_s / windows, deadline_over_ondemand, names)
              for t in bundled_traces() for i in range(windows)]
     trace_runs: dict[str, list[dict]] = {}
-    for (name, _, _), result in zip(tasks, pool.map(run_window, tasks)):
+    for (name, *_), result in zip(tasks, pool.map(run_window, tasks)):
         trace_runs.setdefault(name, []).append(result)
     return trace_runs
 
@@ -214,18 +236,24 @@ def main(argv: list[str] | None = None) -> None:
                         help="deadline as a multiple of the on-demand v4-32 duration")
     parser.add_argument("--sweep", type=lambda v: [float(x) for x in v.split(",") if x], default=list(SWEEP),
                         help="other deadlines to summarise, comma-separated ('' for none)")
+    parser.add_argument("--policies", type=lambda v: tuple(x for x in v.split(",") if x), default=POLICIES,
+                        help="policies to run, comma-separated (product and ondemand always; both optima always)")
     parser.add_argument("--out", type=Path, default=RESULT_PATH)
     args = parser.parse_args(argv)
+    names = tuple(dict.fromkeys(("product", "ondemand", *args.policies)))
+    unknown = set(names) - set(POLICIES)
+    if unknown:
+        parser.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
 
     job = benchmark_job(args.deadline)
     began = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
-        report = summarise(run_all(pool, args.deadline, args.windows))
+        report = summarise(run_all(pool, args.deadline, args.windows, names))
         sweep = [d for d in args.sweep if d != args.deadline]
         report["by_deadline"] = {str(args.deadline): report["summary"]}
         for d in sweep:
             print(f"deadline {d}x ...", flush=True)
-            report["by_deadline"][str(d)] = summarise(run_all(pool, d, args.windows))["summary"]
+            report["by_deadline"][str(d)] = summarise(run_all(pool, d, args.windows, names))["summary"]
     report["job"] = {
         "model": "dense decoder ~1B params (24 layers, d_model 2048, seq 2048)",
         "global_batch_tokens": BATCH_TOKENS,
@@ -243,9 +271,9 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
 
-    shown = ("product", "policy", "optimum", "optimum_single", "ondemand", "spot_restart", "greedy")
-    print(f"{'trace':58s} {'product':>8s} {'feed':>8s} {'optimum':>8s} {'opt_1':>8s} {'ondemand':>8s} "
-          f"{'spot_rst':>8s} {'greedy':>8s} {'unfilled':>8s}  met")
+    shown = [p for p in ("product", "policy", "optimum", "optimum_single", "ondemand", "spot_restart", "greedy")
+             if p in names or p in OPTIMA]
+    print(f"{'trace':58s} " + " ".join(f"{p[:8]:>8s}" for p in shown) + f" {'unfilled':>8s}  met")
     for name, row in report["traces"].items():
         cells = " ".join(f"{row[p]['cost_per_btok']:8.2f}" for p in shown)
         print(f"{name:58s} {cells} {row['product']['unfilled_requests']:8.1f}  "

@@ -85,7 +85,10 @@ class AutoscalingMixin:
             release(self.att.chosen_provider, self.att.waiting.name, "the policy no longer wants it")
             self.att.waiting = None
         want = (choice.accelerator, choice.tier)
-        if choice.accelerator is None and move is not None and move.request is not None:
+        waiting = self.att.waiting
+        if waiting is not None and move is not None and not (move.release_waiting or move.request or move.switch):
+            want = waiting.key  # a request still waiting that the policy keeps (`policies.cost.moves`): wait on it
+        elif choice.accelerator is None and move is not None and move.request is not None:
             want = (move.request.name, move.request.tier)  # wait for spot: keep its size requested
         elif choice.accelerator is None and self.att.waiting is not None:
             want = self.att.waiting.key
@@ -96,7 +99,7 @@ class AutoscalingMixin:
             return spec
         every = choice.checkpoint_interval_steps
         saving = f"; checkpoint every {every} steps" if every else ""
-        verb = "run" if choice.accelerator is not None else "wait for"
+        verb = "run" if want == (choice.accelerator, choice.tier) else "wait for"
         self.store.add_event(self.job_id, Autoscaled(*want, d.expected_cost_usd, d.reason, every),
                              f"{verb} {want[0]} {want[1]}{saving}: {d.reason}")
         if want != (spec.accelerator, spec.tier.value):

@@ -14,7 +14,7 @@ slice) and, when its plan waits for a spot size the zone cannot give now, that s
   zone could fill no sooner (`fills_no_later`): zone capacity is nested (a size that can
   be had means every smaller one can), so a request for at least as many chips would
   wait at least as long, and giving up a queued request to ask again only loses its
-  place. A request for several slices of one type, while the job holds no spot slice, takes
+  place. A request for several slices of one type, while the job holds no slice, takes
   the slices that fit when some do (the policy adds the rest later), so it is filled as
   soon as one slice of it can be; a request adding slices to those the job holds takes
   those that fit beside them, and stays queued while the job trains, even when the
@@ -106,10 +106,10 @@ def next_move(target: Option | None, *, held: Option | None, waiting: Option | N
 
 def takes_part(request: Option, *, held: Option | None) -> bool:
     """Whether a request for several slices takes the slices that fit when not all do: while
-    the job holds no spot slice (it may start on those, and the policy adds the rest later),
-    or when it adds slices to those the job holds (`grows`)."""
-    return request.count > 1 and request.preemptible and (
-        held is None or not held.preemptible or grows(request, held=held))
+    the job holds no slice (it starts on those, and the policy adds the rest later), or when
+    it adds slices to those the job holds (`grows`). Beside a slice of another type or tier
+    it waits for all of them: the policy chose to move for all of them, not for a part."""
+    return request.count > 1 and request.preemptible and (held is None or grows(request, held=held))
 
 
 def grows(request: Option, *, held: Option | None) -> bool:

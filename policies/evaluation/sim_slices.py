@@ -99,7 +99,8 @@ def advance(s: SimState, now: float, cap: int, prov_s: float, options: Sequence[
     fits = not r.option.preemptible or cap >= r.option.chips
     if r.state == "WAITING" and not fits and takes_part(r.option, held=s.held):
         part = r.option.with_count(min(cap // r.option.slice_chips, r.option.count), options)
-        if part is not None and part.count > (s.held.count if grows(r.option, held=s.held) else 0):
+        floor = s.held.count if s.held is not None and grows(r.option, held=s.held) else 0
+        if part is not None and part.count > floor:
             # The slices that did not fit are let go unfilled: a refusal of one slice more than fit.
             missing = r.option.with_count(part.count + 1, options) or r.option
             rest = f"{r.name}-rest"
