@@ -17,7 +17,7 @@ so the policy learns from a replay exactly as it learns from a running job.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from policies.cost.moves import grows, takes_part
 from policies.cost.slice_history import SliceRecord
@@ -177,8 +177,13 @@ def stop(s: SimState, now: float) -> None:
 def preempt(s: SimState, now: float, saves_on_notice: bool) -> None:
     """The zone takes the held spot slice back, without notice: the work since its last
     checkpoint is lost, unless the notice is assumed to leave time to save."""
-    assert s.held is not None, "only a held slice is preempted"
-    record(s, now, s.held_name, s.held, "GONE")
+    held = s.held
+    assert held is not None, "only a held slice is preempted"
+    record(s, now, s.held_name, held, "GONE")
+    if held.count > 1:  # every slice lost: as each slice's own record would say, not even one could be kept
+        one = replace(held, chips=held.slice_chips, hosts=held.slice_hosts, count=1)
+        record(s, now, f"{s.held_name}-one", one, "WAITING")
+        record(s, now, f"{s.held_name}-one", one, "RELEASED")
     s.preemptions += 1
     if saves_on_notice:
         s.committed = s.done
