@@ -45,7 +45,8 @@ moves make-before-break (a request waits beside the running slice; the spot size
 waits for stays requested; the switch comes when the new slice is READY). Beside it:
 `policy_own` (the same without the pooled memory), `policy_own_release_first` (own
 knowledge, releasing the running slice before requesting the next, with a 5-minute queue
-timeout: the controller before make-before-break), and `policy`, the same policy fed
+timeout: the controller before make-before-break), `product_one_slice` (the product on one
+slice at a time, as the controller runs it until it is wired for several), and `policy`, the same policy fed
 the zone's capacity at every step (`knowledge="trace"`), the upper bound of what knowing
 more could give.
 
@@ -70,6 +71,7 @@ import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -89,7 +91,7 @@ BATCH_TOKENS = 512 * 2048  # the global batch, split evenly over the slices of a
 MAX_SLICES = 4  # v4-16 x1..4, v4-32 x1..2, v4-64 x1: at most 32 chips
 DEADLINE_OVER_ONDEMAND = 1.75
 POLICIES = ("product", "policy", "ondemand", "spot_restart", "greedy", "optimum", "optimum_single", "policy_notice",
-            "policy_own", "policy_own_release_first")
+            "policy_own", "policy_own_release_first", "product_one_slice")
 OPTIMA = ("optimum", "optimum_single")
 SWEEP = (1.25, 2.5, 3.5)  # other deadlines, as multiples of the on-demand v4-32 duration
 RESULT_PATH = Path(__file__).parent / "results" / "cost.json"
@@ -118,14 +120,18 @@ def run_window(args: tuple[str, float, float, tuple[str, ...]]) -> dict[str, dic
         "product": (CostPolicy(name="product"), RestartCost()),
         "policy_own": (CostPolicy(name="policy_own"), RestartCost()),
         "policy_own_release_first": (CostPolicy(name="policy_own_release_first"), RestartCost()),
+        "product_one_slice": (CostPolicy(name="product_one_slice"), RestartCost()),
     }
-    knowledge = {"product": {"knowledge": "pooled"}, "policy_own": {"knowledge": "own"},
+    knowledge = {"product": {"knowledge": "pooled"}, "product_one_slice": {"knowledge": "pooled"},
+                 "policy_own": {"knowledge": "own"},
                  "policy_own_release_first": {"knowledge": "own", "release_first": True}}
     out = {}
     for name, (policy, restart) in policies.items():
         if name not in names:
             continue
-        run = simulate(policy, job, trace, start_s=start_s, restart=restart, **knowledge.get(name, {}))
+        one_slice = replace(job, options=tuple(o for o in job.options if o.count == 1))
+        run = simulate(policy, one_slice if name == "product_one_slice" else job, trace, start_s=start_s,
+                       restart=restart, **knowledge.get(name, {}))
         hours_by_count: dict[str, float] = {}
         for o in job.options:
             if o.label in run.billed_s:
