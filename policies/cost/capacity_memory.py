@@ -45,20 +45,11 @@ def estimates(history: History, *, sizes: Sequence[int], availability: SpotAvail
 
 
 def chips_known(history: History, *, zone: str, sizes: Sequence[int], largest: int, now_s: float,
-                hold_s: float = REFUSAL_HOLDS_S, availability: SpotAvailability | None = None) -> int:
+                hold_s: float = REFUSAL_HOLDS_S) -> int:
     """The largest spot size worth asking for now (`spot_chips_known` over the history's
-    refusals and slices up in `zone`); 0 when none of `sizes` is left. With `availability`,
-    a refusal holds for the mean outage learned for its size if that is longer than `hold_s`:
-    asking again sooner would mostly be refused again (a request kept queued catches the
-    capacity when it returns, and a slice up clears the refusal)."""
+    refusals and slices up in `zone`); 0 when none of `sizes` is left."""
     seen = [(at, chips, up) for at, z, chips, up in history.seen if z == zone]
-    hold_for = None
-    if availability is not None:
-        known = availability
-
-        def hold_for(chips: int) -> float:
-            return max(hold_s, 3600 * known.outage_h(zone, chips)[0])
-    return spot_chips_known(sizes, largest=largest, seen=seen, now=now_s, hold_s=hold_s, hold_for=hold_for)
+    return spot_chips_known(sizes, largest=largest, seen=seen, now=now_s, hold_s=hold_s)
 
 
 def learn(records: Iterable[SliceRecord], *, now_s: float, sizes: Sequence[int],

@@ -13,8 +13,7 @@ more could give.
 Rules both paths follow through this function:
 
 - spot the job may ask for now: `largest_spot_chips` (what the provider allows) less the
-  sizes refused or reclaimed within `REFUSAL_HOLDS_S`, or within the mean outage learned
-  for the size when longer, more any slice up since;
+  sizes refused or reclaimed within `REFUSAL_HOLDS_S`, more any slice up since;
 - a request READY beside the running slice costs only its startup to move to (`ready`);
 - a request still waiting says its size is missing now (the policy keeps it requested
   while its plan waits for it: `Decision.wait_for`, `policies.cost.moves.next_move`);
@@ -76,7 +75,7 @@ def build_snapshot(*, now_s: float, progress: Progress, options: tuple[Option, .
         chips, learned = feed.spot_chips, feed.availability
     else:
         largest = max(sizes, default=0) if largest_spot_chips is None else largest_spot_chips
-        chips = chips_known(history, zone=zone, sizes=sizes, largest=largest, now_s=now_s, availability=learned)
+        chips = chips_known(history, zone=zone, sizes=sizes, largest=largest, now_s=now_s)
     return Snapshot(now_s, progress.deadline_s, progress.total_tokens, progress.tokens_done,
                     progress.tokens_committed, options, chips, current, current_ready_in_s, hazard, learned,
                     restart, progress.spent_usd, progress.budget_usd, decision_interval_s, ready)

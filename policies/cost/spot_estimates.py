@@ -12,7 +12,7 @@ without a capacity feed may count on, from what its own slices showed.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from policies.cost.slice_options import SPOT, Option
@@ -63,18 +63,17 @@ class SpotHazard:
 
 
 def spot_chips_known(sizes: Sequence[int], *, largest: int, seen: Iterable[tuple[float, int, bool]], now: float,
-                     hold_s: float = REFUSAL_HOLDS_S, hold_for: Callable[[int], float] | None = None) -> int:
+                     hold_s: float = REFUSAL_HOLDS_S) -> int:
     """The largest spot size a job without a capacity feed should count on now.
 
     `seen`: (when, chips, could be had) of what the job's own spot slices showed. Starting
-    from `largest` (what it may ask for), in time order, a refusal within `hold_s` (or
-    `hold_for(chips)`, if given, for a refusal of that size) rules out its size and every
-    larger one, and a slice up since says its size can be had.
+    from `largest` (what it may ask for), in time order, a refusal within `hold_s` rules out
+    its size and every larger one, and a slice up since says its size can be had.
     Returns 0 when no size in `sizes` is left.
     """
     cap = largest
     for at, chips, up in sorted(seen):
-        if at >= now - (hold_for(chips) if hold_for is not None and not up else hold_s):
+        if at >= now - hold_s:
             cap = max(cap, chips) if up else min(cap, chips - 1)
     return max((c for c in sizes if c <= min(cap, largest)), default=0)
 
