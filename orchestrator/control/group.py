@@ -196,13 +196,16 @@ class RayWorkerGroup:
         placed = _placed(self.store, self.job_id, self.att.generation)
         dead = [rank for rank, w in enumerate(self.workers) if not _answers(w)]
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        dead = [rank for rank in dead if rank < len(placed)]
+        # A host gone first, whichever rank died first: when one host goes, the others' processes abort
+        # (their collectives fail), and one of those can be the first seen dead.
         for rank in dead:
-            if rank >= len(placed):
-                break
-            node, pid = placed[rank]
+            node, _ = placed[rank]
             if node not in alive_nodes:
                 self._lost(rank)
                 return Outcome(OutcomeKind.INFRA_LOST, f"host {rank} is gone (its Ray node {node[:12]} is dead)", at=at)
+        for rank in dead:
+            node, pid = placed[rank]
             try:
                 tail = ray.get(ray.remote(num_cpus=0, max_retries=0)(stderr_tail).options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid), timeout=PROBE_S)
