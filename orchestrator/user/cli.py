@@ -91,10 +91,11 @@ def validate(job_file: Path = typer.Argument(..., help="The job's YAML file.")) 
     problems = gcp_problems(spec)  # what TPU VMs need, before anything is provisioned
     if problems:
         raise SpecError(str(job_file), problems)
-    t = spec.tpu_type
-    hosts = f"{t.hosts} host" + ("s" if t.hosts != 1 else "")
-    out.print(f"{job_file}: valid ({spec.accelerator}: {t.chips} chips on {hosts}, {spec.tier.value})",
-              highlight=False)
+    t, n = spec.tpu_type, spec.slices
+    hosts = f"{t.hosts * n} host" + ("s" if t.hosts * n != 1 else "")
+    what = f"{spec.accelerator}: {t.chips} chips on {hosts}" if n == 1 else \
+        f"{spec.accelerator} x {n}: {t.chips * n} chips on {hosts} in {n} slices"
+    out.print(f"{job_file}: valid ({what}, {spec.tier.value})", highlight=False)
 
 
 @app.command()
