@@ -103,7 +103,7 @@ class Context:
         if self.keeper is not None and self.settings.slices > 1:  # one slice left: its loss takes its memory
             from workers.memory import Keeping
 
-            self.keeping = Keeping(self.keeper, self.send)
+            self.keeping = Keeping(self.keeper, self.send, every=self.settings.memory_interval)
 
     def __getattr__(self, name: str) -> Any:
         """The settings read through (`ctx.steps` is `ctx.settings.steps`), as programs written

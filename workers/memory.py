@@ -156,8 +156,9 @@ class Keeping:
 
     DECIDE_AFTER = 3  # copies measured before the interval is chosen
 
-    def __init__(self, keeper, send=None):
-        self.keeper, self.cadence, self._send = keeper, Cadence(), send
+    def __init__(self, keeper, send=None, *, every: int | None = None):
+        """`every`: copy every that many steps, whatever it costs; None: chosen from the measured costs."""
+        self.keeper, self.cadence, self._send, self._fixed = keeper, Cadence(every=every or 1), send, every
         self.kept_step: int | None = None
         self.broken = False
         self.calls = 0
@@ -187,8 +188,8 @@ class Keeping:
         from jax.experimental import multihost_utils
 
         c = self.cadence
-        every = Cadence.interval(c.copy_s, step_s)
-        if jax.process_count() > 1:
+        every = self._fixed or Cadence.interval(c.copy_s, step_s)
+        if jax.process_count() > 1 and self._fixed is None:  # host 0's figures decide for all
             every = int(multihost_utils.broadcast_one_to_all(np.int32(every)))
         c.every, c.decided = every, True
         log.info("host memory: a copy every %d step(s) (a copy takes %.1f ms, a step %.1f ms)", every,

@@ -26,6 +26,7 @@ class TrainingSettings:
     mesh_shape: tuple[int, int, int] | None = None  # (data, fsdp, model); None: every device on `data`
     slices: int = 1  # slices the runtime spans, slice-major in process order; `data` is split across them first
     memory_step: int | None = None  # restore this step from the hosts' memory (`workers.memory`), not storage
+    memory_interval: int | None = None  # steps between those copies; None: chosen from their measured cost
     data: str | None = None  # token files (`workers.tokens`); None: the standard library's bytes
     checkpoint_dir: str | None = None  # None: no checkpoints
     checkpoint_interval: int = 20  # in steps; on spot, the cost policy's, never longer than the job file's

@@ -132,7 +132,8 @@ class Trainer:
 
     def _program_id(self, name: str) -> str:
         """The program's key: every setting but where checkpoints go, how often, and the chip's peak."""
-        skip = ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep", "peak_flops_per_chip", "memory_step")
+        skip = ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep", "peak_flops_per_chip", "memory_step",
+                "memory_interval")
         shared = {k: v for k, v in dataclasses.asdict(self.settings).items() if k not in skip}
         return runtime.program_id(name, {**shared, **dataclasses.asdict(self.lm)})
 

@@ -53,6 +53,7 @@ def training_settings(spec: JobSpec, devices: int, hosts: int, *, slices: int = 
     return TrainingSettings(
         steps=w.steps, seq_len=w.seq_len, global_batch_size=w.global_batch_size, seed=w.seed,
         mesh_shape=(data * slices, fsdp, model), slices=slices, memory_step=memory_step,
+        memory_interval=None if (every := spec.checkpoint.memory_interval_steps) == "auto" else every,
         data=w.data.path if w.data else None, checkpoint_dir=spec.checkpoint.directory,
         checkpoint_interval=spec.checkpoint.interval_steps, checkpoint_keep=spec.checkpoint.keep,
         precision=w.precision.compute, remat=w.remat, microbatches=microbatches_for(spec, slice_type.name),

@@ -58,6 +58,9 @@ class CheckpointConfig(_Frozen):
     interval_steps: Steps = TrainingSettings.checkpoint_interval
     # Each checkpoint is a full copy of the model and optimizer.
     keep: Annotated[int, Field(gt=0, le=1000)] = TrainingSettings.checkpoint_keep
+    # A multi-slice job's copy of the state in its hosts' memory (what a lost slice is survived from):
+    # auto, every step while that costs at most 2% of a step, else every k steps; or every N steps.
+    memory_interval_steps: Literal["auto"] | Steps = "auto"
 
     @field_validator("directory")
     @classmethod

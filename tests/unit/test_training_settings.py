@@ -30,7 +30,8 @@ WORKLOADS = {"lm": {"type": "lm", **COMMON},
 
 def spec(kind: str) -> JobSpec:
     return JobSpec.from_dict({"name": "a", "accelerator": "v4-16", "slices": 2, "workload": WORKLOADS[kind],
-                              "checkpoint": {"directory": "/ckpt/a", "interval_steps": 5, "keep": 2}})
+                              "checkpoint": {"directory": "/ckpt/a", "interval_steps": 5, "keep": 2,
+                                             "memory_interval_steps": 3}})
 
 
 def on_a_host(workload: dict) -> api.Context:
