@@ -61,9 +61,6 @@ class HostMemory:
     def recall(self, step: int) -> list | None:
         return self._copies.get(step)
 
-    def ping(self) -> bool:
-        return True
-
 
 def _key(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """A shard's index as (start, stop) per dimension."""
@@ -109,10 +106,9 @@ class MemoryMiss(Exception):
 def rebuild(table: list, target: Any) -> Any:
     """The state of `target`'s structure and shardings (shape structs with `.sharding`), from `table`.
 
-    Raises MemoryMiss before building anything if a shard is missing."""
+    `recall` has checked that `table` covers every shard this host needs (`_check`)."""
     import jax
 
-    _check(table, target)
     leaves, treedef = jax.tree.flatten(target)
     out = []
     for leaf, (kind, held) in zip(leaves, table):
@@ -138,7 +134,6 @@ class Cadence:
     every: int = 1
     copy_s: float = 0.0
     copies: int = 0
-    decided: bool = False
 
     def measured(self, seconds: float) -> None:
         self.copy_s = (self.copy_s * self.copies + seconds) / (self.copies + 1)
@@ -159,7 +154,6 @@ class Keeping:
     def __init__(self, keeper, send=None, *, every: int | None = None):
         """`every`: copy every that many steps, whatever it costs; None: chosen from the measured costs."""
         self.keeper, self.cadence, self._send, self._fixed = keeper, Cadence(every=every or 1), send, every
-        self.kept_step: int | None = None
         self.broken = False
         self.calls = 0
 
@@ -180,7 +174,6 @@ class Keeping:
             self.broken = True
             return
         c.measured(time.perf_counter() - t)
-        self.kept_step = step
 
     def _decide(self, step_s: float) -> None:
         import jax
@@ -191,7 +184,7 @@ class Keeping:
         every = self._fixed or Cadence.interval(c.copy_s, step_s)
         if jax.process_count() > 1 and self._fixed is None:  # host 0's figures decide for all
             every = int(multihost_utils.broadcast_one_to_all(np.int32(every)))
-        c.every, c.decided = every, True
+        c.every = every
         log.info("host memory: a copy every %d step(s) (a copy takes %.1f ms, a step %.1f ms)", every,
                  c.copy_s * 1e3, step_s * 1e3)
         if self._send is not None:
