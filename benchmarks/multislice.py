@@ -41,9 +41,10 @@ def spec(name: str, steps: int, slices: int) -> JobSpec:
 
 def disrupted(client, name: str, steps: int, slices: int, kill_at: int) -> dict:
     job = client.submit(spec(name, steps, slices))
-    wait_until(lambda: job.status().state is JobState.RUNNING and job.status().step >= kill_at)
+    ahead = lambda: slices == 1 or any(e.kind == "ahead" for e in job.events())  # noqa: E731
+    wait_until(lambda: job.status().state is JobState.RUNNING and job.status().step >= kill_at and ahead())
     live = sorted(client.store.slices(job_id=job.id, live_only=True), key=lambda r: r.name)
-    killed = time.time()
+    killed, killed_step = time.time(), job.status().step
     kill_host(client.home, live[-1].data["pgids"][1])
     st = job.wait(timeout_s=900)
     assert st.state is JobState.SUCCEEDED, st.reason
@@ -56,11 +57,14 @@ def disrupted(client, name: str, steps: int, slices: int, kill_at: int) -> dict:
     resumed = first(lambda e: e.kind == "resumed")
     lost = first(lambda e: e.kind == "lost_work")
     memory = [e for e in ev if e.kind == "memory"]
+    compiled_ahead = [e for e in ev if e.kind == "ahead"]
     return {
         "kill_to_next_step_s": resumed.at - killed, "detect_s": disruption.at - killed,
         "kill_to_starting_s": starting.at - killed, "restore_s": restore.data["restore_s"],
         "compile_s": restore.data["compile_s"], "source": restore.data.get("source", "storage"),
         "steps_recomputed": lost.data["steps"], "restored_step": restore.data["restored_step"],
+        "ahead_s": compiled_ahead[0].data["seconds"] if compiled_ahead else None,
+        "killed_at_step": killed_step,
         "copy_every": memory[0].data["every"] if memory else None,
         "copy_s": memory[0].data["copy_s"] if memory else None,
         "copy_share_of_step": memory[0].data["copy_s"] / memory[0].data["step_s"] if memory else None,

@@ -115,6 +115,7 @@ class HostWorker:
                  controller: "tuple[str, str] | ray.actor.ActorHandle | None",  # a name, or the inbox
                  workload_type: str | None = None):
         self.job_id, self.generation, self.rank, self.num_hosts = job_id, generation, rank, num_hosts
+        self._devices_per_host, self._platform, self._compile_cache_dir = devices_per_host, platform, compile_cache_dir
         self._controller_name = controller
         self._controller: ray.actor.ActorHandle | None = None
         self._notice = threading.Event()
@@ -276,10 +277,14 @@ class HostWorker:
         return WorkerResult(Ending.SUCCEEDED, self.rank, steps=loop.step, param_sums=param_checksums(params))
 
     def _run_lm(self, workload: dict) -> WorkerResult:
+        from workers.ahead import CompileAhead
         from workers.train import Trainer  # after runtime.configure
 
         ctx = self._context(workload)
-        Trainer(workload["lm"], ctx).run()
+        ahead = CompileAhead.for_host(workload, rank=self.rank, num_hosts=self.num_hosts,
+                                      devices_per_host=self._devices_per_host, platform=self._platform,
+                                      cache=self._compile_cache_dir, send=self._send)
+        Trainer(workload["lm"], ctx).run(ahead=ahead)
         return self._ended(ctx.last_loop)
 
     def _run_entrypoint(self, workload: dict) -> WorkerResult:

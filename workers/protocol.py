@@ -63,6 +63,15 @@ class MemoryKept:
 
 
 @dataclass(frozen=True)
+class CompiledAhead:
+    """Host 0 compiled the step for the runtime one slice smaller, for a lost slice's survivors (`workers.ahead`)."""
+
+    slices: int
+    seconds: float
+    compiled: bool  # False: that program was kept already
+
+
+@dataclass(frozen=True)
 class Noticed:
     """This host got a preemption notice (or a stop from the controller)."""
 
@@ -90,7 +99,7 @@ class ProfileDone:
     error: str | None = None
 
 
-Report = Ready | Timings | StepDone | Saved | MemoryKept | Noticed | Lines | ProfileDone
+Report = Ready | Timings | StepDone | Saved | MemoryKept | CompiledAhead | Noticed | Lines | ProfileDone
 
 
 class Ending(str, enum.Enum):

@@ -123,7 +123,7 @@ def _mac(name: str, payload: bytes) -> bytes:
     return hmac.new(_share_key, name.encode() + b"\0" + payload, hashlib.sha256).digest()
 
 
-def _open(name: str, sealed: bytes) -> bytes | None:
+def open_sealed(name: str, sealed: bytes) -> bytes | None:
     """The payload of `sealed`, or None (with a warning) when its seal is not ours."""
     mac, payload = sealed[:_MAC_BYTES], sealed[_MAC_BYTES:]
     if _share_key is None or len(mac) != _MAC_BYTES or not hmac.compare_digest(mac, _mac(name, payload)):
@@ -132,14 +132,15 @@ def _open(name: str, sealed: bytes) -> bytes | None:
     return payload
 
 
-def _publish(client, name: str, payload: bytes) -> None:
+def publish(client, name: str, payload: bytes) -> None:
+    """`payload` into the runtime's key-value store as `name`, sealed with this launch's key (none: nothing)."""
     if _share_key is not None:
         client.key_value_set_bytes(name, _seal(name, payload), allow_overwrite=True)
 
 
 def _receive(client, name: str, timeout_s: float) -> bytes | None:
     """The bytes process 0 published as `name` (waiting up to `timeout_s`), or None: none, or not authentic."""
-    return _open(name, client.blocking_key_value_get_bytes(name, int(timeout_s * 1000)))
+    return open_sealed(name, client.blocking_key_value_get_bytes(name, int(timeout_s * 1000)))
 
 
 def program_key(lowered: "jax.stages.Lowered") -> str:
@@ -234,7 +235,7 @@ def _compile_shared(lowered: "jax.stages.Lowered",
         if payload is not None and path is not None:
             _write_atomically(path, payload)
     if shared:  # loaded bytes are passed on as read: a deserialized executable cannot be serialized again
-        _publish(client, f"executable/{key}", payload or b"")
+        publish(client, f"executable/{key}", payload or b"")
     return compiled, payload
 
 
@@ -307,7 +308,7 @@ def program_id(name: str, config: dict) -> str:
     return h.hexdigest()
 
 
-def _keyed_path(key: str) -> Path | None:
+def kept_program_path(key: str) -> Path | None:
     # JAX's Config declares its options at run time (its type stub does not name them).
     root = jax.config.jax_compilation_cache_dir  # type: ignore[attr-defined]
     return Path(root) / "executables" / f"program-{key}.pkl" if root else None
@@ -325,6 +326,29 @@ def _load_keyed(blob: bytes, where: str) -> "jax.stages.Compiled | None":
 def _store_keyed(path: Path | None, lowered: "jax.stages.Lowered", payload: bytes | None) -> None:
     if path is not None and payload is not None and not path.exists():
         _write_atomically(path, pickle.dumps((payload, lowered.in_tree, lowered.out_tree)))
+
+
+def keep_program(key: str, blob: bytes) -> None:
+    """Keep program `key`'s bytes (as `compile_keyed` writes them) in this host's cache, unless it has them."""
+    path = kept_program_path(key)
+    if path is not None and not path.exists():
+        _write_atomically(path, blob)
+
+
+def compile_ahead(key: str, lower: Callable[[], "jax.stages.Lowered"]) -> bool:
+    """Trace, compile and keep program `key` in this host's cache for a later runtime to load
+    (`compile_keyed`); False if it was kept already. This process runs nothing of it."""
+    from jax.experimental import serialize_executable
+
+    _own_programs()
+    path = kept_program_path(key)
+    assert path is not None, "a compile ahead is asked for only where a cache directory is set"
+    if path.exists():
+        return False
+    lowered = lower()
+    payload, _, _ = serialize_executable.serialize(lowered.compile())
+    _store_keyed(path, lowered, payload)
+    return True
 
 
 def _trace_and_compile(path: Path | None, lower, share_timeout_s: float) -> "jax.stages.Compiled":
@@ -347,7 +371,7 @@ def compile_keyed(key: str, lower: Callable[[], "jax.stages.Lowered"], *,
     from jax._src import distributed
 
     _own_programs()
-    path, client = _keyed_path(key), distributed.global_state.client
+    path, client = kept_program_path(key), distributed.global_state.client
     blob = path.read_bytes() if path is not None and path.exists() else None
     shared = jax.process_count() > 1 and client is not None
     if not shared or jax.process_index() == 0:
@@ -359,7 +383,7 @@ def compile_keyed(key: str, lower: Callable[[], "jax.stages.Lowered"], *,
             digest = hashlib.sha256(blob).hexdigest() if compiled is not None and blob else _TRACE
             client.key_value_set(f"program/{key}", digest, allow_overwrite=True)
             if compiled is not None and blob and _someone_lacks(client, key, share_timeout_s):
-                _publish(client, f"program-bytes/{key}", blob)
+                publish(client, f"program-bytes/{key}", blob)
         return compiled or _trace_and_compile(path, lower, share_timeout_s)
     assert client is not None, "shared: a runtime of several processes has its client"
     need = f"program-need/{key}/{jax.process_index()}"

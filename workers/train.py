@@ -73,7 +73,7 @@ class Trainer:
         """A fresh state, compiled once per program and kept (`runtime.compile_keyed`)."""
         key = jax.random.key(self.settings.seed)
         lower = lambda: jax.jit(self._init, out_shardings=self.state_shardings).lower(key)  # noqa: E731
-        return runtime.compile_keyed(self._program_id("init_state"), lower)(key)
+        return runtime.compile_keyed(self.program_id("init_state"), lower)(key)
 
     def restore_or_init(self) -> dict:
         """The newest readable committed checkpoint, falling back step by step; else a fresh state."""
@@ -117,28 +117,34 @@ class Trainer:
         params = optax.apply_updates(state["params"], updates)
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, loss
 
+    def lower_step(self) -> "jax.stages.Lowered":
+        """The train step on this mesh, traced and lowered for abstract inputs (nothing runs)."""
+        s = self.settings
+        assert s.global_batch_size is not None and s.seq_len is not None, "the lm workload always has both"
+        batch = jax.ShapeDtypeStruct((s.global_batch_size, s.seq_len + 1), jnp.int32, sharding=self.batch_sharding)
+        step = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
+                       out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
+        return step.lower(self.abstract_state, batch)
+
     def compile(self):
         """The train step, compiled; after a restart, loaded without tracing it (`runtime.compile_keyed`)."""
-        def lower():
-            s = self.settings
-            assert s.global_batch_size is not None and s.seq_len is not None, "the lm workload always has both"
-            batch = jax.ShapeDtypeStruct((s.global_batch_size, s.seq_len + 1), jnp.int32,
-                                         sharding=self.batch_sharding)
-            step = jax.jit(self._step, in_shardings=(self.state_shardings, self.batch_sharding),
-                           out_shardings=(self.state_shardings, self.replicated), donate_argnums=0)
-            return step.lower(self.abstract_state, batch)
+        key = self.program_id("train_step")
+        if jax.process_index() == 0 and (path := runtime.kept_program_path(key)) is not None and path.exists():
+            log.info("the train step for %d slice(s) was kept (compiled ahead, or by an earlier run): loading it",
+                     self.settings.slices)
+        return runtime.compile_keyed(key, self.lower_step)
 
-        return runtime.compile_keyed(self._program_id("train_step"), lower)
-
-    def _program_id(self, name: str) -> str:
+    def program_id(self, name: str) -> str:
         """The program's key: every setting but where checkpoints go, how often, and the chip's peak."""
         skip = ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep", "peak_flops_per_chip", "memory_step",
                 "memory_interval")
         shared = {k: v for k, v in dataclasses.asdict(self.settings).items() if k not in skip}
         return runtime.program_id(name, {**shared, **dataclasses.asdict(self.lm)})
 
-    def run(self) -> tuple[dict, int]:
+    def run(self, ahead=None) -> tuple[dict, int]:
         """Train from the latest checkpoint to the settings' `steps`; returns (state, completed steps).
+
+        `ahead`: the host's `workers.ahead.CompileAhead`, told after each step (a multi-slice job's).
 
         On a notice to any host (the context's `agreed_stop`) every host stops after the
         same step, with that step's checkpoint committed, and returns early.
@@ -155,6 +161,8 @@ class Trainer:
             for step in loop:
                 state, loss = step_fn(loop.state, ctx.batch(step))
                 loop.done(state, loss=loss)
+                if ahead is not None:
+                    ahead.after_step()
         return loop.state, loop.step
 
 

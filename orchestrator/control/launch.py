@@ -8,7 +8,7 @@ import logging
 from orchestrator import catalog
 from orchestrator.domain.fit import microbatches_for
 from orchestrator.domain.spec import EntrypointWorkload, JobSpec, LmWorkload
-from policies.model.sharding import plan_mesh
+from policies.model.sharding import MeshError, plan_mesh
 from workers.notices import GCE_METADATA_URL
 from workers.settings import LmSettings, TrainingSettings
 
@@ -24,7 +24,19 @@ def workload_for(spec: JobSpec, devices: int, hosts: int, *, slices: int = 1, me
               "storage_endpoint": spec.storage.endpoint, "metadata_url": metadata_url(spec)}
     if isinstance(w, EntrypointWorkload):
         return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "workdir": spec.workdir, **common}
-    return {"type": "lm", "lm": lm_settings(w), **common}
+    return {"type": "lm", "lm": lm_settings(w), "ahead": survivors_settings(spec, devices, hosts, slices), **common}
+
+
+def survivors_settings(spec: JobSpec, devices: int, hosts: int, slices: int) -> TrainingSettings | None:
+    """The settings of the runtime a lost slice of `slices` leaves, whose program is compiled while the
+    job trains (`workers.ahead`); None for one slice, or a global batch that does not split over one fewer."""
+    batch = spec.workload.global_batch_size
+    if slices < 2 or (batch is not None and batch % (slices - 1)):
+        return None
+    try:
+        return training_settings(spec, devices, hosts, slices=slices - 1)
+    except MeshError:
+        return None
 
 
 def metadata_url(spec: JobSpec) -> str | None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError
 from orchestrator.state.events import (
+    AheadCompiled,
     CheckpointSaved,
     LostWork,
     MemoryCadence,
@@ -26,7 +27,7 @@ from orchestrator.state.events import (
 )
 from orchestrator.state.states import JobState
 from policies.decisions.recovery import Outcome, OutcomeKind
-from workers.protocol import MemoryKept, Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
+from workers.protocol import CompiledAhead, MemoryKept, Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
 
 if TYPE_CHECKING:
     from orchestrator.control.attempt import Attempt
@@ -86,6 +87,12 @@ class ReportsMixin:
                 f"host memory: a copy of the state every {report.every} step(s) ({report.copy_s * 1e3:.1f} ms a copy, "
                 f"{report.copy_s / report.step_s:.1%} of a step); a lost slice loses {risk}" if report.step_s else
                 f"host memory: a copy of the state every {report.every} step(s)", at=now))
+        elif isinstance(report, CompiledAhead) and rank == 0:
+            done = "compiled" if report.compiled else "found kept"
+            held.add(lambda: store.add_event(
+                self.job_id, AheadCompiled(report.slices, round(report.seconds, 3), report.compiled),
+                f"the program for {report.slices} slice(s) {done} ahead in {report.seconds:.1f} s: a lost slice's "
+                f"survivors load it", at=now))
         elif isinstance(report, Saved) and rank == 0:
             held.add(lambda: store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
                                              f"saved step {report.step}", at=now))

@@ -33,6 +33,7 @@ class EventKind(str, enum.Enum):
     FOLDER = "folder"  # at submit: what the job does with its checkpoint folder (new, resume, fresh, ...)
     STORE = "store"  # the state store refused writes for a while (recorded when it took them again)
     MEMORY = "memory"  # how often the hosts copy the state to their memory (a multi-slice job)
+    AHEAD = "ahead"  # the program for one slice fewer was compiled while the job trained (a multi-slice job)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,17 @@ class MemoryCadence(Payload):
     every: int = 1
     copy_s: float = 0.0
     step_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class AheadCompiled(Payload):
+    """Host 0 compiled the step for `slices` slices (one fewer than the job runs on) while it trained,
+    so that a lost slice's survivors load it rather than compile it (`workers.ahead`)."""
+
+    KIND: ClassVar[EventKind] = EventKind.AHEAD
+    slices: int = 1
+    seconds: float = 0.0
+    compiled: bool = True  # False: that program was kept already
 
 
 @dataclass(frozen=True)
@@ -237,6 +249,6 @@ PAYLOADS: dict[EventKind, type[Payload]] = {
     cls.KIND: cls for cls in (StateChange, SliceChanged, Launched, Restored, LostWork, CheckpointSaved, NoticeSeen,
                               Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked, Profiled, DeadlineForecast,
                               FolderClaimed,
-                              StoreFaulted, MemoryCadence)
+                              StoreFaulted, MemoryCadence, AheadCompiled)
 }
 assert set(PAYLOADS) == set(EventKind), "every kind has its record"

@@ -23,6 +23,7 @@ from tests.conftest import assert_losses_close, run_reference
 from tests.waiting import wait_for, wait_step
 
 STEPS, INTERVAL = 22, 6
+LOSE_STEPS = 32  # room for three losses after the program for two slices is compiled ahead
 MODEL = {"d_model": 64, "n_layers": 2, "n_heads": 2, "d_ff": 256}
 
 
@@ -81,7 +82,8 @@ def reference(tmp_path_factory):
     """The three-slice job's model trained in one plain process (the equality of the two is what
     `test_two_slices_train_as_one_slice_of_as_many_hosts` shows for a job on the cluster)."""
     tmp = tmp_path_factory.mktemp("ref")
-    out = run_reference(spec("ms-ref", tmp, accelerator="v4-8", slices=3, batch=48), devices=4, tmp_path=tmp)
+    out = run_reference(spec("ms-ref", tmp, accelerator="v4-8", slices=3, batch=48, steps=LOSE_STEPS), devices=4,
+                        tmp_path=tmp)
     return {"losses": out["losses"], "params": out["param_sums"]}
 
 
@@ -89,9 +91,11 @@ def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client,
     """Three one-host slices (v4-8 x 3: the losses below do not depend on a slice's host count, which
     the two-slice test above covers): the third vanishes (no notice), then the second gets a notice,
     then the last one goes. The first two losses are survived from memory, the last from storage."""
-    job = client.submit(spec("ms-lose", tmp_path, accelerator="v4-8", slices=3, batch=48,
+    job = client.submit(spec("ms-lose", tmp_path, accelerator="v4-8", slices=3, batch=48, steps=LOSE_STEPS,
                              regrow=False))  # adding one back: tests/unit/test_driver.py
     wait_step(job, 6)
+    # The survivors' program is compiled while the job trains (`workers.ahead`): they load it, not compile it.
+    wait_for(lambda: kinds(job, "ahead"), timeout_s=300, what="the program for two slices compiled ahead")
     first, second, third = live_slices(client, job)
     killed_at = time.time()
     kill_host(client.home, third.data["pgids"][0])  # the third slice's host, with no notice
@@ -103,6 +107,7 @@ def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client,
     lost = kinds(job, "lost_work")[0].data
     assert lost["steps"] == 0 and lost["to_step"] == memory[0].data["restored_step"] >= 6, lost
     assert [s.name for s in live_slices(client, job)] == [first.name, second.name]  # the lost one released
+    assert "the train step for 2 slice(s) was kept (compiled ahead" in job.logs(), job.logs()[-3000:]
 
     wait_step(job, lost["to_step"] + 4)  # a notice to the second slice: it stops at a step, the first goes on
     launched = kinds(job, "launched")[-1].data
@@ -121,5 +126,6 @@ def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client,
     restores = kinds(job, "restore")
     assert [r.data.get("source") for r in restores] == ["storage", "memory", "memory", "storage"], \
         [r.reason for r in restores]
-    assert restores[-1].data["restored_step"] % INTERVAL == 0
+    stopped = restores[2].data["restored_step"]  # the notice's step: every host stopped there, its checkpoint committed
+    assert restores[-1].data["restored_step"] % INTERVAL == 0 or restores[-1].data["restored_step"] == stopped
     print(f"from the kill to the next step on the surviving slices: {resumed_after:.1f} s")

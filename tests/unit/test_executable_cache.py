@@ -242,11 +242,11 @@ def test_a_seal_opens_only_with_its_key_name_and_bytes():
     runtime._share_key = b"k" * 32
     try:
         sealed = runtime._seal("executable/abc", b"payload")
-        assert runtime._open("executable/abc", sealed) == b"payload"
-        assert runtime._open("executable/other", sealed) is None  # replayed under another name
-        assert runtime._open("executable/abc", sealed[:-1] + b"X") is None  # bytes changed
-        assert runtime._open("executable/abc", b"short") is None
+        assert runtime.open_sealed("executable/abc", sealed) == b"payload"
+        assert runtime.open_sealed("executable/other", sealed) is None  # replayed under another name
+        assert runtime.open_sealed("executable/abc", sealed[:-1] + b"X") is None  # bytes changed
+        assert runtime.open_sealed("executable/abc", b"short") is None
         runtime._share_key = b"j" * 32
-        assert runtime._open("executable/abc", sealed) is None  # another launch's key
+        assert runtime.open_sealed("executable/abc", sealed) is None  # another launch's key
     finally:
         runtime._share_key = None
