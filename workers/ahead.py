@@ -4,7 +4,8 @@ When a slice of an N-slice job is lost, the survivors form a runtime of N - 1 sl
 restore from their memory (`workers.memory`) in about a second; what is left is compiling
 the step for N - 1 slices (3 s for the small model on these hosts, minutes for a real one).
 The built-in trainer's program is known before it is traced (`runtime.program_id`), so it
-can be compiled ahead, once the job's first step is done:
+can be compiled ahead, once the job has measured what its copy in memory costs (its first
+steps):
 
 - the first host of slice 0 rehearses that runtime beside its own: it starts as many
   processes as the survivors would have hosts (`rehearse`, below), on its own address, each
@@ -62,6 +63,7 @@ class CompileAhead:
         self.rehearsal, self.rank, self._send = rehearsal, rank, send
         self.hosts_per_slice = num_hosts // slices
         self._started = self._shared = False
+        self._steps = 0
         self._made: tuple[str, bytes] | None = None  # (program id, kept bytes) once rank 0's rehearsal is done
 
     @classmethod
@@ -84,9 +86,14 @@ class CompileAhead:
         return self._shared
 
     def after_step(self) -> None:
-        """Start the rehearsal (host 0, after the first step), pass its program on, or take it (slice 1)."""
+        """Start the rehearsal (host 0, once the copy's cadence is decided), pass its program on, or take it
+        (slice 1)."""
+        from workers.memory import Keeping
+
+        self._steps += 1
         try:
-            if self.rank == 0 and not self._started:
+            if self.rank == 0 and not self._started and self._steps > Keeping.DECIDE_AFTER + 1:
+                # After the steps that measure the copy in memory: a compile beside them would inflate it.
                 self._started = True
                 threading.Thread(target=self._rehearse, daemon=True, name="compile-ahead").start()
             elif self.rank == 0 and self._made is not None and not self._shared:
