@@ -28,11 +28,12 @@ from orchestrator.control.attempt import Attempt
 from orchestrator.control.autoscaler import with_checkpoint_interval
 from orchestrator.control.captures import Captures
 from orchestrator.control.group import RayWorkerGroup, WorkerGroup
-from orchestrator.control.launch import training_settings, write_fence
+from orchestrator.control.launch import write_fence
 from orchestrator.control.limits import Limits
 from orchestrator.control.memory import drop_keepers
 from orchestrator.control.moves import AutoscalingMixin
 from orchestrator.control.reports import ReportsMixin
+from orchestrator.control.slices import SlicesMixin
 from orchestrator.control.store_faults import HoldingStore
 from orchestrator.control.waiting import Look, Waiting, clock_for, look, release, request
 from orchestrator.control.watch import watch
@@ -43,21 +44,16 @@ from orchestrator.providers.capacity import TraceClock
 from orchestrator.state.events import (
     Disrupted,
     EventKind,
-    ResizeAsked,
     StateChange,
 )
 from orchestrator.state.states import FailedBecause, JobState, SliceState
 from orchestrator.state.store import Store
 from policies.decisions.recovery import Budgets, Next, Outcome, OutcomeKind, after
-from policies.model.sharding import MeshError
 
 if TYPE_CHECKING:
     from orchestrator.control.controller import Controller
 
 log = logging.getLogger(__name__)
-
-REGROW_S = 30.0  # how long after a refused request a job short of slices asks again
-
 
 # How a job that fails after an attempt ended one way is named (FAILED_SETUP, FAILED_BUDGET, ...).
 FAILED_BECAUSE: dict[OutcomeKind, FailedBecause] = {
@@ -79,7 +75,7 @@ def ray_group(driver: JobDriver, spec: JobSpec) -> WorkerGroup:
     return RayWorkerGroup(driver.store, driver.plane.home, driver.job_id, spec, driver.att)
 
 
-class JobDriver(AutoscalingMixin, ReportsMixin):
+class JobDriver(AutoscalingMixin, SlicesMixin, ReportsMixin):
     """The job's state machine: each attempt goes QUEUED/PROVISIONING -> STARTING -> RUNNING and ends with an
     `Outcome`, from which `policies.decisions.recovery.after` names the next state. A transition the store
     refuses is a bug of ours: it ends the driver's loop loudly (the job FAILED_CONTROLLER), never silently."""
@@ -209,59 +205,6 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         finally:
             att.teardown()
 
-    def _keep_survivors(self, outcome: Outcome, spec: JobSpec) -> None:
-        """A multi-slice attempt that lost some of its slices (a host gone, a reclaim, a notice): the
-        next launch goes on the others at once, from the newest step all their hosts hold in memory
-        (`orchestrator.control.memory`; from storage if none), at the same global batch. The lost
-        slices are released with the attempt; the policy may add one back later."""
-        att = self.att
-        if len(att.slices) < 2 or not att.lost or outcome.kind not in (OutcomeKind.INFRA_LOST,
-                                                                          OutcomeKind.PREEMPTED):
-            return
-        survivors = [s for s in att.slices if s.name not in att.lost]
-        if not survivors:
-            return
-        batch = spec.workload.global_batch_size
-        try:
-            training_settings(spec, spec.tpu_type.chips, spec.tpu_type.hosts, slices=len(survivors))
-        except MeshError as e:
-            log.warning("job %s: cannot go on on %d slices (%s); restarting on new ones", self.job_id,
-                        len(survivors), e)
-            return
-        if batch is not None and batch % len(survivors):
-            log.warning("job %s: global_batch_size=%d does not split over %d slices; restarting on new ones",
-                        self.job_id, batch, len(survivors))
-            return
-        step, why = att.held_group.held_step(survivors)
-        if step is None:
-            log.warning("job %s: the surviving slices hold no common copy in memory (%s); they restore from storage",
-                        self.job_id, why)
-        att.next_slice, att.next_others = survivors[0], survivors[1:]
-        att.memory_step, att.shrunk_from = step, f"{len(att.slices)} slices"
-
-    def _provision_all(self, spec: JobSpec, attempt: int, refusals: int) -> None:
-        """The attempt's slices, all READY (`next_slice`, `next_others`), or none held (ProvisioningError).
-
-        A multi-slice job asks for all its slices at once, then waits for each: on GCP each is a
-        queued resource that waits for capacity and boots on its own."""
-        att, provider = self.att, self.att.chosen_provider
-        stem = f"{self.job_id}-{attempt}" + (f"q{refusals}" if refusals else "")
-        others: list[Waiting] = []
-        try:
-            for part in range(1, spec.slices):
-                others.append(request(provider, self.job_id, f"{stem}s{part}", spec, spec.accelerator,
-                                      spec.tier.value, created_at=self.store.job(self.job_id).created_at,
-                                      limit_s=self._queue_limit_s(spec)))
-            att.next_slice = self._provision(spec, attempt, round_=refusals)
-            for w in others:
-                att.next_others.append(self._wait_for(w, spec))
-        except ProvisioningError:
-            held = {s.name for s in [att.next_slice, *att.next_others] if s is not None}
-            for name in held | {w.name for w in others}:
-                release(provider, name, "the job's other slices could not all be had")
-            att.next_slice, att.next_others = None, []
-            raise
-
     def _on_slice(self, s: Slice) -> JobSpec:
         """The spec the launch on `s` uses: the stored one, moved to `s`'s type and tier if it differs."""
         job = self.store.job(self.job_id)
@@ -275,34 +218,6 @@ class JobDriver(AutoscalingMixin, ReportsMixin):
         self.limits.check(self.att, self.spec)
         self._autoscale_while_running()
         self._regrow()
-
-    def _regrow(self) -> None:
-        """A multi-slice job running on fewer slices than its spec's (it lost some): ask for one beside
-        them, and once it is READY stop at a committed step and go on on all of them (make-before-break,
-        restoring from storage: the new slice's hosts hold nothing in memory)."""
-        att, spec = self.att, self.spec()
-        if (spec.autoscaling is not None or not spec.recovery.regrow or not att.started or att.notice is not None
-                or len(att.slices) >= spec.slices or att.last_step < 0):  # the survivors train again first
-            return
-        if att.next_slice is not None:  # READY beside the survivors (`_follow_waiting`): switch
-            new, running = att.next_slice, att.slices
-            att.waiting, att.next_others = None, list(running)
-            att.resize_to, att.resize_tier = spec.accelerator, spec.tier.value
-            reason = (f"slice {new.name} is ready beside the {len(running)} running; checkpointing, then going on "
-                      f"on {len(running) + 1} slices")
-            self.store.add_event(self.job_id, ResizeAsked(spec.accelerator, spec.accelerator, spec.tier.value, reason,
-                                                          att.last_step + 1), reason)
-            att.stop_requested(f"adding slice {new.name} back")
-            return
-        if att.waiting is None and time.monotonic() >= att.regrow_at:
-            att.regrow_at = time.monotonic() + REGROW_S  # a refused request is asked again after this
-            att.requests += 1
-            name = f"{self.job_id}-{att.generation + 1}g{att.requests}"
-            try:
-                att.waiting = request(att.chosen_provider, self.job_id, name, spec, spec.accelerator, spec.tier.value,
-                                      created_at=self.store.job(self.job_id).created_at, limit_s=None)
-            except ProvisioningError as e:  # refused at once: asked again later
-                log.info("job %s: no slice to add back now (%s)", self.job_id, e)
 
     def _after(self, outcome: Outcome) -> None:
         """Record how the attempt ended, and do what the recovery rules say comes next."""
