@@ -42,11 +42,11 @@ from orchestrator.domain.workload import (
     _Frozen,
 )
 from orchestrator.errors import SpecError, UnknownAcceleratorError
+from policies.cost.slice_options import MAX_CHIPS
 from policies.model.sharding import MeshError, plan_mesh
 from workers.settings import TrainingSettings
 
 MAX_SLICES = 4  # slices of one job (v4-16 x 4 is the 32 chips a job may take)
-MAX_CHIPS = 32
 
 
 class CheckpointConfig(_Frozen):
