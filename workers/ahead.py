@@ -159,8 +159,12 @@ class CompileAhead:
             return True
         key, blob = payload[:_KEY_CHARS].decode(), payload[_KEY_CHARS:]
         runtime.keep_program(key, blob)
-        log.info("compile ahead: kept the program for %d slice(s) from host 0",
-                 self.rehearsal.settings.slices)  # type: ignore[attr-defined]
+        slices = self.rehearsal.settings.slices  # type: ignore[attr-defined]
+        log.info("compile ahead: kept the program for %d slice(s) from host 0", slices)
+        if self._send is not None:
+            from workers.protocol import CompiledAhead
+
+            self._send(CompiledAhead(slices, 0.0, compiled=False))
         return True
 
 

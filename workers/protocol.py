@@ -64,11 +64,12 @@ class MemoryKept:
 
 @dataclass(frozen=True)
 class CompiledAhead:
-    """Host 0 compiled the step for the runtime one slice smaller, for a lost slice's survivors (`workers.ahead`)."""
+    """Host 0 compiled the step for the runtime one slice smaller, for a lost slice's survivors (`workers.ahead`);
+    or, sent by slice 1's first host, that host now keeps it too (taken from host 0)."""
 
     slices: int
     seconds: float
-    compiled: bool  # False: that program was kept already
+    compiled: bool  # False: that program was kept already (or, from slice 1's host, it was taken, not compiled)
 
 
 @dataclass(frozen=True)

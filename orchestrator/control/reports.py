@@ -87,12 +87,14 @@ class ReportsMixin:
                 f"host memory: a copy of the state every {report.every} step(s) ({report.copy_s * 1e3:.1f} ms a copy, "
                 f"{report.copy_s / report.step_s:.1%} of a step); a lost slice loses {risk}" if report.step_s else
                 f"host memory: a copy of the state every {report.every} step(s)", at=now))
-        elif isinstance(report, CompiledAhead) and rank == 0:
+        elif isinstance(report, CompiledAhead):
             done = "compiled" if report.compiled else "found kept"
             held.add(lambda: store.add_event(
-                self.job_id, AheadCompiled(report.slices, round(report.seconds, 3), report.compiled),
+                self.job_id, AheadCompiled(report.slices, round(report.seconds, 3), report.compiled, rank),
                 f"the program for {report.slices} slice(s) {done} ahead in {report.seconds:.1f} s: a lost slice's "
-                f"survivors load it", at=now))
+                f"survivors load it" if rank == 0 else
+                f"host {rank} keeps the program for {report.slices} slice(s) too (from host 0): it is the survivors' "
+                f"first host if slice 0 is lost", at=now))
         elif isinstance(report, Saved) and rank == 0:
             held.add(lambda: store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
                                              f"saved step {report.step}", at=now))

@@ -121,6 +121,7 @@ class AheadCompiled(Payload):
     slices: int = 1
     seconds: float = 0.0
     compiled: bool = True  # False: that program was kept already
+    host: int = 0  # 0: the host that compiled it; else slice 1's first host, which took it from host 0
 
 
 @dataclass(frozen=True)

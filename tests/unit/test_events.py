@@ -25,7 +25,7 @@ EXAMPLES = [
     ev.DeadlineForecast(240.0, 3840.0, 3600.0, 900, 0.4),
     ev.FolderClaimed("/ckpt", "resume-anyway", 300, "lm-3f2a1c", [["workload.seed", 0, 1]], None),
     ev.StoreFaulted("disk full", 12.5, "state store not writable: disk full (/h/state.db: database or disk is full)"),
-    ev.MemoryCadence(2, 0.012, 0.4), ev.AheadCompiled(1, 6.2, True), ev.Restored(0.2, 1.1, 40, [], "memory", None),
+    ev.MemoryCadence(2, 0.012, 0.4), ev.AheadCompiled(1, 6.2, True, 0), ev.Restored(0.2, 1.1, 40, [], "memory", None),
     ev.ResizeAsked("v4-16", "v4-32", "spot", "more chips", 10),
 ]
 
