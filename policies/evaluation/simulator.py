@@ -250,6 +250,7 @@ def _snapshot(w: _World, s: SimState, now: float, cap: int) -> Snapshot:
     return build_snapshot(now_s=now, progress=progress, options=w.job.options, restart=w.restart,
                           records=s.records, pooled_records=w.memory, current=current, current_ready_in_s=ready_in,
                           ready=r.option if r is not None and r.state == "READY" else None,
+                          waiting=r.option if r is not None and r.state != "READY" else None,
                           feed=CapacityFeed(cap, s.availability) if w.feed else None, hazard=w.hazard,
                           availability=s.availability, decision_interval_s=w.decision_interval_s,
                           max_slices=max(o.count for o in w.job.options))

@@ -11,6 +11,7 @@ import pytest
 from orchestrator.domain.options import job_options
 from orchestrator.user.planning import plan_job, plan_text, render_plan
 from policies.cost.fluid_plan import fluid_plan, plan_inputs
+from policies.cost.moves import MoveKind, next_move
 from policies.cost.policy import CostPolicy, decide
 from policies.cost.restart_cost import RestartCost
 from policies.cost.slice_options import ON_DEMAND, RESERVED, SPOT, Option, ScalingModel, estimate_tokens_per_s
@@ -144,6 +145,23 @@ def test_bigger_spot_slice_becoming_available_can_trigger_a_resize():
     left = 16e9
     d = decide(snapshot(hours_left=14, tokens_left=left, capacity=32, current=SPOT16))
     assert d.resize and d.option is not None and d.option.chips > SPOT16.chips
+
+
+
+def test_a_waiting_request_the_plan_still_wants_is_kept_across_decisions():
+    # On on-demand v4-16, a request for spot v4-64 waits: the zone has not the chips now, so
+    # only v4-32 spot may perhaps be had. Not told of the request, the policy would try v4-32
+    # spot, its plan still waiting for v4-64: the request would be released, and asked for again.
+    snap = snapshot(hours_left=10, tokens_left=14e9, capacity=16, current=OD16)
+    probe = decide(snap)
+    assert probe.option == SPOT32 and probe.wait_for == SPOT64
+    assert next_move(probe.option, held=OD16, waiting=SPOT64, wait_for=probe.wait_for).release_waiting
+    # Told of it, the policy keeps it, look after look, while its plan still wants it.
+    for now_s in (0.0, 300.0, 600.0, 900.0):
+        d = decide(dataclasses.replace(snap, now_s=now_s, waiting=SPOT64))
+        assert d.option == OD16 and d.wait_for == SPOT64, (now_s, d.reason)
+        move = next_move(d.option, held=OD16, waiting=SPOT64, wait_for=d.wait_for)
+        assert move.kind is MoveKind.KEEP and not move.release_waiting and move.request is None
 
 
 def test_budget_is_flagged():
