@@ -13,7 +13,8 @@ more could give.
 Rules both paths follow through this function:
 
 - spot the job may ask for now: `largest_spot_chips` (what the provider allows) less the
-  sizes refused or reclaimed within `REFUSAL_HOLDS_S`, more any slice up since;
+  sizes refused or reclaimed within `REFUSAL_HOLDS_S` (longer for a size refused again and
+  again: `spot_estimates.spot_chips_known`), more any slice up since;
 - a request READY beside the running slice costs only its startup to move to (`ready`);
   one not READY yet is the job's request (`waiting`), which the policy keeps while its
   plan still wants it;

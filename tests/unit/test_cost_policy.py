@@ -16,7 +16,7 @@ from policies.cost.policy import CostPolicy, decide
 from policies.cost.restart_cost import RestartCost
 from policies.cost.slice_options import ON_DEMAND, RESERVED, SPOT, Option, ScalingModel, estimate_tokens_per_s
 from policies.cost.snapshot import Snapshot
-from policies.cost.spot_estimates import SpotAvailability, SpotHazard
+from policies.cost.spot_estimates import SpotAvailability, SpotHazard, spot_chips_known
 from policies.evaluation.simulator import SimJob, simulate
 from policies.evaluation.traces import SpotTrace, markov_trace
 
@@ -162,6 +162,23 @@ def test_a_waiting_request_the_plan_still_wants_is_kept_across_decisions():
         assert d.option == OD16 and d.wait_for == SPOT64, (now_s, d.reason)
         move = next_move(d.option, held=OD16, waiting=SPOT64, wait_for=d.wait_for)
         assert move.kind is MoveKind.KEEP and not move.release_waiting and move.request is None
+
+
+def test_a_size_refused_again_and_again_is_asked_for_less_often():
+    sizes, hold = [8, 16, 32], 600.0
+    refusals = [(0.0, 32, False), (5000.0, 32, False), (10000.0, 32, False)]
+
+    def known(now, seen=refusals):  # (what the records say as of `now`)
+        return spot_chips_known(sizes, largest=32, seen=[x for x in seen if x[0] <= now], now=now, hold_s=hold,
+                                max_hold_s=4 * hold)
+
+    assert known(650.0) == 32  # one refusal holds `hold_s`
+    assert known(5000.0 + 2 * hold - 60) == 16 and known(5000.0 + 2 * hold + 60) == 32  # the second twice that
+    assert known(10000.0 + 4 * hold - 60) == 16 and known(10000.0 + 4 * hold + 60) == 32  # the third 4x (the most)
+    # a slice of the size up in between: the count starts again
+    assert known(10000.0 + hold + 60, [*refusals[:2], (7000.0, 32, True), refusals[2]]) == 32
+    # a refusal of a smaller size says the larger one was missing too: it counts for both
+    assert known(5000.0 + 2 * hold - 60, [(0.0, 16, False), (5000.0, 32, False)]) == 16
 
 
 def test_budget_is_flagged():
