@@ -82,7 +82,8 @@ def spot_chips_known(sizes: Sequence[int], *, largest: int, seen: Iterable[tuple
             cap = max(cap, chips)
             refused_since_up |= {c: 0 for c in sizes if c <= chips}
             continue
-        held_s = min(hold_s * 2 ** refused_since_up.get(chips, 0), max(max_hold_s, hold_s))
+        doublings = min(refused_since_up.get(chips, 0), 30)  # (past any max: no float overflow in a long record)
+        held_s = min(hold_s * 2 ** doublings, max(max_hold_s, hold_s))
         refused_since_up |= {c: n + 1 for c, n in refused_since_up.items() if c >= chips}
         if at >= now - held_s:
             cap = min(cap, chips - 1)

@@ -179,6 +179,8 @@ def test_a_size_refused_again_and_again_is_asked_for_less_often():
     assert known(10000.0 + hold + 60, [*refusals[:2], (7000.0, 32, True), refusals[2]]) == 32
     # a refusal of a smaller size says the larger one was missing too: it counts for both
     assert known(5000.0 + 2 * hold - 60, [(0.0, 16, False), (5000.0, 32, False)]) == 16
+    # however long the record, a refusal holds at most `max_hold_s`
+    assert known(2000.0 + 4 * hold + 60, [(float(t), 32, False) for t in range(2000)]) == 32
 
 
 def test_budget_is_flagged():
