@@ -135,8 +135,8 @@ def _restart(events: list[Event], spec: JobSpec, step_s: float | None, clock: Cl
 
 
 def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
-              spot_chips_available: int | None = None,
-              ready: tuple[str, str] | None = None) -> tuple[Snapshot, JobSpec, float | None, Clock]:
+              spot_chips_available: int | None = None, ready: tuple[str, str] | None = None,
+              waiting: tuple[str, str] | None = None) -> tuple[Snapshot, JobSpec, float | None, Clock]:
     """The snapshot, with the job's spec, its median step time (None before a few steps) and its clock."""
     job = store.job(job_id)
     spec = job.spec
@@ -179,16 +179,18 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
                           restart=_restart(events, spec, step_s, clock),
                           records=own, pooled_records=pooled(others, zone=zone, now_s=now_s),
                           current=_option(options, current), ready=_option(options, ready),
+                          waiting=_option(options, waiting),
                           largest_spot_chips=spot_chips_available, max_slices=MAX_SLICES)
     return snap, spec, step_s, clock
 
 
 def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
-             spot_chips_available: int | None = None, ready: tuple[str, str] | None = None) -> Snapshot:
+             spot_chips_available: int | None = None, ready: tuple[str, str] | None = None,
+             waiting: tuple[str, str] | None = None) -> Snapshot:
     """The policy's snapshot of the job now (times in policy seconds from the job's creation);
-    `ready`: a request READY beside the running slice."""
+    `ready`: a request READY beside the running slice; `waiting`: one not READY yet."""
     return _snapshot(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available,
-                     ready=ready)[0]
+                     ready=ready, waiting=waiting)[0]
 
 
 def decide(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None = None,
@@ -206,7 +208,8 @@ def decide(store: Store, job_id: str, *, now: float, current: tuple[str, str] | 
     """
     snap, spec, step_s, clock = _snapshot(store, job_id, now=now, current=current,
                                           spot_chips_available=spot_chips_available,
-                                          ready=waiting if waiting_ready else None)
+                                          ready=waiting if waiting_ready else None,
+                                          waiting=None if waiting_ready else waiting)
     decision = CostPolicy().decide(snap)
     o: Option | None = decision.option
     move = next_move(o, held=snap.current, waiting=_option(snap.options, waiting), waiting_ready=waiting_ready,

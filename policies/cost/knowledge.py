@@ -13,8 +13,11 @@ more could give.
 Rules both paths follow through this function:
 
 - spot the job may ask for now: `largest_spot_chips` (what the provider allows) less the
-  sizes refused or reclaimed within `REFUSAL_HOLDS_S`, more any slice up since;
+  sizes refused or reclaimed within `REFUSAL_HOLDS_S` (longer for a size refused again and
+  again: `spot_estimates.spot_chips_known`), more any slice up since;
 - a request READY beside the running slice costs only its startup to move to (`ready`);
+  one not READY yet is the job's request (`waiting`), which the policy keeps while its
+  plan still wants it;
 - a request still waiting says its size is missing now (the policy keeps it requested
   while its plan waits for it: `Decision.wait_for`, `policies.cost.moves.next_move`);
 - the hazard counts spot preemptions only; an on-demand host loss is none;
@@ -61,6 +64,7 @@ class CapacityFeed:
 def build_snapshot(*, now_s: float, progress: Progress, options: tuple[Option, ...], restart: RestartCost,
                    records: Sequence[SliceRecord] = (), pooled_records: Sequence[SliceRecord] = (),
                    current: Option | None = None, current_ready_in_s: float = 0.0, ready: Option | None = None,
+                   waiting: Option | None = None,
                    largest_spot_chips: int | None = None, feed: CapacityFeed | None = None,
                    hazard: SpotHazard = SpotHazard(), availability: SpotAvailability = SpotAvailability(),
                    decision_interval_s: float = DECISION_INTERVAL_S, max_slices: int = 1) -> Snapshot:
@@ -78,4 +82,4 @@ def build_snapshot(*, now_s: float, progress: Progress, options: tuple[Option, .
         chips = chips_known(history, zone=zone, sizes=sizes, largest=largest, now_s=now_s)
     return Snapshot(now_s, progress.deadline_s, progress.total_tokens, progress.tokens_done,
                     progress.tokens_committed, options, chips, current, current_ready_in_s, hazard, learned,
-                    restart, progress.spent_usd, progress.budget_usd, decision_interval_s, ready)
+                    restart, progress.spent_usd, progress.budget_usd, decision_interval_s, ready, waiting)

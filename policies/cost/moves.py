@@ -19,8 +19,11 @@ slice) and, when its plan waits for a spot size the zone cannot give now, that s
   soon as one slice of it can be; a request adding slices to those the job holds takes
   those that fit beside them, and stays queued while the job trains, even when the
   policy's plan stops counting on it for a while (it costs nothing until filled).
-- `switch`: the waiting request is READY and is what the policy chooses: stop the workers
-  at a committed checkpoint, release the old slice, restore resharded on the new one.
+- `switch`: the waiting request is READY and is what the policy chooses, or fewer slices of
+  the type, tier and zone it chooses (the job starts on those, beside or instead of the
+  running slice, and asks for the rest as slices to add: giving up the READY slices to ask
+  for all of them at once would only queue again): stop the workers at a committed
+  checkpoint, release the old slice, restore resharded on the new one.
 - `release_waiting`: the waiting request is no longer wanted: release it (never filled:
   never billed). A request let go unfilled is a refusal of its size: a capacity fact the
   policy learns from, never a failure.
@@ -86,7 +89,7 @@ def next_move(target: Option | None, *, held: Option | None, waiting: Option | N
     """The move that takes a job running `held` with `waiting` requested beside it (READY if
     `waiting_ready`) to the policy's choice: run `target`, and keep `wait_for` requested."""
     if waiting_ready and waiting is not None and target != held and (
-            target == waiting or (held is None and target is not None and grows(target, held=waiting))):
+            target == waiting or (target is not None and grows(target, held=waiting))):
         return Move(waiting, switch=True)  # (fewer slices than wanted: start on them, the rest are added later)
     if target is not None and target != held:
         want = target  # a move: requested beside the running slice

@@ -41,6 +41,16 @@ token) subject to meeting the deadline. The decision rule, in `decide`:
    long outage. The cheapest action wins; leaving the current slice must also pay the
    startup of coming back to it (hysteresis), and near-ties keep the current slice,
    then spend nothing.
+3. A queued request the plan still wants is kept, not released and asked for again. The
+   job holds one request beside its slice (`Snapshot.waiting`). When the winner would
+   release a waiting spot request while its own plan still waits for that size (or one
+   the request fills no later than), the best action that keeps the request wins
+   instead: always when the winner trades it for a request of another spot size (a
+   chance that the zone has that size is all the trade buys), and otherwise (a move to
+   on-demand, which takes the job's one request) unless the winner saves more than
+   `KEEP_MARGIN` of the expected cost to finish. Each request let go unfilled is a
+   queued resource created and deleted for nothing, and asked for again a few minutes
+   later.
 
 What this does that Can't Be Late's rules do not: it chooses the slice size (small spot
 slices are cheaper per token, large ones use scarce spot windows when the deadline is
@@ -61,11 +71,13 @@ import math
 from dataclasses import dataclass, replace
 
 from policies.cost.fluid_plan import Plan, PlanInputs, expected_plan_cost, plan_inputs
+from policies.cost.moves import fills_no_later, next_move
 from policies.cost.slice_options import Option
 from policies.cost.snapshot import Decision, Snapshot, slice_hazard_per_hour
 
 SAFETY_MARGIN_S = 600.0  # spare time the safety net keeps, against slow provisioning
 LOOKAHEAD_S = 3600.0  # long enough to amortise a restart, short against a day-long job
+KEEP_MARGIN = 0.05  # a waiting request the plan wants is given up only to save more than this share of the cost
 
 
 @dataclass(frozen=True)
@@ -161,12 +173,37 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
         return (o != snap.current, o is not None, o.usd_per_token if o else 0.0, o.chips if o else 0)
 
     chosen = min((v for v in values if score(v) <= best_score + tolerance), key=preference)
+    if _gives_up_wanted_request(snap, chosen):
+        # Keep the waiting request unless giving it up gains materially; a trade for a request
+        # of another spot size never does (a chance that the zone has that size is all it buys).
+        gain = math.inf if chosen.option is not None and chosen.option.preemptible else KEEP_MARGIN * abs(best_score)
+        keeping = [v for v in values if score(v) <= score(chosen) + gain and not _releases_waiting(snap, v)]
+        if keeping:
+            least = min(score(v) for v in keeping)
+            chosen = min((v for v in keeping if score(v) <= least + tolerance), key=preference)
     decision = _decision(snap, chosen.option, _reason(snap, chosen), chosen.cost_usd,
                          snap.now_s + chosen.elapsed_s + chosen.plan.finish_after_s)
-    spot = chosen.plan.spot
-    if spot is not None and chosen.plan.spot_tokens > 0 and spot.chips > snap.spot_chips_available:
-        decision = replace(decision, wait_for=spot)  # the plan waits for it: keep it requested
-    return decision
+    return replace(decision, wait_for=_wait_for(snap, chosen))
+
+
+def _wait_for(snap: Snapshot, v: ActionValue) -> Option | None:
+    """The spot size the plan after `v` waits for that the zone cannot give now (keep it requested)."""
+    spot = v.plan.spot
+    return spot if spot is not None and v.plan.spot_tokens > 0 and spot.chips > snap.spot_chips_available else None
+
+
+def _releases_waiting(snap: Snapshot, v: ActionValue) -> bool:
+    """Whether taking `v` gives up the request waiting beside the current slice."""
+    return next_move(v.option, held=snap.current, waiting=snap.waiting, wait_for=_wait_for(snap, v)).release_waiting
+
+
+def _gives_up_wanted_request(snap: Snapshot, v: ActionValue) -> bool:
+    """Whether `v` releases the spot request waiting beside the current slice while its own
+    plan still waits for that size (or one the request fills no later than)."""
+    w, spot = snap.waiting, v.plan.spot
+    if w is None or not w.preemptible or spot is None or v.plan.spot_tokens <= 0:
+        return False
+    return fills_no_later(w, spot, held=snap.current) and _releases_waiting(snap, v)
 
 
 def _safety_net(snap, on_demand, od_finish_s, horizon_s, slack_s) -> Decision:

@@ -35,6 +35,7 @@ class Snapshot:
     budget_usd: float | None = None
     decision_interval_s: float = 60.0  # time until the policy is asked again
     ready: Option | None = None  # a requested slice that is READY beside the current one: only its startup is left
+    waiting: Option | None = None  # a request beside the current slice not READY yet (the job's one request)
 
     def overhead_s(self, option: Option) -> float:
         """Time before `option` trains if the job moves to it (or stays on it) now."""

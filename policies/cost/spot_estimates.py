@@ -29,6 +29,7 @@ PRIOR_AVAILABLE_FRACTION = PRIOR_UPTIME_HOURS / (PRIOR_UPTIME_HOURS + PRIOR_OUTA
 PRIOR_AVAILABILITY_HOURS = 6.0
 
 REFUSAL_HOLDS_S = 600.0  # spot capacity the zone refused a job this recently is taken to be missing still
+REFUSAL_MAX_HOLD_S = 4800.0  # the longest a refusal holds, after several of the size in a row
 
 
 @dataclass(frozen=True)
@@ -63,18 +64,29 @@ class SpotHazard:
 
 
 def spot_chips_known(sizes: Sequence[int], *, largest: int, seen: Iterable[tuple[float, int, bool]], now: float,
-                     hold_s: float = REFUSAL_HOLDS_S) -> int:
+                     hold_s: float = REFUSAL_HOLDS_S, max_hold_s: float = REFUSAL_MAX_HOLD_S) -> int:
     """The largest spot size a job without a capacity feed should count on now.
 
     `seen`: (when, chips, could be had) of what the job's own spot slices showed. Starting
-    from `largest` (what it may ask for), in time order, a refusal within `hold_s` rules out
-    its size and every larger one, and a slice up since says its size can be had.
+    from `largest` (what it may ask for), in time order, a refusal still held rules out its
+    size and every larger one, and a slice up since says its size can be had. A refusal
+    holds `hold_s`, doubled for each refusal of the size (or a smaller one) before it with
+    no slice of the size up in between, up to `max_hold_s`: a size refused again and again
+    is asked for again less and again less often, not every `hold_s` of a long outage.
     Returns 0 when no size in `sizes` is left.
     """
     cap = largest
+    refused_since_up = {c: 0 for c in sizes}  # refusals saying the size was missing, since it was last seen up
     for at, chips, up in sorted(seen):
-        if at >= now - hold_s:
-            cap = max(cap, chips) if up else min(cap, chips - 1)
+        if up:
+            cap = max(cap, chips)
+            refused_since_up |= {c: 0 for c in sizes if c <= chips}
+            continue
+        doublings = min(refused_since_up.get(chips, 0), 30)  # (past any max: no float overflow in a long record)
+        held_s = min(hold_s * 2 ** doublings, max(max_hold_s, hold_s))
+        refused_since_up |= {c: n + 1 for c, n in refused_since_up.items() if c >= chips}
+        if at >= now - held_s:
+            cap = min(cap, chips - 1)
     return max((c for c in sizes if c <= min(cap, largest)), default=0)
 
 

@@ -106,7 +106,7 @@ class Run:
     slices_started: int  # slices the job trained on
     billed_s: dict[str, float] = field(default_factory=dict)  # by option label
     decisions: tuple[DecisionRecord, ...] = ()
-    refusals: int = 0  # requests let go unfilled (timed out, no longer wanted, or lost before READY)
+    refusals: int = 0  # requests let go unfilled (timed out, no longer wanted, lost before READY, or at the end)
     records: tuple[SliceRecord, ...] = ()  # every change of every slice, as the store would hold them
     asked: tuple[tuple[float, int], ...] = ()  # each time the policy was asked, with how many records it had seen
     shrinks: int = 0  # losses of some of several slices, the job training on
@@ -234,9 +234,9 @@ def _step(w: _World, s: SimState, i: int) -> bool:
         _decide(w, s, now, cap)
     if s.held is None or not sl.train(s, now, w.dt, w.job.total_tokens, w.restart.save_s):
         return False
-    if s.request is not None:  # done: a request still waiting is let go
+    if s.request is not None:  # done: a request still waiting is let go (unfilled: a refusal like any other)
         assert s.finish_s is not None, "set by the step that trained the last token"
-        sl.record(s, s.finish_s, s.request.name, s.request.option, "RELEASED")
+        sl.release_request(s, s.finish_s)
     return True
 
 
@@ -250,6 +250,7 @@ def _snapshot(w: _World, s: SimState, now: float, cap: int) -> Snapshot:
     return build_snapshot(now_s=now, progress=progress, options=w.job.options, restart=w.restart,
                           records=s.records, pooled_records=w.memory, current=current, current_ready_in_s=ready_in,
                           ready=r.option if r is not None and r.state == "READY" else None,
+                          waiting=r.option if r is not None and r.state != "READY" else None,
                           feed=CapacityFeed(cap, s.availability) if w.feed else None, hazard=w.hazard,
                           availability=s.availability, decision_interval_s=w.decision_interval_s,
                           max_slices=max(o.count for o in w.job.options))

@@ -66,8 +66,11 @@ def test_a_new_job_starts_from_what_the_last_job_in_its_zone_learned(tmp_path):
     spot32 = next(o for o in nxt.options if o.name == "v4-32" and o.tier == SPOT)
     assert nxt.hazard.per_slice_hour(spot32) > away.hazard.per_slice_hour(
         next(o for o in away.options if o.name == "v4-32" and o.tier == SPOT))
-    # ... and once the refusal is old, v4-32 spot is worth asking for again
-    later = snapshot(store, "fresh", now=gone + REFUSAL_HOLDS_S + 120, current=None)
+    # ... and once the refusal is old, v4-32 spot is worth asking for again: old enough for a
+    # refusal after two reclaims of the size with no slice of it up since (it holds 4x as long)
+    held_s = 4 * REFUSAL_HOLDS_S
+    assert snapshot(store, "fresh", now=gone + held_s - 60, current=None).spot_chips_available == 8
+    later = snapshot(store, "fresh", now=gone + held_s + 120, current=None)
     assert later.spot_chips_available == 16
     assert later.availability.counts == nxt.availability.counts or later.availability.counts
 

@@ -122,8 +122,9 @@ def test_one_recorded_history_gives_the_same_decisions_through_both_paths(tmp_pa
     policy = Recording()
     run = simulate(policy, job, trace, knowledge="own")
     # (refusals: the requests let go unfilled; a waiting request is kept rather than traded for
-    # one the zone could fill no sooner, so there are fewer than when every look re-asked)
-    assert run.deadline_met and run.preemptions == 1 and run.refusals >= 2
+    # one the zone could fill no sooner, or for another spot size while the plan still wants it,
+    # so there are fewer than when every look re-asked)
+    assert run.deadline_met and run.preemptions == 1 and run.refusals >= 1
     # the history holds a reclaim, refusals, a move to on-demand with spot requested beside it,
     # and the switch back to spot once a request is READY
     kinds = [d.move.split(";")[0] for d in run.decisions]
@@ -147,8 +148,9 @@ def test_one_recorded_history_gives_the_same_decisions_through_both_paths(tmp_pa
             continue
         current = (snap.current.name, snap.current.tier) if snap.current else None
         waiting, ready = _waiting(run.records[:seen], snap.current)
-        auto = autoscaler.snapshot(store, "j", now=T0 + now, current=current,
-                                   ready=(waiting.name, waiting.tier) if ready else None)
+        beside = (waiting.name, waiting.tier) if waiting is not None else None
+        auto = autoscaler.snapshot(store, "j", now=T0 + now, current=current, ready=beside if ready else None,
+                                   waiting=None if ready else beside)
         progress = {"tokens_done": snap.tokens_done, "tokens_committed": snap.tokens_committed,
                     "spent_usd": snap.spent_usd}
         assert dataclasses.replace(auto, **progress) == snap, f"at {now} s"

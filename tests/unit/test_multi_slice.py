@@ -141,6 +141,10 @@ def test_a_waiting_request_is_kept_not_asked_for_again():
     assert next_move(two, held=two, waiting=four).kind is MoveKind.KEEP
     # READY with fewer slices than the policy wants, holding nothing: start on them.
     assert next_move(four, held=None, waiting=two, waiting_ready=True).kind is MoveKind.SWITCH
+    # ... and beside a running slice too: the rest are asked for as slices to add, rather than
+    # the READY slices given up to queue again for all of them at once.
+    onto = next_move(four, held=od, waiting=two, waiting_ready=True)
+    assert onto.kind is MoveKind.SWITCH and onto.target == two and not onto.release_waiting
 
 
 def test_the_simulator_keeps_a_request_while_the_zone_has_no_capacity():
