@@ -50,7 +50,11 @@ token) subject to meeting the deadline. The decision rule, in `decide`:
    on-demand, which takes the job's one request) unless the winner saves more than
    `KEEP_MARGIN` of the expected cost to finish. Each request let go unfilled is a
    queued resource created and deleted for nothing, and asked for again a few minutes
-   later.
+   later. Only where the options have slice counts: there a plan that waits for a size
+   gets part of it as added slices beside the job meanwhile. One slice at a time, a
+   request is all or nothing, and keeping one for a size the zone cannot give, rather
+   than trading it for a smaller one it can, forgoes spot capacity (measured on the
+   bundled traces: 1.182x the single-slice optimum with the rule, 1.118x without).
 
 What this does that Can't Be Late's rules do not: it chooses the slice size (small spot
 slices are cheaper per token, large ones use scarce spot windows when the deadline is
@@ -202,6 +206,8 @@ def _gives_up_wanted_request(snap: Snapshot, v: ActionValue) -> bool:
     plan still waits for that size (or one the request fills no later than)."""
     w, spot = snap.waiting, v.plan.spot
     if w is None or not w.preemptible or spot is None or v.plan.spot_tokens <= 0:
+        return False
+    if not any(o.count > 1 for o in snap.options):  # one slice at a time: a request is all or nothing (rule 3)
         return False
     return fills_no_later(w, spot, held=snap.current) and _releases_waiting(snap, v)
 
