@@ -11,7 +11,7 @@ import pytest
 from orchestrator.domain.options import job_options
 from orchestrator.user.planning import plan_job, plan_text, render_plan
 from policies.cost.fluid_plan import fluid_plan, plan_inputs
-from policies.cost.moves import MoveKind, next_move
+from policies.cost.moves import next_move
 from policies.cost.policy import CostPolicy, decide
 from policies.cost.restart_cost import RestartCost
 from policies.cost.slice_options import ON_DEMAND, RESERVED, SPOT, Option, ScalingModel, estimate_tokens_per_s
