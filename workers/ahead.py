@@ -38,6 +38,8 @@ import threading
 import time
 from pathlib import Path
 
+from workers.settings import LmSettings, TrainingSettings
+
 log = logging.getLogger(__name__)
 
 _KEY_CHARS = 64  # a program id: a sha256 in hex
@@ -49,8 +51,8 @@ _TIMEOUT_S = 900
 class Rehearsal:
     """What the rehearsal's processes are told (pickled into their private folder)."""
 
-    lm: object  # `workers.settings.LmSettings`
-    settings: object  # `workers.settings.TrainingSettings` of the runtime one slice smaller
+    lm: LmSettings
+    settings: TrainingSettings  # of the runtime one slice smaller
     processes: int
     devices_per_host: int
     compile_cache_dir: str
@@ -59,9 +61,8 @@ class Rehearsal:
 class CompileAhead:
     """This host's part in compiling the one-slice-smaller program: call `after_step` after each step."""
 
-    def __init__(self, rehearsal: Rehearsal, *, rank: int, num_hosts: int, slices: int, send=None):
+    def __init__(self, rehearsal: Rehearsal, *, rank: int, send=None):
         self.rehearsal, self.rank, self._send = rehearsal, rank, send
-        self.hosts_per_slice = num_hosts // slices
         self._started = self._shared = False
         self._steps = 0
         self._made: tuple[str, bytes] | None = None  # (program id, kept bytes) once rank 0's rehearsal is done
@@ -74,11 +75,11 @@ class CompileAhead:
         settings, smaller = workload["settings"], workload.get("ahead")
         if workload.get("type") != "lm" or smaller is None or platform != "cpu" or not cache:
             return None
-        if rank % (num_hosts // settings.slices) or rank // (num_hosts // settings.slices) > 1:
+        per_slice = num_hosts // settings.slices
+        if rank % per_slice or rank // per_slice > 1:
             return None  # the survivors' process 0 is the first host of slice 0, or of slice 1 when slice 0 is lost
-        processes = num_hosts // settings.slices * smaller.slices
-        return cls(Rehearsal(workload["lm"], smaller, processes, devices_per_host, cache),
-                   rank=rank, num_hosts=num_hosts, slices=settings.slices, send=send)
+        return cls(Rehearsal(workload["lm"], smaller, per_slice * smaller.slices, devices_per_host, cache),
+                   rank=rank, send=send)
 
     @property
     def settled(self) -> bool:
@@ -123,7 +124,7 @@ class CompileAhead:
             self._made = ("", b"")  # slice 1's host stops asking
             return
         seconds = time.perf_counter() - t0
-        slices = self.rehearsal.settings.slices  # type: ignore[attr-defined]
+        slices = self.rehearsal.settings.slices
         log.info("compile ahead: the program for %d slice(s) %s in %.1f s", slices,
                  "compiled" if made else "was kept already", seconds)
         self._made = (key, path.read_bytes())
@@ -159,7 +160,7 @@ class CompileAhead:
             return True
         key, blob = payload[:_KEY_CHARS].decode(), payload[_KEY_CHARS:]
         runtime.keep_program(key, blob)
-        slices = self.rehearsal.settings.slices  # type: ignore[attr-defined]
+        slices = self.rehearsal.settings.slices
         log.info("compile ahead: kept the program for %d slice(s) from host 0", slices)
         if self._send is not None:
             from workers.protocol import CompiledAhead
@@ -210,8 +211,8 @@ def _rehearsal_process(folder: Path, coordinator: str, process_id: int) -> None:
     s = r.settings
     runtime.configure(platform="cpu", devices_per_host=r.devices_per_host, compile_cache_dir=r.compile_cache_dir)
     runtime.initialize(coordinator_address=coordinator, num_processes=r.processes, process_id=process_id,
-                       host_address="127.0.0.1", slice_id=process_id * s.slices // r.processes,  # type: ignore[attr-defined]
-                       num_slices=s.slices)  # type: ignore[attr-defined]
+                       host_address="127.0.0.1", slice_id=process_id * s.slices // r.processes,
+                       num_slices=s.slices)
     import jax
     from jax._src import distributed
 
@@ -225,7 +226,7 @@ def _rehearsal_process(folder: Path, coordinator: str, process_id: int) -> None:
     from workers import api
     from workers.train import Trainer
 
-    trainer = Trainer(r.lm, api.Context(rank=0, num_hosts=r.processes, settings=s))  # type: ignore[arg-type]
+    trainer = Trainer(r.lm, api.Context(rank=0, num_hosts=r.processes, settings=s))
     key = trainer.program_id("train_step")
     compiled = runtime.compile_ahead(key, trainer.lower_step)
     (folder / "result.json").write_text(json.dumps({"key": key, "compiled": compiled}))
