@@ -12,7 +12,13 @@ running job measures: its tokens/s on each slice type it ran on (the scaling mod
 the others), the restart costs (provisioning, init, restore, compile, the time a save
 blocks), the money spent and the tokens in its last committed checkpoint.
 
-The answer is a `Choice`: the slice type and tier the policy wants (None: hold no slice,
+Its options are (slice count, type, tier): `autoscaling.max_slices` above 1 adds, for each
+allowed type, up to that many slices of it at once (32 chips in all at most, a global batch
+that splits evenly over them and a mesh that fits each slice's share), priced with the DCN
+cost of reducing gradients across slices (`policies.cost.slice_options.multi_slice_options`).
+The running slices and a waiting request are named by (type, tier, count).
+
+The answer is a `Choice`: the slice type, tier and count the policy wants (None: hold no slice,
 wait for spot), and the `policies.cost.moves.Move` that gets the job there make-before-break:
 what to request (beside the running slice, if any: a move, or the spot size the
 policy's plan waits for), whether to switch onto a READY request, to release the waiting
@@ -31,7 +37,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from orchestrator import catalog
-from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN, job_options
+from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN, DEFAULT_PARAMS, job_options
 from orchestrator.domain.spec import JobSpec, LmWorkload
 from orchestrator.errors import UnknownAcceleratorError
 from orchestrator.observe.goodput import goodput
@@ -45,15 +51,18 @@ from policies.cost.moves import Move, next_move
 from policies.cost.policy import CostPolicy
 from policies.cost.restart_cost import RestartCost
 from policies.cost.slice_history import SliceRecord, read_history
-from policies.cost.slice_options import Option
+from policies.cost.slice_options import MultiSlice, Option, multi_slice_options
 from policies.cost.snapshot import Decision, Snapshot
 from policies.cost.spot_estimates import REFUSAL_HOLDS_S, SpotAvailability
+from policies.model.sharding import MeshError
 
 __all__ = ["DECISION_INTERVAL_S", "NO_DEADLINE_S", "Choice", "clock_of", "decide", "decide_for", "slice_records",
            "snapshot", "spot_availability", "spot_chips_now", "step_seconds", "with_checkpoint_interval"]
 
 NO_DEADLINE_S = 30 * 24 * 3600.0  # a job without a deadline still gets a horizon
-MAX_SLICES = 1  # slices a job trains on at once: the driver does not run a job on several slices yet
+
+# (accelerator, tier, slices) of the running slices or a request; (accelerator, tier): one slice.
+Key = tuple[str, str, int] | tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,7 @@ class Choice:
     decision: Decision
     checkpoint_interval_steps: int | None = None  # how often the workers should save; None: the spec's
     move: Move | None = None  # what to do with the job's slices to get there
+    count: int = 1  # slices of `accelerator` at once
 
 
 def clock_of(spec: JobSpec) -> Clock:
@@ -105,8 +115,43 @@ def _flops_per_token(spec: JobSpec) -> float:
     return w.model.shape().flops_per_token(w.seq_len)
 
 
-def _option(options: tuple[Option, ...], which: tuple[str, str] | None) -> Option | None:
-    return None if which is None else next((o for o in options if (o.name, o.tier) == tuple(which)), None)
+def _option(options: tuple[Option, ...], which: Key | None) -> Option | None:
+    if which is None:
+        return None
+    name, tier, *count = which
+    return next((o for o in options if (o.name, o.tier, o.count) == (name, tier, count[0] if count else 1)), None)
+
+
+def _params(spec: JobSpec) -> float:
+    w = spec.workload
+    return float(w.model.shape().num_params()) if isinstance(w, LmWorkload) else DEFAULT_PARAMS
+
+
+def _fits(spec: JobSpec, o: Option) -> bool:
+    """Whether the job can train on `o`'s slices: its batch splits evenly over them and each
+    slice's share has a mesh on the slice."""
+    from orchestrator.control.launch import training_settings
+
+    batch = spec.workload.global_batch_size
+    if o.count == 1:
+        return True
+    if batch is not None and batch % o.count:
+        return False
+    try:
+        training_settings(spec.moved(o.name, o.tier), o.slice_chips, o.slice_hosts, slices=o.count)
+    except MeshError:
+        return False
+    return True
+
+
+def counted_options(spec: JobSpec, singles: tuple[Option, ...], tokens_per_step: float) -> tuple[Option, ...]:
+    """`singles` and, up to `autoscaling.max_slices`, several slices of each type the job fits on."""
+    auto = spec.autoscaling
+    count = auto.max_slices if auto is not None else 1
+    if count <= 1:
+        return singles
+    multi = MultiSlice(_params(spec), float(tokens_per_step), max_count=count)
+    return tuple(o for o in multi_slice_options(singles, multi, count) if _fits(spec, o))
 
 
 def _restart(events: list[Event], spec: JobSpec, step_s: float | None, clock: Clock) -> RestartCost:
@@ -134,9 +179,9 @@ def _restart(events: list[Event], spec: JobSpec, step_s: float | None, clock: Cl
     return restart
 
 
-def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
-              spot_chips_available: int | None = None, ready: tuple[str, str] | None = None,
-              waiting: tuple[str, str] | None = None) -> tuple[Snapshot, JobSpec, float | None, Clock]:
+def _snapshot(store: Store, job_id: str, *, now: float, current: Key | None,
+              spot_chips_available: int | None = None, ready: Key | None = None,
+              waiting: Key | None = None) -> tuple[Snapshot, JobSpec, float | None, Clock]:
     """The snapshot, with the job's spec, its median step time (None before a few steps) and its clock."""
     job = store.job(job_id)
     spec = job.spec
@@ -146,23 +191,30 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
     events = store.events(job_id)
     steps = store.steps(job_id)
 
-    # Measured speed per slice type: the step times of the generations that ran on it (tokens per policy second).
-    type_of_generation: dict[int | None, str | None] = {}
+    # Measured speed per slice type and count: the step times of the generations that ran on it (tokens per
+    # policy second). A count the job ran on is priced at its measured speed; the others by the scaling
+    # model from one slice's (measured on one slice, else a measured count's per slice).
+    ran_on: dict[int | None, tuple[str | None, int]] = {}
     slices = [e.payload_as(SliceChanged) for e in events if e.kind is EventKind.SLICE]
     for e in events:
         if e.kind is EventKind.LAUNCHED:
             launched = e.payload_as(Launched)
-            type_of_generation[launched.generation] = next(
-                (s.accelerator for s in slices if s.name == launched.slice), None)
-    measured: dict[str, float] = {}
-    for name in {v for v in type_of_generation.values() if v}:
-        times = [m.step_time_s for m in steps if m.step_time_s and type_of_generation.get(m.generation) == name]
+            ran_on[launched.generation] = (next((s.accelerator for s in slices if s.name == launched.slice), None),
+                                           launched.slices or 1)
+    by_count: dict[tuple[str, int], float] = {}
+    for name, count in {v for v in ran_on.values() if v[0]}:
+        assert name is not None
+        times = [m.step_time_s for m in steps if m.step_time_s and ran_on.get(m.generation) == (name, count)]
         if len(times) >= 3:
-            measured[name] = tokens_per_step / clock.policy_s(statistics.median(times))
+            by_count[(name, count)] = tokens_per_step / clock.policy_s(statistics.median(times))
+    measured = {name: by_count.get((name, 1)) or min(v / n for (t, n), v in by_count.items() if t == name)
+                for name, _ in by_count}
     auto = spec.autoscaling
     assert auto is not None, "the policy is asked only about jobs that autoscale (the driver checks)"
-    options = job_options(auto.accelerators, [t.value for t in auto.tiers],
+    singles = job_options(auto.accelerators, [t.value for t in auto.tiers],
                           flops_per_token=_flops_per_token(spec), measured_tokens_per_s=measured, zone=zone)
+    options = tuple(replace(o, tokens_per_s=by_count.get((o.name, o.count), o.tokens_per_s)) if o.count > 1 else o
+                    for o in counted_options(spec, singles, tokens_per_step))
     step_s = step_seconds(steps)
 
     now_s = clock.policy_s(now - job.created_at)
@@ -180,26 +232,26 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str]
                           records=own, pooled_records=pooled(others, zone=zone, now_s=now_s),
                           current=_option(options, current), ready=_option(options, ready),
                           waiting=_option(options, waiting),
-                          largest_spot_chips=spot_chips_available, max_slices=MAX_SLICES)
+                          largest_spot_chips=spot_chips_available, max_slices=auto.max_slices)
     return snap, spec, step_s, clock
 
 
-def snapshot(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None,
-             spot_chips_available: int | None = None, ready: tuple[str, str] | None = None,
-             waiting: tuple[str, str] | None = None) -> Snapshot:
+def snapshot(store: Store, job_id: str, *, now: float, current: Key | None,
+             spot_chips_available: int | None = None, ready: Key | None = None,
+             waiting: Key | None = None) -> Snapshot:
     """The policy's snapshot of the job now (times in policy seconds from the job's creation);
     `ready`: a request READY beside the running slice; `waiting`: one not READY yet."""
     return _snapshot(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available,
                      ready=ready, waiting=waiting)[0]
 
 
-def decide(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None = None,
-           waiting: tuple[str, str] | None = None, waiting_ready: bool = False,
+def decide(store: Store, job_id: str, *, now: float, current: Key | None = None,
+           waiting: Key | None = None, waiting_ready: bool = False,
            spot_chips_available: int | None = None) -> Choice:
     """The policy's choice for the job now, and the move that gets there.
 
-    `current`: (accelerator, tier) of the slice the workers run on, if any; `waiting`: of the
-    request beside it, if any (`waiting_ready`: it is READY; ask again when it turns READY).
+    `current`: (accelerator, tier, count) of the slices the workers run on, if any; `waiting`: of
+    the request beside them, if any (`waiting_ready`: it is READY; ask again when it turns READY).
     `spot_chips_available`: the largest spot slice the provider allows (the records take off
     what was refused).
     The checkpoint interval comes back in steps (at the job's measured step time), never
@@ -218,10 +270,10 @@ def decide(store: Store, job_id: str, *, now: float, current: tuple[str, str] | 
     if o is not None and step_s and decision.checkpoint_interval_s:
         every = round(decision.checkpoint_interval_s / clock.policy_s(step_s))
         steps = max(1, min(spec.checkpoint.interval_steps, every))
-    return Choice(o.name if o else None, o.tier if o else None, decision, steps, move)
+    return Choice(o.name if o else None, o.tier if o else None, decision, steps, move, o.count if o else 1)
 
 
-def decide_for(store: Store, job_id: str, *, now: float, current: tuple[str, str] | None = None,
+def decide_for(store: Store, job_id: str, *, now: float, current: Key | None = None,
                spot_chips_available: int | None = None) -> Choice | None:
     """`decide` without a waiting request; None when the policy says to hold no slice (wait for spot)."""
     choice = decide(store, job_id, now=now, current=current, spot_chips_available=spot_chips_available)

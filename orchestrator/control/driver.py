@@ -126,14 +126,10 @@ class JobDriver(AutoscalingMixin, SlicesMixin, ReportsMixin):
     def _release_requests(self, why: str) -> None:
         """Give back a request waiting beside the slice, and a slice READY for a switch not made."""
         att = self.att
-        if att.waiting is not None:
-            release(att.chosen_provider, att.waiting.name, why)
-            att.waiting = None
         for s in [att.next_slice, *att.next_others]:
             if s is not None:
                 drop_keepers(s)
-                release(att.chosen_provider, s.name, why)
-        att.next_slice, att.next_others = None, []
+        self._drop_request(why)
 
     def _attempt(self) -> Outcome:
         att, job_id = self.att, self.job_id
@@ -206,10 +202,12 @@ class JobDriver(AutoscalingMixin, SlicesMixin, ReportsMixin):
             att.teardown()
 
     def _on_slice(self, s: Slice) -> JobSpec:
-        """The spec the launch on `s` uses: the stored one, moved to `s`'s type and tier if it differs."""
+        """The spec the launch on `s` uses: the stored one, moved to `s`'s type and tier if it differs
+        (and for an autoscaled job, to the count of slices it goes on: the policy's, or the survivors')."""
         job = self.store.job(self.job_id)
-        if (s.tpu_type.name, s.tier) != (job.spec.accelerator, job.spec.tier):
-            self.store.update_spec(self.job_id, job.spec.moved(s.tpu_type.name, s.tier.value))
+        count = len(self.att.slices) if job.spec.autoscaling is not None else job.spec.slices
+        if (s.tpu_type.name, s.tier, count) != (job.spec.accelerator, job.spec.tier, job.spec.slices):
+            self.store.update_spec(self.job_id, job.spec.moved(s.tpu_type.name, s.tier.value, slices=count))
         spec = self.spec()
         return with_checkpoint_interval(spec, self._choice) if self._choice is not None else spec
 
@@ -297,18 +295,19 @@ class JobDriver(AutoscalingMixin, SlicesMixin, ReportsMixin):
         """
         provider = self.att.chosen_provider
         stem = f"{self.job_id}-{attempt}" + (f"q{round_}" if round_ else "")
-        names = iter(f"{stem}{suffix}" for suffix in ["", "b", "c", "d"])
-        key = (spec.accelerator, spec.tier.value)
+        asked = self.att.waiting.name if self.att.waiting is not None else None
+        names = iter(n for n in (f"{stem}{suffix}" for suffix in ["", "b", "c", "d"]) if n != asked)
+        key = (spec.accelerator, spec.tier.value, spec.slices)
 
         def once() -> Slice:
             att = self.att
             if att.waiting is not None and att.waiting.key != key:
-                release(provider, att.waiting.name, "the policy asks for another slice")
-                att.waiting = None
+                self._drop_request("the policy asks for another slice")
             if att.waiting is None:
-                att.waiting = request(provider, self.job_id, next(names), spec, *key,
-                                      created_at=self.store.job(self.job_id).created_at,
-                                      limit_s=self._queue_limit_s(spec))
+                att.waiting = dataclasses.replace(
+                    request(provider, self.job_id, next(names), spec, spec.accelerator, spec.tier.value,
+                            created_at=self.store.job(self.job_id).created_at, limit_s=self._queue_limit_s(spec)),
+                    count=spec.slices)
             try:
                 return self._wait_for(att.waiting, spec)
             finally:

@@ -145,7 +145,7 @@ class RayWorkerGroup:
         ]
         placed: list[dict] = ray.get([w.info.remote() for w in self.workers], timeout=timeout)
         self.store.add_event(self.job_id, Launched(first.name, [p["node_id"] for p in placed],
-                                                   [p["pid"] for p in placed], att.generation),
+                                                   [p["pid"] for p in placed], att.generation, len(slices)),
                              f"{len(hosts)} workers of generation {att.generation} on {where}")
         coordinator: str | None = None
         if len(hosts) > 1:

@@ -12,13 +12,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from orchestrator.control.launch import training_settings
-from orchestrator.control.waiting import Waiting, release, request
+from orchestrator.control.waiting import Look, Waiting, look, release, request
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import ProvisioningError
 from orchestrator.state.events import ResizeAsked
+from orchestrator.state.states import SliceState
 from policies.decisions.recovery import Outcome, OutcomeKind
 from policies.model.sharding import MeshError
 
@@ -43,6 +45,7 @@ class SlicesMixin:
     _provision: Callable[..., Slice]
     _wait_for: Callable[[Waiting, JobSpec], Slice]
     _queue_limit_s: Callable[[JobSpec], float | None]
+    _drop_request: Callable[[str], None]
 
     def _keep_survivors(self, outcome: Outcome, spec: JobSpec) -> None:
         """A multi-slice attempt that lost some of its slices (a host gone, a reclaim, a notice): the
@@ -78,17 +81,40 @@ class SlicesMixin:
         """The attempt's slices, all READY (`next_slice`, `next_others`), or none held (ProvisioningError).
 
         A multi-slice job asks for all its slices at once, then waits for each: on GCP each is a
-        queued resource that waits for capacity and boots on its own."""
+        queued resource that waits for capacity and boots on its own. A request the policy kept
+        waiting (`att.waiting`, the same slices) is waited on rather than asked for again. An
+        autoscaled job's spot request takes part of its slices (`policies.cost.moves.takes_part`):
+        once the first is READY, those still waiting for capacity are let go (a refusal) and the
+        job starts on the others; the policy adds slices back when capacity comes."""
         att, provider = self.att, self.att.chosen_provider
         stem = f"{self.job_id}-{attempt}" + (f"q{refusals}" if refusals else "")
-        others: list[Waiting] = []
+        key = (spec.accelerator, spec.tier.value, spec.slices)
+        if spec.slices > 1 and (att.waiting is None or att.waiting.key != key):
+            self._drop_request("the policy asks for other slices")
+            first = request(provider, self.job_id, stem, spec, spec.accelerator, spec.tier.value,
+                            created_at=self.store.job(self.job_id).created_at, limit_s=self._queue_limit_s(spec))
+            att.waiting = replace(first, count=spec.slices)
+            parts = []
+            try:
+                for part in range(1, spec.slices):
+                    parts.append(request(provider, self.job_id, f"{stem}s{part}", spec, spec.accelerator,
+                                         spec.tier.value, created_at=self.store.job(self.job_id).created_at,
+                                         limit_s=self._queue_limit_s(spec)).name)
+            finally:
+                att.waiting = replace(att.waiting, parts=tuple(parts))
+        others = [replace(att.waiting, name=name, parts=()) for name in att.waiting.parts] if att.waiting else []
+        if att.waiting is not None:
+            att.waiting = replace(att.waiting, parts=())  # `_provision` waits for the first
+        takes_part = spec.autoscaling is not None and spec.tier.value == "spot"
         try:
-            for part in range(1, spec.slices):
-                others.append(request(provider, self.job_id, f"{stem}s{part}", spec, spec.accelerator,
-                                      spec.tier.value, created_at=self.store.job(self.job_id).created_at,
-                                      limit_s=self._queue_limit_s(spec)))
             att.next_slice = self._provision(spec, attempt, round_=refusals)
-            for w in others:
+            for i, w in enumerate(others):
+                if takes_part and self._waits_for_capacity(w):
+                    for rest in others[i:]:
+                        release(provider, rest.name, "the slices that came are taken; the rest wait for capacity")
+                    log.info("job %s: %d of %d slices could be had; starting on them (the policy adds the rest "
+                             "when capacity comes)", self.job_id, 1 + len(att.next_others), spec.slices)
+                    break
                 att.next_others.append(self._wait_for(w, spec))
         except ProvisioningError:
             held = {s.name for s in [att.next_slice, *att.next_others] if s is not None}
@@ -96,6 +122,11 @@ class SlicesMixin:
                 release(provider, name, "the job's other slices could not all be had")
             att.next_slice, att.next_others = None, []
             raise
+
+    def _waits_for_capacity(self, w: Waiting) -> bool:
+        """Whether the request still waits for capacity (nothing started for it yet)."""
+        kind, s, _ = look(self.att.chosen_provider, w)
+        return kind is Look.WAITING and s is not None and s.state in (SliceState.REQUESTED, SliceState.WAITING)
 
     def _regrow(self) -> None:
         """A multi-slice job running on fewer slices than its spec's (it lost some): ask for one beside

@@ -28,17 +28,25 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Waiting:
-    """A request made and not READY yet."""
+    """A request made and not READY yet: one slice, or several of one type asked for together
+    (`parts`: the others' names, in slice order)."""
 
     name: str
     accelerator: str
     tier: str
     since: float  # monotonic time of the request
     limit_s: float | None  # wall seconds it may wait; None: as long as the policy wants it
+    count: int = 1  # slices the job trains on once it is filled (those it adds to included, for a grow)
+    parts: tuple[str, ...] = ()
+    grow: bool = False  # slices added beside those the job trains on (same type and tier)
 
     @property
-    def key(self) -> tuple[str, str]:
-        return self.accelerator, self.tier
+    def key(self) -> tuple[str, str, int]:
+        return self.accelerator, self.tier, self.count
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.name, *self.parts)
 
 
 class Look(str, enum.Enum):

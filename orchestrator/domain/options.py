@@ -14,7 +14,9 @@ from policies.model.shape import training_flops_per_token
 
 # A ~1B-parameter dense decoder (24 layers, d_model 2048) on 2048-token sequences: how a job whose
 # model the policy cannot read (a user's program) is priced.
-DEFAULT_FLOPS_PER_TOKEN = training_flops_per_token(active_params=1.0e9, n_layers=24, d_model=2048, seq_len=2048)
+DEFAULT_PARAMS = 1.0e9
+DEFAULT_FLOPS_PER_TOKEN = training_flops_per_token(active_params=DEFAULT_PARAMS, n_layers=24, d_model=2048,
+                                                   seq_len=2048)
 
 
 def job_options(

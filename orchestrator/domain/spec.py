@@ -120,6 +120,9 @@ class AutoscalingConfig(_Frozen):
 
     accelerators: Annotated[list[str], Field(min_length=1)] = ["v4-16", "v4-32", "v4-64"]
     tiers: Annotated[list[Tier], Field(min_length=1)] = [Tier.SPOT, Tier.ON_DEMAND]
+    # Up to this many slices of one type at once (multi-slice, data parallel over DCN; 32 chips in all at
+    # most): the policy chooses the count too. 1: one slice at a time.
+    max_slices: Annotated[int, Field(ge=1, le=MAX_SLICES)] = 1
 
     @field_validator("accelerators")
     @classmethod
@@ -208,9 +211,13 @@ class JobSpec(_Frozen):
     def tpu_type(self) -> catalog.TpuType:
         return catalog.lookup(self.accelerator)
 
-    def moved(self, accelerator: str, tier: str) -> "JobSpec":
-        """This spec on another slice type and tier (a resize, or a move of the cost policy's)."""
-        return self.model_copy(update={"accelerator": accelerator, "tier": Tier(tier)})
+    def moved(self, accelerator: str, tier: str, *, slices: int | None = None) -> "JobSpec":
+        """This spec on another slice type and tier (a resize, or a move of the cost policy's), and
+        on `slices` slices of it if given (else as many as before)."""
+        update: dict[str, Any] = {"accelerator": accelerator, "tier": Tier(tier)}
+        if slices is not None:
+            update["slices"] = slices
+        return self.model_copy(update=update)
 
     def with_checkpoint_directory(self, local_default: str | Path) -> "JobSpec":
         """This spec with `checkpoint.directory` filled in when left out: on provider gcp
@@ -306,9 +313,11 @@ class JobSpec(_Frozen):
         if batch is not None and batch % n:
             problems.append(("workload.global_batch_size", f"global_batch_size={batch} is not divisible by slices={n} "
                                                            "(each slice trains an equal share of every batch)"))
-        if self.autoscaling is not None:
-            problems.append(("slices", "with autoscaling the controller runs one slice at a time (the cost policy "
-                                       "does not choose a slice count yet); leave slices out or set it to 1"))
+        auto = self.autoscaling
+        if auto is not None and n > auto.max_slices:
+            problems.append(("slices", f"with autoscaling the cost policy chooses the slice count, up to "
+                                       f"autoscaling.max_slices ({auto.max_slices}); leave slices out and set "
+                                       f"autoscaling.max_slices: {n} to let it run on up to {n}"))
         return problems
 
     @property

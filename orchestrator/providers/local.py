@@ -48,8 +48,12 @@ class LocalProvider:
     capacity waits (WAITING, no host started) until capacity comes or its
     `queue_timeout_s` passes (then GONE with a NO_CAPACITY event: a refusal, unbilled);
     a spot slice up when the capacity drops below it gets a PREEMPTION_NOTICE, and its
-    hosts are killed the trace's grace later (RECLAIMED). Nothing here blocks but
-    `wait_ready`: `check` and `poll_events` move every slice on by one look.
+    hosts are killed the trace's grace later (RECLAIMED). A job's spot slices of one type
+    (a multi-slice job's) share the trace's capacity, in the order they were asked for: a
+    request waits until the chips of those holding capacity and its own fit, and when the
+    capacity drops the last asked for are reclaimed first, as the simulator replays it.
+    Nothing here blocks but `wait_ready`: `check` and `poll_events` move every slice on by
+    one look.
     """
 
     name = "local"
@@ -114,15 +118,28 @@ class LocalProvider:
                 return self._set(s, SliceState.WAITING)
         return self._start_hosts(req.name)
 
-    def _spot_short(self, req: SliceRequest) -> str | None:
-        """Why the replayed trace has no spot capacity for the request now, or None."""
+    def _spot_short(self, req: SliceRequest, *, held: bool = False) -> str | None:
+        """Why the replayed trace has no spot capacity for the request now, or None. The job's
+        other spot slices of the type that hold capacity come first: all of them for a request
+        still waiting, those asked for before it for a slice up (`held`)."""
         cap = req.spot_capacity
         if cap is None or req.tier is not Tier.SPOT:
             return None
-        chips = cap.chips()
-        if req.tpu_type.chips <= chips:
+        chips, beside = cap.chips(), 0
+        for name, other in self._slices.items():
+            if name == req.name:
+                if held:
+                    break
+                continue
+            r = self._reqs.get(name)
+            if (r is not None and r.job_id == req.job_id and r.tier is Tier.SPOT and r.tpu_type == req.tpu_type
+                    and not other.state.terminal and other.state is not SliceState.WAITING):
+                beside += other.tpu_type.chips
+        if beside + req.tpu_type.chips <= chips:
             return None
-        return f"the replayed trace has spot capacity for {chips} chips, {req.tpu_type.name} needs {req.tpu_type.chips}"
+        also = f" beside the job's {beside} chips of it" if beside else ""
+        return (f"the replayed trace has spot capacity for {chips} chips, {req.tpu_type.name} needs "
+                f"{req.tpu_type.chips}{also}")
 
     def _start_hosts(self, name: str) -> Slice:
         """Move the slice to PROVISIONING (once: a second caller gets it as it is) and start its hosts."""
@@ -287,7 +304,7 @@ class LocalProvider:
         cap = req.spot_capacity if req is not None else None
         if cap is None or s.tier is not Tier.SPOT:
             return []
-        if s.state is SliceState.READY and req is not None and (short := self._spot_short(req)) is not None:
+        if s.state is SliceState.READY and req is not None and (short := self._spot_short(req, held=True)) is not None:
             self._event(s.name, SliceEventKind.PREEMPTION_NOTICE, f"reclaim notice: {short}")
             self._set(s, SliceState.PREEMPTING)
         elif s.state is SliceState.PREEMPTING and time.monotonic() - self._since[s.name] > cap.grace_wall_s():

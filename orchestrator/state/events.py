@@ -89,6 +89,7 @@ class Launched(Payload):
     nodes: list[str] | None = None
     pids: list[int] | None = None
     generation: int | None = None
+    slices: int | None = None  # slices the generation trains on (None: one, from before this was recorded)
 
 
 @dataclass(frozen=True)
@@ -179,6 +180,7 @@ class Autoscaled(Payload):
     expected_cost_usd: float | None = None
     reason: str | None = None
     checkpoint_interval_steps: int | None = None
+    slices: int | None = None  # slices of `accelerator` at once (None: one)
 
     def to_data(self) -> dict[str, Any] | None:
         return None if self.accelerator is None else super().to_data()

@@ -33,6 +33,7 @@ class FakeProvider:
         self.store = store
         self.refuse: list[str] = []  # accelerators refused at once, one request each, in order
         self.waits = 0  # looks a new slice stays WAITING for capacity, then READY at the next one
+        self.spot_slots: int | None = None  # spot slices that can be up at once; those asked for beyond wait
         self.slices: dict[str, Slice] = {}
         self.events: list[SliceEvent] = []
         self.lock = threading.Lock()
@@ -51,6 +52,9 @@ class FakeProvider:
             raise CapacityError(f"no {req.tpu_type.name} {req.tier.value} capacity now", slice_name=req.name)
         hosts = tuple(Host(i, f"{req.name}-w{i}") for i in range(req.tpu_type.hosts))
         self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.REQUESTED, provider="local"))
+        if self.spot_slots is not None and req.tier.value == "spot" and self._spot_up() >= self.spot_slots:
+            return self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.WAITING,
+                                   provider="local"))
         if self.waits:
             self.looks_left = self.waits
             return self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.WAITING,
@@ -58,8 +62,16 @@ class FakeProvider:
         return self._put(Slice(req.name, req.job_id, req.tpu_type, req.tier, req.zone, SliceState.READY, hosts,
                                "local"))
 
+    def _spot_up(self) -> int:
+        return sum(1 for s in self.slices.values() if s.tier.value == "spot" and s.state is SliceState.READY)
+
     def check(self, name: str) -> Slice:
         s = self.slices[name]
+        if s.state is SliceState.WAITING and self.spot_slots is not None:
+            if self._spot_up() < self.spot_slots:  # capacity came
+                hosts = tuple(Host(i, f"{name}-w{i}") for i in range(s.tpu_type.hosts))
+                return self._put(Slice(s.name, s.job_id, s.tpu_type, s.tier, s.zone, SliceState.READY, hosts, "local"))
+            return s
         if s.state is SliceState.WAITING:
             self.looks_left -= 1
             if self.looks_left < 0:  # capacity came and the hosts joined between two looks

@@ -170,3 +170,47 @@ def test_spot_capacity_the_zone_refused_lately_is_not_counted_on(tmp_path):
     assert spot_chips_now(events, now=gone + 200, largest=16, sizes=[8, 16]) == 0
     # A spot slice up since a refusal says its size can be had, whatever was refused before.
     assert spot_chips_now(store.events(job_id), now=gone + 200, largest=16, sizes=[8, 16]) == 8
+
+
+def test_slice_counts_are_options_up_to_max_slices_and_a_count_the_job_ran_on_is_priced_as_measured(tmp_path):
+    """`autoscaling.max_slices` 2: the policy also weighs 2 x each type (within 32 chips, the batch split
+    over them, a mesh for each slice's share); the job's 10 steps on one v4-16 price one slice, and once
+    it ran on 2 slices (a generation launched on both, 3 steps measured at 4 s), 2 x v4-16 is priced at
+    that measured speed, not the model's."""
+    store = Store(tmp_path / "db.sqlite")
+    job_id = _job(store, 0, saves=[])
+    spec = store.job(job_id).spec
+    store.update_spec(job_id, spec.model_copy(update={"autoscaling": spec.autoscaling.model_copy(
+        update={"max_slices": 2})}))
+    snap = snapshot(store, job_id, now=T0 + 200, current=("v4-16", "spot", 1), spot_chips_available=16)
+    labels = sorted(o.label for o in snap.options)
+    # Not 2 x v4-32: each slice's 8 rows of the 16 have no mesh on its 16 devices.
+    assert labels == sorted(["v4-16 spot", "v4-16 on-demand", "v4-32 spot", "v4-32 on-demand",
+                             "2xv4-16 spot", "2xv4-16 on-demand"])
+    one = next(o for o in snap.options if o.label == "v4-16 spot")
+    two = next(o for o in snap.options if o.label == "2xv4-16 spot")
+    assert snap.current == one
+    tokens_per_step = 16 * 32
+    assert one.tokens_per_s == pytest.approx(tokens_per_step / STEP_S)
+    assert one.tokens_per_s < two.tokens_per_s <= 2 * one.tokens_per_s  # the scaling model: DCN costs a little
+
+    store.import_event(job_id, "launched", "4 workers", {"slice": "s1", "nodes": ["a", "b", "c", "d"],
+                                                        "generation": 2, "slices": 2}, at=T0 + 300)
+    store.record_steps(job_id, 2, [(k, 3.0, 1000.0, 4.0) for k in range(10, 13)], at=T0 + 320)
+    snap = snapshot(store, job_id, now=T0 + 400, current=("v4-16", "spot", 2), spot_chips_available=16)
+    two = next(o for o in snap.options if o.label == "2xv4-16 spot")
+    assert snap.current == two and two.count == 2
+    assert two.tokens_per_s == pytest.approx(tokens_per_step / 4.0)  # as measured: slower than one slice here
+    assert next(o for o in snap.options if o.label == "v4-16 spot").tokens_per_s == pytest.approx(
+        tokens_per_step / STEP_S)  # one slice keeps its own measurement
+
+
+def test_counts_the_batch_does_not_split_over_are_left_out(tmp_path):
+    store = Store(tmp_path / "db.sqlite")
+    job_id = _job(store, 0, saves=[])
+    spec = store.job(job_id).spec
+    store.update_spec(job_id, spec.model_copy(update={
+        "autoscaling": spec.autoscaling.model_copy(update={"max_slices": 4}),
+        "workload": spec.workload.model_copy(update={"global_batch_size": 32})}))
+    counts = {o.count for o in snapshot(store, job_id, now=T0 + 200, current=None, spot_chips_available=16).options}
+    assert counts == {1, 2, 4}  # 32 rows split over 2 or 4 slices, not over 3

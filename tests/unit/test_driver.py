@@ -211,6 +211,77 @@ def test_a_make_before_break_move_switches_to_the_slice_that_came_ready_beside(w
     assert starting.data.get("overlap_s") is not None  # the new slice overlapped the old one
 
 
+def test_an_autoscaled_job_takes_the_slices_it_can_get_then_adds_one_beside_them_make_before_break(world):
+    """The policy chooses 2 x v4-16 spot while the zone has room for one: the job starts on the one
+    (the other request is let go), and when capacity comes the policy's grow asks for one slice
+    beside it, which the job switches onto at a committed step, keeping the running one."""
+    driver = world.submit(spec(autoscaling={"accelerators": ["v4-16"], "max_slices": 2}, deadline="PT24H"))
+    world.provider.spot_slots = 1
+    two = option("v4-16", 2)
+    seen = []
+
+    def decide(spec_, current, *, ready=False):
+        seen.append((current, driver.att.waiting.key if driver.att.waiting else None, ready))
+        if current is None:
+            return choice(Move(target=two), "v4-16", 2)
+        if ready:
+            return choice(Move(target=two, switch=True), "v4-16", 2)
+        if current == ("v4-16", "spot", 1) and driver.att.last_step >= 4 and driver.att.waiting is None:
+            world.provider.spot_slots = 2  # capacity for the second came
+            return choice(Move(target=two, request=two, beside=True), "v4-16", 2)
+        return choice(Move(target=option("v4-16", current[2])), "v4-16", current[2])
+
+    driver._decide = decide
+    driver.att.next_decision = 0.0
+    world.on_step = lambda group, step: setattr(driver.att, "next_decision", 0.0)  # ask the policy every poll
+    world.run(driver)
+    job = world.store.job("job")
+    assert job.state is JobState.SUCCEEDED and job.failures == 0 and job.spec.slices == 2
+    g1, g2 = world.groups
+    assert (len(g1.slices), g1.hosts, len(g2.slices), g2.hosts) == (1, 2, 2, 4)
+    assert g1.slices[0] in g2.slices  # the running slice was kept: slices added beside it
+    assert (g1.spec.slices, g2.spec.slices) == (1, 2)  # each launch's spec says the slices it goes on
+    asked = [name for name, s in world.provider.slices.items()]
+    first_attempt = [n for n in asked if n.startswith("job-1")]
+    assert len(first_attempt) == 2 and world.provider.slices[first_attempt[1]].state is SliceState.RELEASED
+    assert ("v4-16", "spot", 1) in [c for c, _, _ in seen]  # asked about the one slice it ran on
+    assert (("v4-16", "spot", 1), ("v4-16", "spot", 2), True) in seen  # told the grow is READY
+    [resize] = events(world, EventKind.RESIZE)
+    assert "ready beside" in resize.reason and "2xv4-16 spot" in resize.reason
+    restored = [e.data["restored_step"] for e in events(world, EventKind.RESTORE)]
+    assert restored[1] == g1.step + 1  # nothing lost across the grow
+    assert "RECOVERING" not in states(world)
+
+
+def test_a_move_to_several_slices_of_another_type_waits_for_all_of_them_then_releases_the_old_slice(world):
+    driver = world.submit(spec(accelerator="v4-32", autoscaling={"accelerators": ["v4-16", "v4-32"],
+                                                                  "max_slices": 2}, deadline="PT24H"))
+    two = option("v4-16", 2)
+
+    def decide(spec_, current, *, ready=False):
+        if current is None:
+            return choice(Move(target=option("v4-32")), "v4-32")
+        if ready:
+            return choice(Move(target=two, switch=True), "v4-16", 2)
+        if current == ("v4-32", "spot", 1) and driver.att.last_step >= 3 and driver.att.waiting is None:
+            return choice(Move(target=two, request=two, beside=True), "v4-16", 2)
+        return choice(Move(target=option(current[0], current[2])), current[0], current[2])
+
+    driver._decide = decide
+    driver.att.next_decision = 0.0
+    world.on_step = lambda group, step: setattr(driver.att, "next_decision", 0.0)
+    world.run(driver)
+    job = world.store.job("job")
+    assert job.state is JobState.SUCCEEDED and (job.spec.accelerator, job.spec.slices) == ("v4-16", 2)
+    g1, g2 = world.groups
+    assert (g1.hosts, len(g2.slices), g2.hosts) == (4, 2, 4)
+    assert g1.slices[0] not in g2.slices
+    history = [(e.data["name"], e.data["state"]) for e in events(world, EventKind.SLICE)]
+    old_released = history.index((g1.slices[0], "RELEASED"))
+    assert all(history.index((n, "READY")) < old_released for n in g2.slices)  # make before break
+    assert (g1.spec.slices, g2.spec.slices) == (1, 2)
+
+
 def test_a_refused_request_is_followed_by_the_policys_next_choice_without_a_failure(world):
     """An autoscaled job's spot request refused at once: the policy is asked again and its next choice
     requested (PROVISIONING again, an allowed move), spending no failure and queueing nothing."""
@@ -262,13 +333,14 @@ def test_a_budget_stop_ends_the_job_failed_budget_at_a_committed_step(world, mon
     assert 0.03 < spent <= 0.05  # it trained on most of the cap and did not pass it
 
 
-def choice(move, accelerator):
+def choice(move, accelerator, count=1):
     decision = Decision(option=None, reason="scripted", expected_cost_usd=1.0, expected_finish_s=0.0)
-    return Choice(accelerator, "spot" if accelerator else None, decision, None, move)
+    return Choice(accelerator, "spot" if accelerator else None, decision, None, move, count)
 
 
-def option(name):
+def option(name, count=1):
     from orchestrator import catalog
 
     t = catalog.lookup(name)
-    return Option(name, t.chips, t.hosts, "spot", t.usd_per_hour(catalog.Tier.SPOT), 1000.0)
+    return Option(name, count * t.chips, count * t.hosts, "spot", count * t.usd_per_hour(catalog.Tier.SPOT),
+                  count * 1000.0, count=count)

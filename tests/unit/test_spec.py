@@ -83,8 +83,11 @@ CASES = {
                                    "data*fsdp=8 (accelerator v4-16 has 8 devices; each of its 2 slices trains 4 of "
                                    "the 8 rows)"),
     "slices with autoscaling": ("name: a\naccelerator: v4-16\nslices: 2\ndeadline: PT2H\nautoscaling: {}\n",
-                                "job.yaml: slices: with autoscaling the controller runs one slice at a time (the "
-                                "cost policy does not choose a slice count yet); leave slices out or set it to 1"),
+                                "job.yaml: slices: with autoscaling the cost policy chooses the slice count, up to "
+                                "autoscaling.max_slices (1); leave slices out and set autoscaling.max_slices: 2 to "
+                                "let it run on up to 2"),
+    "max_slices out of range": ("name: a\naccelerator: v4-16\ndeadline: PT2H\nautoscaling: {max_slices: 5}\n",
+                                "job.yaml: autoscaling.max_slices: Input should be less than or equal to 4"),
     "slash in name": ("name: a/b\n",
                       "job.yaml: name: 'a/b' is not a valid job name: use 1 to 40 lowercase letters, digits and "
                       "dashes, starting and ending with a letter or digit"),
