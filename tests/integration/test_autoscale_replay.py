@@ -1,6 +1,6 @@
 """An autoscaled job over a replayed spot trace with two outages, through the real controller.
 
-The local provider replays a small trace as its spot capacity (40 trace seconds a wall
+The local provider replays a small trace as its spot capacity (60 trace seconds a wall
 second): spot is there, goes for a while, and comes back. The job must move
 spot -> on-demand after the reclaim and back to spot once a request waiting beside
 the on-demand slice fills, training on while it waits; lose nothing (every step's loss
@@ -17,8 +17,8 @@ from benchmarks.autoscale_replay import job_spec, measure, outage_trace, write_t
 from orchestrator import JobSpec, JobState
 from tests.conftest import assert_losses_close, run_reference
 
-SCALE = 40.0  # trace seconds a wall second: a 60 s tick lasts 1.5 s
-STEPS = 6000  # about 2,200 trace seconds on one undisturbed slice (about 2.7 steps a trace second here)
+SCALE = 60.0  # trace seconds a wall second: a 60 s tick lasts 1 s
+STEPS = 4000  # about 2,200 trace seconds on one undisturbed slice (about 1.8 steps a trace second here)
 DEADLINE_S = 4000.0  # trace seconds, about 1.8x that
 
 

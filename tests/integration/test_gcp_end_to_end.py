@@ -13,11 +13,17 @@ import time
 
 from orchestrator import JobState
 from orchestrator.cluster import read_cluster
+from orchestrator.emulator.machines import Timings
 from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.server import serve
 from tests.conftest import assert_losses_close, run_reference
 from tests.integration.test_local_jobs import tiny_spec
 from tests.storage_fixture import unique_folder
+
+# Each step of the TPU API at 0.02x its real time (a 0.6 s preemption grace), but a node provisioned in
+# 0.2 s, not 2.4 s: its hosts then join Ray before the provider's first look at the slice (every 5 s), and a
+# slice is READY in 5 s, not 10 s.
+TIMINGS = Timings(scale=0.02, provision_s=10.0)
 
 
 def gcp_spec(name: str, accelerator: str, tmp_path, request, gcs_emulator, tpu_endpoint: str, *, interval: int,
@@ -31,7 +37,7 @@ def gcp_spec(name: str, accelerator: str, tmp_path, request, gcs_emulator, tpu_e
 
 def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path, request, gcs_emulator):
     backing = RayBackedNodes(client.home, read_cluster(client.home).address)
-    emu = serve(time_scale=0.02, hooks=backing.hooks())
+    emu = serve(timings=TIMINGS, hooks=backing.hooks())
     try:
         spec = gcp_spec("gcp-e2e", "v4-16", tmp_path, request, gcs_emulator, emu.url, steps=16, interval=4)
         job = client.submit(spec)
@@ -74,7 +80,7 @@ def test_a_gcp_job_waits_queued_while_no_zone_has_capacity(client, tmp_path, req
     """A refusal for capacity is a wait, not a failure: the job goes back to the queue, asks
     again after a backoff, and runs once the zone has capacity; max_failures is never spent."""
     backing = RayBackedNodes(client.home, read_cluster(client.home).address)
-    emu = serve(time_scale=0.02, hooks=backing.hooks())
+    emu = serve(timings=TIMINGS, hooks=backing.hooks())
     try:
         emu.stockout("us-central2-b", mode="fail")
         spec = gcp_spec("gcp-queued", "v4-8", tmp_path, request, gcs_emulator, emu.url, steps=4, interval=2,
@@ -102,7 +108,7 @@ def test_a_metadata_notice_on_gcp_saves_the_agreed_step(client, tmp_path, reques
     from orchestrator.emulator.metadata import FakeMetadataServer
 
     backing = RayBackedNodes(client.home, read_cluster(client.home).address)
-    emu = serve(time_scale=0.02, hooks=backing.hooks())
+    emu = serve(timings=TIMINGS, hooks=backing.hooks())
     metadata = FakeMetadataServer()
     try:
         spec = gcp_spec("gcp-notice", "v4-16", tmp_path, request, gcs_emulator, emu.url, steps=40, interval=100,
