@@ -477,12 +477,15 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
         _fail(f"{job_file}: deadline: plan needs a deadline (in the job file, or --deadline-hours)")
     if trace is not None and not trace.is_file():
         _fail(f"{trace}: file not found")
+    from orchestrator.control.autoscaler import counted_options
+
     auto = spec.autoscaling or AutoscalingConfig()
     flops_per_token = w.model.shape().flops_per_token(w.seq_len)
     try:
         result = plan_job(tpu_types=auto.accelerators, tiers=[t.value for t in auto.tiers],
                           total_tokens=float(w.steps * w.global_batch_size * w.seq_len), deadline_hours=hours,
-                          budget_usd=spec.budget_usd, trace_path=trace, flops_per_token=flops_per_token)
+                          budget_usd=spec.budget_usd, trace_path=trace, flops_per_token=flops_per_token,
+                          counted=lambda singles: counted_options(spec, singles, w.global_batch_size * w.seq_len))
     except TraceError as e:
         _fail(str(e))
     out.print(render_plan(result))

@@ -28,7 +28,7 @@ type (`orchestrator.domain.fit.slice_fit`): what training needs against what HBM
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,7 @@ from orchestrator.domain.fit import SliceFit
 from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN, job_options
 from policies.cost.policy import CostPolicy
 from policies.cost.restart_cost import RestartCost
+from policies.cost.slice_options import Option
 from policies.cost.spot_estimates import PRIOR_HOST_HAZARD_PER_HOUR, PRIOR_OUTAGE_HOURS
 from policies.evaluation.baselines import FixedPolicy
 from policies.evaluation.simulator import DecisionRecord, Run, SimJob, simulate
@@ -83,10 +84,15 @@ def plan_job(
     measured_tokens_per_s: Mapping[str, float] | None = None,
     restart: RestartCost = RestartCost(),
     windows: int = 6,
+    counted: Callable[[tuple[Option, ...]], tuple[Option, ...]] | None = None,
 ) -> JobPlan:
-    """Expected cost, time and deadline risk of each type x tier, and of the cost policy."""
+    """Expected cost, time and deadline risk of each type x tier, and of the cost policy.
+    `counted`: the single-slice options with several slices of each added (`autoscaling.max_slices`:
+    `orchestrator.control.autoscaler.counted_options`)."""
     options = job_options(tpu_types, tiers, flops_per_token=flops_per_token,
                           measured_tokens_per_s=measured_tokens_per_s)
+    if counted is not None:
+        options = counted(options)
     job = SimJob(total_tokens, deadline_hours * 3600, options, budget_usd)
     trace = load_trace(trace_path) if trace_path else _prior_trace(deadline_hours, windows)
     starts = [i * trace.duration_s / windows for i in range(windows)]

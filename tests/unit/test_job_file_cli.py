@@ -82,6 +82,20 @@ def test_plan_shows_the_memory_each_candidate_slice_needs(tmp_path, home):
     assert_nothing_created(home)
 
 
+def test_plan_with_max_slices_prices_several_slices_of_each_type(tmp_path, home):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: many\naccelerator: v4-16\ndeadline: PT36H\n"
+                    "workload: {type: lm, steps: 2000, seq_len: 2048, global_batch_size: 256,"
+                    " mesh: {data: 1, fsdp: -1},"
+                    " model: {d_model: 2048, n_layers: 24, n_heads: 16, d_ff: 8192, vocab_size: 32000}}\n"
+                    "autoscaling: {accelerators: [v4-16, v4-32], tiers: [spot], max_slices: 2}\n")
+    r = CliRunner().invoke(app, ["plan", str(path)], terminal_width=160)
+    assert r.exit_code == 0, r.output
+    options = [line.split()[1] for line in r.stdout.splitlines() if line.startswith("│ ") and " spot " in line]
+    assert options[:4] == ["v4-16", "v4-32", "2xv4-16", "2xv4-32"], r.stdout  # 2 x v4-32: 32 chips, the most
+    assert_nothing_created(home)
+
+
 # -- an entrypoint that cannot be imported: refused at submit, before any slice -----------------
 
 ENTRYPOINTS = {  # files in the job's folder, the entrypoint -> the problem
