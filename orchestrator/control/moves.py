@@ -41,7 +41,7 @@ from orchestrator.providers.base import CapacityError, Slice
 from orchestrator.state.events import Autoscaled, ResizeAsked
 from orchestrator.state.states import SliceState
 from policies.cost.clock import DECISION_INTERVAL_S
-from policies.cost.slice_options import Option
+from policies.cost.slice_options import MAX_CHIPS, Option
 from policies.cost.snapshot import Decision
 
 if TYPE_CHECKING:
@@ -68,12 +68,18 @@ class AutoscalingMixin:
     _choice: Choice | None = None  # the policy's last choice before provisioning (its checkpoint interval applies)
 
     def _spot_chips_available(self, spec: JobSpec) -> int:
-        """The largest spot slice the job may ask for (the autoscaler takes off what the zone refused it lately)."""
-        assert spec.autoscaling is not None, "asked only for a job that autoscales (`_decide`'s callers check)"
-        allowed = [catalog.lookup(a) for a in spec.autoscaling.accelerators]
-        if spec.provider == "local":
-            allowed = [t for t in allowed if t.hosts <= self.plane.provider.max_hosts]
-        return max((t.chips for t in allowed), default=0)
+        """The most spot chips the job may ask for at once: the largest allowed slice, times the
+        slices of it it may hold (`max_slices`, 32 chips in all; the autoscaler takes off what the
+        zone refused it lately)."""
+        auto = spec.autoscaling
+        assert auto is not None, "asked only for a job that autoscales (`_decide`'s callers check)"
+        hosts = self.plane.provider.max_hosts if spec.provider == "local" else None
+        most = 0
+        for t in (catalog.lookup(a) for a in auto.accelerators):
+            for n in range(1, auto.max_slices + 1):
+                if (n == 1 or n * t.chips <= MAX_CHIPS) and (hosts is None or n * t.hosts <= hosts):
+                    most = max(most, n * t.chips)
+        return most
 
     def _decide(self, spec: JobSpec, current: Key | None, *, ready: bool = False) -> Choice:
         """The policy's `Choice`, told of the running slices and of the request waiting beside them."""
@@ -210,6 +216,8 @@ class AutoscalingMixin:
             return False  # READY already, the policy kept the running slices for now
         w = att.waiting
         assert w is not None, "followed only while a request waits (the caller checks)"
+        if w.grow and w.count != len(att.slices) + len(w.names):  # the running slices changed (a shrink)
+            w = att.waiting = replace(w, count=len(att.slices) + len(w.names))
         ready: list[Slice] = []
         pending: list[str] = []  # still waiting for capacity
         refused: list[str] = []

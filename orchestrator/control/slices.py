@@ -89,8 +89,9 @@ class SlicesMixin:
         att, provider = self.att, self.att.chosen_provider
         stem = f"{self.job_id}-{attempt}" + (f"q{refusals}" if refusals else "")
         key = (spec.accelerator, spec.tier.value, spec.slices)
-        if spec.slices > 1 and (att.waiting is None or att.waiting.key != key):
+        if att.waiting is not None and att.waiting.key != key:
             self._drop_request("the policy asks for other slices")
+        if spec.slices > 1 and att.waiting is None:
             first = request(provider, self.job_id, stem, spec, spec.accelerator, spec.tier.value,
                             created_at=self.store.job(self.job_id).created_at, limit_s=self._queue_limit_s(spec))
             att.waiting = replace(first, count=spec.slices)

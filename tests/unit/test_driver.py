@@ -344,3 +344,16 @@ def option(name, count=1):
     t = catalog.lookup(name)
     return Option(name, count * t.chips, count * t.hosts, "spot", count * t.usd_per_hour(catalog.Tier.SPOT),
                   count * 1000.0, count=count)
+
+
+@pytest.mark.parametrize("accelerators, max_slices, hosts, chips", [
+    (["v4-16"], 1, 8, 8), (["v4-16"], 2, 8, 16), (["v4-16"], 4, 8, 32),  # v4-16 x 4: 32 chips on 8 hosts
+    (["v4-16"], 4, 6, 24),  # this machine's 6 hosts hold 3 of them
+    (["v4-16", "v4-32"], 4, 8, 32),  # 32 chips at most: v4-32 x 2
+])
+def test_the_spot_chips_a_job_may_ask_for_count_the_slices_it_may_hold(world, accelerators, max_slices, hosts,
+                                                                         chips):
+    driver = world.submit(spec(autoscaling={"accelerators": accelerators, "max_slices": max_slices},
+                               deadline="PT24H"))
+    world.provider.max_hosts = hosts
+    assert driver._spot_chips_available(driver.spec()) == chips
