@@ -253,6 +253,46 @@ def test_an_autoscaled_job_takes_the_slices_it_can_get_then_adds_one_beside_them
     assert "RECOVERING" not in states(world)
 
 
+def test_an_autoscaled_job_that_loses_one_of_its_slices_goes_on_from_memory_and_the_policy_adds_one_back(world):
+    """2 x v4-16 chosen by the policy; a host of the second slice goes: the job goes on on the first
+    from memory (its spec now says 1 slice, as the policy is told), and the policy's grow adds one
+    beside it, make-before-break."""
+    driver = world.submit(spec(autoscaling={"accelerators": ["v4-16"], "max_slices": 2}, deadline="PT24H",
+                               workload={**spec()["workload"], "steps": 30}))
+    two = option("v4-16", 2)
+    told = []
+
+    def decide(spec_, current, *, ready=False):
+        told.append(current)
+        if current is None:
+            return choice(Move(target=two), "v4-16", 2)
+        if ready:
+            return choice(Move(target=two, switch=True), "v4-16", 2)
+        if current == ("v4-16", "spot", 1) and driver.att.last_step >= 12 and driver.att.waiting is None:
+            return choice(Move(target=two, request=two, beside=True), "v4-16", 2)
+        return choice(Move(target=option("v4-16", current[2])), "v4-16", current[2])
+
+    def lose_a_slice(group, step):
+        driver.att.next_decision = 0.0  # ask the policy every poll
+        if group.generation == 1 and step == 7:
+            world.lost_memory.add(group.slices[1])
+            world.provider.send(group.slices[1], SliceEventKind.HOST_LOST, "host 1 of the second slice vanished")
+
+    driver._decide = decide
+    world.on_step = lose_a_slice
+    world.run(driver)
+    job = world.store.job("job")
+    assert job.state is JobState.SUCCEEDED and job.preemptions == 1 and job.spec.slices == 2
+    g1, g2, g3 = world.groups
+    assert [len(g.slices) for g in world.groups] == [2, 1, 2] and g2.slices == g1.slices[:1]
+    assert [g.spec.slices for g in world.groups] == [2, 1, 2]
+    assert g2.slices[0] in g3.slices  # the survivor kept, one slice added beside it
+    assert ("v4-16", "spot", 1) in told
+    assert [(e.data["restored_step"], e.data["source"]) for e in events(world, EventKind.RESTORE)] == \
+        [(None, "storage"), (8, "memory"), (g2.step + 1, "storage")]
+    assert [e.data["steps"] for e in events(world, EventKind.LOST_WORK)] == [0, 0]
+
+
 def test_a_move_to_several_slices_of_another_type_waits_for_all_of_them_then_releases_the_old_slice(world):
     driver = world.submit(spec(accelerator="v4-32", autoscaling={"accelerators": ["v4-16", "v4-32"],
                                                                   "max_slices": 2}, deadline="PT24H"))
