@@ -9,10 +9,13 @@ prices. The same window is then replayed in `policies.evaluation.simulator` (the
 knowledge "own", make-before-break) with the restart costs and the speed the job
 measured, and the two costs are compared.
 
-    python benchmarks/autoscale_replay.py [--scale 20] [--steps 12000] [--deadline-s 3000]
+    python benchmarks/autoscale_replay.py [--scale 20] [--steps 12000] [--deadline-s 3000] [--max-slices 2]
 
 Writes benchmarks/results/autoscale_replay.json: per trace `controller_cost`,
-`simulator_cost`, `ratio`, `deadlines_met`, and the slice sequences of both.
+`simulator_cost`, `ratio`, `deadlines_met`, and the slice sequences of both. With
+`--max-slices N` (N > 1) the policy also chooses slice counts (`autoscaling.max_slices`), the
+simulator replays the same options over counts, each count the job ran on priced at the speed
+it measured there, and the results go to autoscale_replay_slices.json.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orchestrator.control.autoscaler import counted_options  # noqa: E402
 from orchestrator.domain.options import job_options  # noqa: E402
 from orchestrator.domain.spec import LmWorkload  # noqa: E402
 from orchestrator.observe.goodput import billed_slices  # noqa: E402
@@ -52,14 +56,14 @@ def outage_trace(up: int, down: int, cycles: int = 2, tail: int = 200) -> list[i
 
 
 def job_spec(name: str, trace: str, ckpt: Path, *, scale: float, start_s: float = 0.0, steps: int,
-             deadline_s: float, interval: int = 100) -> dict:
+             deadline_s: float, interval: int = 100, max_slices: int = 1) -> dict:
     """A tiny autoscaled LM job whose spot capacity is `trace` replayed `scale` times faster."""
     return {"name": name, "accelerator": "v4-8", "tier": "spot",
             "workload": {"type": "lm", "steps": steps, "global_batch_size": 16, "seq_len": 32, "model": TINY_MODEL,
                          "learning_rate": {"warmup_steps": 2}},
             "checkpoint": {"interval_steps": interval, "directory": str(ckpt)},
             "recovery": {"start_timeout_s": 120, "max_failures": 0},
-            "autoscaling": {"accelerators": ACCELERATORS, "tiers": TIERS},
+            "autoscaling": {"accelerators": ACCELERATORS, "tiers": TIERS, "max_slices": max_slices},
             "deadline": f"PT{int(deadline_s)}S",
             "capacity_trace": {"path": trace, "time_scale": scale, "start_s": start_s}}
 
@@ -76,6 +80,8 @@ class Measured:
     tokens_per_s: float  # trace time
     total_tokens: float
     refused_billed: int  # requests that waited and were released unfilled, yet billed (must be 0)
+    by_count: dict[int, float] = field(default_factory=dict)  # tokens/s (trace time) on each slice count it ran on
+    max_slices: int = 1
 
 
 def measure(store, job_id: str, *, scale: float) -> Measured:
@@ -102,9 +108,17 @@ def measure(store, job_id: str, *, scale: float) -> Measured:
                           save_s=0.0)  # the effective step time has the saves in it already
     finish_s = (end - job.created_at) * scale
     deadline_s = spec.deadline.total_seconds()
+    count_of = {e.payload.generation: e.payload.slices or 1 for e in events if e.kind is EventKind.LAUNCHED}
+    by_count = {}
+    for n in set(count_of.values()):
+        ran = [m for m in store.steps(job_id) if count_of.get(m.generation) == n]
+        if len(ran) > 2:
+            by_count[n] = tokens_per_step / effective_step_s(ran) / scale
+    auto = spec.autoscaling
     return Measured(cost, [(b.accelerator, b.tier) for b in billed], finish_s,
                     job.state.value == "SUCCEEDED" and finish_s <= deadline_s, restart,
-                    tokens_per_step / step_s / scale, float(w.steps * tokens_per_step), refused_billed)
+                    tokens_per_step / step_s / scale, float(w.steps * tokens_per_step), refused_billed,
+                    by_count, auto.max_slices if auto is not None else 1)
 
 
 def effective_step_s(steps) -> float:
@@ -135,9 +149,18 @@ def startup_times(events, steps) -> list[float]:
     return [firsts[g] - at for g, at in enumerate(starts, 1) if g in firsts]
 
 
-def simulate_window(trace_path: str, m: Measured, *, start_s: float, deadline_s: float):
+def simulate_window(trace_path: str, m: Measured, *, start_s: float, deadline_s: float, spec=None):
     """The simulator's run of the same job on the same window, with the controller's measured costs."""
     options = tuple(job_options(ACCELERATORS, TIERS, measured_tokens_per_s={"v4-8": m.tokens_per_s}))
+    if spec is not None and m.max_slices > 1:
+        # The controller's options over counts (`counted_options`): one slice at its own measured speed,
+        # each count the job ran on at the speed it measured there, the others by the scaling model.
+        one = m.by_count.get(1) or min(v / n for n, v in m.by_count.items())
+        singles = tuple(job_options(ACCELERATORS, TIERS, measured_tokens_per_s={"v4-8": one}))
+        w = spec.workload
+        counted = counted_options(spec, singles, w.global_batch_size * w.seq_len)
+        options = tuple(replace(o, tokens_per_s=m.by_count.get(o.count, o.tokens_per_s)) if o.count > 1 else o
+                        for o in counted)
     job = SimJob(m.total_tokens, deadline_s, options)
     return simulate(CostPolicy(), job, load_trace(trace_path), start_s=start_s, restart=m.restart,
                     knowledge="own", release_first=False)
@@ -153,16 +176,16 @@ def sim_slices(run) -> list[tuple[str, str]]:
 
 
 def replay(client, name: str, trace: str, workdir: Path, *, scale: float, steps: int, deadline_s: float,
-           start_s: float = 0.0, timeout_s: float = 900.0) -> dict:
+           start_s: float = 0.0, timeout_s: float = 900.0, max_slices: int = 1) -> dict:
     """Run one window through the controller and the simulator; the figures of both."""
     from orchestrator import JobSpec
 
     spec = JobSpec.from_dict(job_spec(name, trace, workdir / f"ckpt-{name}", scale=scale, start_s=start_s,
-                                      steps=steps, deadline_s=deadline_s))
+                                      steps=steps, deadline_s=deadline_s, max_slices=max_slices))
     job = client.submit(spec)
     st = job.wait(timeout_s=timeout_s)
     m = measure(client.store, job.id, scale=scale)
-    run = simulate_window(trace, m, start_s=start_s, deadline_s=deadline_s)
+    run = simulate_window(trace, m, start_s=start_s, deadline_s=deadline_s, spec=spec)
     return {"job": job.id, "state": st.state.value, "failures": client.store.job(job.id).failures,
             "controller_cost": round(m.cost_usd, 4), "simulator_cost": round(run.cost_usd, 4),
             "ratio": round(m.cost_usd / run.cost_usd, 4) if run.cost_usd else None,
@@ -170,6 +193,7 @@ def replay(client, name: str, trace: str, workdir: Path, *, scale: float, steps:
             "controller_slices": [f"{a} {t}" for a, t in m.slices], "simulator_slices": sim_slices(run),
             "controller_finish_s": round(m.finish_s, 1), "simulator_finish_s": run.finish_s,
             "refused_billed": m.refused_billed,
+            "tokens_per_s_by_slice_count": {str(n): round(v, 1) for n, v in sorted(m.by_count.items())},
             "restart_s": {"provisioning": round(m.restart.provisioning_s, 1),
                           "startup": round(m.restart.startup_s, 1)}}
 
@@ -189,6 +213,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=12000)
     p.add_argument("--deadline-s", type=float, default=3000.0,
                    help="the jobs' deadline in trace seconds (about 1.75x their time on one undisturbed slice)")
+    p.add_argument("--max-slices", type=int, default=1, help="autoscaling.max_slices: the policy chooses counts too")
     args = p.parse_args()
     client = fresh_client()
     results = {}
@@ -198,16 +223,17 @@ def main() -> None:
                 trace = write_trace(Path(tmp) / f"{name}.json", outage_trace(up, down))
                 t0 = time.time()
                 results[name] = replay(client, name, trace, Path(tmp), scale=args.scale, steps=args.steps,
-                                       deadline_s=args.deadline_s)
+                                       deadline_s=args.deadline_s, max_slices=args.max_slices)
                 results[name]["wall_s"] = round(time.time() - t0, 1)
                 print(name, json.dumps(results[name]), flush=True)
     finally:
         client.down()
     ratios = [r["ratio"] for r in results.values() if r["ratio"]]
-    save("autoscale_replay", {"machine": machine(), "scale": args.scale, "steps": args.steps,
-                              "deadline_s": args.deadline_s,
-                              "traces": results, "mean_ratio": round(statistics.mean(ratios), 4) if ratios else None,
-                              "within_10_percent": all(abs(r - 1) <= 0.10 for r in ratios)})
+    save("autoscale_replay" if args.max_slices == 1 else "autoscale_replay_slices",
+         {"machine": machine(), "scale": args.scale, "steps": args.steps, "deadline_s": args.deadline_s,
+          "max_slices": args.max_slices, "traces": results,
+          "mean_ratio": round(statistics.mean(ratios), 4) if ratios else None,
+          "within_10_percent": all(abs(r - 1) <= 0.10 for r in ratios)})
 
 
 if __name__ == "__main__":

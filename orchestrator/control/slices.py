@@ -19,7 +19,7 @@ from orchestrator.control.launch import training_settings
 from orchestrator.control.waiting import Look, Waiting, look, release, request
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import ProvisioningError
-from orchestrator.state.events import ResizeAsked
+from orchestrator.state.events import Autoscaled, ResizeAsked
 from orchestrator.state.states import SliceState
 from policies.decisions.recovery import Outcome, OutcomeKind
 from policies.model.sharding import MeshError
@@ -95,14 +95,18 @@ class SlicesMixin:
             first = request(provider, self.job_id, stem, spec, spec.accelerator, spec.tier.value,
                             created_at=self.store.job(self.job_id).created_at, limit_s=self._queue_limit_s(spec))
             att.waiting = replace(first, count=spec.slices)
-            parts = []
+            parts: list[str] = []
             try:
                 for part in range(1, spec.slices):
                     parts.append(request(provider, self.job_id, f"{stem}s{part}", spec, spec.accelerator,
                                          spec.tier.value, created_at=self.store.job(self.job_id).created_at,
                                          limit_s=self._queue_limit_s(spec)).name)
-            finally:
-                att.waiting = replace(att.waiting, parts=tuple(parts))
+            except ProvisioningError:  # all of them or none
+                for name in (first.name, *parts):
+                    release(provider, name, "the job's other slices could not all be asked for")
+                att.waiting = None
+                raise
+            att.waiting = replace(att.waiting, parts=tuple(parts))
         others = [replace(att.waiting, name=name, parts=()) for name in att.waiting.parts] if att.waiting else []
         if att.waiting is not None:
             att.waiting = replace(att.waiting, parts=())  # `_provision` waits for the first
@@ -113,8 +117,11 @@ class SlicesMixin:
                 if takes_part and self._waits_for_capacity(w):
                     for rest in others[i:]:
                         release(provider, rest.name, "the slices that came are taken; the rest wait for capacity")
-                    log.info("job %s: %d of %d slices could be had; starting on them (the policy adds the rest "
-                             "when capacity comes)", self.job_id, 1 + len(att.next_others), spec.slices)
+                    had = 1 + len(att.next_others)
+                    self.store.add_event(self.job_id, Autoscaled(spec.accelerator, spec.tier.value, None, None, None,
+                                                                 had),
+                                         f"{had} of {spec.slices} slices could be had now; starting on them (the "
+                                         "others were let go; the policy adds slices when capacity comes)")
                     break
                 att.next_others.append(self._wait_for(w, spec))
         except ProvisioningError:

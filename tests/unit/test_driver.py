@@ -244,6 +244,7 @@ def test_an_autoscaled_job_takes_the_slices_it_can_get_then_adds_one_beside_them
     asked = [name for name, s in world.provider.slices.items()]
     first_attempt = [n for n in asked if n.startswith("job-1")]
     assert len(first_attempt) == 2 and world.provider.slices[first_attempt[1]].state is SliceState.RELEASED
+    assert any(e.reason.startswith("1 of 2 slices could be had now") for e in events(world, EventKind.AUTOSCALE))
     assert ("v4-16", "spot", 1) in [c for c, _, _ in seen]  # asked about the one slice it ran on
     assert (("v4-16", "spot", 1), ("v4-16", "spot", 2), True) in seen  # told the grow is READY
     [resize] = events(world, EventKind.RESIZE)
