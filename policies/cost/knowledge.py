@@ -23,8 +23,8 @@ Rules both paths follow through this function:
 - the hazard counts spot preemptions only; an on-demand host loss is none;
 - `restart.checkpoint_interval_s` is the job's own (longest) interval; the interval a
   running slice saves at was chosen when it started and is not changed while it runs;
-- options of more than `max_slices` slices at once are left out (the controller runs one
-  slice a job until it is wired for several: it passes 1; the simulator passes its job's).
+- options of more than `max_slices` slices at once are left out (the controller passes the
+  job's `autoscaling.max_slices`; the simulator the most its job's options hold).
 """
 
 from __future__ import annotations
