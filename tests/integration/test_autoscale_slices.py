@@ -4,8 +4,8 @@ A tight deadline on a replayed trace with room for two v4-16 slices: the policy 
 on one v4-16 (before it has measured anything, one slice seems to finish in time), and once the
 time spent shows one slice cannot, it chooses 2 x v4-16. Only the slice to add is requested,
 beside the running one; once it is READY the job stops at a committed step and goes on on both,
-the running slice kept. Nothing is lost, and every step's loss is the one-process
-reference's at the same global batch.
+the running slice kept. Nothing is lost, and every step's loss is the one-process reference's at
+the same global batch. (What the policy does once it has measured two slices is its own call.)
 """
 
 from __future__ import annotations
@@ -29,19 +29,19 @@ def test_the_policy_adds_a_slice_beside_the_running_one_when_one_slice_cannot_ma
     job = client.submit(spec)
     st = job.wait(timeout_s=300)
     assert st.state is JobState.SUCCEEDED, st.reason
-    record = client.store.job(job.id)
-    assert record.failures == 0 and record.spec.slices == 2
-
+    assert client.store.job(job.id).failures == 0
     events = job.events()
+    said = [e.reason for e in events if e.kind in ("autoscale", "resize")]
+
     launched = [e.data for e in events if e.kind == "launched"]
-    assert [d.get("slices") for d in launched] == [1, 2], launched
+    assert [d.get("slices") for d in launched][:2] == [1, 2], (launched, said)
     first = launched[0]["slice"]
     grow = [e for e in events if e.kind == "autoscale" and e.data and e.data.get("slices") == 2
             and e.reason.startswith("request 2xv4-16")]
-    assert grow and "(adding 1)" in grow[0].reason, [e.reason for e in events if e.kind == "autoscale"]
-    [resize] = [e for e in events if e.kind == "resize"]
+    assert grow and "(adding 1)" in grow[0].reason, said
+    resize = next(e for e in events if e.kind == "resize")
     added = resize.reason.split()[1]
-    assert f"ready beside {first}" in resize.reason and added != first
+    assert f"ready beside {first}" in resize.reason and added != first, said
 
     history: dict[str, list[tuple[float, str]]] = {}
     for e in events:
@@ -49,14 +49,17 @@ def test_the_policy_adds_a_slice_beside_the_running_one_when_one_slice_cannot_ma
             history.setdefault(e.data["name"], []).append((e.at, e.data["state"]))
     ready = next(at for at, s in history[added] if s == "READY")
     released = next(at for at, s in history[first] if s == "RELEASED")
-    # Make before break, and the running slice kept: released only when the job ended, with the one
-    # added beside it; the job trained on it alone first, and went on on both from its committed step.
+    # Make before break, and the running slice kept: the job trained on it alone, then on it and the one
+    # added beside it (generation 2, from the step generation 1 committed); it was released only after.
     metrics = job.metrics()
-    assert released >= max(m.at for m in metrics) and ready < released
     alone = [m.step for m in metrics if m.generation == launched[0]["generation"]]
+    both = [m for m in metrics if m.generation == launched[1]["generation"]]
+    assert alone and both and ready < released and released >= max(m.at for m in both), said
     restores = [e.data for e in events if e.kind == "restore"]
-    assert alone and restores[-1]["restored_step"] == max(alone) + 1, (alone, restores)
+    assert restores[1]["restored_step"] == max(alone) + 1, (alone, restores)
     assert not [e for e in events if e.kind == "lost_work" and not e.reason.startswith("lost 0 steps")]
+    # What it did after is the policy's call on the speed it measured on two slices (on this machine's
+    # CPU "slices" two can be slower than one, and the policy may move back): nothing is lost either way.
 
     ref = run_reference(spec, devices=8, tmp_path=tmp_path / "ref")
     assert_losses_close([m.loss for m in metrics], ref["losses"], rtol=1e-5)
