@@ -129,7 +129,12 @@ class Browser:
         """The first truthy value of `expression`; TimeoutError after `timeout_s`."""
         deadline = time.monotonic() + timeout_s
         while True:
-            value = self.evaluate(expression)
+            try:
+                value = self.evaluate(expression)
+            except RuntimeError as e:  # the page navigated while it was asked (a form posting, a refresh): not yet
+                if "navigated or closed" not in str(e) and "Cannot find context" not in str(e):
+                    raise
+                value = None
             if value:
                 return value
             if time.monotonic() > deadline:
