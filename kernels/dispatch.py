@@ -1,4 +1,11 @@
-"""Which implementation of an op runs, chosen from the JAX backend.
+"""Which implementation of an op runs, chosen from the devices it is compiled for.
+
+The *target* is those devices: the current mesh's (``jax.set_mesh``), which is how a
+program is compiled for a TPU slice that is not here (``jax.experimental.topologies``:
+XLA's TPU compiler on a machine without a TPU, see `workers.tpu_target`); with no mesh
+set, the default backend's first device. Every choice below (implementation, Mosaic or
+an interpreter, the chip generation's blocks in `kernels.generations`) reads the target,
+never the default backend alone: off a TPU that would say "cpu" for a TPU program.
 
 Vocabulary, shared by every op in `kernels`:
 
@@ -19,6 +26,7 @@ a loop over row tiles elsewhere.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -31,10 +39,28 @@ CUDNN = "cudnn"
 _GPU_BACKENDS = ("gpu", "cuda", "rocm")
 
 
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """The devices a program is compiled for: their platform (GPU platforms named ``"gpu"``) and kind."""
+
+    platform: str
+    device_kind: str
+
+
+def target() -> Target:
+    """The current mesh's devices (``jax.set_mesh``, also inside ``jit`` and ``shard_map`` under it),
+    else the default backend's."""
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if device is not None:
+        platform, kind = device.platform, device.device_kind
+    else:
+        platform, kind = jax.default_backend(), jax.devices()[0].device_kind
+    return Target("gpu" if platform in _GPU_BACKENDS else platform, kind)
+
+
 def backend() -> str:
-    """The default JAX backend, with GPU platforms named ``"gpu"``."""
-    name = jax.default_backend()
-    return "gpu" if name in _GPU_BACKENDS else name
+    """The target's platform: ``"tpu"``, ``"gpu"`` or ``"cpu"``."""
+    return target().platform
 
 
 def resolve(implementation: str | None, *, valid: tuple[str, ...], gpu_default: str = XLA) -> str:

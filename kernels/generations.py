@@ -1,7 +1,8 @@
 """TPU chip generations as the kernels see them: the chip's VMEM limit (`kernels.hardware`), default blocks.
 
-Vocabulary: a *generation* is the chip (v4, v5e, v5p, v6e), read from
-``jax.devices()[0].device_kind`` ("TPU v4", "TPU v5 lite", ...); its hardware, VMEM and the
+Vocabulary: a *generation* is the chip (v4, v5e, v5p, v6e), read from the device kind of
+the devices the program is compiled for (`kernels.dispatch.target`: "TPU v4", "TPU v5 lite",
+...), so a program compiled for a v5e topology on a CPU machine gets v5e's; its hardware, VMEM and the
 Pallas calls' VMEM limit included, is the one table in `kernels.hardware`. Bigger blocks mean
 fewer grid steps and larger MXU tiles, until they no longer fit in VMEM.
 
@@ -21,10 +22,9 @@ import dataclasses
 import logging
 from typing import Literal
 
-import jax
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels import hardware
+from kernels import dispatch, hardware
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +63,11 @@ def from_device_kind(device_kind: str) -> Generation:
 
 
 def current() -> Generation:
-    """The generation of the first device on a TPU backend, else the default."""
-    if jax.default_backend() != "tpu":
+    """The generation of the devices compiled for (`kernels.dispatch.target`) on TPU, else the default."""
+    target = dispatch.target()
+    if target.platform != "tpu":
         return GENERATIONS[DEFAULT]
-    return from_device_kind(jax.devices()[0].device_kind)
+    return from_device_kind(target.device_kind)
 
 
 Semantics = Literal["parallel", "arbitrary"]  # of one grid dimension: independent, or accumulating

@@ -49,7 +49,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -88,6 +88,9 @@ class Context:
     send: Callable[[Report], None] = lambda report: None  # to the controller
     profiler: Any = None  # the host's `workers.profiling.Profiler`: captures asked for from outside
     keeper: Any = None  # this host's `workers.memory.HostMemory` (a multi-slice job's first tier), or None
+    # The devices the mesh lays over: None, this runtime's (`jax.devices()`); a TPU topology's to compile the
+    # program for a slice that is not here (`workers.tpu_target`).
+    devices: Sequence[Any] | None = None
 
     def __post_init__(self):
         self._mesh: Mesh | None = None
@@ -117,7 +120,7 @@ class Context:
         """`precision` on this backend: "auto" is bfloat16 on TPU and GPU, float32 on CPU."""
         if self.settings.precision != "auto":
             return self.settings.precision
-        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+        return "float32" if self._devices()[0].platform == "cpu" else "bfloat16"
 
     # -- the old context's report, kept for programs that call it --------------
 
@@ -130,10 +133,13 @@ class Context:
     def mesh(self) -> Mesh:
         """The slice's devices as a mesh with axes ``(data, fsdp, model)``, hosts in order."""
         if self._mesh is None:
-            devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))  # host-major
+            devices = sorted(self._devices(), key=lambda d: (d.process_index, d.id))  # host-major
             shape = self.settings.mesh_shape or (len(devices), 1, 1)
             self._mesh = Mesh(np.array(devices).reshape(shape), AXES)
         return self._mesh
+
+    def _devices(self) -> Sequence[Any]:
+        return self.devices if self.devices is not None else jax.devices()
 
     @property
     def replicated(self) -> NamedSharding:

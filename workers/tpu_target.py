@@ -1,0 +1,192 @@
+"""A TPU slice as a compile target: XLA's TPU compiler (Mosaic included) on a machine without a TPU.
+
+Vocabulary:
+
+- *topology*: one slice's chips as the TPU runtime names them, ``v4:2x2x2`` for a v4-16
+  (`Topology.name`); with ``slices`` several such slices joined over the data-center network.
+- *target devices*: the devices JAX describes for a topology
+  (``jax.experimental.topologies.get_topology_desc``): real TPU device records, with
+  their kind ("TPU v4"), process and slice indices, that nothing runs on. A program
+  lowered with shardings over them is compiled by libtpu's compiler for that slice.
+- *report*: what the compiler says of one program (`ProgramReport`): its memory per
+  chip, its FLOPs and bytes, and its cost model's step time.
+
+What is compiled is what the hosts run: `compile_train_step` builds the built-in trainer
+(`workers.train.Trainer`) from the settings the controller resolves for the slice
+(`orchestrator.control.launch.workload_for`), so the jit, mesh, shardings, precision,
+remat, microbatches and kernels are the hosts' own; only the devices differ. The kernels
+take their generation and implementation from the mesh compiled for (`kernels.dispatch.target`),
+which is why each compile runs under ``jax.set_mesh``.
+
+Needs ``libtpu`` (the ``jax[tpu]`` pin); without it `available` says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from kernels import hardware
+from workers import api
+from workers.settings import LmSettings, TrainingSettings
+
+
+class TargetUnavailable(RuntimeError):
+    """XLA's TPU compiler cannot be had here (libtpu is not installed, or its version does not load)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """``slices`` slices of ``chip`` chips laid out as ``topology`` (``2x2x2``) on ``hosts`` hosts each."""
+
+    chip: str  # a `kernels.hardware` generation: "v4", "v5e", "v5p", "v6e"
+    topology: str
+    hosts: int
+    slices: int = 1
+
+    def __post_init__(self) -> None:
+        if self.chip not in hardware.CHIPS:
+            raise ValueError(f"chip {self.chip!r} is not a TPU generation; valid: {', '.join(hardware.CHIPS)}")
+        if self.hosts < 1 or self.slices < 1 or self.chips % self.hosts:
+            raise ValueError(f"{self.name}: {self.chips} chips do not split over {self.hosts} hosts")
+
+    @property
+    def name(self) -> str:
+        return f"{self.chip}:{self.topology}"
+
+    @property
+    def chips(self) -> int:
+        """Chips of one slice."""
+        return functools.reduce(lambda a, b: a * b, (int(x) for x in self.topology.split("x")))
+
+    @property
+    def chips_per_host(self) -> int:
+        return self.chips // self.hosts
+
+    @property
+    def label(self) -> str:
+        return self.name if self.slices == 1 else f"{self.slices} x {self.name}"
+
+    def devices(self) -> list[Any]:
+        """The target devices of every slice, slice-major, then by process and id (as hosts order theirs)."""
+        return list(_devices(self))
+
+
+@functools.cache
+def _devices(t: Topology) -> tuple[Any, ...]:
+    from jax.experimental import topologies
+
+    chip = hardware.CHIPS[t.chip]
+    # A host's chips: 2x2 on every multi-host slice; a one-host slice's are all its chips.
+    per_host = {1: (1, 1, 1), 4: (2, 2, 1), 8: (2, 4, 1)}.get(t.chips_per_host)
+    if per_host is None:
+        raise ValueError(f"{t.name}: {t.chips_per_host} chips per host is not a TPU host's layout")
+    try:
+        desc = topologies.get_topology_desc(
+            topology_name=t.name, platform="tpu", chip_config_name="megacore" if chip.tensorcores == 2 else "default",
+            chips_per_host_bounds=per_host, num_slices=t.slices)
+    except (RuntimeError, ValueError) as e:  # jaxlib raises its own error types as these
+        raise TargetUnavailable(f"XLA's TPU compiler could not describe {t.label}: {_first_line(e)} "
+                                "(it needs libtpu: pip install the project's 'tpu' extra)") from e
+    devices = sorted(desc.devices, key=lambda d: (getattr(d, "slice_index", None) or 0, d.process_index, d.id))
+    if len(devices) != t.chips * t.slices:
+        raise TargetUnavailable(f"{t.label}: the TPU compiler described {len(devices)} devices, expected "
+                                f"{t.chips * t.slices}")
+    return tuple(devices)
+
+
+def available() -> str | None:
+    """None when XLA's TPU compiler is here, else why not (one line)."""
+    try:
+        Topology("v4", "2x2x1", hosts=1).devices()
+    except TargetUnavailable as e:
+        return str(e)
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+    """What XLA's TPU compiler says of one program for one target; sizes per chip (one device each)."""
+
+    target: str  # the topology's label
+    compile_s: float
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs written over donated arguments (the train step's state)
+    temp_bytes: int
+    code_bytes: int
+    flops_per_chip: float  # of one step, from the compiler's cost analysis
+    bytes_accessed_per_chip: float
+    optimal_s: float | None  # the cost model's time for one run of the program (its roofline), if it gives one
+    chips: int
+
+    @property
+    def hbm_bytes_per_chip(self) -> int:
+        """HBM the program needs at its peak on each chip: its live arguments and outputs (donated ones
+        once), its scratch, and its code."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.code_bytes
+
+    @property
+    def flops(self) -> float:
+        """FLOPs of one step over the whole target."""
+        return self.flops_per_chip * self.chips
+
+
+def report(compiled: jax.stages.Compiled, target: str, chips: int, compile_s: float) -> ProgramReport:
+    m = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    optimal = cost.get("optimal_seconds")
+    return ProgramReport(
+        target=target, compile_s=compile_s, argument_bytes=int(m.argument_size_in_bytes),
+        output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
+        temp_bytes=int(m.temp_size_in_bytes), code_bytes=int(m.generated_code_size_in_bytes),
+        flops_per_chip=float(cost.get("flops", 0.0)), bytes_accessed_per_chip=float(cost.get("bytes accessed", 0.0)),
+        optimal_s=float(optimal) if optimal is not None and optimal > 0 else None, chips=chips)
+
+
+def compile_on(mesh: jax.sharding.Mesh, lower: Callable[[], jax.stages.Lowered]) -> tuple[jax.stages.Compiled, float]:
+    """``lower().compile()`` with ``mesh`` current (the kernels read their target from it); and its seconds."""
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = lower().compile()
+    return compiled, time.perf_counter() - t0
+
+
+def context(topology: Topology, settings: TrainingSettings, **given: Any) -> api.Context:
+    """The training API's context a program gets on `topology`, its mesh laid over the target devices."""
+    return api.Context(rank=0, num_hosts=topology.hosts * topology.slices, settings=settings,
+                       devices=topology.devices(), **given)
+
+
+def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Topology) -> tuple[jax.stages.Compiled,
+                                                                                               ProgramReport]:
+    """The built-in trainer's step for `topology`, as its hosts would compile it, and the compiler's report.
+
+    Raises whatever the compiler raises for a program it rejects (a kernel Mosaic cannot
+    lower, a program over the chip's memory): the caller says which target and why.
+    """
+    from workers.train import Trainer
+
+    ctx = context(topology, settings)
+    trainer = Trainer(lm, ctx)
+    compiled, seconds = compile_on(ctx.mesh, trainer.lower_step)
+    return compiled, report(compiled, topology.label, topology.chips * topology.slices, seconds)
+
+
+def serialize(compiled: jax.stages.Compiled) -> bytes:
+    """The executable as bytes a TPU host of the same target and JAX build could load."""
+    import pickle
+
+    from jax.experimental import serialize_executable
+
+    return pickle.dumps(serialize_executable.serialize(compiled))
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
