@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 from collections.abc import Callable
 
 import jax
@@ -364,7 +365,25 @@ class _Specs:
         return pl.BlockSpec(block_shape, lambda *args: pick(self.coords(*args[:self.grid_rank])))
 
 
-def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape, out_specs, scratch):
+# FLOPs per computed (query, key) pair and head_dim, per pass: the forward pass's q.k and p.v (2 + 2); dQ's
+# recomputed q.k, dO.v and ds.k (6); dK/dV's recomputed q.k, p.dO, dO.v and ds.q (8). One exp a pair in each.
+_PAIR_FLOPS = {"forward": 4, "dq": 6, "dkv": 8}
+
+
+def _cost(pass_name: str, config: _FlashConfig, q, k, operands, out_shape) -> pl.CostEstimate:
+    """What a pass costs, for XLA's cost model (which cannot see inside a Mosaic kernel): its matmul
+    FLOPs over the mask's band, its exps, and each operand and output moved once."""
+    batch, heads, _, head_dim = q.shape
+    pairs = batch * heads * config.band.visited_pairs(config.blocks.block_q, config.blocks.block_kv)
+    outs = out_shape if isinstance(out_shape, (list, tuple)) else [out_shape]
+    moved = sum(a.size * a.dtype.itemsize for a, _ in operands) + sum(
+        math.prod(o.shape) * jnp.dtype(o.dtype).itemsize for o in outs)
+    return pl.CostEstimate(flops=int(_PAIR_FLOPS[pass_name] * pairs * head_dim), transcendentals=int(pairs),
+                           bytes_accessed=int(moved))
+
+
+def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape, out_specs, scratch,
+          cost: pl.CostEstimate | None = None):
     """Run ``kernel`` over ``grid`` on ``operands`` (``(array, BlockSpec)`` pairs), adding segment ids."""
     arrays, in_specs = [a for a, _ in operands], [s for _, s in operands]
     bounds: tuple[jax.Array, ...] = ()
@@ -388,6 +407,7 @@ def _call(kernel, specs: _Specs, grid, config, segment_ids, operands, out_shape,
         out_shape=out_shape,
         compiler_params=generations.compiler_params(semantics),
         interpret=dispatch.pallas_interpret(),
+        cost_estimate=cost,
     )(*bounds, *arrays)
 
 
@@ -396,14 +416,14 @@ def _forward_call(q, k, v, segment_ids, *, config):
     bq, bk = config.blocks.block_q, config.blocks.block_kv
     specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, 1, config, head_dim)
     grid = (batch, heads, q_len // bq, config.band.num_kv_steps(bq, bk))  # q_len: padded
+    operands = [(q, specs.q), (k, specs.kv), (v, specs.kv)]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((batch, heads, q_len, 1), jnp.float32)]
     return _call(
-        _forward_kernel, specs, grid, config, segment_ids,
-        [(q, specs.q), (k, specs.kv), (v, specs.kv)],
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
-                   jax.ShapeDtypeStruct((batch, heads, q_len, 1), jnp.float32)],
+        _forward_kernel, specs, grid, config, segment_ids, operands, out_shape=out_shape,
         out_specs=[specs.q, specs.q_row],
         scratch=[pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
-                 pltpu.VMEM((bq, head_dim), jnp.float32)])
+                 pltpu.VMEM((bq, head_dim), jnp.float32)],
+        cost=_cost("forward", config, q, k, operands, out_shape))
 
 
 def _dq_call(q, k, v, segment_ids, d_out, lse, di, *, config):
@@ -411,11 +431,11 @@ def _dq_call(q, k, v, segment_ids, d_out, lse, di, *, config):
     bq, bk = config.blocks.block_q, config.blocks.block_kv
     specs = _Specs(_row_coords(config, heads // k.shape[1]), 4, 1, config, head_dim)
     grid = (batch, heads, q_len // bq, config.band.num_kv_steps(bq, bk))  # q_len: padded
+    operands = [(q, specs.q), (k, specs.kv), (v, specs.kv), (d_out, specs.q), (lse, specs.q_row), (di, specs.q_row)]
+    out_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return _call(
-        _dq_kernel, specs, grid, config, segment_ids,
-        [(q, specs.q), (k, specs.kv), (v, specs.kv), (d_out, specs.q), (lse, specs.q_row), (di, specs.q_row)],
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), out_specs=specs.q,
-        scratch=[pltpu.VMEM((bq, head_dim), jnp.float32)])
+        _dq_kernel, specs, grid, config, segment_ids, operands, out_shape=out_shape, out_specs=specs.q,
+        scratch=[pltpu.VMEM((bq, head_dim), jnp.float32)], cost=_cost("dq", config, q, k, operands, out_shape))
 
 
 def _dkv_call(q, k, v, segment_ids, d_out, lse, di, *, config):
@@ -425,12 +445,12 @@ def _dkv_call(q, k, v, segment_ids, d_out, lse, di, *, config):
     bq, bk = config.blocks.block_q, config.blocks.block_kv
     specs = _Specs(_column_coords(config, group), 5, 2, config, head_dim)
     grid = (batch, kv_heads, kv_len // bk, group, config.band.num_q_steps(bq, bk))
+    operands = [(q, specs.q), (k, specs.kv), (v, specs.kv), (d_out, specs.q), (lse, specs.q_row), (di, specs.q_row)]
+    out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     return _call(
-        _dkv_kernel, specs, grid, config, segment_ids,
-        [(q, specs.q), (k, specs.kv), (v, specs.kv), (d_out, specs.q), (lse, specs.q_row), (di, specs.q_row)],
-        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-        out_specs=[specs.kv, specs.kv],
-        scratch=[pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, head_dim), jnp.float32)])
+        _dkv_kernel, specs, grid, config, segment_ids, operands, out_shape=out_shape, out_specs=[specs.kv, specs.kv],
+        scratch=[pltpu.VMEM((bk, head_dim), jnp.float32), pltpu.VMEM((bk, head_dim), jnp.float32)],
+        cost=_cost("dkv", config, q, k, operands, out_shape))
 
 
 # --------------------------------------------------------------------------- kernel bodies

@@ -98,6 +98,12 @@ class MaskBand:
         first, last = self.kv_blocks(np.arange(_blocks(self.q_len, block_q)), block_q, block_kv)
         return int(np.max(np.asarray(last) - np.asarray(first))) + 1
 
+    def visited_pairs(self, block_q: int, block_kv: int) -> int:
+        """(query, key) pairs the kernels compute per head: every block of every row's band, whole
+        (a block is computed whole and masked), so at least the pairs the mask allows."""
+        first, last = self.kv_blocks(np.arange(_blocks(self.q_len, block_q)), block_q, block_kv)
+        return int(np.sum(np.asarray(last) - np.asarray(first) + 1)) * block_q * block_kv
+
     def num_q_steps(self, block_q: int, block_kv: int) -> int:
         """Query blocks visited per key block: the innermost grid extent of the dK/dV pass."""
         first, last = self.q_blocks(np.arange(_blocks(self.kv_len, block_kv)), block_q, block_kv)

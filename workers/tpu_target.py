@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -77,9 +78,16 @@ class Topology:
         return list(_devices(self))
 
 
+# libtpu lets one process at a time load it (a lock file in /tmp), for the chips' sake. A compile target uses
+# no chip, so it neither takes that lock from a process that trains nor fails for one that holds it.
+_SHARE_LIBTPU = "ALLOW_MULTIPLE_LIBTPU_LOAD"
+
+
 @functools.cache
 def _devices(t: Topology) -> tuple[Any, ...]:
     from jax.experimental import topologies
+
+    os.environ.setdefault(_SHARE_LIBTPU, "1")
 
     chip = hardware.CHIPS[t.chip]
     # A host's chips: 2x2 on every multi-host slice; a one-host slice's are all its chips.
