@@ -2,7 +2,9 @@
 
 Every node is a ``ray start --block`` process (through `orchestrator.cluster.raynode`,
 kept on 127.0.0.1) in a session of its own, with Ray's token authentication on and this
-state directory's node mark in its environment.
+state directory's node mark in its environment. A host node's CPU stands in for its TPU
+chips, and its environment says so (`workers.accelerator.CPU_STAND_IN_ENV`), unless it
+is started as a TPU host would be (``stand_in=False``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 from orchestrator.cluster.home import Home, ensure_token, node_mark
 from orchestrator.cluster.processes import MARK_ENV, group_alive, session_is_ours, stop_group
 from orchestrator.errors import ClusterError
+from workers.accelerator import CPU_STAND_IN_ENV, stand_in_env
 
 log = logging.getLogger(__name__)
 
@@ -106,10 +109,11 @@ def loopback_node_args() -> list[str]:
 
 def _ray_start(home: Home, args: list[str], log_path: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     ensure_token(home)
-    env = {**os.environ, **ray_env(home), **(env or {}), MARK_ENV: node_mark(home)}
-    for key in list(env):  # a fresh environment: nothing left over from an earlier slice
-        if key.startswith(("MEGASCALE_", "TPU_", "JAX_COORDINATOR")):
-            del env[key]
+    base = {**os.environ, **ray_env(home)}
+    for key in list(base):  # a fresh environment: nothing left over from an earlier slice, no inherited declaration
+        if key.startswith(("MEGASCALE_", "TPU_", "JAX_COORDINATOR")) or key == CPU_STAND_IN_ENV:
+            del base[key]
+    env = {**base, **(env or {}), MARK_ENV: node_mark(home)}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     out = open(log_path, "ab")
     try:
@@ -186,8 +190,11 @@ def answers(info: ClusterInfo, timeout_s: float = 2.0) -> bool:
 
 
 def start_host_node(home: Home, *, address: str, resources: dict[str, float], labels: dict[str, str],
-                    log_path: Path, num_cpus: int = 1) -> int:
+                    log_path: Path, num_cpus: int = 1, stand_in: bool = True) -> int:
     """Add one node to the cluster; returns its process group id.
+
+    `stand_in`: the node declares that its CPU stands in for its TPU chips (its workers run
+    on CPU devices); False starts it as a TPU host, whose workers look for the TPU.
 
     Two settings make a restart faster, since starting nodes is most of it:
     - no log monitor: it would only stream worker output to Ray drivers, and workers
@@ -199,7 +206,7 @@ def start_host_node(home: Home, *, address: str, resources: dict[str, float], la
     label_arg = ",".join(f"{k}={v}" for k, v in labels.items())
     proc = _ray_start(home, [f"--address={address}", f"--num-cpus={num_cpus}", "--include-log-monitor=False",
                              f"--resources={json.dumps(resources)}", f"--labels={label_arg}"], log_path,
-                      env={"RAY_enable_worker_prestart": "1"})
+                      env={"RAY_enable_worker_prestart": "1", **(stand_in_env() if stand_in else {})})
     return proc.pid
 
 

@@ -11,6 +11,10 @@ Two ways to be a host:
   this machine's files are (the state directory, the job's folder, the checkpoints, the
   project's sources). Its Ray token comes from the fake Secret Manager (`secrets`).
 - otherwise a plain local Ray node started from this process's environment (fast, shares the disk).
+
+Either way a host's CPU stands in for its TPU chips and says so (`workers.accelerator`), unless
+``stand_in=False``: then its hosts are like real TPU VMs, and as this machine has no TPU, a job's
+launch on them fails, as it must.
 """
 
 from __future__ import annotations
@@ -31,9 +35,10 @@ log = logging.getLogger(__name__)
 
 class RayBackedNodes:
     def __init__(self, home: cluster.Home, address: str, *, share_nothing: bool = False,
-                 secrets: dict[str, str] | None = None, hide: Sequence[Path] = ()):
+                 secrets: dict[str, str] | None = None, hide: Sequence[Path] = (), stand_in: bool = True):
         self.home, self.address = home, address
         self.share_nothing, self.secrets, self.hide = share_nothing, dict(secrets or {}), list(hide)
+        self.stand_in = stand_in
         self._lock = threading.Lock()
         self._groups: dict[str, list[int | EmulatedVm]] = {}
 
@@ -55,10 +60,11 @@ class RayBackedNodes:
             if self.share_nothing:
                 assert script is not None, "a node without its script returned above"
                 return EmulatedVm(self.home, node_id, w, script, log_path=log_path, secrets=self.secrets,
-                                  hide=self.hide)
+                                  hide=self.hide, stand_in=self.stand_in)
             return cluster.start_host_node(self.home, address=self.address,
                                            resources=host_node_resources(t, node_id, w),
-                                           labels=host_node_labels(t, node_id, w), log_path=log_path)
+                                           labels=host_node_labels(t, node_id, w), log_path=log_path,
+                                           stand_in=self.stand_in)
 
         hosts = [start(w) for w in range(worker_count)]
         with self._lock:

@@ -14,7 +14,10 @@ tree in namespaces of its own (this machine runs as root, so `unshare` can make 
   the VM's first process powers it off: every process in it dies, and with them its tmpfs
   mounts, so whatever the host wrote locally is gone;
 - its own fake metadata server (the VM's worker number) and a fake ``gcloud`` that answers
-  the Secret Manager lookup of the Ray token.
+  the Secret Manager lookup of the Ray token;
+- unless booted with ``stand_in=False`` (a VM like a real one, without the TPU it claims), the
+  declaration that its CPU stands in for its TPU chips (`workers.accelerator.CPU_STAND_IN_ENV`)
+  in the environment its startup script, and so its Ray node, starts with.
 
 The image's ``ray`` runs Ray's own command kept on 127.0.0.1 (every emulated VM shares this
 machine's network; see `orchestrator.cluster.raynode`).
@@ -37,6 +40,7 @@ from pathlib import Path
 from orchestrator.cluster import MARK_ENV, Home, node_mark
 from orchestrator.cluster.nodes import loopback_node_args
 from orchestrator.emulator.metadata import FakeMetadataServer
+from workers.accelerator import stand_in_env
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +76,9 @@ class EmulatedVm:
     """One host of an emulated slice, from boot (`start`) to power-off (`kill`)."""
 
     def __init__(self, home: Home, name: str, worker_id: int, startup_script: str, *, log_path: Path,
-                 secrets: dict[str, str] | None = None, hide: Sequence[Path] = ()):
+                 secrets: dict[str, str] | None = None, hide: Sequence[Path] = (), stand_in: bool = True):
         self.home, self.name, self.worker_id = home, name, worker_id
+        self.stand_in = stand_in
         self.log_path = log_path
         self.dir = Path(tempfile.mkdtemp(prefix=f"tpu-vm-{name}-{worker_id}-", dir="/var/tmp"))
         self.metadata = FakeMetadataServer()
@@ -136,6 +141,7 @@ esac
             "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
             "RAY_enable_worker_prestart": "1",
             MARK_ENV: node_mark(self.home),  # `orchestrator down` finds a VM a crashed test left behind
+            **(stand_in_env() if self.stand_in else {}),
         }
         if os.environ.get("RAY_AUTH_MODE") == "disabled":
             env["RAY_AUTH_MODE"] = "disabled"
