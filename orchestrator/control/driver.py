@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 # How a job that fails after an attempt ended one way is named (FAILED_SETUP, FAILED_BUDGET, ...).
 FAILED_BECAUSE: dict[OutcomeKind, FailedBecause] = {
     OutcomeKind.IMPORT_ERROR: FailedBecause.SETUP,
+    OutcomeKind.PLATFORM_FAILED: FailedBecause.SETUP,
     OutcomeKind.APP_FAILED: FailedBecause.USER_CODE,
     OutcomeKind.HUNG: FailedBecause.USER_CODE,
     OutcomeKind.USER_EXIT: FailedBecause.USER_EXIT,

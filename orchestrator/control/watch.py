@@ -89,7 +89,8 @@ def _provider_says(att: Attempt) -> Outcome | None:
     return None
 
 
-FAILURES = (OutcomeKind.APP_FAILED, OutcomeKind.USER_EXIT, OutcomeKind.IMPORT_ERROR, OutcomeKind.STORAGE_FAILED)
+FAILURES = (OutcomeKind.APP_FAILED, OutcomeKind.USER_EXIT, OutcomeKind.IMPORT_ERROR, OutcomeKind.STORAGE_FAILED,
+            OutcomeKind.PLATFORM_FAILED)
 
 
 def _host_lost(att: Attempt) -> str | None:

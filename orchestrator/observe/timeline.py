@@ -65,7 +65,7 @@ def disruption_cause(kind: str | None, reason: str | None) -> str | None:
     reason = reason or ""
     if kind == "preempted":
         return "preemption"
-    if kind in ("app_failed", "user_exit", "import_error", "storage_failed"):
+    if kind in ("app_failed", "user_exit", "import_error", "storage_failed", "platform_failed"):
         return "failure"
     if kind == "worker_aborted":
         return "worker_crash"

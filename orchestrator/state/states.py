@@ -37,7 +37,7 @@ class FailedBecause(str, enum.Enum):
     `status` and `list` show the two together as one state, FAILED_SETUP, FAILED_BUDGET, ...
     """
 
-    SETUP = "setup"  # the job's code cannot start anywhere: its entrypoint cannot be imported
+    SETUP = "setup"  # the job cannot start: its entrypoint cannot be imported, or a host lacks its slice's TPU
     USER_CODE = "user_code"  # the job's code raised, or hung, more than max_failures times
     USER_EXIT = "user_exit"  # the job's code ended itself (sys.exit) before its last step
     STORAGE = "storage"  # a write failed on a full or read-only disk

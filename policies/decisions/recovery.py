@@ -10,7 +10,8 @@ a worker process that died on a live host (a native abort) spends `max_aborts`; 
 code raising, or hanging with every worker answering, spends `max_failures`, after a backoff.
 What would end the same way on any slice is not tried again: an entrypoint that cannot be
 imported, a full or read-only disk, a program that exited with status 0 before its last
-step. Workers say what happened (`failure_cause`); a timeout decides only when none could.
+step, hosts without the TPU chips their slice claims. Workers say what happened
+(`failure_cause`); a timeout decides only when none could.
 Waiting for capacity spends nothing (`orchestrator.control.queue`).
 """
 
@@ -34,6 +35,7 @@ class OutcomeKind(str, enum.Enum):
     USER_EXIT = "user_exit"  # the user's code called sys.exit() (raised SystemExit) before its last step
     IMPORT_ERROR = "import_error"  # the entrypoint (or a module it imports) could not be imported
     STORAGE_FAILED = "storage_failed"  # a write failed on a full or read-only disk (checkpoints, mostly)
+    PLATFORM_FAILED = "platform_failed"  # a host lacks the TPU chips its slice claims (before the job's code ran)
     PROVISION_FAILED = "provision_failed"  # no slice, or its workers could not all start
     CANCELLED = "cancelled"
     RESIZED = "resized"  # stopped on purpose at a committed checkpoint, to go on on another slice size
@@ -70,6 +72,7 @@ class FailureCause(str, enum.Enum):
     EXIT = "exit"  # it called sys.exit() (raised SystemExit)
     IMPORT = "import"  # its entrypoint, or a module, could not be imported
     STORAGE = "storage"  # a write failed: the disk is full or read-only
+    PLATFORM = "platform"  # before its code ran: the host's TPU did not start, or is not what the slice claims
 
 
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
@@ -142,9 +145,11 @@ def native_error(stderr_tail: str | None) -> str:
 
 
 _CAUSE_KIND = {FailureCause.ERROR: OutcomeKind.APP_FAILED, FailureCause.EXIT: OutcomeKind.USER_EXIT,
-               FailureCause.IMPORT: OutcomeKind.IMPORT_ERROR, FailureCause.STORAGE: OutcomeKind.STORAGE_FAILED}
+               FailureCause.IMPORT: OutcomeKind.IMPORT_ERROR, FailureCause.STORAGE: OutcomeKind.STORAGE_FAILED,
+               FailureCause.PLATFORM: OutcomeKind.PLATFORM_FAILED}
 # When hosts fail together, the one that says most: the others often only fail in a collective after it.
-_CAUSE_ORDER = [FailureCause.IMPORT, FailureCause.STORAGE, FailureCause.EXIT, FailureCause.ERROR]
+_CAUSE_ORDER = [FailureCause.PLATFORM, FailureCause.IMPORT, FailureCause.STORAGE, FailureCause.EXIT,
+                FailureCause.ERROR]
 
 
 class HostResult(Protocol):
@@ -174,8 +179,9 @@ def results_outcome(results: Sequence[HostResult | None], *, resizing_to: str | 
     """What the workers' results say (None while any host still trains and none failed).
 
     A failure is returned by the cause its worker gave (APP_FAILED, USER_EXIT, IMPORT_ERROR,
-    STORAGE_FAILED) for `classify_failure` to confirm: when a host dies, the others fail in
-    their collectives within seconds, and that is no failure of the job's.
+    STORAGE_FAILED, PLATFORM_FAILED) for `classify_failure` to confirm: when a host dies, the
+    others fail in their collectives within seconds, and that is no failure of the job's.
+    A platform failure's error names its host within its slice itself.
     """
     failed = [r for r in results if r and r.ending == "failed"]
     if failed:
@@ -185,7 +191,8 @@ def results_outcome(results: Sequence[HostResult | None], *, resizing_to: str | 
 
         f = min(failed, key=order)
         cause = _CAUSE_ORDER[order(f)]
-        return Outcome(_CAUSE_KIND[cause], f"host {f.rank}: {f.error}", traceback=f.traceback,
+        said = f.error if cause is FailureCause.PLATFORM and f.error else f"host {f.rank}: {f.error}"
+        return Outcome(_CAUSE_KIND[cause], said, traceback=f.traceback,
                        transient=not (cause is FailureCause.EXIT and f.exit_code == 0))
     ended = [r for r in results if r is not None]
     if len(ended) < len(results):  # a host still trains
@@ -265,6 +272,8 @@ RULES: dict[OutcomeKind, Rule] = {
     OutcomeKind.STORAGE_FAILED: Rule(Budget.FAILURES, Retry.NEVER,
                                      "the disk would refuse again; free space (or point checkpoint.directory "
                                      "elsewhere) and submit again: it goes on from the last committed step"),
+    OutcomeKind.PLATFORM_FAILED: Rule(Budget.FAILURES, Retry.NEVER,
+                                      "every launch on these hosts would find the same chips"),
     OutcomeKind.PROVISION_FAILED: Rule(Budget.FAILURES, Retry.IF_TRANSIENT),
 }
 

@@ -46,6 +46,7 @@ BUDGETS = Budgets(max_preemptions=2, max_failures=1, max_aborts=3)
     (K.USER_EXIT,          False,     0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # sys.exit(0) before the end: never
     (K.IMPORT_ERROR,       True,      0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # never tried again
     (K.STORAGE_FAILED,     True,      0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # a full disk: never tried again
+    (K.PLATFORM_FAILED,    True,      0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # a host without its TPU: never
     (K.PROVISION_FAILED,   True,      0, 0, 0,   (Next.RECOVER, 0, 1, 0, 2.0)),   # workers did not start: a failure
     (K.PROVISION_FAILED,   False,     0, 0, 0,   (Next.FAIL, 0, 0, 0, 0.0)),      # permanent: no budget spent
 ])
@@ -79,6 +80,8 @@ def test_every_way_of_ending_has_a_rule():
     (K.STORAGE_FAILED, 0, 0, 0, True, "why; not tried again: the disk would refuse again; free space (or point "
                                       "checkpoint.directory elsewhere) and submit again: it goes on from the last "
                                       "committed step"),
+    (K.PLATFORM_FAILED, 0, 0, 0, True, "why; not tried again: every launch on these hosts would find the same "
+                                       "chips"),
 ])
 def test_the_reason_names_the_budget(kind, pre, fail, ab, transient, reason):
     d = after(Outcome(kind, "why", transient=transient), preemptions=pre, failures=fail, aborts=ab, budgets=BUDGETS,
@@ -108,6 +111,7 @@ def _r(ending, **kw):
     ([None, _r("failed", error="exited", cause="exit", exit_code=3)], None, K.USER_EXIT),
     ([_r("failed", cause="import"), None], None, K.IMPORT_ERROR),
     ([_r("failed", cause="storage"), None], None, K.STORAGE_FAILED),
+    ([_r("failed", cause="platform"), _r("failed", cause="error")], None, K.PLATFORM_FAILED),  # no TPU, then gloo
     # The host that says most wins: the others only failed in a collective after it.
     ([_r("failed", error="XlaRuntimeError: gloo", cause="error"), _r("failed", cause="storage")], None,
      K.STORAGE_FAILED),
@@ -115,6 +119,14 @@ def _r(ending, **kw):
 def test_results_outcome(results, resizing_to, expected):
     o = results_outcome(results, resizing_to=resizing_to, notice=None)
     assert (o.kind if o else None) == expected
+
+
+def test_a_platform_failure_is_said_by_the_host_as_it_knows_itself():
+    """Its worker names its host within its slice (rank 2 is host 0 of the second slice), so no rank is put first."""
+    said = "host 0 of slice s2 (v4-16) found no TPU: Unable to initialize backend 'tpu'"
+    o = results_outcome([None, None, WorkerResult(Ending.FAILED, rank=2, error=said, cause="platform")],
+                        resizing_to=None, notice=None)
+    assert o is not None and (o.kind, o.reason) == (K.PLATFORM_FAILED, said)
 
 
 @pytest.mark.parametrize("code, transient", [(0, False), (1, True), (2, True)])

@@ -25,6 +25,7 @@ from tests.unit.test_goodput import T0, preempted_job
     ("user_exit", "host 0: the job's code called sys.exit(0) with 0 of 20 steps done", "failure"),
     ("import_error", "host 0: cannot import the entrypoint train:main: ...", "failure"),
     ("storage_failed", "host 0: OSError: [Errno 28] No space left on device", "failure"),
+    ("platform_failed", "host 0 of slice s1 (v4-16) found no TPU: ...", "failure"),
     ("provision_failed", "no slice", None),
 ])
 def test_a_crashed_worker_is_not_a_lost_host(kind, reason, cause):
