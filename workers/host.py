@@ -3,6 +3,9 @@
 The controller creates one `HostWorker` per host of a slice (all or none, through a
 placement group), asks worker 0 for a coordinator address, then calls `start` on all
 of them at once (`jax.distributed.initialize` blocks until every process has joined).
+Each host runs on what it is (`workers.accelerator`): its TPU chips, checked against what
+the slice claims before anything of the job's runs, or its CPU where its Ray node declares
+that it stands in for them.
 Training runs on a thread of the actor; the controller polls `result()`. Workers are
 detached actors: if the controller dies, they train on, and the restarted controller
 adopts them (`history()` fills in the steps it missed).
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from policies.decisions.recovery import FailureCause, failure_cause
-from workers import reaper, runtime, storage
+from workers import accelerator, reaper, runtime, storage
 from workers.notices import MetadataWatcher, install_sigterm
 from workers.profiling import CaptureRequest, Profiler
 from workers.protocol import Ending, Lines, Noticed, Ready, Report, StepDone, WorkerResult
@@ -111,11 +114,13 @@ def _error_line(e: BaseException, chain: list, cause: FailureCause) -> str:
 
 class HostWorker:
     def __init__(self, *, job_id: str, generation: int, rank: int, num_hosts: int, devices_per_host: int,
-                 platform: str | None, compile_cache_dir: str | None,
+                 compile_cache_dir: str | None,
                  controller: "tuple[str, str] | ray.actor.ActorHandle | None",  # a name, or the inbox
-                 workload_type: str | None = None):
+                 workload_type: str | None = None, claim: accelerator.HostClaim | None = None):
         self.job_id, self.generation, self.rank, self.num_hosts = job_id, generation, rank, num_hosts
-        self._devices_per_host, self._platform, self._compile_cache_dir = devices_per_host, platform, compile_cache_dir
+        self._devices_per_host, self._compile_cache_dir = devices_per_host, compile_cache_dir
+        self._claim = claim  # what the slice says this host is (`start` checks a TPU host against it)
+        self._platform = accelerator.host_platform()  # what this host is, as its Ray node's environment says
         self._controller_name = controller
         self._controller: ray.actor.ActorHandle | None = None
         self._notice = threading.Event()
@@ -130,7 +135,8 @@ class HostWorker:
         self._out = _LineBuffer(sys.stdout)
         self._profiler = Profiler(rank, num_hosts, self._send)  # captures `orchestrator profile` asks for
         sys.stdout = self._out  # what the job's code prints reaches `orchestrator logs` (and still Ray's log file)
-        runtime.configure(platform=platform, devices_per_host=devices_per_host, compile_cache_dir=compile_cache_dir)
+        runtime.configure(platform=self._platform, devices_per_host=devices_per_host,
+                          compile_cache_dir=compile_cache_dir)
         handler = logging.StreamHandler(self._out)
         handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
         logging.getLogger().addHandler(handler)
@@ -146,7 +152,7 @@ class HostWorker:
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "rank": self.rank,
-                "pid": os.getpid(), "multislice": self.multislice}
+                "pid": os.getpid(), "multislice": self.multislice, "platform": self._platform}
 
     def coordinator_address(self) -> str:
         ip = ray.util.get_node_ip_address()
@@ -212,12 +218,19 @@ class HostWorker:
             self.multislice = runtime.initialize(
                 coordinator_address=coordinator, num_processes=self.num_hosts, process_id=self.rank,
                 host_address=ray.util.get_node_ip_address(), share_key=share_key,
-                slice_id=self.rank * settings.slices // self.num_hosts, num_slices=settings.slices)
+                slice_id=self.rank * settings.slices // self.num_hosts, num_slices=settings.slices,
+                platform=self._platform)
+            if self._platform == accelerator.TPU:  # the backend starts here, once every process has joined
+                kind = accelerator.check_tpu(self._claim, self._devices_per_host)
+                log.info("on %d %s chips", self._devices_per_host, kind)
             self._send(Ready(time.perf_counter() - t0))
             if workload["type"] == "lm":
                 result = self._run_lm(workload)
             else:
                 result = self._run_entrypoint(workload)
+        except accelerator.PlatformError as e:  # not the host its slice claims: nothing of the job's ran
+            log.error("%s", e)
+            result = WorkerResult(Ending.FAILED, self.rank, error=str(e), cause=FailureCause.PLATFORM.value)
         except SystemExit as e:  # the job's code called sys.exit(): an end it chose, never to be taken for a hang
             result = self._exited(e)
         except Exception as e:  # the boundary of user code: report it, typed (its cause), with its traceback

@@ -1,8 +1,9 @@
 """JAX runtime bring-up on one host: devices, collectives, the multi-host handshake.
 
-Must run before anything in the process touches a JAX backend. On the local provider
-each host's CPU devices stand in for its TPU chips (`jax_num_cpu_devices`), and
-processes talk over gloo; on real TPU hosts the platform is left to JAX.
+Must run before anything in the process touches a JAX backend. A host decides its
+platform from what it is (`workers.accelerator.host_platform`): where its CPU stands in for
+its TPU chips (a local or emulated host), its CPU devices do (`jax_num_cpu_devices`) and
+processes talk over gloo; on a TPU host JAX may use the TPU only.
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ log = logging.getLogger(__name__)
 
 
 def configure(*, platform: str | None, devices_per_host: int, compile_cache_dir: str | None = None) -> None:
+    """`platform`: "cpu" (`devices_per_host` CPU devices stand in for the chips), "tpu" (the TPU
+    only: a host without one fails when the backend starts, never falls back to its CPU), or None
+    (whatever JAX finds)."""
     if platform == "cpu":
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", devices_per_host)
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    elif platform == "tpu":
+        jax.config.update("jax_platforms", "tpu")
     if compile_cache_dir:
         # A restart after a preemption compiles the same step again: reuse it from disk.
         jax.config.update("jax_compilation_cache_dir", compile_cache_dir)
@@ -37,8 +43,12 @@ def configure(*, platform: str | None, devices_per_host: int, compile_cache_dir:
 
 def initialize(*, coordinator_address: str | None, num_processes: int, process_id: int,
                host_address: str | None = None, share_key: bytes | None = None, timeout_s: int = 120,
-               slice_id: int = 0, num_slices: int = 1) -> dict[str, str]:
+               slice_id: int = 0, num_slices: int = 1, platform: str | None = None) -> dict[str, str]:
     """Join the multi-host runtime; a single host needs no handshake.
+
+    `platform`: as given to `configure`. The multislice settings (`multislice_env`) go into
+    the environment unless it is "cpu": TPU slices talk over DCN through them, and CPU
+    devices have no slice.
 
     Nothing listens beyond the cluster's own address: process 0 serves the runtime's
     coordinator (an unauthenticated gRPC key-value store) on `coordinator_address` itself,
@@ -51,7 +61,7 @@ def initialize(*, coordinator_address: str | None, num_processes: int, process_i
     for key in [k for k in os.environ if k.startswith("MEGASCALE_")]:
         del os.environ[key]  # stale values from an earlier slice make initialize() hang
     multislice = multislice_env(coordinator_address, slice_id, num_slices)
-    if jax.config.jax_platforms != "cpu":  # type: ignore[attr-defined]  # TPU slices talk over DCN through it
+    if platform != "cpu":
         os.environ.update(multislice)
     _share_key = share_key
     if num_processes == 1:

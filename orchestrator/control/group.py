@@ -7,7 +7,9 @@ host, gang-placed) and against the scripted groups of the driver's tests.
 
 `RayWorkerGroup`: one `HostWorker` per host, all or none (a placement group with one
 bundle per host); host 0 brings up the JAX runtime's coordinator and the others join once
-it listens. Workers are detached actors named by slice, generation and rank, so a
+it listens. Each worker is told what its slice says its host is (`workers.accelerator.HostClaim`)
+and decides its platform from what the host is: TPU, or its CPU where its Ray node declares
+that it stands in for the chips. Workers are detached actors named by slice, generation and rank, so a
 restarted controller finds them (`orchestrator.control.adoption`). A worker whose process
 is gone is asked about where it ran: its Ray node dead, or a task that cannot run there,
 is a host loss; otherwise its stderr's end says how it aborted.
@@ -42,6 +44,7 @@ from policies.decisions.recovery import (
     telling_lines,
 )
 from workers import inbox
+from workers.accelerator import CPU, TPU, HostClaim
 from workers.crash import stderr_tail
 from workers.host import HostWorker
 from workers.protocol import WorkerResult
@@ -139,14 +142,16 @@ class RayWorkerGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
                 name=worker_name(s.name, att.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
             .remote(job_id=self.job_id, generation=att.generation, rank=rank, num_hosts=len(hosts),
-                    devices_per_host=t.chips_per_host, platform="cpu", compile_cache_dir=str(self.home.compile_cache),
-                    controller=_report_to(spec), workload_type=spec.workload.type)
+                    devices_per_host=t.chips_per_host, compile_cache_dir=str(self.home.compile_cache),
+                    controller=_report_to(spec), workload_type=spec.workload.type,
+                    claim=HostClaim(s.name, t.name, i, t.generation.chip.name))
             for rank, (s, i) in enumerate((s, i) for s in slices for i in range(s.tpu_type.hosts))
         ]
         placed: list[dict] = ray.get([w.info.remote() for w in self.workers], timeout=timeout)
         self.store.add_event(self.job_id, Launched(first.name, [p["node_id"] for p in placed],
                                                    [p["pid"] for p in placed], att.generation, len(slices)),
-                             f"{len(hosts)} workers of generation {att.generation} on {where}")
+                             f"{len(hosts)} workers of generation {att.generation} on {where}, "
+                             f"{_platforms([p.get('platform') for p in placed])}")
         coordinator: str | None = None
         if len(hosts) > 1:
             # Ray types an actor handle's methods as Never.
@@ -249,6 +254,15 @@ class RayWorkerGroup:
                 f.writelines(f"[host-{rank}] {line}\n" for line in lines)
         except OSError as e:
             log.warning("job %s: cannot write its log: %s", self.job_id, e)
+
+
+def _platforms(platforms: list[str | None]) -> str:
+    """What the workers run on, in words, from what each decided (`HostWorker.info`)."""
+    if all(p == TPU for p in platforms):
+        return "on TPU"
+    if all(p == CPU for p in platforms):
+        return "on CPU standing in for TPU chips"
+    return "on " + ", ".join(f"host {rank}: {p}" for rank, p in enumerate(platforms))
 
 
 def _report_to(spec: JobSpec):

@@ -9,10 +9,14 @@ machine's disk, sees those files: the isolation is real, not a probe that cannot
 Then whole jobs, the user example and the built-in trainer, each with its job folder deleted
 right after `submit`: a reclaim of the slice mid-run, then the controller killed (the new one
 adopts the GCP slice its workers run on), and the losses and parameters of an undisturbed run.
+
+And VMs booted as real ones, which do not declare that their CPU stands in for their TPU chips:
+their workers look for the TPU this machine lacks, and the job ends at its first launch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 
@@ -24,24 +28,26 @@ from orchestrator.cluster import read_cluster
 from orchestrator.emulator.machines import Timings
 from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.server import serve
+from orchestrator.state.states import FailedBecause
 from orchestrator.user.data_prepare import prepare
 from tests.chaos.test_faults import kinds
 from tests.conftest import REPO, assert_losses_close, run_reference
 from tests.integration.test_local_jobs import tiny_spec
 from tests.storage_fixture import unique_folder
 from tests.waiting import wait_for, wait_step
+from workers.accelerator import CPU_STAND_IN_ENV
 
 PROBE = REPO / "tests" / "integration" / "share_nothing" / "probe.py"
 EXAMPLE = REPO / "examples" / "user-train"
 
 
-@pytest.fixture
-def vms(client):
+@contextlib.contextmanager
+def emulated_vms(client, *, stand_in: bool = True):
     """The TPU API emulator whose nodes are share-nothing VMs; yields it, the `gcp` section of a job file, and
-    the VMs' backing."""
+    the VMs' backing. `stand_in`: the VMs declare that their CPU stands in for their TPU chips."""
     token = client.home.token_file.read_text().strip()
     backing = RayBackedNodes(client.home, read_cluster(client.home).address, share_nothing=True,
-                             secrets={"ray-token": token})
+                             secrets={"ray-token": token}, stand_in=stand_in)
     # Each step of the TPU API at 0.02x its real time (a 0.6 s preemption grace, in which a reclaimed slice's
     # last checkpoint commits), but a node provisioned in 0.2 s, not 2.4 s: its VMs then boot and join Ray
     # before the provider's first look at the slice (every 5 s), and a slice is READY in 5 s, not 10 s.
@@ -52,6 +58,12 @@ def vms(client):
     finally:
         emu.stop()
         backing.close()
+
+
+@pytest.fixture
+def vms(client):
+    with emulated_vms(client) as world:
+        yield world
 
 
 def probe_spec(name: str, client, tmp_path, ckpt: str, **extra) -> tuple[JobSpec, object]:
@@ -81,6 +93,7 @@ def test_a_gcp_host_sees_none_of_the_submitting_machines_files(client, tmp_path,
     assert st.state is JobState.SUCCEEDED, (st.reason, logs[-3000:])
     assert "host 0 sees none of the submitting machine's files" in logs
     assert "host 1 sees none of the submitting machine's files" in logs
+    assert kinds(job, "launched")[0].reason.endswith("on CPU standing in for TPU chips")  # as the VMs declare
     # The project's packages and the job's folder are the shipped copies, unpacked on the host.
     assert re.search(r"runtime_resources/node-\d+/py_modules_files", logs)
     assert str(REPO) not in logs.split("workers imported from")[1]
@@ -93,10 +106,35 @@ def test_the_same_probe_on_the_shared_disk_sees_them(client, tmp_path):
     st = job.wait(timeout_s=300)
     assert st.state is JobState.FAILED
     assert "sees the submitting machine's files" in st.reason and "state.db" in st.reason
+    assert kinds(job, "launched")[0].reason.endswith("on CPU standing in for TPU chips")  # as local nodes declare
     # Each host runs in its own unpacked copy of the job's folder, as separate machines would: on one
     # shared copy, the second node to set the folder up deleted it under the first one's worker.
     folders = set(re.findall(r"working directory (\S+)", job.logs()))
     assert len(folders) == 2 and all("working_dir_files" in f for f in folders), folders
+
+
+def test_a_vm_without_the_tpu_it_claims_fails_the_launch_once(client, tmp_path, request, gcs_emulator):
+    """Booted as a real TPU VM is (no stand-in declared), a host is not forced onto its CPU: its worker gives
+    JAX the TPU only, finds none, and the launch fails with the reason. It is not tried again, though the
+    job's max_failures would allow it: every launch on these hosts would find the same. The slice goes."""
+    with emulated_vms(client, stand_in=False) as (_, gcp, backing):
+        spec, folder = probe_spec("no-tpu", client, tmp_path, unique_folder(request), provider="gcp", gcp=gcp,
+                                  storage={"endpoint": gcs_emulator.url},
+                                  recovery={"start_timeout_s": 120, "max_failures": 3})
+        job = client.submit(spec, workdir=folder)
+        st = job.wait(timeout_s=300)
+        assert (st.state, st.cause, st.state_name) == (JobState.FAILED, FailedBecause.SETUP, "FAILED_SETUP"), \
+            (st.reason, job.logs()[-3000:])
+        assert re.match(r"host \d of slice \S+ \(v4-16\) found no TPU: Unable to initialize backend 'tpu': ",
+                        st.reason), st.reason
+        assert f"a host whose CPU stands in for TPU chips declares {CPU_STAND_IN_ENV}=1 in its Ray node's " \
+               "environment; not tried again" in st.reason
+        assert [d.data["kind"] for d in kinds(job, "disruption")] == ["platform_failed"]
+        assert len(kinds(job, "launched")) == 1 and "on TPU" in kinds(job, "launched")[0].reason
+        assert "found no TPU" in job.logs() and "sees none" not in job.logs()  # the job's code never ran
+        [s] = client.store.slices(job_id=job.id)
+        wait_for(lambda: not client.store.slices(job_id=job.id, live_only=True) and not backing.vms(s.name), 60,
+                 "the slice to be released and its VMs powered off")
 
 
 def reclaim_then_kill_the_controller(client, emu, job, *, reclaim_at: int, kill_at: int) -> None:
