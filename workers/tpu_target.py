@@ -128,7 +128,7 @@ class ProgramReport:
     alias_bytes: int  # outputs written over donated arguments (the train step's state)
     temp_bytes: int
     code_bytes: int
-    flops_per_chip: float  # of one step, from the compiler's cost analysis
+    flops_per_chip: float  # of one step, from the compiler's cost analysis (every loop trip counted)
     bytes_accessed_per_chip: float
     optimal_s: float | None  # the cost model's time for one run of the program (its roofline), if it gives one
     chips: int
@@ -172,9 +172,14 @@ def context(topology: Topology, settings: TrainingSettings, **given: Any) -> api
                        devices=topology.devices(), **given)
 
 
-def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Topology) -> tuple[jax.stages.Compiled,
-                                                                                               ProgramReport]:
+def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Topology, *,
+                       count_flops: bool = True) -> tuple[jax.stages.Compiled, ProgramReport]:
     """The built-in trainer's step for `topology`, as its hosts would compile it, and the compiler's report.
+
+    XLA's cost analysis counts a loop's body once, and the step loops over its layers (and
+    its microbatches). With `count_flops` the FLOPs and bytes are therefore those of a twin
+    compiled with those loops unrolled (the same arithmetic, `workers.model.Numerics.unroll`);
+    the memory, compile time and executable are always the hosts' program's.
 
     Raises whatever the compiler raises for a program it rejects (a kernel Mosaic cannot
     lower, a program over the chip's memory): the caller says which target and why.
@@ -182,9 +187,14 @@ def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Top
     from workers.train import Trainer
 
     ctx = context(topology, settings)
-    trainer = Trainer(lm, ctx)
-    compiled, seconds = compile_on(ctx.mesh, trainer.lower_step)
-    return compiled, report(compiled, topology.label, topology.chips * topology.slices, seconds)
+    compiled, seconds = compile_on(ctx.mesh, Trainer(lm, ctx).lower_step)
+    found = report(compiled, topology.label, topology.chips * topology.slices, seconds)
+    if count_flops and (lm.model.n_layers > 1 or settings.microbatches > 1):
+        twin, _ = compile_on(ctx.mesh, Trainer(lm, ctx, unroll=True).lower_step)
+        counted = report(twin, found.target, found.chips, 0.0)
+        found = dataclasses.replace(found, flops_per_chip=counted.flops_per_chip,
+                                    bytes_accessed_per_chip=counted.bytes_accessed_per_chip)
+    return compiled, found
 
 
 def serialize(compiled: jax.stages.Compiled) -> bytes:

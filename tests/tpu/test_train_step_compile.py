@@ -25,8 +25,7 @@ TARGETS = [("v4-16", 1), ("v4-32", 1), ("v4-64", 1), ("v4-16", 2), ("v4-16", 4),
 def small_job(**workload) -> JobSpec:
     return JobSpec.model_validate({
         "name": "compiled", "accelerator": "v4-16",
-        # One layer: XLA's cost analysis counts a loop's body once, and the trainer scans its layers.
-        "workload": {"type": "lm", "model": {"d_model": 256, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2,
+        "workload": {"type": "lm", "model": {"d_model": 256, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
                                              "d_ff": 512},
                      "seq_len": 256, "global_batch_size": 64, "steps": 10, "precision": {"compute": "auto"},
                      **workload}})
@@ -45,8 +44,8 @@ def test_the_train_step_compiles_for_each_slice(accelerator, slices):
     state = 12 * shape.num_params()
     assert report.argument_bytes >= state and report.alias_bytes >= state
     assert 0 < report.hbm_bytes_per_chip < t.hbm_bytes_per_chip
-    # The compiler's FLOPs are the formula MFU uses (6N + 12 L d s a token), attention counted through the
-    # kernels' own cost estimates (whole blocks, so a little more than the causal half).
+    # The compiler's FLOPs (every layer counted) are the formula MFU uses, 6N + 12 L d s a token, and a little
+    # more: flash attention's backward recomputes the scores (18 L d s, not 12, from the kernels' cost estimates).
     tokens = spec.workload.seq_len * spec.workload.global_batch_size
     formula = shape.flops_per_token(spec.workload.seq_len) * tokens
     assert 0.98 * formula <= report.flops <= 1.15 * formula, (report.flops, formula)
