@@ -101,7 +101,8 @@ def _devices(t: Topology) -> tuple[Any, ...]:
     except (RuntimeError, ValueError) as e:  # jaxlib raises its own error types as these
         raise TargetUnavailable(f"XLA's TPU compiler could not describe {t.label}: {_first_line(e)} "
                                 "(it needs libtpu: pip install the project's 'tpu' extra)") from e
-    devices = sorted(desc.devices, key=lambda d: (getattr(d, "slice_index", None) or 0, d.process_index, d.id))
+    found: list[Any] = list(desc.devices)  # jaxlib's Device stub names neither process_index nor slice_index
+    devices = sorted(found, key=lambda d: (getattr(d, "slice_index", None) or 0, d.process_index, d.id))
     if len(devices) != t.chips * t.slices:
         raise TargetUnavailable(f"{t.label}: the TPU compiler described {len(devices)} devices, expected "
                                 f"{t.chips * t.slices}")
@@ -147,6 +148,8 @@ class ProgramReport:
 
 def report(compiled: jax.stages.Compiled, target: str, chips: int, compile_s: float) -> ProgramReport:
     m = compiled.memory_analysis()
+    if m is None:
+        raise TargetUnavailable(f"{target}: the TPU compiler gave no memory analysis")
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
     optimal = cost.get("optimal_seconds")
