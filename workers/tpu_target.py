@@ -175,6 +175,77 @@ def context(topology: Topology, settings: TrainingSettings, **given: Any) -> api
                        devices=topology.devices(), **given)
 
 
+def roofline_s(r: ProgramReport, chip: hardware.Chip) -> float:
+    """The least time one step can take on `chip` by the compiler's own counts: its FLOPs at the chip's peak
+    bf16 rate, or its HBM traffic at the chip's bandwidth, whichever is longer (a lower bound; not measured)."""
+    return max(r.flops_per_chip / (chip.peak_bf16_tflops * 1e12), r.bytes_accessed_per_chip / (chip.hbm_gbps * 1e9))
+
+
+# -- reports kept by program ---------------------------------------------------------------
+#
+# A report is a pure function of the settings, the target, the code that builds the program and the
+# compiler: kept under a key of all four, a second look at the same job is a file read.
+
+_PROGRAM_CODE = ("kernels", "workers", "policies/model")  # what builds the step (`workers.train`, the kernels)
+
+
+@functools.cache
+def _code_digest() -> str:
+    import hashlib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for folder in _PROGRAM_CODE:
+        for path in sorted((root / folder).glob("*.py")):
+            h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
+
+
+def program_key(lm: LmSettings, settings: TrainingSettings, topology: Topology, count_flops: bool) -> str:
+    """The key of the step's report: what the step is, where it is compiled for, by which code and compiler."""
+    import hashlib
+    from importlib import metadata
+
+    import jaxlib
+
+    try:
+        libtpu = metadata.version("libtpu")
+    except metadata.PackageNotFoundError:
+        libtpu = "none"
+    parts = (repr(lm), repr(settings), repr(topology), count_flops, jax.__version__, jaxlib.__version__, libtpu,
+             _code_digest())
+    return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
+
+
+def kept_report(cache_dir: str | os.PathLike | None, key: str) -> ProgramReport | None:
+    """The report kept under `key` in `cache_dir`, or None (none kept, or unreadable: compiled again)."""
+    import json
+    from pathlib import Path
+
+    if cache_dir is None:
+        return None
+    path = Path(cache_dir) / f"{key}.json"
+    try:
+        return ProgramReport(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def keep_report(cache_dir: str | os.PathLike | None, key: str, found: ProgramReport) -> None:
+    import json
+    import tempfile
+    from pathlib import Path
+
+    if cache_dir is None:
+        return
+    folder = Path(cache_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
+        json.dump(dataclasses.asdict(found), f)
+    os.replace(f.name, folder / f"{key}.json")  # whole or not at all
+
+
 def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Topology, *,
                        count_flops: bool = True) -> tuple[jax.stages.Compiled, ProgramReport]:
     """The built-in trainer's step for `topology`, as its hosts would compile it, and the compiler's report.

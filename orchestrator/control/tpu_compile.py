@@ -7,10 +7,19 @@ the workers' own code (`workers.tpu_target`). Nothing is provisioned and nothing
 
 from __future__ import annotations
 
+import os
+
 from orchestrator.catalog import TpuType
 from orchestrator.control.launch import workload_for
 from orchestrator.domain.spec import JobSpec, LmWorkload
-from workers.tpu_target import ProgramReport, Topology, compile_train_step
+from workers.tpu_target import (
+    ProgramReport,
+    Topology,
+    compile_train_step,
+    keep_report,
+    kept_report,
+    program_key,
+)
 
 
 def topology(t: TpuType, slices: int = 1) -> Topology:
@@ -19,7 +28,14 @@ def topology(t: TpuType, slices: int = 1) -> Topology:
 
 
 def compile_step(spec: JobSpec, t: TpuType, slices: int = 1) -> ProgramReport:
-    """The compiler's report of `spec`'s train step on `slices` x `t` (the built-in trainer's jobs).
+    """The compiler's report of `spec`'s train step on `slices` x `t` (the built-in trainer's jobs)."""
+    return step_report(spec, t, slices)[0]
+
+
+def step_report(spec: JobSpec, t: TpuType, slices: int = 1, *,
+                cache_dir: str | os.PathLike | None = None) -> tuple[ProgramReport, bool]:
+    """The compiler's report of `spec`'s train step on `slices` x `t`, and whether it was kept from before
+    (in `cache_dir`, by `workers.tpu_target.program_key`: the same settings, target, code and compiler).
 
     Raises:
       ValueError: `spec` runs a program of its own (its step is not known before it runs).
@@ -31,5 +47,10 @@ def compile_step(spec: JobSpec, t: TpuType, slices: int = 1) -> ProgramReport:
                          "built-in trainer's step can be compiled before it runs")
     on = spec.moved(t.name, spec.tier, slices=slices)
     work = workload_for(on, t.chips, t.hosts, slices=slices)
-    _, report = compile_train_step(work["lm"], work["settings"], topology(t, slices))
-    return report
+    target = topology(t, slices)
+    key = program_key(work["lm"], work["settings"], target, count_flops=True)
+    if (kept := kept_report(cache_dir, key)) is not None:
+        return kept, True
+    _, report = compile_train_step(work["lm"], work["settings"], target)
+    keep_report(cache_dir, key, report)
+    return report, False

@@ -72,9 +72,10 @@ def slice_fit(spec: JobSpec, accelerator: str, field: str = "accelerator") -> Sl
     return SliceFit(accelerator, field, mesh, verdict, advice=tips)
 
 
-def memory_problems(spec: JobSpec) -> list[tuple[str, str]]:
+def memory_problems(spec: JobSpec, *, check_hbm: bool = True) -> list[tuple[str, str]]:
     """(field, message) for each slice type the job may run on where it cannot run: the mesh does not
-    divide it, the microbatch count does not divide its rows, or training does not fit its HBM."""
+    divide it, the microbatch count does not divide its rows, or (`check_hbm`) training does not fit its
+    HBM by the estimate."""
     problems = []
     for name, field in candidate_types(spec):
         f = slice_fit(spec, name, field)
@@ -87,7 +88,7 @@ def memory_problems(spec: JobSpec) -> list[tuple[str, str]]:
                              f"{w.gradient_accumulation} microbatches do not divide the {f.mesh.rows_per_shard} rows "
                              f"each batch shard gets on {name} (global_batch_size {w.global_batch_size} over "
                              f"data*fsdp={f.mesh.batch_shards}); use a divisor of {f.mesh.rows_per_shard} or 'auto'"))
-        elif not f.fit.fits:
+        elif check_hbm and not f.fit.fits:
             problems.append((field, refusal(f)))
     return problems
 

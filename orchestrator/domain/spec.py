@@ -234,13 +234,15 @@ class JobSpec(_Frozen):
     # -- loading ---------------------------------------------------------------
 
     @classmethod
-    def from_yaml(cls, path: str | Path) -> "JobSpec":
+    def from_yaml(cls, path: str | Path, *, check_memory: bool = True) -> "JobSpec":
+        """`check_memory`: refuse a slice the memory estimate says training does not fit (False: the TPU
+        compiler's figures decide instead, `orchestrator.user.compiled`)."""
         path = Path(path)
         data = read_job_file(path)  # SpecError: unreadable, over 1 MiB, duplicate keys, invalid YAML
-        return cls.from_dict(_resolve_checkpoint_dir(data, path.parent), source=str(path))
+        return cls.from_dict(_resolve_checkpoint_dir(data, path.parent), source=str(path), check_memory=check_memory)
 
     @classmethod
-    def from_dict(cls, data: Any, *, source: str = "<spec>") -> "JobSpec":
+    def from_dict(cls, data: Any, *, source: str = "<spec>", check_memory: bool = True) -> "JobSpec":
         if not isinstance(data, dict):
             kind = "nothing" if data is None else type(data).__name__
             raise SpecError(source, [("", f"expected a mapping of job fields at the top level, got {kind}")])
@@ -248,7 +250,7 @@ class JobSpec(_Frozen):
             spec = cls.model_validate(data)
         except ValidationError as e:
             raise SpecError(source, [_describe(err) for err in e.errors()]) from None
-        problems = spec.semantic_problems()
+        problems = spec.semantic_problems(check_memory=check_memory)
         if problems:
             raise SpecError(source, problems)
         return spec
@@ -262,7 +264,7 @@ class JobSpec(_Frozen):
             data["workdir"] = raw["_workdir"]
         return cls.model_validate(data)
 
-    def semantic_problems(self) -> list[tuple[str, str]]:
+    def semantic_problems(self, *, check_memory: bool = True) -> list[tuple[str, str]]:
         """Problems that involve several fields (the provider's settings, the mesh against the slice)."""
         if self.provider == "gcp" and self.gcp is None:
             return [("gcp", "provider gcp needs a gcp section with at least project and zones")]
@@ -275,7 +277,8 @@ class JobSpec(_Frozen):
         if sliced := self._slices_problems():  # the mesh and batch checks below take the slice count as valid
             return general + sliced
         w = self.workload
-        return general + (self._lm_problems(w) if isinstance(w, LmWorkload) else self._entrypoint_problems(w))
+        return general + (self._lm_problems(w, check_memory) if isinstance(w, LmWorkload)
+                          else self._entrypoint_problems(w))
 
     def _storage_problems(self) -> list[tuple[str, str]]:
         """On gcp every file the hosts share lives in Cloud Storage: TPU VMs share no disk with this machine."""
@@ -329,7 +332,7 @@ class JobSpec(_Frozen):
             note += f"; each of its {self.slices} slices trains {batch // self.slices} of the {batch} rows"
         return note
 
-    def _lm_problems(self, w: LmWorkload) -> list[tuple[str, str]]:
+    def _lm_problems(self, w: LmWorkload, check_memory: bool = True) -> list[tuple[str, str]]:
         """The built-in trainer's settings together, then its mesh and memory on every slice it may run on."""
         from orchestrator.domain.fit import memory_problems
 
@@ -366,7 +369,7 @@ class JobSpec(_Frozen):
         except MeshError as e:
             problems.append((f"workload.{e.field}",
                              f"{e} ({self._devices_note})"))
-        return problems + memory_problems(self)
+        return problems + memory_problems(self, check_hbm=check_memory)
 
     def _entrypoint_problems(self, w: EntrypointWorkload) -> list[tuple[str, str]]:
         """A user program's batch settings against the slice (its model is its own: not checked here)."""

@@ -84,10 +84,15 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+CompileOpt = typer.Option(False, "--compile", help="Compile the train step for every slice the job may use with "
+                          "XLA's TPU compiler (needs libtpu): does it fit, and how fast could it go.")
+
+
 @app.command()
-def validate(job_file: Path = typer.Argument(..., help="The job's YAML file.")) -> None:
-    """Check a job file; print the resolved spec."""
-    spec = JobSpec.from_yaml(job_file)
+def validate(job_file: Path = typer.Argument(..., help="The job's YAML file."), compile: bool = CompileOpt) -> None:
+    """Check a job file; print the resolved spec. With --compile the TPU compiler's figures decide whether
+    training fits each slice, in place of the estimate."""
+    spec = JobSpec.from_yaml(job_file, check_memory=not compile)
     problems = gcp_problems(spec)  # what TPU VMs need, before anything is provisioned
     if problems:
         raise SpecError(str(job_file), problems)
@@ -95,7 +100,27 @@ def validate(job_file: Path = typer.Argument(..., help="The job's YAML file.")) 
     hosts = f"{t.hosts * n} host" + ("s" if t.hosts * n != 1 else "")
     what = f"{spec.accelerator}: {t.chips} chips on {hosts}" if n == 1 else \
         f"{spec.accelerator} x {n}: {t.chips * n} chips on {hosts} in {n} slices"
+    if compile:
+        _compile_check(spec, job_file)
     out.print(f"{job_file}: valid ({what}, {spec.tier.value})", highlight=False)
+
+
+def _compile_check(spec: JobSpec, job_file: Path) -> None:
+    """The TPU compiler's table for every option of `spec`; exit 2 (nothing provisioned) naming each
+    option that does not compile or fit."""
+    from orchestrator import cluster
+    from orchestrator.user.compiled import compile_options, render
+    from workers.tpu_target import TargetUnavailable
+
+    cache = cluster.Home.default().ensure().root / "tpu-programs"
+    try:
+        rows = compile_options(spec, cache_dir=cache, progress=lambda line: err.print(line, highlight=False))
+    except (ValueError, TargetUnavailable) as e:
+        _fail(f"{job_file}: --compile: {e}")
+    out.print(render(rows, spec))
+    refused = [(r.field, line) for r in rows if (line := r.refusal()) is not None]
+    if refused:
+        raise SpecError(str(job_file), refused)
 
 
 @app.command()
@@ -113,6 +138,9 @@ def submit(job_file: Path = typer.Argument(..., help="The job's YAML file."),
                                       "folder aside to <folder>.replaced-<UTC time>."),
            resume_anyway: bool = typer.Option(False, "--resume-anyway", help="Resume the checkpoints in the job's "
                                               "folder even if another model, optimizer or data wrote them."),
+           compile: bool = typer.Option(False, "--compile", help="First compile the train step for every slice the "
+                                        "job may use with XLA's TPU compiler (needs libtpu); submit nothing if one "
+                                        "does not compile or fit."),
            address: Optional[str] = AddressOpt) -> None:
     """Submit a job; wait for it with a progress display unless --detach.
 
@@ -121,7 +149,9 @@ def submit(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     """
     if fresh and resume_anyway:
         _fail("--fresh and --resume-anyway exclude each other: start over, or resume")
-    spec = JobSpec.from_yaml(job_file)
+    spec = JobSpec.from_yaml(job_file, check_memory=not compile)
+    if compile:
+        _compile_check(spec, job_file)  # exit 2 before any cluster or slice is touched
     client = Client(address=address)
     try:
         job = client.submit(spec, workdir=job_file.parent, source=str(job_file), fresh=fresh,
@@ -461,14 +491,15 @@ def gc(project: str = typer.Option(..., help="Google Cloud project."),
 def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
          trace: Optional[Path] = typer.Option(None, "--trace",
                                               help="A spot capacity trace (JSON, as in policies/evaluation/traces)."),
-         deadline_hours: Optional[float] = typer.Option(None, help="Overrides the job file's deadline.")) -> None:
+         deadline_hours: Optional[float] = typer.Option(None, help="Overrides the job file's deadline."),
+         compile: bool = CompileOpt) -> None:
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
     from orchestrator.domain.fit import slice_fit
     from orchestrator.domain.spec import AutoscalingConfig, LmWorkload
     from orchestrator.user.planning import moves_lines, plan_job, render_memory, render_plan
     from policies.evaluation.traces import TraceError
 
-    spec = JobSpec.from_yaml(job_file)
+    spec = JobSpec.from_yaml(job_file, check_memory=not compile)
     w = spec.workload
     if not isinstance(w, LmWorkload):
         _fail(f"{job_file}: plan needs the built-in lm workload (its token count and model size)")
@@ -492,6 +523,8 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     for line in moves_lines(result, width=out.width):
         out.print(line, markup=False, highlight=False)
     out.print(render_memory([slice_fit(spec, name) for name in auto.accelerators]))
+    if compile:
+        _compile_check(spec, job_file)
 
 
 @app.command()
