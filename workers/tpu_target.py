@@ -251,9 +251,12 @@ def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Top
     """The built-in trainer's step for `topology`, as its hosts would compile it, and the compiler's report.
 
     XLA's cost analysis counts a loop's body once, and the step loops over its layers (and
-    its microbatches). With `count_flops` the FLOPs and bytes are therefore those of a twin
-    compiled with those loops unrolled (the same arithmetic, `workers.model.Numerics.unroll`);
-    the memory, compile time and executable are always the hosts' program's.
+    its microbatches). With `count_flops` the FLOPs and bytes are therefore counted on twins
+    compiled with those loops unrolled (the same arithmetic, `workers.model.Numerics.unroll`):
+    of one and of two layers, every layer being the same program, so that the step's count is
+    the one-layer twin's plus a layer's (the two-layer twin's less the one-layer twin's) for
+    every further layer. Unrolling all of a deep model's layers would take the compiler many
+    minutes. The memory, compile time and executable are always the hosts' program's.
 
     Raises whatever the compiler raises for a program it rejects (a kernel Mosaic cannot
     lower, a program over the chip's memory): the caller says which target and why.
@@ -264,11 +267,27 @@ def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Top
     compiled, seconds = compile_on(ctx.mesh, Trainer(lm, ctx).lower_step)
     found = report(compiled, topology.label, topology.chips * topology.slices, seconds)
     if count_flops and (lm.model.n_layers > 1 or settings.microbatches > 1):
-        twin, _ = compile_on(ctx.mesh, Trainer(lm, ctx, unroll=True).lower_step)
-        counted = report(twin, found.target, found.chips, 0.0)
-        found = dataclasses.replace(found, flops_per_chip=counted.flops_per_chip,
-                                    bytes_accessed_per_chip=counted.bytes_accessed_per_chip)
+        flops, moved = _unrolled_counts(lm, ctx, found)
+        found = dataclasses.replace(found, flops_per_chip=flops, bytes_accessed_per_chip=moved)
     return compiled, found
+
+
+def _unrolled_counts(lm: LmSettings, ctx: api.Context, found: ProgramReport) -> tuple[float, float]:
+    """FLOPs and HBM bytes per chip of one step with every layer and microbatch counted."""
+    from workers.train import Trainer
+
+    def counted(layers: int) -> tuple[float, float]:
+        twin_lm = dataclasses.replace(lm, model=dataclasses.replace(lm.model, n_layers=layers))
+        twin, _ = compile_on(ctx.mesh, Trainer(twin_lm, ctx, unroll=True).lower_step)
+        r = report(twin, found.target, found.chips, 0.0)
+        return r.flops_per_chip, r.bytes_accessed_per_chip
+
+    layers = lm.model.n_layers
+    one = counted(1)
+    if layers == 1:
+        return one
+    two = counted(2)
+    return tuple(a + (layers - 1) * (b - a) for a, b in zip(one, two))  # type: ignore[return-value]
 
 
 def serialize(compiled: jax.stages.Compiled) -> bytes:
