@@ -250,13 +250,10 @@ def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Top
                        count_flops: bool = True) -> tuple[jax.stages.Compiled, ProgramReport]:
     """The built-in trainer's step for `topology`, as its hosts would compile it, and the compiler's report.
 
-    XLA's cost analysis counts a loop's body once, and the step loops over its layers (and
-    its microbatches). With `count_flops` the FLOPs and bytes are therefore counted on twins
-    compiled with those loops unrolled (the same arithmetic, `workers.model.Numerics.unroll`):
-    of one and of two layers, every layer being the same program, so that the step's count is
-    the one-layer twin's plus a layer's (the two-layer twin's less the one-layer twin's) for
-    every further layer. Unrolling all of a deep model's layers would take the compiler many
-    minutes. The memory, compile time and executable are always the hosts' program's.
+    XLA's cost analysis counts a loop's body once, and the step loops over its layers and its
+    microbatches. With `count_flops` the FLOPs and bytes are therefore counted on small twins
+    of the step with no loop left (`_unrolled_counts`); the memory, compile time and executable
+    are always the hosts' program's.
 
     Raises whatever the compiler raises for a program it rejects (a kernel Mosaic cannot
     lower, a program over the chip's memory): the caller says which target and why.
@@ -273,21 +270,40 @@ def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Top
 
 
 def _unrolled_counts(lm: LmSettings, ctx: api.Context, found: ProgramReport) -> tuple[float, float]:
-    """FLOPs and HBM bytes per chip of one step with every layer and microbatch counted."""
+    """FLOPs and HBM bytes per chip of one step with every layer and microbatch counted.
+
+    Every layer is the same program, and so is every microbatch, so twins of one microbatch
+    (``microbatches=1`` at a microbatch's rows) with their layer loop unrolled
+    (`workers.model.Numerics.unroll`) give the parts: a layer is the two-layer twin less the
+    one-layer twin; the part of a microbatch that grows with its rows is the one-layer twin at
+    twice the rows less the one at its rows; the rest (the optimizer's update) runs once. A
+    whole step is then ``rest + m x (microbatch + (layers - 1) x layer)``. Unrolling a deep
+    model's layers and microbatches whole took the compiler many minutes. The bytes that do not
+    grow with the rows are counted once, though a microbatch reads the weights again: the
+    bytes, and so the roofline, err low.
+    """
     from workers.train import Trainer
 
-    def counted(layers: int) -> tuple[float, float]:
-        twin_lm = dataclasses.replace(lm, model=dataclasses.replace(lm.model, n_layers=layers))
-        twin, _ = compile_on(ctx.mesh, Trainer(twin_lm, ctx, unroll=True).lower_step)
+    m, layers = ctx.settings.microbatches, lm.model.n_layers
+    rows = ctx.settings.global_batch_size
+    assert rows is not None, "the built-in trainer's settings have their batch"
+
+    def counted(n_layers: int, n_rows: int) -> tuple[float, float]:
+        twin_lm = dataclasses.replace(lm, model=dataclasses.replace(lm.model, n_layers=n_layers))
+        twin_ctx = dataclasses.replace(ctx, settings=dataclasses.replace(ctx.settings, global_batch_size=n_rows,
+                                                                         microbatches=1))
+        twin, _ = compile_on(ctx.mesh, Trainer(twin_lm, twin_ctx, unroll=True).lower_step)
         r = report(twin, found.target, found.chips, 0.0)
         return r.flops_per_chip, r.bytes_accessed_per_chip
 
-    layers = lm.model.n_layers
-    one = counted(1)
-    if layers == 1:
-        return one
-    two = counted(2)
-    return tuple(a + (layers - 1) * (b - a) for a, b in zip(one, two))  # type: ignore[return-value]
+    one = counted(1, rows // m)
+    layer = tuple(b - a for a, b in zip(one, counted(2, rows // m))) if layers > 1 else (0.0, 0.0)
+    if m == 1:
+        return one[0] + (layers - 1) * layer[0], one[1] + (layers - 1) * layer[1]
+    grows = tuple(b - a for a, b in zip(one, counted(1, 2 * rows // m)))
+    once = tuple(a - g for a, g in zip(one, grows))
+    flops, moved = (o + m * (g + (layers - 1) * lay) for o, g, lay in zip(once, grows, layer))
+    return flops, moved
 
 
 def serialize(compiled: jax.stages.Compiled) -> bytes:
