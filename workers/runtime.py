@@ -79,7 +79,24 @@ def initialize(*, coordinator_address: str | None, num_processes: int, process_i
             assert coordinator_address is not None, "several processes are given their coordinator (launch does)"
             host_address = coordinator_address.rsplit(":", 1)[0]
         _pin_gloo(host_address)
+        _no_shared_jax_cache()
     return multislice
+
+
+def _no_shared_jax_cache() -> None:
+    """JAX's persistent cache off for the programs of a multi-process CPU runtime (a user's own, say).
+
+    On CPU hosts its key differs between the processes of one runtime: process 0 can load a
+    program from the cache while the others compile theirs afresh, and the processes'
+    collectives then need not agree. Under load, generations that started with their step in
+    the shared cache aborted in gloo ("op.preamble.length <= op.nbytes ... Is there a
+    distributed collective mismatch"), and none that compiled fresh did. This module's own
+    programs are kept by a key every process shares (`compile_cached`, `compile_keyed`).
+    """
+    from jax.experimental.compilation_cache import compilation_cache
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
 
 
 MEGASCALE_PORT = 8080

@@ -250,3 +250,25 @@ def test_a_seal_opens_only_with_its_key_name_and_bytes():
         assert runtime.open_sealed("executable/abc", sealed) is None  # another launch's key
     finally:
         runtime._share_key = None
+
+
+# A user's own program (a plain `jax.jit`) in the same runtime.
+USER_CHILD = PREAMBLE + r"""
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # whatever it takes to compile, it would be kept
+fn = jax.jit(lambda x: jnp.sin(x @ x.T).sum(), in_shardings=row)
+x = jax.make_array_from_callback((8, 3), row, lambda idx: np.arange(24, dtype=np.float32).reshape(8, 3)[idx])
+value = float(fn(x))
+entries = [p.name for p in os.scandir(cache) if p.name != "executables"] if os.path.isdir(cache) else []
+print(json.dumps({"rank": rank, "value": value, "jax_cache": bool(jax.config.jax_enable_compilation_cache),
+                  "entries": entries}))
+"""
+
+
+def test_a_user_s_program_never_goes_through_jax_s_own_cache_in_a_multi_process_cpu_runtime(tmp_path):
+    """JAX's persistent cache keys a program differently on each CPU process: process 0 could load one the
+    others compile afresh, and their collectives need not agree (gloo aborts under load). It is off there."""
+    for _ in range(2):  # a restart would find nothing to load
+        pair = run_pair(tmp_path / "cache", child=USER_CHILD)
+        assert [r["jax_cache"] for r in pair] == [False, False]
+        assert [r["entries"] for r in pair] == [[], []]
+        assert pair[0]["value"] == pair[1]["value"]
