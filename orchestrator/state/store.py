@@ -16,6 +16,7 @@ can read any more, and a reader would see a different history.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -32,6 +33,7 @@ from orchestrator.state.events import PAYLOADS, EventKind, Payload, SliceChanged
 from orchestrator.state.states import JOB_TRANSITIONS, FailedBecause, JobState, SliceState, check_slice
 
 P = TypeVar("P", bound=Payload)
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 4  # 2: steps.metrics; 3: jobs.cause; 4: jobs.folder
 
@@ -168,6 +170,22 @@ class StepMetric:
         return cls(step, generation, loss, tokens_per_s, step_time_s, at, json.loads(metrics) if metrics else {})
 
 
+def _set_aside_orphans(path: Path) -> None:
+    """A write-ahead log (``-wal``) and its index (``-shm``) with no database beside them are what a
+    store deleted under a running controller leaves (it holds them open). SQLite would take them
+    for the new store's and fail every open with "disk I/O error", `down` included; they hold
+    nothing a store can use (the controller wrote what it had to ``.rescued``), so they go aside."""
+    if path.exists():
+        return
+    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+    for suffix in ("-wal", "-shm"):
+        orphan = path.with_name(path.name + suffix)
+        if orphan.exists():
+            aside = orphan.with_name(f"{orphan.name}.orphaned-{stamp}")
+            os.replace(orphan, aside)
+            log.warning("%s has no database beside it (the store was deleted): moved to %s", orphan, aside)
+
+
 class Store:
     def __init__(self, path: Path | str, *, create: bool = True):
         """The store at `path`, made there if it is not (unless `create` is False: StoreFaultError, "deleted")."""
@@ -175,6 +193,7 @@ class Store:
         if not create and not self.path.exists():
             raise StoreFaultError(self.path, "deleted", "the running cluster's store is gone from its path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _set_aside_orphans(self.path)
         self._local = threading.local()
         if self._schema_version() != SCHEMA_VERSION:  # a store that is current is only read: it may be read-only
             self._create_or_upgrade()
