@@ -23,26 +23,43 @@ Transformer Models", 2022), per chip, in bytes:
   (n_kv_heads x head_dim), t the ``model`` axis (it splits heads and d_ff; the residual
   stream is replicated over it, no sequence parallelism):
 
-    no remat (``none``, ``everything_saveable``):   A = 5d + (3d + 3kv + 6f) / t
-        the block's input, the two norm outputs, the attention's projected output and
-        residual (5d); q, k, v, rotated q and k, the attention output (3d + 3kv); the
-        feed-forward's up-projection, GELU's intermediates (its tanh form keeps four) and
-        its output (6f), split over t. These are the residuals the model's own program
-        keeps (`jax.ad_checkpoint.print_saved_residuals`; a test compares). A mixture of
-        experts keeps top_k x 6f / t and the router's 2 x experts instead of 6f / t; a
-        scan layer adds 2d + 5d / t (its norm output and residual; its two projections,
-        the gate, the gated input, the recurrence's output).
-    ``full`` (``nothing_saveable``): only each block's input, d, and during the backward
-    pass one block's A recomputed: L x d + A.
+    no remat (``none``, ``everything_saveable``):   A = 4d + (d + (2d + 2kv) x p + 6f) / t
+        the block's input, the two norm outputs and the residual after attention (4d); the
+        attention output reshaped for its projection's gradient (d); what the attention
+        kernel keeps for its backward pass: rotated q and k, v and its output (2d + 2kv), in
+        the kernel's [batch, heads, seq, head_dim] layout, whose minor dimension the TPU pads
+        to a multiple of 128 lanes: p = ceil(head_dim / 128) x 128 / head_dim (2 for a
+        head_dim of 64; `TrainingJob.lanes`); the feed-forward's up-projection, GELU's
+        intermediates (its tanh form keeps four) and its output (6f), split over t. These are
+        the buffers XLA's TPU compiler keeps from the forward loop to the backward loop of the
+        built-in trainer's step (`benchmarks/tpu_compile.py`; q and k before rotation are not
+        among them: the rotation's backward needs only the positions), and within 15% of the
+        residuals JAX lists for the XLA path on a CPU (`jax.ad_checkpoint.print_saved_residuals`,
+        no padding there; a test compares). A mixture of experts
+        keeps top_k x 6f / t and the router's 2 x experts instead of 6f / t; a scan layer adds
+        2d + 5d / t (its norm output and residual; its two projections, the gate, the gated
+        input, the recurrence's output).
+    ``full`` (``nothing_saveable``): only each block's input, d: L x d.
     ``dots_with_no_batch_dims_saveable`` and ``dots_saveable``: each block keeps its input
     and every projection's output, 3d + (d + 2kv + f) / t (a mixture of experts:
-    top_k x f / t, a scan layer d + 2d / t more), plus one block's A while it is
-    recomputed. The two policies keep the same here: every projection is a dot without
-    batch dimensions, and the attention's batched dots live inside its kernel.
+    top_k x f / t, a scan layer d + 2d / t more). The two policies keep the same here: every
+    projection is a dot without batch dimensions, and the attention's batched dots live
+    inside its kernel.
+
+  Whatever the policy, the backward pass holds one block's A more while it works on that
+  block (the block recomputed with remat, its activations' gradients without), and the
+  attention kernel's float32 row statistics for it (the log-sum-exp and the backward's
+  rowsum(dO x O), three arrays of [batch, heads, seq, 1] whose minor dimension the TPU pads
+  to 128 lanes: 3 x 4 x 128 bytes a head a token, over t). Without remat the compiler's peak
+  for the ~100M and ~1B jobs of `benchmarks/tpu_compile.py` on v4 is within 3% of this
+  estimate (15-17% over it for the ~100M model when the attention counted 3d + 3kv unpadded
+  and no block). With remat the estimate errs high: the ~1B job's logits (float32, 3.9 GiB a
+  chip at 16k tokens) and its block's backward are not live at once, and the compiler found
+  ``full`` 22% under the estimate (a ~100M model, 6% under).
 
   Both attention paths (the Pallas flash kernel, the chunked XLA one) are custom VJPs that
-  keep only their output and softmax statistics, never a [seq, seq] score matrix, so no
-  policy has a seq^2 term. Logits and their gradient are float32, 8 x vocab_size bytes
+  keep only their inputs, output and softmax statistics, never a [seq, seq] score matrix, so
+  no policy has a seq^2 term. Logits and their gradient are float32, 8 x vocab_size bytes
   per token, once.
 
 - Usable HBM is 90% of the chip's: XLA's scratch buffers, the program and fragmentation
@@ -61,6 +78,8 @@ from policies.model.shape import ModelShape
 from policies.model.sharding import PARAM_RULES, MeshPlan
 
 GIB = 2**30
+TPU_LANES = 128  # the TPU's layouts tile an array's minor dimension in multiples of 128 (its vector lanes)
+ROW_STATISTICS = 3  # float32 [batch, heads, seq, 1] arrays of the attention's backward for the block it works on
 USABLE_FRACTION = 0.9  # of a chip's HBM; the rest is XLA's scratch, the program and fragmentation
 
 # `jax.checkpoint_policies` that take no arguments (a test checks this list against JAX);
@@ -104,6 +123,7 @@ class TrainingJob:
     global_batch_size: int
     compute_dtype: str = "bfloat16"  # "bfloat16" or "float32"; parameters and optimizer state are float32
     remat: str = "none"  # one of REMAT_CHOICES
+    lanes: int = TPU_LANES  # the minor-dimension tile of the chip's layouts (1: no padding, as on a CPU)
 
 
 @dataclass(frozen=True)
@@ -116,8 +136,9 @@ class MemoryEstimate:
     compute_copy: float  # the parameters in the compute dtype (bfloat16 only), and fsdp's gathered layers
     gradients: float  # float32 gradients, and their accumulator with more than one microbatch
     optimizer: float  # AdamW's two float32 moments
-    activations: float  # kept for the backward pass (with the remat policy), and a recomputed block
+    activations: float  # kept for the backward pass (with the remat policy), and `block`
     logits: float  # float32 logits and their gradient
+    block: float = 0.0  # of `activations`: the one block the backward pass works on (recomputed, or its gradients)
 
     @property
     def total(self) -> float:
@@ -148,28 +169,38 @@ def estimate(job: TrainingJob, mesh: MeshPlan, microbatches: int = 1) -> MemoryE
         layers = params_per_chip(s, whole) - 2 * s.vocab_size * s.d_model  # embed and unembed are not layers
         copy += 2 * layers / s.n_layers * c
     tokens = mesh.rows_per_shard // microbatches * job.seq_len
-    activations = tokens * _activation_elements_per_token(s, mesh.model, job.remat) * c
+    kept, block = _activation_elements_per_token(s, mesh.model, job.remat, job.lanes)
+    block_bytes = tokens * (block * c + ROW_STATISTICS * 4 * job.lanes * s.n_heads / mesh.model)
     return MemoryEstimate(microbatches=microbatches, tokens=tokens, params=4 * p, compute_copy=copy,
                           gradients=4 * p * (2 if microbatches > 1 else 1), optimizer=8 * p,
-                          activations=activations, logits=tokens * 8 * s.vocab_size)
+                          activations=tokens * kept * c + block_bytes, logits=tokens * 8 * s.vocab_size,
+                          block=block_bytes)
 
 
-def _activation_elements_per_token(s: ModelShape, t: int, remat: str) -> float:
-    """Elements kept per token for the whole model (all layers), with `remat` (see the module docstring)."""
+def lane_padding(head_dim: int, lanes: int = TPU_LANES) -> float:
+    """How much larger the attention kernel's [batch, heads, seq, head_dim] arrays are in memory than their
+    elements: head_dim padded to a multiple of `lanes` (2.0 for 64 on a TPU, 1.0 for 128)."""
+    return math.ceil(head_dim / lanes) * lanes / head_dim
+
+
+def _activation_elements_per_token(s: ModelShape, t: int, remat: str, lanes: int) -> tuple[float, float]:
+    """(elements kept per token for the whole model, all layers; elements of the one block the backward pass
+    works on), with `remat` (see the module docstring)."""
     d, f, kv, L = s.d_model, s.d_ff, s.n_kv_heads * s.head_dim, s.n_layers
     k = min(s.moe_top_k, s.moe_experts)
     ffn_full = (k * 6 * f) / t + 2 * s.moe_experts if s.moe_experts else 6 * f / t
     ffn_dots = (k * f) / t if s.moe_experts else f / t
     scan_full = 2 * d + 5 * d / t if s.scan_layer else 0.0
     scan_dots = d + 2 * d / t if s.scan_layer else 0.0
-    full = 5 * d + (3 * d + 3 * kv) / t + ffn_full + scan_full  # one block, nothing recomputed
+    attention = (d + (2 * d + 2 * kv) * lane_padding(s.head_dim, lanes)) / t
+    full = 4 * d + attention + ffn_full + scan_full  # one block, nothing recomputed
     policy = _SAME_AS.get(remat, remat)
     if policy == "none":
-        return L * full
+        return L * full, full
     if policy == "full":
-        return L * d + full
+        return L * d, full
     dots = 3 * d + (d + 2 * kv) / t + ffn_dots + scan_dots  # dots_saveable, dots_with_no_batch_dims_saveable
-    return L * dots + full
+    return L * dots, full
 
 
 @dataclass(frozen=True)
