@@ -3,13 +3,16 @@
 A folder is a local absolute path or a Cloud Storage URL ``gs://BUCKET/FOLDER``. A URL's
 bucket must have the form Cloud Storage allows; its folder part has no empty, ``.`` or
 ``..`` segments (object stores take them literally, so ``gs://b/x/../y`` would be another
-folder than it reads as) and no glob characters (fsspec would expand them). Each check
-raises ValueError with the message a user sees after the field's name.
+folder than it reads as) and no glob characters (fsspec would expand them). A local folder is
+not in the kernel's own trees (/proc, /sys, /dev but /dev/shm): they hold processes, settings
+and devices, not files (a checkpoint folder under /proc/self was accepted, and failed at the
+first save). Each check raises ValueError with the message a user sees after the field's name.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -87,7 +90,26 @@ def check_checkpoint_directory(value: str) -> str:
     if not Path(value).is_absolute():
         raise ValueError(f"must be an absolute path, got {value!r} (in a job file, a relative path is taken "
                          "from the file's folder)")
+    if (problem := kernel_tree_problem(value)) is not None:
+        raise ValueError(f"{value!r} {problem}")
     return value
+
+
+_KERNEL_TREES = {"/proc": "the kernel's view of processes", "/sys": "the kernel's settings and devices",
+                 "/dev": "device files"}
+_FILES_UNDER_DEV = "/dev/shm"  # shared memory: a file system for files like any other
+
+
+def kernel_tree_problem(path: str | os.PathLike) -> str | None:
+    """Why a local `path` is no place for a user's files ("is in /proc, ..."; in /proc, /sys or /dev, /dev/shm
+    apart), or None. The path is looked at as given and with its links resolved (``/proc/self`` is a link)."""
+    for p in {os.path.abspath(path), os.path.realpath(path)}:
+        if p == _FILES_UNDER_DEV or p.startswith(_FILES_UNDER_DEV + "/"):
+            continue
+        for root, what in _KERNEL_TREES.items():
+            if p == root or p.startswith(root + "/"):
+                return f"is in {root}, {what}, not a place for files; use a folder on a disk"
+    return None
 
 
 def check_data_path(value: str) -> str:

@@ -31,6 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.transforms import blended_transform_factory
 
+from orchestrator.domain.locations import kernel_tree_problem
 from orchestrator.errors import OutputFileError, RequestError
 from orchestrator.observe.goodput import (
     CATEGORIES,
@@ -161,6 +162,8 @@ def check_output_path(path: Path) -> None:
         raise OutputFileError(path, "exists and is not a regular file")
     if not path.parent.is_dir():
         raise OutputFileError(path, f"the folder {path.parent} does not exist")
+    if (problem := kernel_tree_problem(path)) is not None:  # /dev/full.png: a file among the devices
+        raise OutputFileError(path, problem)
 
 
 def write_atomically(path: Path, data: bytes) -> None:
