@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m orchestrator.emulator", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--host", default="127.0.0.1", help="a loopback address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8470, help="0 picks a free port (default 8470)")
+    p.add_argument("--port", type=port_number, default=8470, help="0 picks a free port (default 8470)")
     p.add_argument("--time-scale", type=float, default=DEFAULT_TIME_SCALE,
                    help=f"multiplies the real service's timings (default {DEFAULT_TIME_SCALE})")
     p.add_argument("--seed", type=int, default=0, help="seed of the random transient errors")
@@ -53,6 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         emu.stop()
     return 0
+
+
+def port_number(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: the system picks a free one); what argparse says of anything else."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 5 and int(text) <= 65535):
+        raise argparse.ArgumentTypeError(f"must be a port number from 0 to 65535 (0 picks a free port), got {text!r}")
+    return int(text)
 
 
 def _write_private(path: Path, text: str) -> None:

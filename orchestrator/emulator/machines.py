@@ -84,6 +84,9 @@ def check_node(name: str, current: str, target: str) -> None:
         raise EmulatorBug(f"node {name}: {current} -> {target} is not a move of the real API")
 
 
+MAX_TIME_SCALE = 100.0  # 100 times the real service's timings: a two-minute provisioning takes over 3 hours
+
+
 @dataclass(frozen=True)
 class Timings:
     """How long each automatic step takes, in seconds of the real service, times `scale`.
@@ -101,8 +104,8 @@ class Timings:
     scale: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.scale <= 0:
-            raise ValueError(f"Timings.scale must be positive, got {self.scale}")
+        if not 0 < self.scale <= MAX_TIME_SCALE:  # NaN fails this too: every timing would be NaN, waits endless
+            raise ValueError(f"Timings.scale must be a number above 0 and at most {MAX_TIME_SCALE:g}, got {self.scale}")
 
     def of(self, step: str) -> float:
         """Seconds that `step` (a field name without ``_s``) takes at this scale."""

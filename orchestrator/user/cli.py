@@ -467,7 +467,12 @@ def emulator(port: int = typer.Option(8470, help="0 picks a free port."),
              seed: int = typer.Option(0, help="Seed of the random transient errors.")) -> None:
     """Serve a local emulator of the Cloud TPU API (127.0.0.1) until interrupted."""
     from orchestrator.emulator.__main__ import main as emulator_main
+    from orchestrator.emulator.machines import MAX_TIME_SCALE
 
+    if not 0 <= port <= 65535:
+        _fail(f"--port must be 0 to 65535 (0 picks a free port), got {port}")
+    if not 0 < time_scale <= MAX_TIME_SCALE:  # NaN too: its every wait would never end
+        _fail(f"--time-scale must be above 0 and at most {MAX_TIME_SCALE:g}, got {time_scale}")
     raise typer.Exit(emulator_main(["--port", str(port), "--time-scale", str(time_scale), "--seed", str(seed)]))
 
 
