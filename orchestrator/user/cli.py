@@ -501,16 +501,21 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
     from orchestrator.domain.fit import slice_fit
     from orchestrator.domain.spec import AutoscalingConfig, LmWorkload
-    from orchestrator.user.planning import moves_lines, plan_job, render_memory, render_plan
+    from orchestrator.user.planning import deadline_problem, moves_lines, plan_job, render_memory, render_plan
     from policies.evaluation.traces import TraceError
 
+    if deadline_hours is not None and (problem := deadline_problem(deadline_hours)) is not None:
+        _fail(f"--deadline-hours must be {problem}")  # before the job file is read
     spec = JobSpec.from_yaml(job_file, check_memory=not compile)
     w = spec.workload
     if not isinstance(w, LmWorkload):
         _fail(f"{job_file}: plan needs the built-in lm workload (its token count and model size)")
-    hours = deadline_hours or (spec.deadline.total_seconds() / 3600 if spec.deadline else None)
+    hours = deadline_hours if deadline_hours is not None else \
+        (spec.deadline.total_seconds() / 3600 if spec.deadline else None)
     if hours is None:
         _fail(f"{job_file}: deadline: plan needs a deadline (in the job file, or --deadline-hours)")
+    if deadline_hours is None and (problem := deadline_problem(hours)) is not None:
+        _fail(f"{job_file}: deadline: plan takes {problem} (--deadline-hours overrides it)")
     if trace is not None and not trace.is_file():
         _fail(f"{trace}: file not found")
     from orchestrator.control.autoscaler import counted_options

@@ -47,6 +47,17 @@ from policies.evaluation.traces import SpotTrace, load_trace, markov_trace
 from policies.model.memory_fit import GIB, USABLE_FRACTION
 
 REFERENCE_HOSTS = 4  # the synthetic trace's uptime is that of a 4-host slice under the prior
+# The deadlines a plan takes. Below a minute no slice even starts; the synthetic trace is 12 deadlines long,
+# so a year's deadline took minutes and gigabytes to replay (90 days: about 12 s).
+MIN_DEADLINE_HOURS, MAX_DEADLINE_HOURS = 1 / 60, 24 * 90
+
+
+def deadline_problem(hours: float) -> str | None:
+    """Why `hours` cannot be a plan's deadline (not a number, not finite, out of range), or None."""
+    if not MIN_DEADLINE_HOURS <= hours <= MAX_DEADLINE_HOURS:  # NaN fails this too
+        return (f"a deadline from one minute to 90 days ({MIN_DEADLINE_HOURS:.4f} to {MAX_DEADLINE_HOURS} hours), "
+                f"got {hours:g} hours")
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,6 +100,8 @@ def plan_job(
     """Expected cost, time and deadline risk of each type x tier, and of the cost policy.
     `counted`: the single-slice options with several slices of each added (`autoscaling.max_slices`:
     `orchestrator.control.autoscaler.counted_options`)."""
+    if (problem := deadline_problem(deadline_hours)) is not None:
+        raise ValueError(f"deadline_hours: plan takes {problem}")
     options = job_options(tpu_types, tiers, flops_per_token=flops_per_token,
                           measured_tokens_per_s=measured_tokens_per_s)
     if counted is not None:
