@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -371,10 +372,12 @@ def profile(job_id: str = typer.Argument(..., help="Job id, id prefix, or name."
     """Trace N steps of a running job on its hosts; say where the trace is and what it shows."""
     from orchestrator.user.capture import MAX_STEPS, render
 
-    if host != "all" and not host.isdigit():
+    if host != "all" and not (host.isascii() and host.isdigit() and len(host) <= 100):  # "²" is a digit int() refuses
         _fail(f"--host must be all or a host's number, got {host!r}")
     if not 1 <= steps <= MAX_STEPS:
         _fail(f"--steps must be 1 to {MAX_STEPS}, got {steps}")
+    if not 0 < timeout < math.inf:  # NaN too: a wait against it would never end
+        _fail(f"--timeout must be a number of seconds above 0, got {timeout}")
     client = Client()
     try:
         capture = client.profile(job_id, steps=steps, host=None if host == "all" else int(host), memory=memory,
@@ -482,8 +485,16 @@ def gc(project: str = typer.Option(..., help="Google Cloud project."),
        endpoint: Optional[str] = typer.Option(None, help="TPU API endpoint (the emulator's URL in tests)."),
        dry_run: bool = typer.Option(False, "--dry-run", help="List, do not delete.")) -> None:
     """Delete Cloud TPU slices labelled by this tool whose jobs are gone (leaked slices)."""
+    from orchestrator.domain.locations import check_endpoint
     from orchestrator.providers.gcp import GcpTpuProvider, collect_leaked
 
+    if not project.strip():
+        _fail("--project must name a Google Cloud project, got ''")
+    if endpoint is not None:  # "" would mean Google's, with this machine's credentials: not what was asked
+        try:
+            endpoint = check_endpoint(endpoint)
+        except ValueError as e:
+            _fail(f"--endpoint {e}")
     client = Client()
     live = {j.id for j in client.store.jobs(active_only=True)}
     provider = GcpTpuProvider(project, zone, endpoint=endpoint, join_check=lambda s: [])
