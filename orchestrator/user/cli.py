@@ -423,8 +423,9 @@ def data_prepare(src: Path = typer.Argument(..., help="A folder of text files (s
     from orchestrator.user.data_prepare import prepare
     from workers.tokens import DataError
 
+    # The bars show on a terminal only, gone once done (elsewhere rich would print an empty line as they stop).
     with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                  console=err, transient=True) as bars:  # on a terminal only; gone once done
+                  console=err, transient=True, disable=not err.is_terminal) as bars:
         tasks: dict[str, TaskID] = {}
 
         def progress(what: str, done: int, total: int) -> None:
