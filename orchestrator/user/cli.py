@@ -451,8 +451,15 @@ def export(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
            force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder.")) -> None:
     """Write a job's trained parameters as safetensors with their config (read back: workers.export.load)."""
     from orchestrator.errors import JobStateError
+    from orchestrator.user.outputs import check_output_folder
     from workers.export import ExportError
 
+    if latest and step is not None:
+        _fail("--latest and --step exclude each other: the newest committed step, or step N")
+    if step is not None and step < 0:
+        _fail(f"--step must be a committed step (0 or more), got {step}")
+    check_output_folder(output, force=force)  # the name and the folder, before the job and its checkpoint
+    _jax_on_cpu()
     try:
         done = Client().export(job_id, output, step=step, latest=latest, force=force)
     except JobStateError as e:
@@ -463,6 +470,16 @@ def export(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
     size = f"{done.bytes / 2**20:.1f} MiB" if done.bytes >= 2**20 else f"{done.bytes / 1024:.1f} KiB"
     out.print(f"wrote {done.out}: step {done.step}, {done.tensors} tensors, {done.parameters:,} parameters ({size})",
               highlight=False)
+
+
+def _jax_on_cpu() -> None:
+    """JAX on the CPU only, if it has not started yet (in this command's own process): an export is read on the
+    CPU, and JAX's look for a TPU, on a machine with libtpu and no TPU, prints a page of warnings to stderr."""
+    import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
 
 
 @app.command()

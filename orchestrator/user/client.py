@@ -37,6 +37,7 @@ from orchestrator.errors import (
     JobNotFoundError,
     JobStateError,
     OrchestratorError,
+    OutputFileError,
     SpecError,
     StoreFaultError,
 )
@@ -285,15 +286,21 @@ class Client:
 
         Raises `JobNotFoundError`, `JobStateError` (not SUCCEEDED, and neither `step` nor
         `latest`), `workers.export.ExportError` (no such checkpoint or step; `out` not empty
-        without `force`, a symbolic link, or inside or around any job's checkpoint folder).
+        without `force`, a file, a symbolic link, a name with a line break, a folder that
+        cannot be made there, inside or around any job's checkpoint folder, or a bucket that
+        does not answer: `orchestrator.user.outputs`, checked before the checkpoint is read),
+        ValueError (both `step` and `latest`).
 
         Example::
 
             client.export("tiny-lm", "weights/")
             params, config = workers.export.load("weights/")
         """
-        from workers.export import export_checkpoint
+        from orchestrator.user.outputs import check_output_folder, check_reachable
+        from workers.export import ExportError, export_checkpoint
 
+        if latest and step is not None:
+            raise ValueError("latest and step exclude each other: the newest committed step, or a given one")
         job = self.store.find_job(job_id)
         if step is None and not latest and job.state is not JobState.SUCCEEDED:
             raise JobStateError(job.id, job.state.value, "exported without --latest or --step",
@@ -306,7 +313,14 @@ class Client:
                   "model": lm.model.model_dump(mode="json") if lm else None,
                   "data": w.data.path if w.data else None}
         directory = spec.checkpoint.directory or str(self.home.default_checkpoint_dir(job.name))
-        self._refuse_checkpoint_folders(out)
+        try:
+            out = check_output_folder(os.fspath(out), force=force)
+            self._refuse_checkpoint_folders(out)
+            in_bucket = next((url for url in (out, directory) if storage.is_url(url)), None)
+            if in_bucket is not None:  # one endpoint serves both
+                check_reachable(in_bucket, spec.storage.endpoint)
+        except OutputFileError as e:
+            raise ExportError(e.path, e.problem) from None
         storage.configure(spec.storage.endpoint)  # where the job's gs:// folders are
         return export_checkpoint(directory, out, step=step, config=config, force=force)
 

@@ -14,7 +14,9 @@ of how many each pass (training the tokenizer, encoding) has read.
 The output folder is written atomically (`workers.token_writer.TokenWriter`): a failure part
 way leaves nothing at the output, and an existing non-empty folder is replaced only with
 `force`. It may be a bucket's folder (``gs://bucket/tokens``): Google's Cloud Storage with
-this machine's credentials, or the emulator that ``STORAGE_EMULATOR_HOST`` names.
+this machine's credentials, or the emulator that ``STORAGE_EMULATOR_HOST`` names. Where it
+goes is checked before the files are read (`orchestrator.user.outputs`): a folder that cannot
+be made there, or a bucket whose endpoint does not answer, is refused in seconds.
 
 Example::
 
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from orchestrator.errors import OutputFileError
+from orchestrator.user.outputs import check_output_folder, check_reachable
 from workers import storage
 from workers.token_writer import TokenWriter, refuse_existing
 from workers.tokens import DataError
@@ -90,11 +94,17 @@ def prepare(src: str | Path, out: str | Path, *, vocab_size: int | None = None, 
         raise DataError("--vocab-size", f"must be between {MIN_VOCAB} (the 256 bytes and EOS) and {MAX_VOCAB:,}, "
                                         f"got {vocab_size}")
     files = find_files(src, pattern)
-    if storage.is_url(out):  # a bucket's folder, gs://bucket/tokens; an emulator's if STORAGE_EMULATOR_HOST says so
-        storage.configure(os.environ.get("STORAGE_EMULATOR_HOST"))
-    else:
-        out = Path(out)
-    refuse_existing(out, force=force)  # before the work, not after it
+    try:  # where it goes, before the work: a name, a folder or a bucket that cannot take it is refused now
+        out = check_output_folder(os.fspath(out), force=force)
+        if storage.is_url(out):  # a bucket's folder, gs://bucket/tokens; an emulator's if STORAGE_EMULATOR_HOST says
+            endpoint = os.environ.get("STORAGE_EMULATOR_HOST") or None
+            check_reachable(out, endpoint)
+            storage.configure(endpoint)
+        else:
+            out = Path(out)
+    except OutputFileError as e:
+        raise DataError(e.path, e.problem) from None
+    refuse_existing(out, force=force)
     total = sum(_size(p) for p in files)
     if tokenizer is not None:
         tok = load_tokenizer(tokenizer)
@@ -106,18 +116,21 @@ def prepare(src: str | Path, out: str | Path, *, vocab_size: int | None = None, 
         raise DataError(str(tokenizer), f"has no {EOS} token to put between documents")
     documents = 0
     meter = _Meter("encoding", total, progress)
-    with TokenWriter(out, vocab_size=tok.get_vocab_size(), eos_id=eos_id, force=force) as writer:
-        for path in files:
-            started = False
-            for batch in _batches(read_chunks(path, meter)):
-                ids = [i for enc in tok.encode_batch(batch) for i in enc.ids]
-                if ids:
-                    writer.add(ids, continues=started)
-                    documents += not started
-                    started = True
-        if not documents:
-            raise DataError(str(src), f"the {len(files)} file(s) matching {pattern!r} hold no text")
-        writer.set_tokenizer(tok.to_str())
+    try:
+        with TokenWriter(out, vocab_size=tok.get_vocab_size(), eos_id=eos_id, force=force) as writer:
+            for path in files:
+                started = False
+                for batch in _batches(read_chunks(path, meter)):
+                    ids = [i for enc in tok.encode_batch(batch) for i in enc.ids]
+                    if ids:
+                        writer.add(ids, continues=started)
+                        documents += not started
+                        started = True
+            if not documents:
+                raise DataError(str(src), f"the {len(files)} file(s) matching {pattern!r} hold no text")
+            writer.set_tokenizer(tok.to_str())
+    except OSError as e:  # the disk filled up, the bucket went away: the writer leaves nothing at `out`
+        raise DataError(str(out), f"could not be written: {e.strerror or e}") from None
     index = writer.index
     return Summary(out=out, files=len(files), documents=documents, tokens=index.num_tokens,
                    vocab_size=index.vocab_size, eos_id=eos_id, dtype=index.dtype, trained=tokenizer is None)
