@@ -174,7 +174,8 @@ class JobSpec(_Frozen):
     # waiting, a higher priority goes first (equal ones in submission order).
     priority: Annotated[int, Field(ge=-1000, le=1000)] = 0
     queue_timeout: dt.timedelta | None = None  # waiting QUEUED longer than this ends the job FAILED; None: no limit
-    # Where an entrypoint's module is imported from (absolute); `submit` sets the job file's folder.
+    # Where an entrypoint's module is imported from (absolute; in a job file a relative path is taken from the
+    # file's folder, as checkpoint.directory's); `submit` sets the job file's folder when it is left out.
     workdir: str | None = None
 
     @field_validator("workdir")
