@@ -22,19 +22,15 @@ Per row:
 - memory: the compiler's HBM per chip (`ProgramReport.hbm_bytes_per_chip`: live arguments and
   outputs, temporaries, code) against `policies.model.memory_fit.estimate` for the same mesh and
   microbatch count, and the usable HBM the fit check plans against (90% of the chip's);
-- FLOPs per step over all chips: the compiled program's, counted by `benchmarks.hlo_counts`
+- FLOPs per step over all chips: the compiled program's, counted by `workers.program_counts`
   (dots and convolutions, and the FLOPs the Pallas kernels declare with ``pl.CostEstimate``,
   each loop body times its trip count), against the formula MFU uses
-  (`ModelShape.flops_per_token` x tokens a step). XLA's own cost analysis counts every loop
-  body once: the layers' scan and the microbatches' here, and the loops the compiler itself
-  makes (fsdp's all-gathered matmuls become 2- to 8-trip loops of collective permutes and
-  partial matmuls on the 1B job). ``compile_step`` counts FLOPs on twins of the step with the
-  layer and microbatch loops unrolled (`workers.tpu_target`), which still see the compiler's
-  own loops once: 1.22 PF a step for the 1B job on v4-64, 0.25x the formula, where this
-  count gives 4.60 PF (for the 100M job, data parallel, both give 0.442-0.444 PF). The
-  benchmark leaves those twins out (``--xla-twin`` puts them back, minutes more a compile)
-  and keeps XLA's figure for the hosts' program (``xla_flops``) beside this count taken the
-  same way, each body once (``hlo_flops_once``: within 1%, XLA adds elementwise arithmetic),
+  (`ModelShape.flops_per_token` x tokens a step); this is the count `--compile` reports
+  (`workers.tpu_target.report`). XLA's own cost analysis counts every loop body once: the
+  layers' scan and the microbatches' here, and the loops the compiler itself makes (fsdp's
+  all-gathered matmuls become 2- to 8-trip loops of collective permutes and partial matmuls
+  on the 1B job). The benchmark keeps XLA's figure (``xla_flops``) beside this count taken
+  the same way, each body once (``hlo_flops_once``: within 1%, XLA adds elementwise arithmetic),
   which checks the reading of the program. Attention is in the figure as far as its kernels
   declare a cost (the flash kernel's band of visited blocks: the causal mask's skipped blocks
   are not counted, where the formula counts the full ``12 L d s``);
@@ -99,18 +95,14 @@ def parse_target(target: str) -> tuple[str, int]:
     return (name, int(count)) if sep and count.isdigit() else (target, 1)
 
 
-def compile_row(model: str, target: str, *, xla_twin: bool = False, keep_hlo: str | None = None) -> dict:
-    """One model x target: compile, then set the compiler's figures beside ours (runs in a child process).
-
-    `xla_twin`: let `compile_step` also compile its twin with the layer and microbatch loops unrolled, for
-    XLA's own count of the step's FLOPs (`workers.tpu_target.compile_train_step`); minutes more a compile,
-    and more memory than this machine has for the 1B model with 16 microbatches."""
-    from benchmarks import hlo_counts
+def compile_row(model: str, target: str, *, keep_hlo: str | None = None) -> dict:
+    """One model x target: compile, then set the compiler's figures beside ours (runs in a child process)."""
     from orchestrator import catalog
     from orchestrator.control import tpu_compile
     from orchestrator.domain.fit import training_job
     from policies.model.memory_fit import USABLE_FRACTION, estimate
     from policies.model.sharding import MeshPlan
+    from workers import program_counts as hlo_counts
 
     spec = job_spec(model)
     name, slices = parse_target(target)
@@ -119,7 +111,7 @@ def compile_row(model: str, target: str, *, xla_twin: bool = False, keep_hlo: st
     real = tpu_compile.compile_train_step
 
     def compile_and_keep(lm, settings, topology, **kwargs):
-        compiled, report = real(lm, settings, topology, **{**kwargs, "count_flops": xla_twin})
+        compiled, report = real(lm, settings, topology, **kwargs)
         kept.append((compiled, settings))
         return compiled, report
 
@@ -170,9 +162,9 @@ def compile_row(model: str, target: str, *, xla_twin: bool = False, keep_hlo: st
             "formula_per_step": formula,
             "compiler_over_formula": program.flops * chips / formula,
             "kernels_declared_per_step": program.kernel_flops * chips,
-            # XLA's cost analysis: every loop body once; with --xla-twin, of the twin with the layer and
+            # XLA's cost analysis: every loop body once
             # microbatch loops unrolled (the compiler's own loops, such as fsdp's collective matmuls, still once)
-            "xla_flops_per_step": report.flops, "xla_twin": xla_twin,
+            "xla_flops_per_step": report.xla_flops_per_chip * chips,
             "hlo_flops_once_per_step": once.flops * chips,  # our count taken the same way: checks the reading
             "loops": [list(x) for x in program.loops],
         },
@@ -181,7 +173,6 @@ def compile_row(model: str, target: str, *, xla_twin: bool = False, keep_hlo: st
             "compute_s": compute_s, "hbm_s": memory_s,
             "hbm_bytes_per_chip": program.hbm_bytes,  # default memory space, every loop trip
             "bytes_all_memory_spaces_per_chip": program.bytes_accessed,
-            "xla_bytes_accessed_per_chip": report.bytes_accessed_per_chip,  # every loop body once (all spaces)
             "hlo_bytes_once_per_chip": once.bytes_accessed,  # our count taken the same way: checks the reading
             "xla_optimal_s": report.optimal_s,
             "tokens_per_s": tokens / step_s,
@@ -247,16 +238,14 @@ def main() -> None:
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--targets", default=",".join(TARGETS), help="slice types, NxTYPE for N slices of TYPE")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds for one compile")
-    p.add_argument("--xla-twin", action="store_true",
-                   help="also compile compile_step's unrolled twin for XLA's own FLOPs count (slow; see compile_row)")
     p.add_argument("--keep-hlo", metavar="DIR", help="write each compiled program's text (after optimization) here")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "tpu_compile.json"))
     p.add_argument("--one", nargs=2, metavar=("MODEL", "TARGET"), help=argparse.SUPPRESS)  # a child's run
     args = p.parse_args()
     if args.one:
-        print(json.dumps(compile_row(*args.one, xla_twin=args.xla_twin, keep_hlo=args.keep_hlo)), flush=True)
+        print(json.dumps(compile_row(*args.one, keep_hlo=args.keep_hlo)), flush=True)
         return
-    extra = (["--xla-twin"] if args.xla_twin else []) + (["--keep-hlo", args.keep_hlo] if args.keep_hlo else [])
+    extra = ["--keep-hlo", args.keep_hlo] if args.keep_hlo else []
     from importlib import metadata
 
     import jax
@@ -281,7 +270,7 @@ def main() -> None:
                          "256 x 2048 tokens a step"},
         "notes": {
             "flops": "the compiled program's dots and convolutions and the Pallas kernels' declared FLOPs "
-                     "(pl.CostEstimate), each loop body times its trip count (benchmarks/hlo_counts.py); "
+                     "(pl.CostEstimate), each loop body times its trip count (workers/program_counts.py); "
                      "xla_flops_per_step is XLA's cost analysis, which counts each loop body once",
             "step": "a roofline lower bound from the compiler's counts per chip, max(FLOPs / peak, HBM bytes / HBM "
                     "bandwidth): not measured, not calibrated against hardware, no collectives; tokens/s and MFU "

@@ -103,9 +103,6 @@ class Numerics:
     compute_dtype: str = "float32"
     remat: str = "none"
     blocks: KernelBlocks | None = None
-    # The layer loop unrolled: the same arithmetic in a program whose every layer a compiler's cost analysis
-    # sees (XLA counts a loop's body once); for counting FLOPs (`workers.tpu_target`), never for training.
-    unroll: bool = False
 
     def checkpointed(self, fn):
         if self.remat == "none":
@@ -173,8 +170,7 @@ def forward(params: dict, tokens: jax.Array, shape: ModelShape, *, implementatio
             h = h + jax.nn.gelu(m @ p["w_up"]) @ p["w_down"]
         return (h, aux), None
 
-    (h, aux), _ = jax.lax.scan(numerics.checkpointed(block), (h, jnp.float32(0.0)), params["layers"],
-                               unroll=numerics.unroll or 1)
+    (h, aux), _ = jax.lax.scan(numerics.checkpointed(block), (h, jnp.float32(0.0)), params["layers"])
     h = norm(h, params["final_norm"])
     return (h @ params["unembed"]).astype(jnp.float32), aux / shape.n_layers
 

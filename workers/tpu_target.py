@@ -33,7 +33,7 @@ from typing import Any
 import jax
 
 from kernels import hardware
-from workers import api
+from workers import api, program_counts
 from workers.settings import LmSettings, TrainingSettings
 
 
@@ -129,8 +129,11 @@ class ProgramReport:
     alias_bytes: int  # outputs written over donated arguments (the train step's state)
     temp_bytes: int
     code_bytes: int
-    flops_per_chip: float  # of one step, from the compiler's cost analysis (every loop trip counted)
+    # Of one run of the program, every loop's body as often as it runs (`workers.program_counts`): its dots, and
+    # the FLOPs its Pallas kernels declare; the bytes it reads and writes in HBM.
+    flops_per_chip: float
     bytes_accessed_per_chip: float
+    xla_flops_per_chip: float  # XLA's own cost analysis, which counts each loop's body once
     optimal_s: float | None  # the cost model's time for one run of the program (its roofline), if it gives one
     chips: int
 
@@ -153,11 +156,13 @@ def report(compiled: jax.stages.Compiled, target: str, chips: int, compile_s: fl
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
     optimal = cost.get("optimal_seconds")
+    counted = program_counts.counts(compiled.as_text() or "")  # every loop's body as often as it runs
     return ProgramReport(
         target=target, compile_s=compile_s, argument_bytes=int(m.argument_size_in_bytes),
         output_bytes=int(m.output_size_in_bytes), alias_bytes=int(m.alias_size_in_bytes),
         temp_bytes=int(m.temp_size_in_bytes), code_bytes=int(m.generated_code_size_in_bytes),
-        flops_per_chip=float(cost.get("flops", 0.0)), bytes_accessed_per_chip=float(cost.get("bytes accessed", 0.0)),
+        flops_per_chip=counted.flops, bytes_accessed_per_chip=counted.hbm_bytes,
+        xla_flops_per_chip=float(cost.get("flops", 0.0)),
         optimal_s=float(optimal) if optimal is not None and optimal > 0 else None, chips=chips)
 
 
@@ -202,7 +207,7 @@ def _code_digest() -> str:
     return h.hexdigest()
 
 
-def program_key(lm: LmSettings, settings: TrainingSettings, topology: Topology, count_flops: bool) -> str:
+def program_key(lm: LmSettings, settings: TrainingSettings, topology: Topology) -> str:
     """The key of the step's report: what the step is, where it is compiled for, by which code and compiler."""
     import hashlib
     from importlib import metadata
@@ -213,7 +218,7 @@ def program_key(lm: LmSettings, settings: TrainingSettings, topology: Topology, 
         libtpu = metadata.version("libtpu")
     except metadata.PackageNotFoundError:
         libtpu = "none"
-    parts = (repr(lm), repr(settings), repr(topology), count_flops, jax.__version__, jaxlib.__version__, libtpu,
+    parts = (repr(lm), repr(settings), repr(topology), jax.__version__, jaxlib.__version__, libtpu,
              _code_digest())
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
@@ -246,14 +251,9 @@ def keep_report(cache_dir: str | os.PathLike | None, key: str, found: ProgramRep
     os.replace(f.name, folder / f"{key}.json")  # whole or not at all
 
 
-def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Topology, *,
-                       count_flops: bool = True) -> tuple[jax.stages.Compiled, ProgramReport]:
+def compile_train_step(lm: LmSettings, settings: TrainingSettings,
+                       topology: Topology) -> tuple[jax.stages.Compiled, ProgramReport]:
     """The built-in trainer's step for `topology`, as its hosts would compile it, and the compiler's report.
-
-    XLA's cost analysis counts a loop's body once, and the step loops over its layers and its
-    microbatches. With `count_flops` the FLOPs and bytes are therefore counted on small twins
-    of the step with no loop left (`_unrolled_counts`); the memory, compile time and executable
-    are always the hosts' program's.
 
     Raises whatever the compiler raises for a program it rejects (a kernel Mosaic cannot
     lower, a program over the chip's memory): the caller says which target and why.
@@ -262,48 +262,7 @@ def compile_train_step(lm: LmSettings, settings: TrainingSettings, topology: Top
 
     ctx = context(topology, settings)
     compiled, seconds = compile_on(ctx.mesh, Trainer(lm, ctx).lower_step)
-    found = report(compiled, topology.label, topology.chips * topology.slices, seconds)
-    if count_flops and (lm.model.n_layers > 1 or settings.microbatches > 1):
-        flops, moved = _unrolled_counts(lm, ctx, found)
-        found = dataclasses.replace(found, flops_per_chip=flops, bytes_accessed_per_chip=moved)
-    return compiled, found
-
-
-def _unrolled_counts(lm: LmSettings, ctx: api.Context, found: ProgramReport) -> tuple[float, float]:
-    """FLOPs and HBM bytes per chip of one step with every layer and microbatch counted.
-
-    Every layer is the same program, and so is every microbatch, so twins of one microbatch
-    (``microbatches=1`` at a microbatch's rows) with their layer loop unrolled
-    (`workers.model.Numerics.unroll`) give the parts: a layer is the two-layer twin less the
-    one-layer twin; the part of a microbatch that grows with its rows is the one-layer twin at
-    twice the rows less the one at its rows; the rest (the optimizer's update) runs once. A
-    whole step is then ``rest + m x (microbatch + (layers - 1) x layer)``. Unrolling a deep
-    model's layers and microbatches whole took the compiler many minutes. The bytes that do not
-    grow with the rows are counted once, though a microbatch reads the weights again: the
-    bytes, and so the roofline, err low.
-    """
-    from workers.train import Trainer
-
-    m, layers = ctx.settings.microbatches, lm.model.n_layers
-    rows = ctx.settings.global_batch_size
-    assert rows is not None, "the built-in trainer's settings have their batch"
-
-    def counted(n_layers: int, n_rows: int) -> tuple[float, float]:
-        twin_lm = dataclasses.replace(lm, model=dataclasses.replace(lm.model, n_layers=n_layers))
-        twin_ctx = dataclasses.replace(ctx, settings=dataclasses.replace(ctx.settings, global_batch_size=n_rows,
-                                                                         microbatches=1))
-        twin, _ = compile_on(ctx.mesh, Trainer(twin_lm, twin_ctx, unroll=True).lower_step)
-        r = report(twin, found.target, found.chips, 0.0)
-        return r.flops_per_chip, r.bytes_accessed_per_chip
-
-    one = counted(1, rows // m)
-    layer = tuple(b - a for a, b in zip(one, counted(2, rows // m))) if layers > 1 else (0.0, 0.0)
-    if m == 1:
-        return one[0] + (layers - 1) * layer[0], one[1] + (layers - 1) * layer[1]
-    grows = tuple(b - a for a, b in zip(one, counted(1, 2 * rows // m)))
-    once = tuple(a - g for a, g in zip(one, grows))
-    flops, moved = (o + m * (g + (layers - 1) * lay) for o, g, lay in zip(once, grows, layer))
-    return flops, moved
+    return compiled, report(compiled, topology.label, topology.chips * topology.slices, seconds)
 
 
 def serialize(compiled: jax.stages.Compiled) -> bytes:

@@ -37,9 +37,8 @@ class Trainer:
     are the context's (`ctx.settings`), as a user program's are.
     """
 
-    def __init__(self, lm: LmSettings, ctx: api.Context, *, unroll: bool = False):
-        """`unroll`: the layer and microbatch loops unrolled (`workers.model.Numerics.unroll`), to count FLOPs."""
-        self.lm, self.ctx, self.settings, self.unroll = lm, ctx, ctx.settings, unroll
+    def __init__(self, lm: LmSettings, ctx: api.Context):
+        self.lm, self.ctx, self.settings = lm, ctx, ctx.settings
         self.mesh = ctx.mesh
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES, None))
@@ -85,7 +84,7 @@ class Trainer:
     def numerics(self) -> Numerics:
         s = self.settings
         return Numerics(compute_dtype=self.ctx.compute_dtype, remat=s.remat,
-                        blocks=KernelBlocks.from_mapping(s.kernel_blocks), unroll=self.unroll)
+                        blocks=KernelBlocks.from_mapping(s.kernel_blocks))
 
     def gradients(self, params: dict, batch: jax.Array) -> tuple[jax.Array, dict]:
         """Mean loss and its gradient over `batch`, in `settings.microbatches` parts summed in float32.
@@ -109,7 +108,7 @@ class Trainer:
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zero = (jnp.float32(0), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(add, zero, parts, unroll=self.unroll or 1)
+        (loss, grads), _ = jax.lax.scan(add, zero, parts)
         return loss / m, jax.tree.map(lambda g: g / m, grads)
 
     def _step(self, state: dict, batch: jax.Array) -> tuple[dict, jax.Array]:

@@ -48,7 +48,7 @@ def step_report(spec: JobSpec, t: TpuType, slices: int = 1, *,
     on = spec.moved(t.name, spec.tier, slices=slices)
     work = workload_for(on, t.chips, t.hosts, slices=slices)
     target = topology(t, slices)
-    key = program_key(work["lm"], work["settings"], target, count_flops=True)
+    key = program_key(work["lm"], work["settings"], target)
     if (kept := kept_report(cache_dir, key)) is not None:
         return kept, True
     _, report = compile_train_step(work["lm"], work["settings"], target)
