@@ -68,7 +68,7 @@ def training_settings(spec: JobSpec, devices: int, hosts: int, *, slices: int = 
         memory_interval=None if (every := spec.checkpoint.memory_interval_steps) == "auto" else every,
         data=w.data.path if w.data else None, checkpoint_dir=spec.checkpoint.directory,
         checkpoint_interval=spec.checkpoint.interval_steps, checkpoint_keep=spec.checkpoint.keep,
-        precision=w.precision.compute, remat=w.remat, microbatches=microbatches_for(spec, slice_type.name),
+        precision=w.precision.compute, remat=w.remat, microbatches=microbatches_for(spec, slice_type.name, slices),
         kernel_blocks=w.kernel_blocks.model_dump(exclude_none=True) if w.kernel_blocks else None,
         peak_flops_per_chip=slice_type.peak_bf16_flops_per_chip)
 

@@ -54,13 +54,14 @@ def training_job(w: LmWorkload) -> TrainingJob:
                        compute_dtype=w.precision.compute_dtype("tpu"), remat=w.remat)
 
 
-def slice_fit(spec: JobSpec, accelerator: str, field: str = "accelerator") -> SliceFit:
-    """The built-in trainer's memory on one slice type (`spec.workload` must be an `LmWorkload`)."""
+def slice_fit(spec: JobSpec, accelerator: str, field: str = "accelerator", *, slices: int = 1) -> SliceFit:
+    """The built-in trainer's memory on one slice type (`spec.workload` must be an `LmWorkload`), each of
+    `slices` slices training its share of the batch."""
     w, t = spec.workload, catalog.lookup(accelerator)
     assert isinstance(w, LmWorkload), "the built-in trainer's memory is of the lm workload (callers check)"
     try:
         mesh = plan_mesh(num_devices=t.chips, num_hosts=t.hosts, wishes=w.mesh.model_dump(), shape=w.model.shape(),
-                         global_batch_size=w.global_batch_size)
+                         global_batch_size=w.global_batch_size // slices)
     except MeshError as e:
         return SliceFit(accelerator, field, None, None, mesh_error=f"workload.{e.field}: {e}")
     asked = None if w.gradient_accumulation == "auto" else w.gradient_accumulation
@@ -104,12 +105,13 @@ def refusal(f: SliceFit) -> str:
             f"dominate (GiB: {parts}); alternatives: " + "; ".join(f.advice))
 
 
-def microbatches_for(spec: JobSpec, accelerator: str) -> int:
-    """How many microbatches a step is split into on `accelerator` (``gradient_accumulation`` resolved)."""
+def microbatches_for(spec: JobSpec, accelerator: str, slices: int = 1) -> int:
+    """How many microbatches a step is split into on `slices` x `accelerator` (``gradient_accumulation``
+    resolved: the fewest that fit each slice's share of the batch)."""
     w = spec.workload
     if w.gradient_accumulation != "auto":
         return w.gradient_accumulation
     if w.type != "lm":  # a user's program splits its own batch
         return 1
-    f = slice_fit(spec, accelerator)
+    f = slice_fit(spec, accelerator, slices=slices)
     return f.microbatches or 1

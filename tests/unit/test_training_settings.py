@@ -95,3 +95,23 @@ def test_a_plain_process_context_takes_settings_and_hooks_by_name():
     assert (ctx.steps, ctx.send) == (30, sent.append)
     with pytest.raises(AttributeError, match="no attribute 'stpes'"):
         ctx.stpes
+
+
+def test_the_microbatch_count_is_for_each_slice_s_share_of_the_batch():
+    """The ~1B job picks 16 microbatches on one v4-16; on 4 of them each slice trains a quarter of the batch,
+    and 16 microbatches of its 64 rows did not divide over its 8 batch shards (the TPU compiler refused it)."""
+    from orchestrator import catalog
+    from orchestrator.control.launch import training_settings
+    from orchestrator.domain.spec import JobSpec
+    from tests.conftest import REPO
+
+    spec = JobSpec.from_yaml(REPO / "examples" / "plan-1b.yaml")
+    t = catalog.lookup("v4-16")
+    counts = {}
+    for slices in (1, 2, 4):
+        s = training_settings(spec.moved("v4-16", "spot", slices=slices), t.chips, t.hosts, slices=slices)
+        data, fsdp, _ = s.mesh_shape
+        rows_per_shard = s.global_batch_size // (data * fsdp)
+        assert rows_per_shard % s.microbatches == 0, (slices, s.microbatches, rows_per_shard)
+        counts[slices] = s.microbatches
+    assert counts == {1: 16, 2: 8, 4: 4}
