@@ -31,6 +31,8 @@ PROGRAM = textwrap.dedent("""
     deadline = time.monotonic() + 120  # the cluster's word on the dead node comes once its heartbeats are missed
     while time.monotonic() < deadline and not (log.exists() and "marked dead" in log.read_text()):
         time.sleep(0.5)
+    while time.monotonic() < deadline and job.status().preemptions < 1:  # the controller's word on it, too
+        time.sleep(0.5)
     job.cancel()
     st = job.wait(timeout_s=300)
     print("job", st.state.value, "preemptions", st.preemptions)

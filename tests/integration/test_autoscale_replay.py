@@ -19,7 +19,10 @@ from tests.conftest import assert_losses_close, run_reference
 
 SCALE = 60.0  # trace seconds a wall second: a 60 s tick lasts 1 s
 STEPS = 4000  # about 2,200 trace seconds on one undisturbed slice (about 1.8 steps a trace second here)
-DEADLINE_S = 4000.0  # trace seconds, about 1.8x that
+# Trace seconds, about 2.3x that. At 4,000 (1.8x) the job failed on this machine on the code it was tuned on
+# too (4 of 4 runs): its first steps measured about 1.0 steps a trace second, the safety net moved it to
+# on-demand before the outage, and with the deadline then at risk it never went back to spot.
+DEADLINE_S = 5000.0
 
 
 def slice_history(job) -> dict[str, list[tuple[float, str, str]]]:
