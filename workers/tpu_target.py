@@ -18,22 +18,26 @@ remat, microbatches and kernels are the hosts' own; only the devices differ. The
 take their generation and implementation from the mesh compiled for (`kernels.dispatch.target`),
 which is why each compile runs under ``jax.set_mesh``.
 
-Needs ``libtpu`` (the ``jax[tpu]`` pin); without it `available` says why.
+Needs ``libtpu`` (the ``jax[tpu]`` pin); without it `Topology.devices` raises `TargetUnavailable`, saying why.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 import time
 from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 import jax
 
 from kernels import hardware
-from workers import api, program_counts
+from workers import api, program_counts, storage
 from workers.settings import LmSettings, TrainingSettings
 
 
@@ -107,15 +111,6 @@ def _devices(t: Topology) -> tuple[Any, ...]:
         raise TargetUnavailable(f"{t.label}: the TPU compiler described {len(devices)} devices, expected "
                                 f"{t.chips * t.slices}")
     return tuple(devices)
-
-
-def available() -> str | None:
-    """None when XLA's TPU compiler is here, else why not (one line)."""
-    try:
-        Topology("v4", "2x2x1", hosts=1).devices()
-    except TargetUnavailable as e:
-        return str(e)
-    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,9 +191,6 @@ _PROGRAM_CODE = ("kernels", "workers", "policies/model")  # what builds the step
 
 @functools.cache
 def _code_digest() -> str:
-    import hashlib
-    from pathlib import Path
-
     root = Path(__file__).resolve().parent.parent
     h = hashlib.sha256()
     for folder in _PROGRAM_CODE:
@@ -209,9 +201,6 @@ def _code_digest() -> str:
 
 def program_key(lm: LmSettings, settings: TrainingSettings, topology: Topology) -> str:
     """The key of the step's report: what the step is, where it is compiled for, by which code and compiler."""
-    import hashlib
-    from importlib import metadata
-
     import jaxlib
 
     try:
@@ -225,30 +214,17 @@ def program_key(lm: LmSettings, settings: TrainingSettings, topology: Topology) 
 
 def kept_report(cache_dir: str | os.PathLike | None, key: str) -> ProgramReport | None:
     """The report kept under `key` in `cache_dir`, or None (none kept, or unreadable: compiled again)."""
-    import json
-    from pathlib import Path
-
     if cache_dir is None:
         return None
-    path = Path(cache_dir) / f"{key}.json"
     try:
-        return ProgramReport(**json.loads(path.read_text()))
+        return ProgramReport(**json.loads((Path(cache_dir) / f"{key}.json").read_text()))
     except (OSError, ValueError, TypeError):
         return None
 
 
 def keep_report(cache_dir: str | os.PathLike | None, key: str, found: ProgramReport) -> None:
-    import json
-    import tempfile
-    from pathlib import Path
-
-    if cache_dir is None:
-        return
-    folder = Path(cache_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=folder, suffix=".tmp", delete=False) as f:
-        json.dump(dataclasses.asdict(found), f)
-    os.replace(f.name, folder / f"{key}.json")  # whole or not at all
+    if cache_dir is not None:
+        storage.write_text(Path(cache_dir) / f"{key}.json", json.dumps(dataclasses.asdict(found)))  # whole or not
 
 
 def compile_train_step(lm: LmSettings, settings: TrainingSettings,

@@ -48,7 +48,7 @@ class CompiledOption:
 
     @property
     def label(self) -> str:
-        return self.accelerator if self.slices == 1 else f"{self.slices} x {self.accelerator}"
+        return _label(self.accelerator, self.slices)
 
     @property
     def tpu_type(self) -> catalog.TpuType:
@@ -133,8 +133,7 @@ def compile_options(spec: JobSpec, *, cache_dir: Path | None,
     rows = []
     found = options(spec)
     for i, (name, count, field) in enumerate(found, 1):
-        label = name if count == 1 else f"{count} x {name}"
-        progress(f"[{i}/{len(found)}] compiling the train step for {label} ...")
+        progress(f"[{i}/{len(found)}] compiling the train step for {_label(name, count)} ...")
         t0 = time.perf_counter()
         try:
             report, kept = step_report(spec, catalog.lookup(name), count, cache_dir=cache_dir)
@@ -145,6 +144,10 @@ def compile_options(spec: JobSpec, *, cache_dir: Path | None,
             report, kept, error = None, False, _one_line(e)
         rows.append(CompiledOption(name, count, field, report, error, kept, time.perf_counter() - t0))
     return rows
+
+
+def _label(accelerator: str, slices: int) -> str:
+    return accelerator if slices == 1 else f"{slices} x {accelerator}"
 
 
 def _one_line(e: BaseException) -> str:
