@@ -297,8 +297,24 @@ class HostWorker:
         ahead = CompileAhead.for_host(workload, rank=self.rank, num_hosts=self.num_hosts,
                                       devices_per_host=self._devices_per_host, platform=self._platform,
                                       cache=self._compile_cache_dir, send=self._send)
-        Trainer(workload["lm"], ctx).run(ahead=ahead)
+        trainer = Trainer(workload["lm"], ctx)
+        self._look_for_stored_program(workload, trainer)
+        trainer.run(ahead=ahead)
         return self._ended(ctx.last_loop)
+
+    def _look_for_stored_program(self, workload: dict, trainer) -> None:
+        """Keep the train step compiled ahead for this host's shape, if the job's storage has one it can use."""
+        from workers import stored_programs
+        from workers.protocol import ProgramLooked
+        from workers.train import program_config
+
+        found = stored_programs.take(workload, platform=self._platform, name="train_step",
+                                     config=program_config(trainer.lm, trainer.settings),
+                                     program_id=trainer.program_id("train_step"))
+        if found is not None:
+            log.info("stored program for %s: %s", found.target, found.reason if found.used else
+                     f"compiling ({found.reason})")
+            self._send(ProgramLooked(found.target, found.used, found.reason))
 
     def _run_entrypoint(self, workload: dict) -> WorkerResult:
         module_name, fn_name = workload["entrypoint"].split(":")

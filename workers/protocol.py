@@ -73,6 +73,16 @@ class CompiledAhead:
 
 
 @dataclass(frozen=True)
+class ProgramLooked:
+    """What this host found in the job's storage for its train step (`workers.stored_programs`): the executable
+    compiled ahead for its shape, which it loads (`used`), or why it compiles."""
+
+    target: str
+    used: bool
+    reason: str
+
+
+@dataclass(frozen=True)
 class Noticed:
     """This host got a preemption notice (or a stop from the controller)."""
 
@@ -100,7 +110,8 @@ class ProfileDone:
     error: str | None = None
 
 
-Report = Ready | Timings | StepDone | Saved | MemoryKept | CompiledAhead | Noticed | Lines | ProfileDone
+Report = (Ready | Timings | StepDone | Saved | MemoryKept | CompiledAhead | ProgramLooked | Noticed | Lines
+          | ProfileDone)
 
 
 class Ending(str, enum.Enum):

@@ -25,7 +25,7 @@ from kernels.blocks import KernelBlocks
 from policies.model.sharding import BATCH_AXES, PARAM_RULES
 from workers import api, runtime
 from workers.model import Numerics, init_params, loss_fn, param_roles
-from workers.settings import LmSettings
+from workers.settings import LmSettings, TrainingSettings
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +135,8 @@ class Trainer:
         return runtime.compile_keyed(key, self.lower_step)
 
     def program_id(self, name: str) -> str:
-        """The program's key: every setting but where checkpoints go, how often, and the chip's peak."""
-        skip = ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep", "peak_flops_per_chip", "memory_step",
-                "memory_interval")
-        shared = {k: v for k, v in dataclasses.asdict(self.settings).items() if k not in skip}
-        return runtime.program_id(name, {**shared, **dataclasses.asdict(self.lm)})
+        """The program's key on this runtime (`runtime.program_id` of `program_config`)."""
+        return runtime.program_id(name, program_config(self.lm, self.settings))
 
     def run(self, ahead=None) -> tuple[dict, int]:
         """Train from the latest checkpoint to the settings' `steps`; returns (state, completed steps).
@@ -164,6 +161,14 @@ class Trainer:
                 if ahead is not None:
                     ahead.after_step()
         return loop.state, loop.step
+
+
+def program_config(lm: LmSettings, settings: TrainingSettings) -> dict:
+    """What makes the trainer's programs: every setting but where checkpoints go, how often, and the chip's peak."""
+    skip = ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep", "peak_flops_per_chip", "memory_step",
+            "memory_interval")
+    shared = {k: v for k, v in dataclasses.asdict(settings).items() if k not in skip}
+    return {**shared, **dataclasses.asdict(lm)}
 
 
 param_checksums = api.param_checksums

@@ -27,6 +27,7 @@ import tenacity
 from orchestrator.control.attempt import Attempt
 from orchestrator.control.autoscaler import with_checkpoint_interval
 from orchestrator.control.captures import Captures
+from orchestrator.control.compile_ahead import ProgramsAhead
 from orchestrator.control.group import RayWorkerGroup, WorkerGroup
 from orchestrator.control.launch import write_fence
 from orchestrator.control.limits import Limits
@@ -91,6 +92,7 @@ class JobDriver(AutoscalingMixin, SlicesMixin, ReportsMixin):
         self._log_failed_at = -1e9
         self.captures = Captures(self.store, job_id)  # `orchestrator profile`
         self.limits = Limits(self.store, job_id)  # budget_usd and deadline
+        self.programs = ProgramsAhead(plane.home, job_id, self.store)  # the step for the next shapes, off the hosts
 
     def start(self, on_exit) -> None:
         threading.Thread(target=self._main, args=(on_exit,), name=f"job-{self.job_id}", daemon=True).start()
@@ -217,6 +219,7 @@ class JobDriver(AutoscalingMixin, SlicesMixin, ReportsMixin):
         self.limits.check(self.att, self.spec)
         self._autoscale_while_running()
         self._regrow()
+        self.programs.poll(self.spec, self.att)
 
     def _after(self, outcome: Outcome) -> None:
         """Record how the attempt ended, and do what the recovery rules say comes next."""

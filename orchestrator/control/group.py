@@ -30,6 +30,7 @@ from orchestrator import cluster
 from orchestrator.cluster.home import Home
 from orchestrator.control import memory, shipping
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
+from orchestrator.control.compile_ahead import launch_programs
 from orchestrator.control.launch import workload_for
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Slice
@@ -159,6 +160,7 @@ class RayWorkerGroup:
         workload = workload_for(spec, t.chips, t.hosts, slices=len(slices), memory_step=att.memory_step)
         if code is not None:
             workload["workdir"] = None  # the shipped copy (the runtime environment's working_dir), not the folder
+        workload["programs"] = launch_programs(self.home, self.job_id, spec, t, len(slices))  # compiled ahead
         share_key = secrets.token_bytes(32)  # seals what hosts hand each other through the coordinator
         given = [{**workload, "keeper": k} for k in keepers]
         ray.get(self.workers[0].start.remote(coordinator, given[0], share_key), timeout=120)

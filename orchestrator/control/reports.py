@@ -21,17 +21,30 @@ from orchestrator.state.events import (
     LostWork,
     MemoryCadence,
     NoticeSeen,
+    ProgramStored,
     Restored,
     Resumed,
     StateChange,
 )
 from orchestrator.state.states import JobState
 from policies.decisions.recovery import Outcome, OutcomeKind
-from workers.protocol import CompiledAhead, MemoryKept, Noticed, ProfileDone, Ready, Report, Saved, StepDone, Timings
+from workers.protocol import (
+    CompiledAhead,
+    MemoryKept,
+    Noticed,
+    ProfileDone,
+    ProgramLooked,
+    Ready,
+    Report,
+    Saved,
+    StepDone,
+    Timings,
+)
 
 if TYPE_CHECKING:
     from orchestrator.control.attempt import Attempt
     from orchestrator.control.captures import Captures
+    from orchestrator.control.compile_ahead import ProgramsAhead
     from orchestrator.control.controller import Controller
     from orchestrator.control.limits import Limits
     from orchestrator.state.store import Store
@@ -49,6 +62,7 @@ class ReportsMixin:
     att: Attempt
     captures: Captures
     limits: Limits
+    programs: ProgramsAhead
     spec: Callable[[], JobSpec]
     _log_failed_at: float
 
@@ -95,6 +109,12 @@ class ReportsMixin:
                 f"survivors load it" if rank == 0 else
                 f"host {rank} keeps the program for {report.slices} slice(s) too (from host 0): it is the survivors' "
                 f"first host if slice 0 is lost", at=now))
+        elif isinstance(report, ProgramLooked) and rank == 0:  # every host looks; the first one speaks for them
+            self.programs.hosts_look_for(report.target, generation)
+            held.add(lambda: store.add_event(
+                self.job_id, ProgramStored(report.target, report.used, rank, reason=report.reason),
+                f"host {rank} loads the step compiled ahead: {report.reason}" if report.used else
+                f"host {rank} compiles the step for {report.target}: {report.reason}", at=now))
         elif isinstance(report, Saved) and rank == 0:
             held.add(lambda: store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
                                              f"saved step {report.step}", at=now))

@@ -34,6 +34,7 @@ class EventKind(str, enum.Enum):
     STORE = "store"  # the state store refused writes for a while (recorded when it took them again)
     MEMORY = "memory"  # how often the hosts copy the state to their memory (a multi-slice job)
     AHEAD = "ahead"  # the program for one slice fewer was compiled while the job trained (a multi-slice job)
+    PROGRAM = "program"  # a program compiled ahead for a shape was stored in the job's storage, or a host looked for it
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,21 @@ class AheadCompiled(Payload):
     seconds: float = 0.0
     compiled: bool = True  # False: that program was kept already
     host: int = 0  # 0: the host that compiled it; else slice 1's first host, which took it from host 0
+
+
+@dataclass(frozen=True)
+class ProgramStored(Payload):
+    """The train step compiled ahead for `target` off the hosts (`orchestrator.control.compile_ahead`): stored in
+    the job's storage by the controller (`host` None), or looked for by host `host` at its launch (`ok`: it loads
+    it; else `reason` says why it compiles)."""
+
+    KIND: ClassVar[EventKind] = EventKind.PROGRAM
+    target: str = ""
+    ok: bool = True
+    host: int | None = None
+    seconds: float | None = None
+    size: int | None = None  # bytes stored
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
@@ -252,6 +268,6 @@ PAYLOADS: dict[EventKind, type[Payload]] = {
     cls.KIND: cls for cls in (StateChange, SliceChanged, Launched, Restored, LostWork, CheckpointSaved, NoticeSeen,
                               Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked, Profiled, DeadlineForecast,
                               FolderClaimed,
-                              StoreFaulted, MemoryCadence, AheadCompiled)
+                              StoreFaulted, MemoryCadence, AheadCompiled, ProgramStored)
 }
 assert set(PAYLOADS) == set(EventKind), "every kind has its record"
