@@ -37,6 +37,7 @@ import statistics
 from dataclasses import dataclass, replace
 
 from orchestrator import catalog
+from orchestrator.control.priors import with_priors
 from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN, DEFAULT_PARAMS, job_options
 from orchestrator.domain.spec import JobSpec, LmWorkload
 from orchestrator.errors import UnknownAcceleratorError
@@ -192,8 +193,9 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: Key | None,
     steps = store.steps(job_id)
 
     # Measured speed per slice type and count: the step times of the generations that ran on it (tokens per
-    # policy second). A count the job ran on is priced at its measured speed; the others by the scaling
-    # model from one slice's (measured on one slice, else a measured count's per slice).
+    # policy second). A count the job ran on is priced at its measured speed; the others by the compiler's
+    # kept report (`orchestrator.control.priors`), else by the scaling model from one slice's (measured on
+    # one slice, else a measured count's per slice).
     ran_on: dict[int | None, tuple[str | None, int]] = {}
     slices = [e.payload_as(SliceChanged) for e in events if e.kind is EventKind.SLICE]
     for e in events:
@@ -213,8 +215,9 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: Key | None,
     assert auto is not None, "the policy is asked only about jobs that autoscale (the driver checks)"
     singles = job_options(auto.accelerators, [t.value for t in auto.tiers],
                           flops_per_token=_flops_per_token(spec), measured_tokens_per_s=measured, zone=zone)
-    options = tuple(replace(o, tokens_per_s=by_count.get((o.name, o.count), o.tokens_per_s)) if o.count > 1 else o
-                    for o in counted_options(spec, singles, tokens_per_step))
+    # Priced: measured where the job ran, else the compiler's kept report where one is, else the scaling model.
+    measured_on = {name if n == 1 else f"{n}x{name}": v for (name, n), v in by_count.items()}
+    options = with_priors(spec, counted_options(spec, singles, tokens_per_step), measured_on).options
     step_s = step_seconds(steps)
 
     now_s = clock.policy_s(now - job.created_at)
