@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from tests.conftest import REPO
-from tests.unit.test_executable_cache import free_port
+from tests.numerics.test_executable_cache import free_port
 
 SPEC = r"""
 from orchestrator import JobSpec
