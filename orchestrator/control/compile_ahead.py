@@ -11,8 +11,9 @@ storage (`workers.stored_programs`), where the hosts of that shape select it at 
 - TPU hosts: XLA's TPU compiler for the slice's topology (`workers.tpu_target.compile_train_step`).
 - CPU stand-in hosts: a rehearsal of their runtime's processes (`workers.ahead.rehearse`), the only
   way to get their executable off the hosts. The hosts of a multi-slice job already rehearse
-  the survivors' program among themselves (`workers.ahead`), so here this path is off unless
-  `CPU_ENV` is set on the controller: it is how the storage hand-off is shown without a TPU.
+  the survivors' program among themselves (`workers.ahead`), so here this path is off unless the
+  state directory holds a file named `CPU_SWITCH` (read at each poll, so a running controller can be
+  switched): it is how the storage hand-off is shown without a TPU.
 
 Which of the two the hosts are is what they say at their launch (`hosts_look_for`). Nothing
 here may slow or fail the job: the process runs at the lowest priority, and any error is
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CPU_ENV = "ORCHESTRATOR_COMPILE_AHEAD_CPU"  # "1": compile ahead for CPU stand-in hosts too
+CPU_SWITCH = "compile-ahead-cpu"  # in the state directory: compile ahead for CPU stand-in hosts too
 AFTER_STEPS = 2  # the job's first steps measure its speed (and the copy in memory): a compile beside them would skew it
 _KEY_FILE = "programs.key"
 _TIMEOUT_S = 3600
@@ -160,7 +161,7 @@ class ProgramsAhead:
     def _poll(self, spec_of: Callable[[], JobSpec], att: Attempt) -> None:
         if self.platform is None or att.last_step < 0 or self._busy.locked():
             return
-        if self.platform == "cpu" and os.environ.get(CPU_ENV) != "1":
+        if self.platform == "cpu" and not (self.home.root / CPU_SWITCH).exists():
             return
         if self._generation != att.generation:
             self._generation, self._first_step = att.generation, att.last_step
