@@ -1,7 +1,7 @@
 """The job's storage as the hand-off of programs compiled ahead (`workers.stored_programs`): keyed by what
 the program is and the shape it was compiled for, sealed with the job's key, selected by a host of that
 shape only, refused when altered, moved, or made by another build. No compiler: the bytes stand for an
-executable (the test_compile_ahead_storage.py of tests/unit and of tests/tpu store real ones)."""
+executable (the test_compile_ahead_storage.py of tests/numerics and of tests/tpu store real ones)."""
 
 from __future__ import annotations
 
