@@ -81,7 +81,8 @@ class QueuedResourceRecord:
     accelerator_type: str
     node_name: str  # the one node this queued resource requests
     state: str
-    create_time: float
+    create_time: float  # wall time, as rendered
+    queued_at: float  # the world's clock (monotonic or manual) at creation: validUntil counts from it
     initiator: str = "STATE_INITIATOR_UNSPECIFIED"
     error: tuple[int, str] | None = None  # (google.rpc.Code, message) once FAILED
     due: float | None = None

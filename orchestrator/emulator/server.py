@@ -48,6 +48,8 @@ class EmulatorConfig:
     seed: int = 0  # seeds the random transient errors
     zones: tuple[str, ...] | None = None  # None: every zone exists; else others answer 404
     hooks: Hooks = field(default_factory=Hooks)
+    # True: time stands still until `Emulator.advance` moves it (tests that step through states); else real time.
+    manual_clock: bool = False
     # The control API's bearer token; None: a random one at start. Kept out of repr.
     control_token: str | None = field(default=None, repr=False)
 
@@ -70,7 +72,7 @@ class Emulator:
         self.control_token = _control_token(self.config.control_token)
         self.faults = Faults(seed=self.config.seed)
         self.world = World(timings=self.config.timings, faults=self.faults, hooks=self.config.hooks,
-                           zones=self.config.zones)
+                           zones=self.config.zones, manual_clock=self.config.manual_clock)
         # Bounded: a long-running emulator polled every few seconds must not grow forever.
         self._requests: deque[RequestRecord] = deque(maxlen=100_000)
         self._requests_lock = threading.Lock()
@@ -150,6 +152,11 @@ class Emulator:
     def clear_faults(self) -> None:
         self.faults.clear()
 
+    def advance(self, seconds: float) -> None:
+        """On a manual clock: let `seconds` of the emulator's time pass (the timings' seconds, times their scale);
+        every automatic move that falls due meanwhile is made, in order, before this returns."""
+        self.world.advance(seconds)
+
     def reclaim(self, name: str) -> str:
         """Reclaim a spot slice: queued resource SUSPENDING (initiator SERVICE), then nodes
         PREEMPTED and the queued resource SUSPENDED after the grace period."""
@@ -184,15 +191,16 @@ def serve(
     zones: tuple[str, ...] | None = None,
     hooks: Hooks | None = None,
     control_token: str | None = None,
+    manual_clock: bool = False,
 ) -> Emulator:
     """Start an emulator and return its handle; call ``stop()`` (or use it in ``with``).
 
     `control_token` is the control API's bearer token; by default a random one, read
-    back as ``emu.control_token``."""
+    back as ``emu.control_token``. `manual_clock`: time moves only by ``emu.advance(seconds)``."""
     if timings is None:
         timings = Timings(scale=time_scale)
     config = EmulatorConfig(host=host, port=port, timings=timings, seed=seed, zones=zones, hooks=hooks or Hooks(),
-                            control_token=control_token)
+                            control_token=control_token, manual_clock=manual_clock)
     return Emulator(config).start()
 
 

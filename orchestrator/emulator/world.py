@@ -1,10 +1,13 @@
-"""The emulated cloud: queued resources, nodes and operations, moved along by a clock thread.
+"""The emulated cloud: queued resources, nodes and operations, moved along by a clock.
 
-One lock guards everything. A single "ticker" thread sleeps until the next record is
-due (or until a change wakes it) and performs the automatic moves of
-`machines.py`. Hook callbacks (a node became ready, a node went away) run on a
-separate thread in order, so a slow callback, such as starting a Ray node, never
-holds the clock back or blocks an API request.
+One lock guards everything. On real time, a single "ticker" thread sleeps until the
+next record is due (or until a change wakes it) and performs the automatic moves of
+`machines.py`. On a manual clock (`manual_clock=True`, for tests) there is no ticker:
+time stands still until `advance(seconds)` moves it, and the moves that fall due on the
+way are made then, each at its own time, before `advance` returns. Hook callbacks (a
+node became ready, a node went away) run on a separate thread in order, so a slow
+callback, such as starting a Ray node, never holds the clock back or blocks an API
+request.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ class Hooks:
 
 
 class World:
-    def __init__(self, *, timings: m.Timings, faults: Faults, hooks: Hooks, zones: tuple[str, ...] | None = None):
+    def __init__(self, *, timings: m.Timings, faults: Faults, hooks: Hooks, zones: tuple[str, ...] | None = None,
+                 manual_clock: bool = False):
         self.timings = timings
         self.faults = faults
         self.hooks = hooks
@@ -67,14 +71,31 @@ class World:
         self._stopping = False
         self._callbacks: queue.Queue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.Queue()
         self._threads: list[threading.Thread] = []
+        self._manual_now: float | None = 0.0 if manual_clock else None  # None: real (monotonic) time
 
     # -- life of the clock -------------------------------------------------------------
 
+    def now(self) -> float:
+        """The clock that records fall due on: monotonic seconds, or the manual clock's reading."""
+        return time.monotonic() if self._manual_now is None else self._manual_now
+
+    def advance(self, seconds: float) -> None:
+        """Move a manual clock `seconds` on, making every move that falls due on the way at its own time."""
+        if self._manual_now is None:
+            raise RuntimeError("this emulator runs on real time; serve(manual_clock=True) for one that advance() moves")
+        if not seconds >= 0:  # NaN too
+            raise ValueError(f"the clock only moves forward, not by {seconds!r} s")
+        with self._cond:
+            end = self._manual_now + seconds
+            while (due := self._next_due()) is not None and due <= end:
+                self._manual_now = max(self._manual_now, due)
+                self._advance(self._manual_now)
+            self._manual_now = end
+
     def start(self) -> None:
-        self._threads = [
-            threading.Thread(target=self._tick_loop, name="tpu-emulator-clock", daemon=True),
-            threading.Thread(target=self._callback_loop, name="tpu-emulator-hooks", daemon=True),
-        ]
+        self._threads = [threading.Thread(target=self._callback_loop, name="tpu-emulator-hooks", daemon=True)]
+        if self._manual_now is None:
+            self._threads.append(threading.Thread(target=self._tick_loop, name="tpu-emulator-clock", daemon=True))
         for t in self._threads:
             t.start()
 
@@ -91,10 +112,14 @@ class World:
             while not self._stopping:
                 now = time.monotonic()
                 self._advance(now)
-                records: list[QueuedResourceRecord | NodeRecord] = [*self._qrs.values(), *self._nodes.values()]
-                dues = [r.due for r in records if r.due]
+                due = self._next_due()
                 # Sleep until the next due move; a change that adds one notifies us.
-                self._cond.wait(timeout=max(0.0, min(dues) - now) if dues else None)
+                self._cond.wait(timeout=max(0.0, due - now) if due is not None else None)
+
+    def _next_due(self) -> float | None:
+        records: list[QueuedResourceRecord | NodeRecord] = [*self._qrs.values(), *self._nodes.values()]
+        dues = [r.due for r in records if r.due is not None]
+        return min(dues) if dues else None
 
     def _callback_loop(self) -> None:
         while (item := self._callbacks.get()) is not None:
@@ -124,7 +149,7 @@ class World:
             self._move_qr(qr, m.WAITING_FOR_RESOURCES, due=now + t.of("capacity"))
         elif qr.state == m.WAITING_FOR_RESOURCES:
             mode = self.faults.stockout_mode(qr.zone, qr.accelerator_type)
-            if mode == "wait" and _expired(qr):  # its validUntil passed while it waited: over, unbilled
+            if mode == "wait" and _expired(qr, now):  # its validUntil passed while it waited: over, unbilled
                 self._move_qr(qr, m.FAILED, due=None, error=(DEADLINE_EXCEEDED, (
                     f"the queued resource's validUntil passed before capacity came in zone {qr.zone}")))
             elif mode == "wait":  # look again later: the stockout may be cleared
@@ -258,7 +283,8 @@ class World:
                 node_name=node_name,
                 state=m.CREATING,
                 create_time=time.time(),
-                due=time.monotonic() + self.timings.of("accept"),
+                queued_at=self.now(),
+                due=self.now() + self.timings.of("accept"),
             )
             return self._new_op(zone, project, "create", name)
 
@@ -291,7 +317,7 @@ class World:
                 uid=next(self._ids),
                 create_time=time.time(),
                 spot=bool(spec.scheduling_config.spot or spec.scheduling_config.preemptible),
-                due=time.monotonic() + self.timings.of("provision"),
+                due=self.now() + self.timings.of("provision"),
             )
             return self._new_op(zone, project, "create", name)
 
@@ -324,7 +350,7 @@ class World:
                     raise failed_precondition(
                         f"Queued resource {name} in state {qr.state} still has nodes; delete them first or set force"
                     )
-                self._move_qr(qr, m.DELETING, due=time.monotonic() + self.timings.of("delete"))
+                self._move_qr(qr, m.DELETING, due=self.now() + self.timings.of("delete"))
                 if node is not None and node.state != m.N_DELETING:
                     self._move_node(node, m.N_DELETING, due=None, gone_reason="deleted")
             return self._new_op(zone, project, "delete", name)
@@ -340,7 +366,7 @@ class World:
                 )
             if node.state != m.N_DELETING:
                 self._move_node(
-                    node, m.N_DELETING, due=time.monotonic() + self.timings.of("delete"), gone_reason="deleted"
+                    node, m.N_DELETING, due=self.now() + self.timings.of("delete"), gone_reason="deleted"
                 )
             return self._new_op(zone, project, "delete", name)
 
@@ -352,7 +378,7 @@ class World:
         Returns the full name of what was reclaimed.
         """
         with self._cond:
-            now = time.monotonic()
+            now = self.now()
             qr = self._find(self._qrs, name)
             if qr is not None:
                 if qr.state != m.ACTIVE:
@@ -408,8 +434,9 @@ class World:
 DEADLINE_EXCEEDED = 4  # google.rpc.Code of a queued resource whose validUntil passed
 
 
-def _expired(qr: QueuedResourceRecord) -> bool:
-    """Whether the queued resource's `queueingPolicy.validUntilDuration` has passed since its creation."""
+def _expired(qr: QueuedResourceRecord, now: float) -> bool:
+    """Whether the queued resource's `queueingPolicy.validUntilDuration` has passed since its creation, by the
+    world's clock (`now`)."""
     if "queueing_policy" not in qr.spec or not qr.spec.queueing_policy.valid_until_duration:
         return False
-    return time.time() - qr.create_time > qr.spec.queueing_policy.valid_until_duration.total_seconds()
+    return now - qr.queued_at > qr.spec.queueing_policy.valid_until_duration.total_seconds()

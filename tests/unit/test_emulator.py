@@ -67,6 +67,19 @@ def wait_state(client, name: str, state, timeout_s: float = 5.0):
     raise AssertionError(f"{name} never reached {state.name}; last {qr.state.state.name}")
 
 
+def state_of(client, name: str = QR_NAME) -> str:
+    return client.get_queued_resource(name=name).state.state.name
+
+
+# The real service's timings, on a manual clock: time passes only when a test calls `advance`.
+STEPS = m.Timings()
+TO_ACTIVE_S = STEPS.accept_s + STEPS.queue_s + STEPS.capacity_s + STEPS.provision_s
+
+
+def manual_emulator(**kwargs):
+    return running_emulator(timings=STEPS, manual_clock=True, **kwargs)
+
+
 def http(url: str, method: str = "GET", body: dict | None = None, **headers: str) -> tuple[int, dict]:
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(url, data=data, method=method,
@@ -82,29 +95,50 @@ def http(url: str, method: str = "GET", body: dict | None = None, **headers: str
 
 
 def test_queued_resource_walks_the_real_states_in_order():
-    # Slow enough (CREATING lasts 250 ms) that polling sees every state even on a busy machine (at 100 ms
-    # one poll missed a state under a load of 15 on 2 cores).
-    with running_emulator(time_scale=0.05) as emu:
+    # Each step's time passes on the manual clock, so every state is seen, however busy the machine.
+    with manual_emulator() as emu:
         client = emu.client()
         create(client)
-        seen, node_states = [], set()
-        deadline = time.monotonic() + 10
-        while (not seen or seen[-1] != "ACTIVE") and time.monotonic() < deadline:
-            st = client.get_queued_resource(name=QR_NAME).state.state.name
-            if not seen or seen[-1] != st:
-                seen.append(st)
-            if st == "PROVISIONING":
-                node_state = client.get_node(name=NODE_NAME).state.name
-                # Only count it if the queued resource was PROVISIONING on both sides of the look.
-                if client.get_queued_resource(name=QR_NAME).state.state.name == "PROVISIONING":
-                    node_states.add(node_state)
-            time.sleep(0.003)
+        seen, node_states = [state_of(client)], set()
+        for step in ("accept", "queue", "capacity", "provision"):
+            if seen[-1] == "PROVISIONING":
+                node_states.add(client.get_node(name=NODE_NAME).state.name)
+            emu.advance(STEPS.of(step))
+            seen.append(state_of(client))
         assert seen == ["CREATING", "ACCEPTED", "WAITING_FOR_RESOURCES", "PROVISIONING", "ACTIVE"]
         assert node_states == {"CREATING"}
         node = client.get_node(name=NODE_NAME)
         assert node.state.name == "READY" and node.queued_resource == QR_NAME
         assert len(node.network_endpoints) == 2  # v4-16: two hosts
         assert node.scheduling_config.spot and node.labels["job"] == "j1"
+
+
+def test_a_manual_clock_moves_only_when_advanced_and_only_forward():
+    with manual_emulator() as emu:
+        client = emu.client()
+        create(client)
+        emu.advance(STEPS.accept_s - 0.5)
+        assert state_of(client) == "CREATING"
+        emu.advance(0.5)
+        assert state_of(client) == "ACCEPTED"
+        with pytest.raises(ValueError, match="forward"):
+            emu.advance(-1.0)
+    with running_emulator(time_scale=0.002) as emu, pytest.raises(RuntimeError, match="manual_clock"):
+        emu.advance(1.0)
+
+
+def test_a_queued_resource_past_its_valid_until_fails_unbilled_on_the_emulator_s_clock():
+    with manual_emulator() as emu:
+        client = emu.client()
+        emu.stockout(ZONE)
+        spec = qr_spec()
+        spec.queueing_policy = tpu_v2.QueuedResource.QueueingPolicy(valid_until_duration={"seconds": 600})
+        client.create_queued_resource(parent=PARENT, queued_resource_id="q1", queued_resource=spec)
+        emu.advance(590)
+        assert state_of(client) == "WAITING_FOR_RESOURCES"
+        emu.advance(30)
+        qr = client.get_queued_resource(name=QR_NAME)
+        assert qr.state.state == QRState.FAILED and qr.state.failed_data.error.code == 4  # DEADLINE_EXCEEDED
 
 
 def test_create_operation_ends_when_the_queued_resource_is_accepted(emulator):
@@ -156,15 +190,17 @@ def test_reclaim_suspends_then_preempts_and_calls_the_hooks_in_order():
     hooks = Hooks(on_node_ready=lambda *a: calls.append(("ready", *a)),
                   on_node_gone=lambda *a: calls.append(("gone", *a)),
                   on_preemption_notice=lambda *a: calls.append(("notice", *a)))
-    with running_emulator(time_scale=0.01, hooks=hooks) as emu:
+    with manual_emulator(hooks=hooks) as emu:
         client = emu.client()
         create(client)
-        wait_state(client, QR_NAME, QRState.ACTIVE)
+        emu.advance(TO_ACTIVE_S)
+        assert state_of(client) == "ACTIVE"
         assert emu.reclaim("q1") == QR_NAME
         qr = client.get_queued_resource(name=QR_NAME)
         assert qr.state.state == QRState.SUSPENDING and qr.state.state_initiator.name == "SERVICE"
         assert client.get_node(name=NODE_NAME).state.name == "READY"  # the grace period
-        wait_state(client, QR_NAME, QRState.SUSPENDED)
+        emu.advance(STEPS.preempt_grace_s)
+        assert state_of(client) == "SUSPENDED"
         assert client.get_node(name=NODE_NAME).state.name == "PREEMPTED"
     assert calls == [("ready", "q1", "v4-16", 2, {"job": "j1"}, {}), ("notice", "q1"), ("gone", "q1", "preempted")]
 
@@ -193,15 +229,18 @@ def test_terminate_kills_a_node(emulator):
 # -- faults ---------------------------------------------------------------------------------
 
 
-def test_stockout_waits_until_cleared(emulator):
-    client = emulator.client()
-    emulator.stockout(ZONE)
-    create(client)
-    wait_state(client, QR_NAME, QRState.WAITING_FOR_RESOURCES)
-    time.sleep(0.3)  # many times capacity_s at this scale
-    assert client.get_queued_resource(name=QR_NAME).state.state == QRState.WAITING_FOR_RESOURCES
-    emulator.clear_stockout(ZONE)
-    wait_state(client, QR_NAME, QRState.ACTIVE)
+def test_stockout_waits_until_cleared():
+    with manual_emulator() as emulator:
+        client = emulator.client()
+        emulator.stockout(ZONE)
+        create(client)
+        emulator.advance(STEPS.accept_s + STEPS.queue_s)
+        assert state_of(client) == "WAITING_FOR_RESOURCES"
+        emulator.advance(100 * STEPS.capacity_s)
+        assert client.get_queued_resource(name=QR_NAME).state.state == QRState.WAITING_FOR_RESOURCES
+        emulator.clear_stockout(ZONE)
+        emulator.advance(STEPS.capacity_s + STEPS.provision_s)
+        assert state_of(client) == "ACTIVE"
 
 
 def test_stockout_can_fail_with_resource_exhausted_and_spare_other_types(emulator):
