@@ -88,6 +88,10 @@ def _preload_lm() -> None:
         log.debug("preloading the trainer failed: %s", e)
 
 
+class FolderTaken(RuntimeError):
+    """The fence beside the job's checkpoints names another job: another controller took the folder."""
+
+
 class EntrypointError(Exception):
     """The job's entrypoint could not be imported (its module, a module it imports, or its function)."""
 
@@ -231,6 +235,9 @@ class HostWorker:
         except accelerator.PlatformError as e:  # not the host its slice claims: nothing of the job's ran
             log.error("%s", e)
             result = WorkerResult(Ending.FAILED, self.rank, error=str(e), cause=FailureCause.PLATFORM.value)
+        except FolderTaken as e:  # at a save: the fence names another job
+            log.error("%s", e)
+            result = WorkerResult(Ending.FAILED, self.rank, error=str(e), cause=FailureCause.FOLDER_TAKEN.value)
         except SystemExit as e:  # the job's code called sys.exit(): an end it chose, never to be taken for a hang
             result = self._exited(e)
         except Exception as e:  # the boundary of user code: report it, typed (its cause), with its traceback
@@ -374,7 +381,11 @@ class HostWorker:
         if fence is None:
             log.warning("no fence in %s; not writing", self._fence_dir)
             return False
-        return fence.generation == self.generation and fence.owner in (None, self.job_id)
+        if fence.owner not in (None, self.job_id):  # not an older generation of this job: another job's folder now
+            raise FolderTaken(f"the checkpoint folder {self._fence_dir} was taken by job {fence.owner} (its "
+                              f"generation {fence.generation}): another controller runs a job there; this job "
+                              "stops without saving, so as not to train on with no checkpoint")
+        return fence.generation == self.generation
 
     def _log_progress(self, r: StepDone) -> None:
         total = self._steps_total

@@ -64,6 +64,7 @@ FAILED_BECAUSE: dict[OutcomeKind, FailedBecause] = {
     OutcomeKind.HUNG: FailedBecause.USER_CODE,
     OutcomeKind.USER_EXIT: FailedBecause.USER_EXIT,
     OutcomeKind.STORAGE_FAILED: FailedBecause.STORAGE,
+    OutcomeKind.FOLDER_TAKEN: FailedBecause.STORAGE,
     OutcomeKind.PROVISION_FAILED: FailedBecause.NO_RESOURCE,
     OutcomeKind.PREEMPTED: FailedBecause.PREEMPTIONS,
     OutcomeKind.INFRA_LOST: FailedBecause.PREEMPTIONS,

@@ -90,7 +90,7 @@ def _provider_says(att: Attempt) -> Outcome | None:
 
 
 FAILURES = (OutcomeKind.APP_FAILED, OutcomeKind.USER_EXIT, OutcomeKind.IMPORT_ERROR, OutcomeKind.STORAGE_FAILED,
-            OutcomeKind.PLATFORM_FAILED)
+            OutcomeKind.PLATFORM_FAILED, OutcomeKind.FOLDER_TAKEN)
 
 
 def _host_lost(att: Attempt) -> str | None:

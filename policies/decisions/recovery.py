@@ -36,6 +36,7 @@ class OutcomeKind(str, enum.Enum):
     IMPORT_ERROR = "import_error"  # the entrypoint (or a module it imports) could not be imported
     STORAGE_FAILED = "storage_failed"  # a write failed on a full or read-only disk (checkpoints, mostly)
     PLATFORM_FAILED = "platform_failed"  # a host lacks the TPU chips its slice claims (before the job's code ran)
+    FOLDER_TAKEN = "folder_taken"  # another job (another controller's) took the checkpoint folder's fence
     PROVISION_FAILED = "provision_failed"  # no slice, or its workers could not all start
     CANCELLED = "cancelled"
     RESIZED = "resized"  # stopped on purpose at a committed checkpoint, to go on on another slice size
@@ -73,6 +74,7 @@ class FailureCause(str, enum.Enum):
     IMPORT = "import"  # its entrypoint, or a module, could not be imported
     STORAGE = "storage"  # a write failed: the disk is full or read-only
     PLATFORM = "platform"  # before its code ran: the host's TPU did not start, or is not what the slice claims
+    FOLDER_TAKEN = "folder_taken"  # at a save: the checkpoint folder's fence names another job
 
 
 STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
@@ -146,10 +148,11 @@ def native_error(stderr_tail: str | None) -> str:
 
 _CAUSE_KIND = {FailureCause.ERROR: OutcomeKind.APP_FAILED, FailureCause.EXIT: OutcomeKind.USER_EXIT,
                FailureCause.IMPORT: OutcomeKind.IMPORT_ERROR, FailureCause.STORAGE: OutcomeKind.STORAGE_FAILED,
-               FailureCause.PLATFORM: OutcomeKind.PLATFORM_FAILED}
+               FailureCause.PLATFORM: OutcomeKind.PLATFORM_FAILED,
+               FailureCause.FOLDER_TAKEN: OutcomeKind.FOLDER_TAKEN}
 # When hosts fail together, the one that says most: the others often only fail in a collective after it.
-_CAUSE_ORDER = [FailureCause.PLATFORM, FailureCause.IMPORT, FailureCause.STORAGE, FailureCause.EXIT,
-                FailureCause.ERROR]
+_CAUSE_ORDER = [FailureCause.PLATFORM, FailureCause.FOLDER_TAKEN, FailureCause.IMPORT, FailureCause.STORAGE,
+                FailureCause.EXIT, FailureCause.ERROR]
 
 
 class HostResult(Protocol):
@@ -274,6 +277,9 @@ RULES: dict[OutcomeKind, Rule] = {
                                      "elsewhere) and submit again: it goes on from the last committed step"),
     OutcomeKind.PLATFORM_FAILED: Rule(Budget.FAILURES, Retry.NEVER,
                                       "every launch on these hosts would find the same chips"),
+    OutcomeKind.FOLDER_TAKEN: Rule(Budget.FAILURES, Retry.NEVER,
+                                   "the folder's checkpoints are another job's now; give this job a checkpoint "
+                                   "folder of its own and submit again"),
     OutcomeKind.PROVISION_FAILED: Rule(Budget.FAILURES, Retry.IF_TRANSIENT),
 }
 

@@ -128,6 +128,25 @@ def test_two_jobs_at_once_keep_to_their_own_slices(client, tmp_path):
     assert len(a.metrics()) == 6 and len(b.metrics()) == 5
 
 
+def test_a_job_whose_folder_another_controller_took_stops_at_its_next_save_and_says_so(client, tmp_path):
+    """Two state directories pointed at one checkpoint folder: the other's controller writes the fence with its
+    own job as owner (`launch.write_fence`, as its launch does). This job must not train on with no checkpoint."""
+    from orchestrator.control.launch import write_fence
+
+    spec = tiny_spec("taken", "v4-8", tmp_path, steps=400, interval=5)
+    job = client.submit(spec)
+    wait_step(job, 6, timeout_s=300)
+    write_fence(spec, generation=1, owner="other-job-1234")  # the other controller's first launch
+    st = job.wait(timeout_s=300)
+    assert st.state is JobState.FAILED, (st.state, st.reason)
+    assert st.cause == "storage", st.cause
+    assert "taken by job other-job-1234" in st.reason and "not tried again" in st.reason, st.reason
+    assert st.step < 400
+    saved = sorted(int(p.name) for p in Path(spec.checkpoint.directory).iterdir() if p.name.isdigit())
+    assert saved and max(saved) <= st.step
+    assert len([e for e in job.events() if e.kind == "launched"]) == 1  # never tried again
+
+
 def test_slice_too_big_for_the_provider_fails_clearly(client, tmp_path):
     spec = tiny_spec("huge", "v4-128", tmp_path, workload={"type": "lm", "global_batch_size": 64, "steps": 2,
                                                                "learning_rate": {"warmup_steps": 1}})

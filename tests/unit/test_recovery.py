@@ -47,6 +47,7 @@ BUDGETS = Budgets(max_preemptions=2, max_failures=1, max_aborts=3)
     (K.IMPORT_ERROR,       True,      0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # never tried again
     (K.STORAGE_FAILED,     True,      0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # a full disk: never tried again
     (K.PLATFORM_FAILED,    True,      0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # a host without its TPU: never
+    (K.FOLDER_TAKEN,       True,      0, 0, 0,   (Next.FAIL, 0, 1, 0, 0.0)),      # another job's folder now: never
     (K.PROVISION_FAILED,   True,      0, 0, 0,   (Next.RECOVER, 0, 1, 0, 2.0)),   # workers did not start: a failure
     (K.PROVISION_FAILED,   False,     0, 0, 0,   (Next.FAIL, 0, 0, 0, 0.0)),      # permanent: no budget spent
 ])
@@ -82,6 +83,8 @@ def test_every_way_of_ending_has_a_rule():
                                       "committed step"),
     (K.PLATFORM_FAILED, 0, 0, 0, True, "why; not tried again: every launch on these hosts would find the same "
                                        "chips"),
+    (K.FOLDER_TAKEN, 0, 0, 0, True, "why; not tried again: the folder's checkpoints are another job's now; give "
+                                    "this job a checkpoint folder of its own and submit again"),
 ])
 def test_the_reason_names_the_budget(kind, pre, fail, ab, transient, reason):
     d = after(Outcome(kind, "why", transient=transient), preemptions=pre, failures=fail, aborts=ab, budgets=BUDGETS,
@@ -112,6 +115,7 @@ def _r(ending, **kw):
     ([_r("failed", cause="import"), None], None, K.IMPORT_ERROR),
     ([_r("failed", cause="storage"), None], None, K.STORAGE_FAILED),
     ([_r("failed", cause="platform"), _r("failed", cause="error")], None, K.PLATFORM_FAILED),  # no TPU, then gloo
+    ([_r("failed", cause="error"), _r("failed", cause="folder_taken")], None, K.FOLDER_TAKEN),  # a save refused
     # The host that says most wins: the others only failed in a collective after it.
     ([_r("failed", error="XlaRuntimeError: gloo", cause="error"), _r("failed", cause="storage")], None,
      K.STORAGE_FAILED),
