@@ -161,10 +161,10 @@ class ProgramsAhead:
     def _poll(self, spec_of: Callable[[], JobSpec], att: Attempt) -> None:
         if self.platform is None or att.last_step < 0 or self._busy.locked():
             return
-        if self.platform == "cpu" and not (self.home.root / CPU_SWITCH).exists():
-            return
         if self._generation != att.generation:
             self._generation, self._first_step = att.generation, att.last_step
+        if self.platform == "cpu" and not (self.home.root / CPU_SWITCH).exists():
+            return
         spec = spec_of()
         if (att.last_step < self._first_step + AFTER_STEPS or not isinstance(spec.workload, LmWorkload)
                 or spec.checkpoint.directory is None):

@@ -26,6 +26,8 @@ EXAMPLES = [
     ev.FolderClaimed("/ckpt", "resume-anyway", 300, "lm-3f2a1c", [["workload.seed", 0, 1]], None),
     ev.StoreFaulted("disk full", 12.5, "state store not writable: disk full (/h/state.db: database or disk is full)"),
     ev.MemoryCadence(2, 0.012, 0.4), ev.AheadCompiled(1, 6.2, True, 0), ev.Restored(0.2, 1.1, 40, [], "memory", None),
+    ev.ProgramStored("v4:2x2x2/2h/1s", True, None, 42.5, 25_000_000),
+    ev.ProgramStored("cpu:4/1h/2s", False, 0, reason="none stored for this program on cpu:4/1h/2s"),
     ev.ResizeAsked("v4-16", "v4-32", "spot", "more chips", 10),
 ]
 

@@ -135,3 +135,70 @@ def test_the_job_s_key_is_made_once_and_reaches_its_launches(tmp_path):
     assert (os.stat(home.job_dir("job-1") / "programs.key").st_mode & 0o777) == 0o600
     given = launch_programs(home, "job-1", _spec(), catalog.lookup("v4-16"), 2)
     assert given == {"directory": "/tmp/x", "key": key.hex(), "targets": targets(catalog.lookup("v4-16"), 2)}
+
+
+def _service(tmp_path):
+    from orchestrator.cluster.home import Home
+    from orchestrator.control.compile_ahead import ProgramsAhead
+    from orchestrator.state.store import Store
+
+    home = Home(tmp_path).ensure()
+    store = Store(home.db)
+    store.create_job("j", "j", {})
+    att = Attempt()
+    att.slice, att.others, att.generation = object(), [object()], 1  # type: ignore[assignment]
+    return ProgramsAhead(home, "j", store), store, att
+
+
+def wait_idle(service) -> None:
+    import time
+
+    deadline = time.monotonic() + 10
+    while service._busy.locked() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_the_service_starts_once_the_hosts_said_what_they_are_and_trained_a_few_steps(tmp_path, monkeypatch):
+    from orchestrator.control import compile_ahead
+
+    asked: list = []
+    monkeypatch.setattr(compile_ahead, "compile_in_process", lambda options, **kw: asked.append(options) or {
+        "options": [{"target": o.target, "ok": True, "seconds": 1.5, "size": 2**20} for o in options]})
+    service, store, att = _service(tmp_path)
+    spec = _spec()
+    att.last_step = 5
+    service.poll(lambda: spec, att)
+    assert asked == []  # the hosts have not said whether they are TPU hosts or CPU stand-ins
+    service.hosts_look_for("v4:2x2x2/2h/2s", 1)
+    service.poll(lambda: spec, att)  # the generation's first step seen: it waits AFTER_STEPS more
+    att.last_step = 5 + compile_ahead.AFTER_STEPS
+    service.poll(lambda: spec, att)
+    wait_idle(service)
+    service.poll(lambda: spec, att)  # each option once
+    wait_idle(service)
+    assert [[o.target for o in options] for options in asked] == [["v4:2x2x2/2h/1s"]]
+    [event] = [e for e in store.events("j") if e.kind.value == "program"]
+    assert event.data["ok"] and event.data["target"] == "v4:2x2x2/2h/1s" and event.data["host"] is None
+    assert "stored (1.0 MiB)" in event.reason
+
+
+def test_a_failed_compile_is_an_event_never_the_job_s_failure_and_cpu_hosts_need_the_switch(tmp_path, monkeypatch):
+    from orchestrator.control import compile_ahead
+
+    def fails(options, **kw):
+        raise RuntimeError("the compile-ahead process exited with -9")
+
+    monkeypatch.setattr(compile_ahead, "compile_in_process", fails)
+    service, store, att = _service(tmp_path)
+    service.hosts_look_for("cpu:4/2h/2s", 1)
+    att.last_step = 0
+    service.poll(_spec, att)
+    att.last_step = 10
+    service.poll(_spec, att)
+    assert not [e for e in store.events("j") if e.kind.value == "program"]  # CPU stand-ins: only with the switch
+    (tmp_path / compile_ahead.CPU_SWITCH).touch()
+    service.poll(_spec, att)
+    wait_idle(service)
+    [event] = [e for e in store.events("j") if e.kind.value == "program"]
+    assert not event.data["ok"] and event.data["target"] == "cpu:4/2h/1s"
+    assert "failed: RuntimeError: the compile-ahead process exited with -9; its hosts will compile" in event.reason
