@@ -146,8 +146,8 @@ class ProgramsAhead:
         self._busy = threading.Lock()
         self._generation, self._first_step = -1, -1  # the first step seen of the generation running
 
-    def hosts_look_for(self, target: str, generation: int) -> None:
-        """Host 0 of generation `generation` looked for `target` in the job's storage: that says what hosts are."""
+    def hosts_look_for(self, target: str) -> None:
+        """Host 0 of the running generation looked for `target` in the job's storage: that says what hosts are."""
         self.platform = "cpu" if target.startswith("cpu:") else "tpu"
 
     def poll(self, spec_of: Callable[[], JobSpec], att: Attempt) -> None:

@@ -110,7 +110,7 @@ class ReportsMixin:
                 f"host {rank} keeps the program for {report.slices} slice(s) too (from host 0): it is the survivors' "
                 f"first host if slice 0 is lost", at=now))
         elif isinstance(report, ProgramLooked) and rank == 0:  # every host looks; the first one speaks for them
-            self.programs.hosts_look_for(report.target, generation)
+            self.programs.hosts_look_for(report.target)
             held.add(lambda: store.add_event(
                 self.job_id, ProgramStored(report.target, report.used, rank, reason=report.reason),
                 f"host {rank} loads the step compiled ahead: {report.reason}" if report.used else

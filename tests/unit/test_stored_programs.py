@@ -169,7 +169,7 @@ def test_the_service_starts_once_the_hosts_said_what_they_are_and_trained_a_few_
     att.last_step = 5
     service.poll(lambda: spec, att)
     assert asked == []  # the hosts have not said whether they are TPU hosts or CPU stand-ins
-    service.hosts_look_for("v4:2x2x2/2h/2s", 1)
+    service.hosts_look_for("v4:2x2x2/2h/2s")
     service.poll(lambda: spec, att)  # the generation's first step seen: it waits AFTER_STEPS more
     att.last_step = 5 + compile_ahead.AFTER_STEPS
     service.poll(lambda: spec, att)
@@ -190,7 +190,7 @@ def test_a_failed_compile_is_an_event_never_the_job_s_failure_and_cpu_hosts_need
 
     monkeypatch.setattr(compile_ahead, "compile_in_process", fails)
     service, store, att = _service(tmp_path)
-    service.hosts_look_for("cpu:4/2h/2s", 1)
+    service.hosts_look_for("cpu:4/2h/2s")
     att.last_step = 0
     service.poll(_spec, att)
     att.last_step = 10
