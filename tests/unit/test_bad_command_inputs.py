@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -16,10 +14,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
 from orchestrator.user.cli import app
-from tests.conftest import REPO
 
 GOOD_JOB = "name: tiny\n"
 
@@ -260,35 +256,3 @@ def test_report_among_the_devices_is_refused(tmp_path, home):
     assert (code, stdout, lines) == (2, "", ["error: /dev/full.png: is in /dev, device files, not a place for files; "
                                              "use a folder on a disk"])
     assert Path("/dev/full.png").exists() == there
-
-
-# -- export of a step the checkpoint does not have: the real command, its whole stderr ------------------
-
-WRITER = """
-import sys
-import jax
-jax.config.update("jax_platforms", "cpu")
-import numpy as np
-import orbax.checkpoint as ocp
-mngr = ocp.CheckpointManager(sys.argv[1], options=ocp.CheckpointManagerOptions(create=True))
-mngr.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": {"w": np.ones(4, np.float32)}}),
-                                     meta=ocp.args.JsonSave({"step": 3})))
-mngr.wait_until_finished()
-mngr.close()
-"""
-
-
-def test_export_of_a_step_not_saved_is_one_line_on_stderr_and_nothing_else(tmp_path, home):
-    """Run as users run it: JAX looking for a TPU on a machine with libtpu and none printed a page of warnings."""
-    subprocess.run([sys.executable, "-c", WRITER, str(tmp_path / "ckpt")], check=True, timeout=120, cwd=REPO)
-    store = Store(home / "state.db")
-    store.create_job("tiny-abc123", "tiny", {"name": "tiny", "accelerator": "v4-8", "tier": "spot",
-                                             "checkpoint": {"directory": str(tmp_path / "ckpt")}})
-    for state in (JobState.PROVISIONING, JobState.STARTING, JobState.RUNNING, JobState.SUCCEEDED):
-        store.transition("tiny-abc123", state, "test")
-    r = subprocess.run([sys.executable, "-m", "orchestrator.user.cli", "export", "tiny", "-o", str(tmp_path / "out"),
-                        "--step", "99999"], cwd=REPO, capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "ORCHESTRATOR_HOME": str(home)})
-    assert (r.returncode, r.stdout, r.stderr) == (2, "", f"error: {tmp_path / 'ckpt'}: has no committed checkpoint "
-                                                         "of step 99999; it has 3\n")
-    assert not (tmp_path / "out").exists()

@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -164,17 +161,6 @@ def test_each_problem_of_a_job_file_is_its_own_error_line(tmp_path, home):
     assert lines[3].endswith("workload.seed: Input should be less than or equal to 4294967295")
 
 
-def test_the_installed_command_prints_one_line_and_exits_2(home):
-    """Through `main()` in a real process, as a user runs it (not the test runner's invoke)."""
-    store = Store(home / "state.db")
-    tiny_job(store, "tiny-abc123", *RUNNING)
-    r = subprocess.run([sys.executable, "-m", "orchestrator.user.cli", "resize", "tiny", "v9-999"], cwd=REPO,
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "ORCHESTRATOR_HOME": str(home)})
-    assert r.returncode == 2 and r.stdout == ""
-    assert r.stderr.startswith("error: unknown accelerator 'v9-999'; valid types are: v4-8, ")
-    assert r.stderr.count("\n") == 1 and "\x1b[" not in r.stderr  # one line, no colour codes in a pipe
-
-
 # -- report -o -------------------------------------------------------------------------------------
 
 
@@ -245,19 +231,6 @@ def test_cancel_of_an_ended_job_is_one_line_exit_2(home, state):
     assert error_lines(r) == [f"error: job {job} is {state.value}; it has ended: nothing to cancel"]
     assert not store.job(job).cancel_requested and store.job(job).state is state
     assert not (home / "cluster.json").exists()  # no cluster was started to be asked
-
-
-def test_a_reader_that_stops_reading_ends_the_command_quietly_exit_0(home):
-    """`orchestrator schema | head`: the reader went before the output was written."""
-    p = subprocess.Popen([sys.executable, "-m", "orchestrator.user.cli", "schema"], cwd=REPO, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env={**os.environ, "ORCHESTRATOR_HOME": str(home)})
-    p.stdout.close()  # before it writes: every write meets a closed pipe
-    _, stderr = p.communicate(timeout=120)
-    assert (p.returncode, stderr.decode()) == (0, "")
-    r = subprocess.run(f"{sys.executable} -m orchestrator.user.cli schema | head -n 2", shell=True, cwd=REPO,
-                       capture_output=True, text=True, timeout=120, executable="/bin/bash",
-                       env={**os.environ, "ORCHESTRATOR_HOME": str(home)})
-    assert (r.stdout, r.stderr) == ('{\n  "$defs": {\n', "")
 
 
 # -- profile: refused before any cluster is asked ---------------------------------------------------

@@ -8,10 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -438,29 +434,6 @@ def test_a_given_control_token_is_used_a_weak_one_refused():
         serve(control_token="short")
     a, b = Emulator(), Emulator()  # not started: the token is made with the handle
     assert len(a.control_token) >= 32 and a.control_token != b.control_token
-
-
-def test_main_serves_until_interrupted_and_prints_its_token(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    token_file = tmp_path / "token"
-    proc = subprocess.Popen([sys.executable, "-m", "orchestrator.emulator", "--port", "0", "--log-level", "WARNING",
-                             "--control-token-file", str(token_file)], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        url = next(w for w in proc.stdout.readline().split() if w.startswith("http"))
-        assert url.startswith("http://127.0.0.1:")
-        label, _, token = proc.stdout.readline().strip().partition(": ")
-        assert label == "control token" and token
-        assert ControlClient(url, token=token).state()["queuedResources"] == []
-        with pytest.raises(ControlError, match="401"):
-            ControlClient(url).state()
-        assert token_file.read_text() == token + "\n" and (token_file.stat().st_mode & 0o777) == 0o600
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=20) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
 
 
 def test_request_log_keeps_no_header_values(emulator, caplog):

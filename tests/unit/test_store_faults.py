@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -18,7 +17,6 @@ from orchestrator.errors import StoreFaultError
 from orchestrator.observe.metrics import read_store_fault, serve_metrics
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
-from tests.conftest import REPO
 from tests.waiting import wait_for
 
 
@@ -168,51 +166,6 @@ def test_the_content_of_a_deleted_store_can_still_be_copied_out(tmp_path):
     store.copy_to(tmp_path / "state.db.rescued")
     rescued = Store(tmp_path / "state.db.rescued")
     assert rescued.job("j1").state is JobState.PENDING and [m.loss for m in rescued.steps("j1")] == [2.5]
-
-
-def test_the_documented_way_back_from_a_deleted_store_opens_in_other_processes(tmp_path):
-    """`down`, `mv state.db.rescued state.db`, `up`: each opens the store in a process of its own while the
-    deleted store's write-ahead log is still beside it (the controller held it open). SQLite took that log
-    for the new store's, and every open failed with "disk I/O error"; it is set aside now."""
-    store = Store(tmp_path / "state.db")
-    store.create_job("j1", "j", {})
-    store.record_steps("j1", 1, [(0, 2.5, None, None)])
-    store.path.unlink()
-    store.copy_to(tmp_path / "state.db.rescued")  # what the controller does on seeing it gone
-    assert (tmp_path / "state.db-wal").exists()
-    opened = ("import sys; from orchestrator.state.store import Store; "
-              "print([j.id for j in Store(sys.argv[1]).jobs()])")
-
-    def open_in_a_process() -> str:
-        r = subprocess.run([sys.executable, "-c", opened, str(tmp_path / "state.db")], cwd=REPO, capture_output=True,
-                           text=True, timeout=60)
-        assert r.returncode == 0, r.stderr[-2000:]
-        return r.stdout.strip()
-
-    assert open_in_a_process() == "[]"  # as `down` opens it: a new, empty store
-    assert sorted(p.name.split(".orphaned-")[0] for p in tmp_path.glob("*.orphaned-*")) == ["state.db-shm",
-                                                                                           "state.db-wal"]
-    assert not list(tmp_path.glob("state.db-wal")), "a store closed with its process leaves no log behind"
-    os.replace(tmp_path / "state.db.rescued", tmp_path / "state.db")
-    assert open_in_a_process() == "['j1']"  # as `up` opens it: every job back
-
-
-def test_a_command_beside_a_running_cluster_whose_store_was_deleted_says_so_and_makes_no_empty_store(tmp_path):
-    home = tmp_path / "home"
-    store = Store(home / "state.db")
-    store.create_job("j1", "j", {})
-    (home / "cluster.json").write_text("{}")  # a cluster is recorded as running
-    store.path.unlink()
-    env = {**os.environ, "ORCHESTRATOR_HOME": str(home)}
-    for command in (["status", "j1"], ["list"], ["cancel", "j1"]):
-        r = subprocess.run([sys.executable, "-m", "orchestrator", *command], cwd=REPO, env=env, capture_output=True,
-                           text=True, timeout=60)
-        said = " ".join(r.stderr.split())
-        assert r.returncode == 1, said
-        assert "error: state store not writable: deleted" in said and "the running cluster's store is gone" in said
-        assert f"mv {home / 'state.db.rescued'} {home / 'state.db'}" in said and "orchestrator up" in said
-        assert "Traceback" not in r.stderr
-    assert not store.path.exists()  # no empty store took its place
 
 
 def test_the_controllers_log_on_a_full_disk_prints_no_traceback_per_line_and_keeps_the_lines(small_disk, capfd):
