@@ -16,8 +16,9 @@ storage (`workers.stored_programs`), where the hosts of that shape select it at 
   switched): it is how the storage hand-off is shown without a TPU.
 
 Which of the two the hosts are is what they say at their launch (`hosts_look_for`). Nothing
-here may slow or fail the job: the process runs at the lowest priority, and any error is
-logged and recorded as an event, never raised.
+here may slow or fail the job: the process runs at the lowest priority, one at a time on the
+controller's machine whatever the number of jobs, and any error is logged and recorded as an
+event, never raised.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ CPU_SWITCH = "compile-ahead-cpu"  # in the state directory: compile ahead for CP
 AFTER_STEPS = 2  # the job's first steps measure its speed (and the copy in memory): a compile beside them would skew it
 _KEY_FILE = "programs.key"
 _TIMEOUT_S = 3600
+# One compile at a time on the controller's machine, whatever the number of jobs: each takes a core and
+# 1.5-1.9 GiB for a ~100M model (benchmarks/compile_ahead.py).
+_ONE_AT_A_TIME = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,14 +120,19 @@ def option_for(spec: JobSpec, shape: Shape, platform: str) -> Option:
 def job_key(home: Home, job_id: str) -> bytes:
     """The job's program key (made once, kept in its folder of the state directory, readable by its owner only)."""
     path = home.job_dir(job_id) / _KEY_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
+    if path.exists():
         return bytes.fromhex(path.read_text().strip())
-    key = secrets.token_bytes(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key, tmp = secrets.token_bytes(32), path.with_name(f"{_KEY_FILE}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key.hex())
+    try:
+        os.link(tmp, path)  # whole, and only if no other thread made it first
+    except FileExistsError:
+        key = bytes.fromhex(path.read_text().strip())
+    finally:
+        tmp.unlink()
     return key
 
 
@@ -182,9 +191,10 @@ class ProgramsAhead:
         from orchestrator.state.events import ProgramStored
 
         try:
-            answer = compile_in_process(options, directory=str(spec.checkpoint.directory),
-                                        endpoint=spec.storage.endpoint,
-                                        key_file=self.home.job_dir(self.job_id) / _KEY_FILE)
+            with _ONE_AT_A_TIME:
+                answer = compile_in_process(options, directory=str(spec.checkpoint.directory),
+                                            endpoint=spec.storage.endpoint,
+                                            key_file=self.home.job_dir(self.job_id) / _KEY_FILE)
             results = answer["options"]
         except Exception as e:
             log.warning("job %s: compile ahead failed: %s: %s", self.job_id, type(e).__name__, e)
