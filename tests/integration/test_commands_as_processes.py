@@ -76,6 +76,16 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly_exit_0(home):
     assert (r.stdout, r.stderr) == ('{\n  "$defs": {\n', "")
 
 
+def test_validate_names_the_field_and_exits_2(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text("name: pre\nprovider: gcp\n"
+                   "gcp: {project: p, zones: [us-central2-b], bucket: my-bucket, head_address: '127.0.0.1:6379'}\n")
+    r = subprocess.run([sys.executable, "-m", "orchestrator.user.cli", "validate", str(job)], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "error:" in r.stderr and "gcp.head_address" in r.stderr and "loopback" in r.stderr
+
+
 # -- the TPU API emulator's command --------------------------------------------------------------------
 
 

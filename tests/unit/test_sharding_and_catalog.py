@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -51,14 +48,6 @@ def test_the_catalog_reads_its_hardware_from_the_kernels_table():
 def test_the_number_in_a_type_name_counts_tensorcores_or_chips(t):
     per_chip = t.generation.chip.tensorcores if t.generation.counts_tensorcores else 1
     assert int(t.name.rsplit("-", 1)[1]) == t.chips * per_chip
-
-
-def test_reading_the_catalog_imports_no_jax():
-    """The control plane reads `kernels.hardware`; the kernels package must not load JAX for it."""
-    check = "import sys, orchestrator.catalog; assert 'jax' not in sys.modules, sorted(sys.modules)"
-    r = subprocess.run([sys.executable, "-c", check], cwd=Path(__file__).resolve().parents[2],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
 
 
 def test_rest_axis_takes_the_remaining_devices():
