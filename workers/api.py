@@ -15,7 +15,7 @@ runtime is up. Around the user's own ``init`` and ``train_step`` it gives::
 
         state = ctx.restore_or_init(init)               # newest checkpoint, resharded; or fresh
         step_fn = jax.jit(train_step, donate_argnums=0)
-        with ctx.loop(state) as loop:
+        with ctx.loop(state, step=step_fn) as loop:     # step=: what `plan --compile` compiles
             for step in loop:                           # from the restored step to ctx.steps
                 state, loss = step_fn(loop.state, ctx.batch(step))
                 loop.done(state, loss=loss)             # saves, agrees on stops, reports
@@ -33,6 +33,10 @@ runtime is up. Around the user's own ``init`` and ``train_step`` it gives::
   reports step, loss, tokens/s and the user's metrics to `status`, Prometheus and the report;
   and it traces the steps `orchestrator profile` asks for, on every chosen host from the
   same step (`workers.profiling`);
+- the compile before paying: a program that gives `ctx.loop` its step (``step=``) is traced
+  without running (`Context.trace_only`: abstract state and batch, nothing read or written)
+  and its step compiled by XLA's TPU compiler for each slice the job may use
+  (``orchestrator plan --compile``), so it learns whether it fits and how fast it could go;
 - the data position (`ctx.batch`): batch ``s`` is a pure function of ``(seed, s)`` and the
   global batch, each host reading only its rows, so a resumed or resized run sees
   exactly the batches an uninterrupted run would. The checkpoint records the seed and
@@ -64,9 +68,28 @@ from workers.settings import TrainingSettings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Context", "DataMismatch", "Loop", "TrainingSettings", "local_context", "param_checksums"]
+__all__ = ["Context", "DataMismatch", "DeclaredStep", "Loop", "StepNotDeclared", "TrainingSettings", "local_context",
+           "param_checksums"]
 
 _SETTING_NAMES = frozenset(f.name for f in dataclasses.fields(TrainingSettings))
+
+
+class DeclaredStep(BaseException):
+    """What a program declared to `Context.loop` of a context that only traces (`Context.trace_only`): its step
+    function and the abstract state and batch it takes.
+
+    A BaseException, as `SystemExit` is: it ends the program at its loop, and a program's own
+    ``except Exception`` does not catch it."""
+
+    def __init__(self, step: Callable[..., Any], state: Any, batch: Any, *, flops_per_step: float | None,
+                 tokens_per_step: int | None):
+        super().__init__("the program's step, declared for a compile")
+        self.step, self.state, self.batch = step, state, batch
+        self.flops_per_step, self.tokens_per_step = flops_per_step, tokens_per_step
+
+
+class StepNotDeclared(ValueError):
+    """A program traced for a compile reached its loop without declaring its step (`Context.loop`'s `step`)."""
 
 
 class DataMismatch(ValueError):
@@ -91,6 +114,10 @@ class Context:
     # The devices the mesh lays over: None, this runtime's (`jax.devices()`); a TPU topology's to compile the
     # program for a slice that is not here (`workers.tpu_target`).
     devices: Sequence[Any] | None = None
+    # The program is traced for a compile, not run (`workers.tpu_target.compile_program`): `restore_or_init`
+    # gives the state's shapes and shardings, `batch` the batch's, and `loop` hands the step it is given to the
+    # compiler and ends the program there (`DeclaredStep`). Nothing is read, restored, trained or saved.
+    trace_only: bool = False
 
     def __post_init__(self):
         self._mesh: Mesh | None = None
@@ -184,6 +211,8 @@ class Context:
             shardings = self.shardings(abstract)
         state = None
         target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+        if self.trace_only:  # the state as the compiler sees it: its shapes, dtypes and shardings
+            return target
         step = self.settings.memory_step
         if step is not None:  # the survivors of a lost slice: their own copy
             from workers.memory import MemoryMiss, recall
@@ -237,7 +266,8 @@ class Context:
         return self._dataset
 
     def batch(self, step: int) -> jax.Array:
-        """Batch `step`: int32 tokens ``[global_batch_size, seq_len + 1]``, rows over the batch axes.
+        """Batch `step`: int32 tokens ``[global_batch_size, seq_len + 1]``, rows over the batch axes (a context
+        that only traces gives its shape, dtype and sharding: a `jax.ShapeDtypeStruct`).
 
         Each host reads only the rows its devices hold; the values depend only on
         ``(seed, step)``, not on the mesh or on how many times the job restarted.
@@ -245,6 +275,9 @@ class Context:
         n, s, seed = self.settings.global_batch_size, self.settings.seq_len, self.settings.seed
         if s is None or n is None:
             raise ValueError("ctx.batch needs workload.seq_len and workload.global_batch_size in the job file")
+        if self.trace_only:
+            shape = jax.ShapeDtypeStruct((n, s + 1), np.int32, sharding=NamedSharding(self.mesh, P(BATCH_AXES, None)))
+            return shape  # type: ignore[return-value]  # what the compiler takes in its place
         dataset = self.dataset
         return jax.make_array_from_callback(
             (n, s + 1), NamedSharding(self.mesh, P(BATCH_AXES, None)),
@@ -253,13 +286,27 @@ class Context:
 
     # -- the loop --------------------------------------------------------------
 
-    def loop(self, state: Any, *, start: int | None = None, flops_per_step: float | None = None,
-             tokens_per_step: int | None = None, compile_s: float = 0.0) -> Loop:
-        """The step loop from the restored step (or `start`) to the settings' `steps`."""
+    def loop(self, state: Any, *, step: Callable[..., Any] | None = None, batch: Any = None,
+             start: int | None = None, flops_per_step: float | None = None, tokens_per_step: int | None = None,
+             compile_s: float = 0.0) -> Loop:
+        """The step loop from the restored step (or `start`) to the settings' `steps`.
+
+        `step` declares the program's step function, ``step(state, batch) -> (state, metrics)``
+        (jitted or not), and `batch` an example of its batch (default: `batch`'s): with them,
+        ``orchestrator plan --compile`` compiles the program's own step for every slice the job
+        may use with XLA's TPU compiler. A training run does not use them.
+        """
         if self.settings.steps is None:
             raise ValueError("ctx.loop needs workload.steps in the job file")
         if tokens_per_step is None:
             tokens_per_step = self.settings.tokens_per_step
+        if self.trace_only:
+            if step is None:
+                raise StepNotDeclared("the program does not declare its step: it calls ctx.loop(state) without "
+                                      "step=, so the compiler cannot see it (ctx.loop(state, step=train_step))")
+            example = self.batch(start or 0) if batch is None else jax.tree.map(_abstract, batch)
+            raise DeclaredStep(step, jax.tree.map(_abstract, state), example, flops_per_step=flops_per_step,
+                               tokens_per_step=tokens_per_step)
         first = start if start is not None else (self.restored_step or 0)
         self.send(Timings(self.restore_s, compile_s, self.restored_step, self.unreadable, self.restored_from,
                           self.memory_miss))
@@ -409,6 +456,14 @@ class Loop:
         if self.ctx._checkpoints is not None:
             self.ctx._checkpoints.close()
             self.ctx._checkpoints = None
+
+
+def _abstract(x: Any) -> Any:
+    """A leaf as the compiler takes it: its shape, dtype and (where it has one) sharding."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return x
+    return jax.ShapeDtypeStruct(np.shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype,
+                                sharding=getattr(x, "sharding", None))
 
 
 def _scalar(x: Any) -> float:

@@ -131,6 +131,9 @@ class ProgramReport:
     xla_flops_per_chip: float  # XLA's own cost analysis, which counts each loop's body once
     optimal_s: float | None  # the cost model's time for one run of the program (its roofline), if it gives one
     chips: int
+    # The model FLOPs of one step over the whole target as the program states them (a user's program: the
+    # `flops_per_step` it gives `ctx.loop`), for MFU; None: not stated.
+    model_flops_per_step: float | None = None
 
     @property
     def hbm_bytes_per_chip(self) -> int:
@@ -201,14 +204,30 @@ def _code_digest() -> str:
 
 def program_key(lm: LmSettings, settings: TrainingSettings, topology: Topology) -> str:
     """The key of the step's report: what the step is, where it is compiled for, by which code and compiler."""
+    return _key(repr(lm), settings, topology)
+
+
+def user_program_key(entrypoint: str, args: dict[str, Any], workdir: str | os.PathLike | None,
+                     settings: TrainingSettings, topology: Topology) -> str:
+    """The key of a user's program's report: its entrypoint and args, the Python files of its folder (the
+    code shipped to its hosts), the settings, the target, and the code and compiler that build it."""
+    h = hashlib.sha256()
+    if workdir is not None:
+        root = Path(workdir)
+        for path in sorted(root.rglob("*.py")):
+            if ".venv" not in path.parts and "__pycache__" not in path.parts:
+                h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return _key(repr((entrypoint, sorted(args.items(), key=lambda kv: kv[0]), h.hexdigest())), settings, topology)
+
+
+def _key(program: str, settings: TrainingSettings, topology: Topology) -> str:
     import jaxlib
 
     try:
         libtpu = metadata.version("libtpu")
     except metadata.PackageNotFoundError:
         libtpu = "none"
-    parts = (repr(lm), repr(settings), repr(topology), jax.__version__, jaxlib.__version__, libtpu,
-             _code_digest())
+    parts = (program, repr(settings), repr(topology), jax.__version__, jaxlib.__version__, libtpu, _code_digest())
     return hashlib.sha256(repr(parts).encode()).hexdigest()[:32]
 
 
@@ -239,6 +258,33 @@ def compile_train_step(lm: LmSettings, settings: TrainingSettings,
     ctx = context(topology, settings)
     compiled, seconds = compile_on(ctx.mesh, Trainer(lm, ctx).lower_step)
     return compiled, report(compiled, topology.label, topology.chips * topology.slices, seconds)
+
+
+def compile_program(main: Callable[[api.Context], Any], settings: TrainingSettings, topology: Topology, *,
+                    args: dict[str, Any] | None = None) -> tuple[jax.stages.Compiled, ProgramReport]:
+    """A user's program (the `main(ctx)` a job file's entrypoint names) traced for `topology` and its step
+    compiled, as its hosts would run it: `main` gets a context that only traces (`api.Context.trace_only`), and
+    the step, state and batch it declares to `ctx.loop` are compiled with the target's mesh current.
+
+    Raises:
+      api.StepNotDeclared: `main` reached its loop without ``step=``, or ended without a loop.
+      Whatever `main` raises while it is traced (code that needs concrete values), and whatever the
+      compiler raises for a program it rejects.
+    """
+    ctx = context(topology, settings, args=dict(args or {}), trace_only=True)
+    try:
+        main(ctx)
+    except api.DeclaredStep as declared:
+        found = declared
+    else:
+        raise api.StepNotDeclared("the program ended without calling ctx.loop(state, step=...): the compiler "
+                                  "cannot see its step")
+    step = found.step
+    jitted = step if hasattr(step, "lower") else jax.jit(step)
+    compiled, seconds = compile_on(ctx.mesh, lambda: jitted.lower(found.state, found.batch))
+    chips = topology.chips * topology.slices
+    return compiled, dataclasses.replace(report(compiled, topology.label, chips, seconds),
+                                         model_flops_per_step=found.flops_per_step)
 
 
 def serialize(compiled: jax.stages.Compiled) -> bytes:

@@ -114,7 +114,8 @@ def main(ctx: api.Context) -> None:
 
     state = ctx.restore_or_init(init)  # the newest checkpoint, resharded onto this slice; or fresh
     train_step = jax.jit(make_train_step(cfg, optimizer), donate_argnums=0)
-    with ctx.loop(state, flops_per_step=flops_per_step(state["params"], cfg, ctx)) as loop:  # for MFU
+    # step=: the step `orchestrator plan --compile` compiles for each slice; flops_per_step: for MFU.
+    with ctx.loop(state, step=train_step, flops_per_step=flops_per_step(state["params"], cfg, ctx)) as loop:
         for step in loop:
             state, metrics = train_step(loop.state, ctx.batch(step))
             loop.done(state, **metrics)  # loss, and any metric of the program's own

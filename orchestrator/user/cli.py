@@ -106,22 +106,30 @@ def validate(job_file: Path = typer.Argument(..., help="The job's YAML file."), 
     out.print(f"{job_file}: valid ({what}, {spec.tier.value})", highlight=False)
 
 
-def _compile_check(spec: JobSpec, job_file: Path) -> None:
-    """The TPU compiler's table for every option of `spec`; exit 2 (nothing provisioned) naming each
-    option that does not compile or fit."""
+def _compile_check(spec: JobSpec, job_file: Path) -> list | None:
+    """The TPU compiler's table for every option of `spec`, and its rows; exit 2 (nothing provisioned) naming
+    each option that does not compile or fit. None, with a warning that says why, for a program of the
+    user's own that does not declare its step (it goes on as without --compile)."""
     from orchestrator import cluster
+    from orchestrator.control.tpu_compile import EntrypointImportError
     from orchestrator.user.compiled import compile_options, render
+    from workers.api import StepNotDeclared
     from workers.tpu_target import TargetUnavailable
 
     cache = cluster.Home.default().ensure().root / "tpu-programs"
     try:
         rows = compile_options(spec, cache_dir=cache, progress=lambda line: err.print(line, highlight=False))
-    except (ValueError, TargetUnavailable) as e:
+    except StepNotDeclared as e:
+        err.print(f"warning: {job_file}: --compile: not compiled: {e}; checked without the compiler",
+                  highlight=False, markup=False)
+        return None
+    except (ValueError, TargetUnavailable, EntrypointImportError) as e:
         _fail(f"{job_file}: --compile: {e}")
     out.print(render(rows, spec))
     refused = [(r.field, line) for r in rows if (line := r.refusal()) is not None]
     if refused:
         raise SpecError(str(job_file), refused)
+    return rows
 
 
 @app.command()
@@ -530,40 +538,40 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     """For each slice type and tier: expected cost, time and deadline risk; and the policy's plan."""
     from orchestrator.domain.fit import slice_fit
     from orchestrator.domain.spec import AutoscalingConfig, LmWorkload
-    from orchestrator.user.planning import deadline_problem, moves_lines, plan_job, render_memory, render_plan
+    from orchestrator.user.planning import deadline_problem, moves_lines, plan_spec, render_memory, render_plan
     from policies.evaluation.traces import TraceError
 
     if deadline_hours is not None and (problem := deadline_problem(deadline_hours)) is not None:
         _fail(f"--deadline-hours must be {problem}")  # before the job file is read
     spec = JobSpec.from_yaml(job_file, check_memory=not compile)
-    w = spec.workload
-    if not isinstance(w, LmWorkload):
-        _fail(f"{job_file}: plan needs the built-in lm workload (its token count and model size)")
-    hours = deadline_hours if deadline_hours is not None else \
-        (spec.deadline.total_seconds() / 3600 if spec.deadline else None)
-    if hours is None:
+    own = not isinstance(spec.workload, LmWorkload)
+    if own and not compile:
+        _fail(f"{job_file}: plan needs the built-in lm workload's model size; for a program of your own, plan "
+              "--compile takes its step's FLOPs from the TPU compiler (declare it: ctx.loop(state, step=...))")
+    if deadline_hours is None and spec.deadline is None:  # before any compile
         _fail(f"{job_file}: deadline: plan needs a deadline (in the job file, or --deadline-hours)")
-    if deadline_hours is None and (problem := deadline_problem(hours)) is not None:
-        _fail(f"{job_file}: deadline: plan takes {problem} (--deadline-hours overrides it)")
     if trace is not None and not trace.is_file():
         _fail(f"{trace}: file not found")
-    from orchestrator.control.autoscaler import counted_options
+    flops = None
+    if own:  # the compiler's table first: the plan prices the step it compiled
+        from orchestrator.user.compiled import model_flops_per_step
 
-    auto = spec.autoscaling or AutoscalingConfig()
-    flops_per_token = w.model.shape().flops_per_token(w.seq_len)
+        rows = _compile_check(spec, job_file)
+        flops = model_flops_per_step(spec, rows)[0] if rows is not None else None
     try:
-        result = plan_job(tpu_types=auto.accelerators, tiers=[t.value for t in auto.tiers],
-                          total_tokens=float(w.steps * w.global_batch_size * w.seq_len), deadline_hours=hours,
-                          budget_usd=spec.budget_usd, trace_path=trace, flops_per_token=flops_per_token,
-                          counted=lambda singles: counted_options(spec, singles, w.global_batch_size * w.seq_len))
+        result = plan_spec(spec, deadline_hours=deadline_hours, trace_path=trace, model_flops_per_step=flops)
+    except ValueError as e:
+        _fail(f"{job_file}: {e}")
     except TraceError as e:
         _fail(str(e))
     out.print(render_plan(result))
     for line in moves_lines(result, width=out.width):
         out.print(line, markup=False, highlight=False)
-    out.print(render_memory([slice_fit(spec, name) for name in auto.accelerators]))
-    if compile:
-        _compile_check(spec, job_file)
+    if not own:
+        auto = spec.autoscaling or AutoscalingConfig()
+        out.print(render_memory([slice_fit(spec, name) for name in auto.accelerators]))
+        if compile:
+            _compile_check(spec, job_file)
 
 
 @app.command()

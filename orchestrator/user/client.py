@@ -21,8 +21,10 @@ import json
 import logging
 import os
 import time
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator import catalog, cluster
 from orchestrator.catalog import Tier
@@ -49,7 +51,24 @@ from orchestrator.user.job import CLUSTER_GONE, Job, JobStatus, _status
 from orchestrator.user.preflight import gcp_problems
 from workers import storage
 
+if TYPE_CHECKING:
+    from orchestrator.user.compiled import CompiledOption
+    from orchestrator.user.planning import JobPlan
+
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """`Client.plan`'s answer: the expected cost of each option and the policy's plan; with `compile`, the TPU
+    compiler's row for each option (`refusal()` says why one cannot run), else None."""
+
+    costs: JobPlan
+    compiled: list[CompiledOption] | None
+
+    @property
+    def refusals(self) -> list[str]:
+        return [line for r in self.compiled or [] if (line := r.refusal()) is not None]
 
 
 class Client:
@@ -349,6 +368,27 @@ class Client:
             if mine in theirs.parents:
                 raise ExportError(str(out), f"holds the checkpoint folder of job {job.id} ({folder}); "
                                             "write the export elsewhere")
+
+    def plan(self, spec: JobSpec, *, compile: bool = False, deadline_hours: float | None = None,
+             trace: str | Path | None = None, progress: Callable[[str], None] = lambda line: None) -> Plan:
+        """What the job would cost on each option, and what the cost policy would do (`planning.plan_spec`);
+        with `compile`, first the TPU compiler's verdict and figures for every option the job may run on
+        (`compiled.compile_options`, reports kept under this home's ``tpu-programs``). Needs no cluster.
+
+        Raises:
+          ValueError: a field the plan lacks (a deadline, the token count; for a program of the user's own
+            without `compile`, its FLOPs), or (`workers.api.StepNotDeclared`) a program that does not declare
+            its step to `ctx.loop`.
+          workers.tpu_target.TargetUnavailable: `compile` without XLA's TPU compiler (libtpu) here.
+        """
+        from orchestrator.user.compiled import compile_options, model_flops_per_step
+        from orchestrator.user.planning import plan_spec
+
+        rows = compile_options(spec, cache_dir=self.home.root / "tpu-programs", progress=progress) if compile \
+            else None
+        flops = model_flops_per_step(spec, rows)[0] if rows is not None else None
+        return Plan(plan_spec(spec, deadline_hours=deadline_hours, trace_path=trace,
+                              model_flops_per_step=None if isinstance(spec.workload, LmWorkload) else flops), rows)
 
     def job(self, job_id: str) -> Job:
         """A job by id, unique id prefix, or name (its newest job)."""

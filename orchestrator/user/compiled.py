@@ -15,6 +15,11 @@ says, before anything is provisioned:
   measurement: nothing here runs on a TPU, and real steps reach some fraction of it (the
   MFU column says which fraction the bound itself would be: its FLOPs as MFU counts them).
 
+A user's own program is compiled too when it declares its step (``ctx.loop(state,
+step=train_step)``, `workers.api.Context.loop`): it is imported from its folder and traced
+without running, as `orchestrator.control.tpu_compile` describes; one that does not declare
+it raises `workers.api.StepNotDeclared`, which says so.
+
 Reports are kept by program (`workers.tpu_target.program_key`) under the state directory, so
 a second look at the same job is a file read.
 """
@@ -31,6 +36,7 @@ from rich.table import Table
 from orchestrator import catalog
 from orchestrator.domain.spec import AutoscalingConfig, JobSpec, LmWorkload
 from policies.model.memory_fit import GIB, USABLE_FRACTION
+from workers.api import StepNotDeclared
 from workers.tpu_target import ProgramReport, TargetUnavailable, roofline_s
 
 
@@ -124,12 +130,9 @@ def compile_options(spec: JobSpec, *, cache_dir: Path | None,
       ValueError: the job runs a program of its own (nothing to compile before it runs).
       workers.tpu_target.TargetUnavailable: XLA's TPU compiler is not installed here.
     """
-    from orchestrator.control.tpu_compile import step_report
+    from orchestrator.control.tpu_compile import EntrypointImportError, step_report
 
-    if not isinstance(spec.workload, LmWorkload):
-        raise ValueError(f"{spec.name}: workload.type {spec.workload.type!r} runs its own program, whose step is "
-                         "not known before it runs; only the built-in trainer's step is compiled ahead "
-                         "(the memory estimate of `orchestrator plan` does not cover it either)")
+    own = not isinstance(spec.workload, LmWorkload)
     rows = []
     found = options(spec)
     for i, (name, count, field) in enumerate(found, 1):
@@ -138,12 +141,31 @@ def compile_options(spec: JobSpec, *, cache_dir: Path | None,
         try:
             report, kept = step_report(spec, catalog.lookup(name), count, cache_dir=cache_dir)
             error = None
-        except TargetUnavailable:
-            raise
+        except (TargetUnavailable, StepNotDeclared, EntrypointImportError):
+            raise  # the same for every option: the caller says it once
         except (ValueError, RuntimeError, NotImplementedError) as e:  # how the compiler and Mosaic refuse
             report, kept, error = None, False, _one_line(e)
+        except Exception as e:  # a user's program traced: whatever its own code raises is this option's verdict
+            if not own:
+                raise
+            report, kept, error = None, False, "the program could not be traced: " + _one_line(e)
         rows.append(CompiledOption(name, count, field, report, error, kept, time.perf_counter() - t0))
     return rows
+
+
+def model_flops_per_step(spec: JobSpec, rows: list[CompiledOption]) -> tuple[float | None, str]:
+    """The model FLOPs of one step, for MFU and the cost plan, and where they come from: the built-in model's
+    formula; a user's program's own figure (the `flops_per_step` it gives `ctx.loop`); else the compiler's count
+    of the first option that compiled (every FLOP it runs, recomputation included: MFU from it reads high)."""
+    w = spec.workload
+    if isinstance(w, LmWorkload):
+        return w.model.shape().flops_per_token(w.seq_len) * w.global_batch_size * w.seq_len, "the model's formula"
+    compiled = [r.report for r in rows if r.report is not None]
+    if not compiled:
+        return None, "no option compiled"
+    if compiled[0].model_flops_per_step:
+        return compiled[0].model_flops_per_step, "the program's flops_per_step"
+    return compiled[0].flops, "the compiler's count (the program states no flops_per_step)"
 
 
 def _label(accelerator: str, slices: int) -> str:
@@ -158,11 +180,11 @@ def _one_line(e: BaseException) -> str:
 def render(rows: list[CompiledOption], spec: JobSpec) -> Table:
     """A rich Table: each option's verdict and figures by the TPU compiler."""
     w = spec.workload
-    assert isinstance(w, LmWorkload), "compile_options refused other workloads"
-    tokens = w.global_batch_size * w.seq_len
-    model_flops = w.model.shape().flops_per_token(w.seq_len) * tokens
+    tokens = (w.global_batch_size or 0) * (w.seq_len or 0)
+    model_flops, flops_from = model_flops_per_step(spec, rows)
     table = Table(title=f"The train step by XLA's TPU compiler, per chip (usable HBM: {USABLE_FRACTION:.0%}). * the "
-                        "roofline of the compiler's FLOPs and HBM bytes at the chip's peak: a bound, not measured")
+                        "roofline of the compiler's FLOPs and HBM bytes at the chip's peak: a bound, not measured",
+                  caption=f"MFU: model FLOPs from {flops_from}")
     table.add_column("slice", no_wrap=True)
     for column in ("compiles", "HBM GiB", "usable", "fits", "compile s", "step ms*", "tokens/s*", "MFU*"):
         table.add_column(column, justify="right", no_wrap=True)
@@ -172,7 +194,8 @@ def render(rows: list[CompiledOption], spec: JobSpec) -> Table:
             table.add_row(r.label, "no HBM" if r.out_of_memory else "no", "-", f"{r.usable_bytes / GIB:.1f}", "no",
                           took, "-", "-", "-", style="red")
             continue
-        speed, mfu, step = r.tokens_per_s(tokens), r.mfu(model_flops), r.step_s
+        speed, step = r.tokens_per_s(tokens) if tokens else None, r.step_s
+        mfu = r.mfu(model_flops) if model_flops else None
         table.add_row(r.label, "yes", f"{r.report.hbm_bytes_per_chip / GIB:,.2f}", f"{r.usable_bytes / GIB:.1f}",
                       "yes" if r.fits else "no", took, "-" if step is None else f"{step * 1e3:,.3g}",
                       "-" if speed is None else f"{speed:,.0f}", "-" if mfu is None else f"{mfu:.0%}",

@@ -21,6 +21,8 @@ Throughput before the job has measured any step times comes from a scaling model
 `flops_per_token` (`ModelShape.flops_per_token`) for another model, and
 `measured_tokens_per_s` (by type name) once the job has run.
 
+`plan_spec` does the same for a parsed job file (what ``orchestrator plan`` and `Client.plan` run).
+
 `render_memory` shows the memory-fit check's per-chip estimate for each candidate slice
 type (`orchestrator.domain.fit.slice_fit`): what training needs against what HBM holds.
 """
@@ -37,6 +39,7 @@ from rich.table import Table
 
 from orchestrator.domain.fit import SliceFit
 from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN, job_options
+from orchestrator.domain.spec import AutoscalingConfig, JobSpec, LmWorkload
 from policies.cost.policy import CostPolicy
 from policies.cost.restart_cost import RestartCost
 from policies.cost.slice_options import Option
@@ -121,6 +124,43 @@ def plan_job(
     fixed = tuple(replay(o.label, FixedPolicy(o, o.label))[0] for o in options)
     policy, runs = replay("cost policy", CostPolicy())
     return JobPlan(total_tokens, deadline_hours, budget_usd, trace.name, windows, fixed, policy, runs[0].decisions)
+
+
+def plan_spec(spec: JobSpec, *, deadline_hours: float | None = None, trace_path: str | Path | None = None,
+              model_flops_per_step: float | None = None) -> JobPlan:
+    """`plan_job` for a parsed job file: its options (type, tiers, slice counts), token count, deadline (or
+    `deadline_hours`) and budget. `model_flops_per_step`: the FLOPs of one step where the job's model
+    does not give them (a program of the user's own: from the TPU compiler, `orchestrator.user.compiled`).
+
+    Raises:
+      ValueError: naming the job file's field that the plan lacks (a deadline, the token count, the FLOPs).
+      policies.evaluation.traces.TraceError: the trace cannot be read.
+    """
+    from orchestrator.control.autoscaler import counted_options
+
+    w = spec.workload
+    if w.steps is None or w.seq_len is None or w.global_batch_size is None:
+        raise ValueError("workload: plan needs steps, seq_len and global_batch_size (the job's token count)")
+    tokens_per_step = w.global_batch_size * w.seq_len
+    if isinstance(w, LmWorkload):
+        flops_per_token = w.model.shape().flops_per_token(w.seq_len)
+    elif model_flops_per_step:
+        flops_per_token = model_flops_per_step / tokens_per_step
+    else:
+        raise ValueError("workload: plan needs the built-in lm workload's model size, or the FLOPs of the "
+                         "program's own step (plan --compile takes them from the TPU compiler)")
+    hours = deadline_hours if deadline_hours is not None else \
+        (spec.deadline.total_seconds() / 3600 if spec.deadline else None)
+    if hours is None:
+        raise ValueError("deadline: plan needs a deadline (in the job file, or --deadline-hours)")
+    if (problem := deadline_problem(hours)) is not None:
+        raise ValueError(f"deadline: plan takes {problem}" + (" (--deadline-hours overrides it)"
+                                                              if deadline_hours is None else ""))
+    auto = spec.autoscaling or AutoscalingConfig()
+    return plan_job(tpu_types=auto.accelerators, tiers=[t.value for t in auto.tiers],
+                    total_tokens=float(w.steps * tokens_per_step), deadline_hours=hours, budget_usd=spec.budget_usd,
+                    trace_path=trace_path, flops_per_token=flops_per_token,
+                    counted=lambda singles: counted_options(spec, singles, tokens_per_step))
 
 
 def _prior_trace(deadline_hours: float, windows: int) -> SpotTrace:
