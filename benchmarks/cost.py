@@ -76,7 +76,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orchestrator.control.autoscaler import counted_options  # noqa: E402
 from orchestrator.domain.options import job_options  # noqa: E402
+from orchestrator.domain.spec import JobSpec, LmWorkload  # noqa: E402
+from policies.cost.compiled_prior import PUBLISHED_SHARE, CompiledStep, priced  # noqa: E402
 from policies.cost.policy import CostPolicy  # noqa: E402
 from policies.cost.restart_cost import RestartCost  # noqa: E402
 from policies.cost.slice_options import MultiSlice, multi_slice_options  # noqa: E402
@@ -96,6 +99,16 @@ OPTIMA = ("optimum", "optimum_single")
 SWEEP = (1.25, 2.5, 3.5)  # other deadlines, as multiples of the on-demand v4-32 duration
 RESULT_PATH = Path(__file__).parent / "results" / "cost.json"
 
+# --priors: the job the TPU compiler compiled (benchmarks/tpu_compile.py), priced both ways.
+PRIORS_JOB_FILE = Path(__file__).resolve().parents[1] / "examples" / "plan-1b.yaml"
+COMPILED_PATH = Path(__file__).parent / "results" / "tpu_compile.json"
+PRIORS_RESULT_PATH = Path(__file__).parent / "results" / "cost_priors.json"
+PRIORS = ("a-priori", "compiled")
+PRIORS_POLICIES = ("product", "policy_own", "ondemand", "optimum", "optimum_single")
+A_PRIORI = "a-priori: policies.cost.slice_options.ScalingModel (MFU 0.50 on one host, x0.94 a host doubling)"
+COMPILED = (f"compiled: {PUBLISHED_SHARE} (MaxText's published MFU) x the TPU compiler's roofline "
+            "(benchmarks/results/tpu_compile.json), policies.cost.compiled_prior; the scaling model where none")
+
 
 def benchmark_job(deadline_over_ondemand: float = DEADLINE_OVER_ONDEMAND, max_slices: int = MAX_SLICES) -> SimJob:
     options = multi_slice_options(job_options(["v4-16", "v4-32", "v4-64"], ["spot", "on-demand"]),
@@ -104,11 +117,39 @@ def benchmark_job(deadline_over_ondemand: float = DEADLINE_OVER_ONDEMAND, max_sl
     return SimJob(TOTAL_TOKENS, deadline_over_ondemand * TOTAL_TOKENS / ondemand.tokens_per_s, options)
 
 
-def run_window(args: tuple[str, float, float, tuple[str, ...]]) -> dict[str, dict]:
-    """The policies named (and both optima) on one trace window; returns {policy: {usd, hours, deadline_met, ...}}."""
-    trace_name, start_s, deadline_over_ondemand, names = args
+def compiled_steps(path: Path = COMPILED_PATH, model: str = "1b") -> dict[str, CompiledStep]:
+    """The compiler's roofline of `model`'s step on each option it compiled, by `Option.what`."""
+    rows = json.loads(path.read_text())["rows"]
+    return {(r["accelerator"] if r["slices"] == 1 else f"{r['slices']}x{r['accelerator']}"):
+            CompiledStep(r["tokens_per_step"], r["step"]["seconds"]) for r in rows if r["model"] == model}
+
+
+def priors_job(priors: str, compiled_path: Path = COMPILED_PATH) -> tuple[SimJob, dict[str, str]]:
+    """The job of examples/plan-1b.yaml (the one benchmarks/tpu_compile.py compiled: 1.34B parameters,
+    256 x 2048 tokens a step, 20B tokens, deadline 36 h) on up to 4 slices, as the controller builds its
+    options (`counted_options`: a count the batch splits over and each slice's share has a mesh for),
+    priced a priori (the scaling model) or with compiled priors; and the prior each option got."""
+    spec = JobSpec.from_yaml(PRIORS_JOB_FILE)
+    w, auto = spec.workload, spec.autoscaling
+    assert isinstance(w, LmWorkload) and auto is not None and spec.deadline is not None and w.steps
+    spec = spec.model_copy(update={"autoscaling": auto.model_copy(update={"max_slices": MAX_SLICES})})
+    tokens_per_step = w.global_batch_size * w.seq_len
+    singles = job_options(auto.accelerators, [t.value for t in auto.tiers],
+                          flops_per_token=w.model.shape().flops_per_token(w.seq_len))
+    options = counted_options(spec, singles, tokens_per_step)
+    used = {o.what: "scaling model" for o in options}
+    if priors == "compiled":
+        found = priced(options, compiled_steps(compiled_path))
+        options, used = found.options, found.priors
+    return SimJob(float(w.steps * tokens_per_step), spec.deadline.total_seconds(), options), used
+
+
+def run_window(args: tuple) -> dict[str, dict]:
+    """The policies named (and both optima) on one trace window; returns {policy: {usd, hours, deadline_met, ...}}.
+    `args`: (trace, start, deadline over on-demand, policies[, priors]): with priors, `priors_job`'s job."""
+    trace_name, start_s, deadline_over_ondemand, names, *priors = args
     trace = next(t for t in bundled_traces() if t.name == trace_name)
-    job = benchmark_job(deadline_over_ondemand)
+    job = priors_job(priors[0])[0] if priors else benchmark_job(deadline_over_ondemand)
     od32 = next(o for o in job.options if o.label == "v4-32 on-demand")
     spot32 = next(o for o in job.options if o.label == "v4-32 spot")
     policies = {
@@ -139,7 +180,8 @@ def run_window(args: tuple[str, float, float, tuple[str, ...]]) -> dict[str, dic
                 hours_by_count[key] = hours_by_count.get(key, 0.0) + run.billed_s[o.label] / 3600
         out[name] = {"usd": run.cost_usd, "hours": run.hours, "deadline_met": run.deadline_met,
                      "preemptions": run.preemptions, "lost": run.tokens_lost / run.total_tokens,
-                     "refusals": run.refusals, "shrinks": run.shrinks, "hours_by_count": hours_by_count}
+                     "refusals": run.refusals, "shrinks": run.shrinks, "hours_by_count": hours_by_count,
+                     "hours_by_option": {k: v / 3600 for k, v in run.billed_s.items()}}
     for name, optimum in (("optimum", hindsight_optimum), ("optimum_single", single_slice_optimum)):
         best = optimum(job, trace, start_s=start_s)
         out[name] = {"usd": best.lower_bound_usd, "schedule_usd": best.schedule_cost_usd,
@@ -234,6 +276,64 @@ def run_all(pool: ProcessPoolExecutor, deadline_over_ondemand: float, windows: i
     return trace_runs
 
 
+def run_priors(pool: ProcessPoolExecutor, windows: int) -> dict:
+    """`priors_job` priced a priori and with compiled priors, each on every window of every trace: the
+    policy's choices side by side. Each is its own world: the simulator trains at the speeds the policy
+    is given, so the costs compare within a row (the product against the optima), not across rows."""
+    report: dict = {"notes": {
+        "worlds": "each prior is also the simulated speed (the simulator has no other): compare the product "
+                  "with the optima and the choices within a prior, not the dollars across priors",
+        "compiled": "roofline = the compiler's FLOPs at peak or HBM bytes at bandwidth, a lower bound with no "
+                    "collectives; the share 0.55 is MaxText's published typical MFU, not a measurement of this "
+                    "job; several slices keep the DCN efficiency of the a-priori options",
+    }, "priors": {}}
+    for priors in PRIORS:
+        job, used = priors_job(priors)
+        tasks = [(t.name, i * t.duration_s / windows, 0.0, PRIORS_POLICIES, priors)
+                 for t in bundled_traces() for i in range(windows)]
+        trace_runs: dict[str, list[dict]] = {}
+        for (name, *_), result in zip(tasks, pool.map(run_window, tasks)):
+            trace_runs.setdefault(name, []).append(result)
+        summary = summarise(trace_runs)
+        runs = [w["product"] for ws in trace_runs.values() for w in ws]
+        by_option: dict[str, float] = {}
+        for r in runs:
+            for label, hours in r["hours_by_option"].items():
+                by_option[label] = by_option.get(label, 0.0) + hours / len(runs)
+        report["priors"][priors] = {
+            "priors_used": A_PRIORI if priors == "a-priori" else COMPILED,
+            "deadline_hours": round(job.deadline_s / 3600, 2), "total_tokens": job.total_tokens,
+            "options": {o.label: {"tokens_per_s": round(o.tokens_per_s), "usd_per_hour": round(o.usd_per_hour, 2),
+                                  "prior": used[o.what]} for o in job.options},
+            "product_hours_by_option": {k: round(v, 2) for k, v in sorted(by_option.items(), key=lambda kv: -kv[1])},
+            "summary": summary["summary"], "traces": summary["traces"],
+        }
+    return report
+
+
+def main_priors(windows: int, jobs: int, out: Path) -> None:
+    began = time.time()
+    with ProcessPoolExecutor(jobs) as pool:
+        report = run_priors(pool, windows)
+    report["windows_per_trace"] = windows
+    report["seconds"] = round(time.time() - began, 1)
+    report["command"] = f"python benchmarks/cost.py --priors --windows {windows}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    rows = report["priors"]
+    print(f"{'trace':58s} " + " ".join(f"{p + ' product':>18s} {'optimum':>8s}" for p in PRIORS))
+    for name in rows[PRIORS[0]]["traces"]:
+        cells = " ".join(f"{rows[p]['traces'][name]['product']['cost_per_btok']:18.2f} "
+                         f"{rows[p]['traces'][name]['optimum']['cost_per_btok']:8.2f}" for p in PRIORS)
+        print(f"{name:58s} {cells}")
+    for p in PRIORS:
+        print(p, rows[p]["priors_used"])
+        print("  options:", {k: v["tokens_per_s"] for k, v in rows[p]["options"].items() if "spot" in k})
+        print("  product hours by option:", rows[p]["product_hours_by_option"])
+        print("  summary:", json.dumps(rows[p]["summary"]["product"]))
+    print(f"{report['seconds']} s; wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--windows", type=int, default=4, help="start times per trace")
@@ -244,8 +344,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="other deadlines to summarise, comma-separated ('' for none)")
     parser.add_argument("--policies", type=lambda v: tuple(x for x in v.split(",") if x), default=POLICIES,
                         help="policies to run, comma-separated (product and ondemand always; both optima always)")
-    parser.add_argument("--out", type=Path, default=RESULT_PATH)
+    parser.add_argument("--out", type=Path, default=None, help=f"default {RESULT_PATH} ({PRIORS_RESULT_PATH} "
+                        "with --priors)")
+    parser.add_argument("--priors", action="store_true",
+                        help="instead: the compiled job (examples/plan-1b.yaml) priced a priori and with compiled "
+                             f"priors, side by side ({', '.join(PRIORS_POLICIES)})")
     args = parser.parse_args(argv)
+    if args.priors:
+        main_priors(args.windows, args.jobs, args.out or PRIORS_RESULT_PATH)
+        return
+    args.out = args.out or RESULT_PATH
     names = tuple(dict.fromkeys(("product", "ondemand", *args.policies)))
     unknown = set(names) - set(POLICIES)
     if unknown:
@@ -262,6 +370,7 @@ def main(argv: list[str] | None = None) -> None:
             report["by_deadline"][str(d)] = summarise(run_all(pool, d, args.windows, names))["summary"]
     report["job"] = {
         "model": "dense decoder ~1B params (24 layers, d_model 2048, seq 2048)",
+        "priors": A_PRIORI,
         "global_batch_tokens": BATCH_TOKENS,
         "max_slices": MAX_SLICES,
         "total_tokens": TOTAL_TOKENS,
