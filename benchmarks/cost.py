@@ -2,6 +2,16 @@
 
     python benchmarks/cost.py [--windows N] [--jobs N] [--deadline X] [--sweep X,Y]
                               [--policies product,ondemand,...] [--out PATH]
+    python benchmarks/cost.py --priors [--windows N]     # results/cost_priors.json
+
+Priors: the headline job's options are priced a priori, by the scaling model (`job.priors`
+in the results). `--priors` instead runs the job the TPU compiler compiled
+(examples/plan-1b.yaml: 1.34B parameters, 256 x 2048 tokens a step, 20B tokens, deadline
+36 h, up to 4 slices where the batch splits) twice on every trace: priced a priori, and
+with compiled priors (`policies.cost.compiled_prior`: 0.55, MaxText's published MFU, of the
+roofline in results/tpu_compile.json); each row says which priors each option got. The
+simulator trains at the speeds the policy is given, so each prior is its own world: compare
+the choices and the product against the optima within one, not dollars across them.
 
 Quick iterations: `--windows 1 --sweep '' --policies product,ondemand` runs the product,
 the on-demand baseline and both optima on one window a trace at one deadline (about a
