@@ -17,9 +17,10 @@ steps):
   survivors' process 0. Every other host gets it from their process 0 at the restore, as
   after any restart (`runtime.compile_keyed`).
 
-Only on CPU hosts: a TPU VM cannot split its chips between the rehearsal's processes (there
-JAX's ahead-of-time compile for a topology, `jax.experimental.topologies`, is the way, and
-not exercised here). Anything that fails leaves the survivors to compile as they did before.
+Only on CPU hosts: a TPU VM cannot split its chips between the rehearsal's processes. For TPU
+hosts the controller compiles the step for the survivors' topology off the hosts and keeps it in
+the job's storage (`orchestrator.control.compile_ahead`, `workers.stored_programs`). Anything
+that fails leaves the survivors to compile as they did before.
 """
 
 from __future__ import annotations
