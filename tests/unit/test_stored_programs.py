@@ -202,3 +202,13 @@ def test_a_failed_compile_is_an_event_never_the_job_s_failure_and_cpu_hosts_need
     [event] = [e for e in store.events("j") if e.kind.value == "program"]
     assert not event.data["ok"] and event.data["target"] == "cpu:4/2h/1s"
     assert "failed: RuntimeError: the compile-ahead process exited with -9; its hosts will compile" in event.reason
+
+
+def test_in_a_bucket_the_same(gcs):
+    """On gcp the job's storage is its bucket: written, selected, another shape told which are stored."""
+    sp.write(gcs.folder, SID, V4_16, b"executable", KEY)
+
+    assert sp.select(gcs.folder, SID, V4_16, KEY).kept == b"executable"
+    other = sp.select(gcs.folder, SID, sp.target_name("v4", "2x2x4", 4, 1), KEY)
+    assert other.reason == "stored only for other shapes (v4-2x2x2-2h-1s), not this host's v4-2x2x4-4h-1s"
+    assert sp.select(gcs.folder, "0" * 64, V4_16, KEY).reason == f"none stored for this program on {V4_16}"
