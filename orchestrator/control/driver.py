@@ -113,6 +113,10 @@ class JobDriver(AutoscalingMixin, SlicesMixin, ReportsMixin):
                 finally:
                     att.teardown()
                 self._after(outcome)
+            elif (finished := self._finished_at_submit()) is not None:  # nothing to provision, nothing to restore
+                steps, why = finished
+                self.store.update_job(self.job_id, result={"steps": steps})
+                self.transition(JobState.SUCCEEDED, why)
             while not self.store.job(self.job_id).state.terminal:
                 self._after(self._attempt())
         except Exception as e:  # a bug of ours: end the job visibly rather than leave it hanging
@@ -262,18 +266,33 @@ class JobDriver(AutoscalingMixin, SlicesMixin, ReportsMixin):
             self.transition(JobState.RECOVERING, d.reason, data=StateChange(outcome=k.value))
             att.cancel.wait(d.backoff_s)
 
-    def _finished_before(self) -> str | None:
-        """Why a job that succeeded trained no step of its own: its folder held a run that had already finished."""
-        job = self.store.job(self.job_id)
-        committed, total = (job.result or {}).get("steps"), self.spec().workload.steps
-        if self.store.last_step(self.job_id) is not None or committed is None or total is None or committed < total:
+    def _finished_at_submit(self) -> tuple[int, str] | None:
+        """(its last step, why) for a new job that resumed its folder as the same run and found that run's last
+        step committed there already (`ownership`'s claim at submit lists the folder's committed steps)."""
+        total = self.spec().workload.steps
+        if total is None or self.store.last_step(self.job_id) is not None or self.store.job(self.job_id).generation:
             return None
+        claimed = next((e.data for e in self.store.events(self.job_id) if e.kind is EventKind.FOLDER), None) or {}
+        last = claimed.get("last_step")
+        if claimed.get("action") not in ("resume", "resume-anyway") or last is None or last < total:
+            return None
+        return last, self._nothing_to_train(last, total)
+
+    def _nothing_to_train(self, committed: int, total: int) -> str:
         where = self.spec().checkpoint.directory
         if committed == total:
             return (f"resumed a finished run: step {total} of {total} was already committed in {where}; nothing to "
                     "train (to train again from step 0, submit with --fresh)")
         return (f"resumed a finished run: the checkpoints in {where} reach step {committed}, past this job's {total} "
                 "steps; nothing to train (to train again from step 0, submit with --fresh)")
+
+    def _finished_before(self) -> str | None:
+        """Why a job that succeeded trained no step of its own: its folder held a run that had already finished."""
+        job = self.store.job(self.job_id)
+        committed, total = (job.result or {}).get("steps"), self.spec().workload.steps
+        if self.store.last_step(self.job_id) is not None or committed is None or total is None or committed < total:
+            return None
+        return self._nothing_to_train(committed, total)
 
     def lost_with_the_cluster(self, generation: int) -> None:
         """The job's workers went with the whole cluster (the restarted controller found none to adopt):

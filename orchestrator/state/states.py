@@ -52,7 +52,8 @@ class FailedBecause(str, enum.Enum):
 
 _J = JobState
 JOB_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    _J.PENDING: frozenset({_J.QUEUED, _J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
+    # SUCCEEDED at once: its folder already holds the run's last step (a finished run submitted again).
+    _J.PENDING: frozenset({_J.QUEUED, _J.PROVISIONING, _J.SUCCEEDED, _J.FAILED, _J.CANCELLED}),
     _J.QUEUED: frozenset({_J.PROVISIONING, _J.FAILED, _J.CANCELLED}),
     # PROVISIONING again: a request refused for capacity and another asked for at once (an autoscaled
     # job's policy names the next size or tier instead of queueing).

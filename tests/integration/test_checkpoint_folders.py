@@ -43,8 +43,9 @@ def test_one_folder_one_run_and_a_finished_run_says_so(client, tmp_path):
     assert st.step == 4 and again.metrics() == []  # status shows 4/4, and no step of its own
     (claimed,) = [e for e in again.events() if e.kind is EventKind.FOLDER]
     assert claimed.payload.action == "resume" and claimed.payload.previous_job == job.id
-    (restored,) = [e for e in again.events() if e.kind is EventKind.RESTORE]
-    assert restored.reason.startswith("restored step 4 of 4: the run had already finished, nothing to train")
+    # Said before anything was provisioned or restored: no slice, no launch.
+    assert not [e for e in again.events() if e.kind in (EventKind.RESTORE, EventKind.LAUNCHED)], again.events()
+    assert client.store.slices(job_id=again.id) == []
 
     jobs = len(client.jobs())
     other = tiny_spec("owned", "v4-8", tmp_path, steps=4, interval=2, workload={
