@@ -21,6 +21,16 @@ import pytest
 from tests.storage_fixture import gcs, gcs_emulator  # noqa: F401  (Cloud Storage on the local emulator)
 
 REPO = Path(__file__).resolve().parents[1]
+TIERS = ("unit", "checks", "numerics", "integration", "chaos", "kernels", "tpu")  # pyproject.toml's markers
+
+
+def pytest_collection_modifyitems(items):
+    """Each test carries its tier's marker, the name of its folder under tests/ (`-m unit`, `-m "not numerics"`)."""
+    tests = REPO / "tests"
+    for item in items:
+        parts = item.path.relative_to(tests).parts if item.path.is_relative_to(tests) else ()
+        if len(parts) > 1 and parts[0] in TIERS:
+            item.add_marker(parts[0])
 
 
 @pytest.fixture(scope="session")
