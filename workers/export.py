@@ -335,12 +335,32 @@ def restore(directory: str | Path, step: int) -> tuple[Any, dict]:
     return jax.tree.map(np.asarray, state), dict(meta)
 
 
+def _subtree(state: Any, path: str, *, where: str) -> Any:
+    """The part of `state` at `path` ("a/b/0"; "" the whole); ExportError naming what is there instead."""
+    node: Any = state
+    done: list[str] = []
+    for part in [p for p in path.split("/") if p]:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            at = "/".join(done) or "the state"
+            has = (_few(sorted(map(str, node))) if isinstance(node, dict) else
+                   f"indices 0 to {len(node) - 1}" if isinstance(node, (list, tuple)) else "a single array")
+            raise ExportError(where, f"--subtree {path}: {at} has no {part!r}; it has {has}")
+        done.append(part)
+    return node
+
+
 def export_checkpoint(directory: str | Path, out: str | Path, *, step: int | None = None,
-                      config: dict | None = None, force: bool = False) -> Exported:
+                      config: dict | None = None, force: bool = False, subtree: str | None = None) -> Exported:
     """Export the checkpoint at `step` (None: the newest committed one) of `directory` to `out`.
 
-    Writes the `params` subtree when the state has one, else the whole state; `config`
-    (the job, the model) is added to config.json with the step and the checkpoint's meta.
+    `subtree`: the part of the state to write, a key path (``params``, ``opt_state/mu``, ``ema/0``: dict
+    keys and list indices joined by ``/``), or ``""`` (or ``/``) for the whole state; None writes the
+    `params` subtree when the state has one, else the whole state. `config` (the job, the model) is
+    added to config.json with the step, the subtree and the checkpoint's meta.
     """
     steps = checkpoint_steps(directory)
     if not steps:
@@ -350,8 +370,11 @@ def export_checkpoint(directory: str | Path, out: str | Path, *, step: int | Non
     elif step not in steps:
         raise ExportError(str(directory), f"has no committed checkpoint of step {step}; it has "
                                           f"{', '.join(map(str, steps))}")
+    if subtree is not None:
+        subtree = subtree.strip("/")
     state, meta = restore(directory, step)
-    subtree = "params" if isinstance(state, dict) and "params" in state else ""
-    tree = state["params"] if subtree else state
+    if subtree is None:
+        subtree = "params" if isinstance(state, dict) and "params" in state else ""
+    tree = _subtree(state, subtree, where=f"{directory} (step {step})")
     return save(tree, out, force=force, config={**(config or {}), "step": step, "subtree": subtree, "meta": meta,
                                                 "checkpoint": str(directory)})

@@ -456,7 +456,10 @@ def export(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
            step: Optional[int] = typer.Option(None, "--step", help="Export this committed step (any job state)."),
            latest: bool = typer.Option(False, "--latest", help="Export the newest committed step of a job that "
                                                                 "did not succeed."),
-           force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder.")) -> None:
+           force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
+           subtree: Optional[str] = typer.Option(None, "--subtree", help="The part of the state to write, by key "
+                                                 "path (opt_state/mu, ema); / for the whole state. Default: params "
+                                                 "(the whole state when it has none).")) -> None:
     """Write a job's trained parameters as safetensors with their config (read back: workers.export.load)."""
     from orchestrator.errors import JobStateError
     from orchestrator.user.outputs import check_output_folder
@@ -469,7 +472,7 @@ def export(job_id: str = typer.Argument(..., help="Job id, id prefix, or name.")
     check_output_folder(output, force=force)  # the name and the folder, before the job and its checkpoint
     _jax_on_cpu()
     try:
-        done = Client().export(job_id, output, step=step, latest=latest, force=force)
+        done = Client().export(job_id, output, step=step, latest=latest, force=force, subtree=subtree)
     except JobStateError as e:
         _fail(f"job {e.job_id} is {e.state}: its final weights are those of a SUCCEEDED job; "
               "--latest exports its newest committed checkpoint, --step N a given one")

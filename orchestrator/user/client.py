@@ -296,7 +296,7 @@ class Client:
             return None
 
     def export(self, job_id: str, out: str | Path, *, step: int | None = None, latest: bool = False,
-               force: bool = False):
+               force: bool = False, subtree: str | None = None):
         """Write a job's trained parameters to `out` as safetensors with config.json (`workers.export`).
 
         The newest committed checkpoint of a SUCCEEDED job; for a job in any other state,
@@ -308,7 +308,8 @@ class Client:
         without `force`, a file, a symbolic link, a name with a line break, a folder that
         cannot be made there, inside or around any job's checkpoint folder, or a bucket that
         does not answer: `orchestrator.user.outputs`, checked before the checkpoint is read),
-        ValueError (both `step` and `latest`).
+        ValueError (both `step` and `latest`). `subtree`: the part of the state to write, as
+        `workers.export.export_checkpoint` takes it (None: ``params``, or the whole state without one).
 
         Example::
 
@@ -341,7 +342,7 @@ class Client:
         except OutputFileError as e:
             raise ExportError(e.path, e.problem) from None
         storage.configure(spec.storage.endpoint)  # where the job's gs:// folders are
-        return export_checkpoint(directory, out, step=step, config=config, force=force)
+        return export_checkpoint(directory, out, step=step, config=config, force=force, subtree=subtree)
 
     def _refuse_checkpoint_folders(self, out: str | Path) -> None:
         """An ExportError if `out` is inside, is, or holds a job's checkpoint folder: writing (or with

@@ -112,6 +112,25 @@ def test_a_given_step_and_a_missing_one(checkpoint, tmp_path):
     assert not (tmp_path / "w9").exists()
 
 
+def test_another_subtree_or_the_whole_state(checkpoint, tmp_path):
+    export.export_checkpoint(checkpoint, tmp_path / "mu", subtree="opt_state/mu")
+    mu, config = export.load(tmp_path / "mu")
+    assert_same_tree(mu, make_state(6)["opt_state"]["mu"])
+    assert config["subtree"] == "opt_state/mu"
+    export.export_checkpoint(checkpoint, tmp_path / "layer", subtree="/params/layers/1/")
+    assert_same_tree(export.load(tmp_path / "layer")[0], make_state(6)["params"]["layers"][1])
+    export.export_checkpoint(checkpoint, tmp_path / "all", subtree="/")
+    whole, config = export.load(tmp_path / "all")
+    assert_same_tree(whole, make_state(6)) and config["subtree"] == ""
+    with pytest.raises(export.ExportError) as e:
+        export.export_checkpoint(checkpoint, tmp_path / "ema", subtree="ema")
+    assert str(e.value) == f"{checkpoint} (step 6): --subtree ema: the state has no 'ema'; it has opt_state, " \
+                           "params, step"
+    with pytest.raises(export.ExportError, match="params/layers has no '2'; it has indices 0 to 1"):
+        export.export_checkpoint(checkpoint, tmp_path / "l2", subtree="params/layers/2")
+    assert not (tmp_path / "ema").exists() and not (tmp_path / "l2").exists()
+
+
 def test_a_state_without_params_in_the_older_single_item_layout(tmp_path):
     import orbax.checkpoint as ocp
 
