@@ -315,17 +315,30 @@ class HostWorker:
         from workers.protocol import ProgramLooked
         from workers.train import program_config
 
-        try:
-            found = stored_programs.take(workload, platform=self._platform, name="train_step",
-                                         config=program_config(trainer.lm, trainer.settings),
-                                         program_id=trainer.program_id("train_step"))
-        except Exception as e:  # never the job's failure: the host compiles as it would have
-            log.warning("stored program: not looked for (%s: %s); compiling", type(e).__name__, e)
-            return
-        if found is not None:
+        def tell(found: stored_programs.Lookup) -> None:
             log.info("stored program for %s: %s", found.target, found.reason if found.used else
                      f"compiling ({found.reason})")
             self._send(ProgramLooked(found.target, found.used, found.reason))
+
+        try:
+            program_id = trainer.program_id("train_step")
+            found = stored_programs.take(workload, platform=self._platform, name="train_step",
+                                         config=program_config(trainer.lm, trainer.settings), program_id=program_id)
+        except Exception as e:  # never the job's failure: the host compiles as it would have
+            log.warning("stored program: not looked for (%s: %s); compiling", type(e).__name__, e)
+            return
+        if found is None or not found.used:
+            if found is not None:
+                tell(found)
+            return
+        compile_step = trainer.compile
+
+        def compile_and_tell():  # whether the runtime could load the executable is known once it compiled
+            step = compile_step()
+            tell(stored_programs.loaded(found, program_id))
+            return step
+
+        trainer.compile = compile_and_tell
 
     def _run_entrypoint(self, workload: dict) -> WorkerResult:
         module_name, fn_name = workload["entrypoint"].split(":")

@@ -24,7 +24,8 @@ A host selects the object of its own stored id and target (`select`), checks tha
 by its JAX, jaxlib and libtpu, and keeps it in its executable cache under its own program id
 (`take`), where `runtime.compile_keyed` finds it as any kept program: process 0 decides for
 the runtime, so every process loads the same executable or all compile. Anything else (none
-stored for its shape, another version, a bad seal) leaves it to compile, and `Lookup` says why.
+stored for its shape, another version, a bad seal, an executable its runtime does not load:
+`loaded`) leaves it to compile, and `Lookup` says why.
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ class Lookup:
     target: str
     kept: bytes | None
     reason: str
+    stamp: tuple[int, int] | None = None  # (inode, mtime) of the file `take` kept it in: `loaded` tells if it stayed
 
     @property
     def used(self) -> bool:
@@ -193,7 +195,32 @@ def take(workload: dict, *, platform: str | None, name: str, config: dict, progr
     except Exception as e:  # the storage failed: compile as before
         return Lookup(target, None, f"the job's storage could not be read ({type(e).__name__}: {e})")
     if found.kept is not None:
-        if runtime.kept_program_path(program_id) is None:
+        if (path := runtime.kept_program_path(program_id)) is None:
             return Lookup(target, None, "this host keeps no executables (no cache directory)")
         runtime.keep_program(program_id, found.kept)
+        return dataclasses.replace(found, stamp=_stamp(path))
     return found
+
+
+def _stamp(path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
+def loaded(found: Lookup, program_id: str) -> Lookup:
+    """`found` once the trainer compiled: a stored executable its runtime could not load is a compile.
+
+    `runtime.compile_keyed` drops a kept program that does not load (another device
+    assignment, a truncated file), traces, and keeps what it compiled in its place: the file
+    `take` wrote is then gone. Process 0 decides for every process.
+    """
+    from workers import runtime
+
+    path = runtime.kept_program_path(program_id)
+    if found.used and (path is None or found.stamp is None or _stamp(path) != found.stamp):
+        return Lookup(found.target, None, "the stored executable did not load here (this host's log says why)")
+    return found
+

@@ -92,3 +92,38 @@ def test_the_survivors_program_is_in_the_job_s_storage_before_the_loss_and_their
     two_sid = stored_programs.stored_id("train_step", program_config(two.lm, two.settings))
     assert two_sid != sid
     assert not stored_programs.select(directory, two_sid, two.target, key).used
+
+
+UNLOADABLE = r"""
+import json, sys
+from workers import api, runtime
+DIRECTORY, cache, key = sys.argv[1], sys.argv[2], sys.argv[3]
+runtime.configure(platform="cpu", devices_per_host=4, compile_cache_dir=cache)
+""" + SPEC + r"""
+from orchestrator import catalog
+from orchestrator.control.compile_ahead import targets
+from orchestrator.control.launch import workload_for
+from workers import stored_programs
+from workers.train import Trainer, program_config
+w = workload_for(spec, 4, 1, slices=1)
+w["programs"] = {"directory": DIRECTORY, "key": key, "targets": targets(catalog.lookup("v4-8"), 1)}
+trainer = Trainer(w["lm"], api.Context(settings=w["settings"]))
+config = program_config(trainer.lm, trainer.settings)
+stored_programs.write(DIRECTORY, stored_programs.stored_id("train_step", config), "cpu:4/1h/1s", b"garbage",
+                      bytes.fromhex(key))  # sealed with the job's key, by this build: only the bytes are wrong
+program_id = trainer.program_id("train_step")
+found = stored_programs.take(w, platform="cpu", name="train_step", config=config, program_id=program_id)
+trainer.compile()  # traces and compiles: the kept bytes do not load
+after = stored_programs.loaded(found, program_id)
+print(json.dumps({"taken": found.used, "used": after.used, "reason": after.reason}))
+"""
+
+
+def test_a_stored_executable_that_does_not_load_is_compiled_and_says_so(tmp_path):
+    host = subprocess.run([sys.executable, "-c", UNLOADABLE, str(tmp_path / "ckpt"), str(tmp_path / "cache"),
+                           "ab" * 32], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert host.returncode == 0, host.stderr[-3000:]
+    said = json.loads(host.stdout.strip().splitlines()[-1])
+    assert said == {"taken": True, "used": False,
+                    "reason": "the stored executable did not load here (this host's log says why)"}
+    assert "unreadable" in host.stderr  # runtime's warning: the program from program-<id>.pkl is unreadable
