@@ -106,8 +106,28 @@ def test_status_fits_and_shows_wall_time(home, monkeypatch, width, job):
         assert "goodput 27.3%" in text and "1 preemption, 0 failures, 1 restart" in text
 
 
+_PLANS: dict[tuple[str, str], object] = {}
+
+
+@pytest.fixture
+def plan_once(monkeypatch):
+    """The plan of a job file is the same at every width: the real `plan_spec` (a replay of each option over
+    the policy's traces, seconds of CPU) runs once for the module, and each width renders it."""
+    from orchestrator.user import planning
+
+    real = planning.plan_spec
+
+    def once(spec, **options):
+        key = (spec.model_dump_json(), repr(sorted(options.items())))
+        if key not in _PLANS:
+            _PLANS[key] = real(spec, **options)
+        return _PLANS[key]
+
+    monkeypatch.setattr(planning, "plan_spec", once)
+
+
 @pytest.mark.parametrize("width", WIDTHS)
-def test_plan_fits(home, monkeypatch, width):
+def test_plan_fits(home, monkeypatch, plan_once, width):
     code, lines = run_at(width, monkeypatch, "plan", str(REPO / "examples" / "plan-1b.yaml"))
     assert code == 0
     assert_fits(lines, width)
