@@ -294,6 +294,9 @@ def _manager(directory: str | Path):
     import orbax.checkpoint as ocp
     from etils import epath
 
+    if storage.is_url(str(directory)):
+        storage.configure_from_environment()  # an emulator that only STORAGE_EMULATOR_HOST names
+
     if not epath.Path(directory).is_dir():
         raise ExportError(str(directory), "no such checkpoint folder")
     absl = logging.getLogger("absl")

@@ -162,6 +162,15 @@ def configure(endpoint: str | None) -> None:
     _forget_clients()
 
 
+def configure_from_environment() -> None:
+    """`configure` for the emulator ``STORAGE_EMULATOR_HOST`` names, unless this process already is: that one
+    variable is all gcsfs and google-cloud-storage need, but tensorstore (orbax's reads and writes) reads its own
+    and without it goes to Google's servers, waiting on credentials this machine does not have."""
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    if host and _emulated != [_normal(host)]:
+        configure(host)
+
+
 def _forget_clients() -> None:
     """Drop cached clients made with the old settings (gcsfs instances, etils.epath's, our own)."""
     _gcs_clients.clear()

@@ -188,6 +188,22 @@ def test_export_from_a_bucket_to_a_bucket_and_to_disk(bucket_checkpoint, gcs, tm
         export.load(storage.join(gcs.folder, "nothing"))
 
 
+def test_export_reads_a_bucket_that_only_storage_emulator_host_names(bucket_checkpoint, gcs):
+    """A fresh process with STORAGE_EMULATOR_HOST set and nothing configured (as a user's script): orbax's
+    reads go through tensorstore, which does not read that variable (it used to wait on Google's servers)."""
+    code = ("import sys; from workers import export; from tests.integration.test_export import make_state\n"
+            "state, meta = export.restore(sys.argv[1], 6)\n"
+            "assert (state['params']['head']['w'] == make_state(6)['params']['head']['w']).all()\n"
+            "print(export.checkpoint_steps(sys.argv[1]), meta)")
+    unset = ("TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING")  # what `storage.configure` sets here
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    r = subprocess.run([sys.executable, "-c", code, bucket_checkpoint], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, env={**env, "STORAGE_EMULATOR_HOST": gcs.url, "PYTHONPATH": str(REPO),
+                                         "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == "[3, 6] {'step': 6}", r.stdout
+
+
 def test_export_from_disk_to_a_bucket(gcs, tmp_path):
     import orbax.checkpoint as ocp
 
