@@ -6,6 +6,9 @@
     emu.control().reclaim("s1")           # ...or over HTTP (a ControlClient with the token)
     emu.stop()
 
+    emu = serve(manual_clock=True, time_scale=1.0)  # a test's own time: nothing moves by itself...
+    emu.advance(145)                      # ...until it says: CREATING to ACTIVE, each state at its own time
+
 The server only binds loopback addresses: a fake cloud reachable from the network is a
 hazard, not a feature. The TPU API paths take anonymous calls, as the real client sends
 them in tests. The control API under `/_emulator/` requires the emulator's control
