@@ -145,13 +145,16 @@ def _fits(spec: JobSpec, o: Option) -> bool:
     return True
 
 
-def counted_options(spec: JobSpec, singles: tuple[Option, ...], tokens_per_step: float) -> tuple[Option, ...]:
-    """`singles` and, up to `autoscaling.max_slices`, several slices of each type the job fits on."""
+def counted_options(spec: JobSpec, singles: tuple[Option, ...], tokens_per_step: float, *,
+                    params: float | None = None) -> tuple[Option, ...]:
+    """`singles` and, up to `autoscaling.max_slices`, several slices of each type the job fits on.
+    `params`: the parameters the slices all-reduce each step, where the spec's model does not say (a
+    program of the user's own); default: the built-in model's, else `DEFAULT_PARAMS`."""
     auto = spec.autoscaling
     count = auto.max_slices if auto is not None else 1
     if count <= 1:
         return singles
-    multi = MultiSlice(_params(spec), float(tokens_per_step), max_count=count)
+    multi = MultiSlice(params or _params(spec), float(tokens_per_step), max_count=count)
     return tuple(o for o in multi_slice_options(singles, multi, count) if _fits(spec, o))
 
 

@@ -142,10 +142,12 @@ def plan_spec(spec: JobSpec, *, deadline_hours: float | None = None, trace_path:
     if w.steps is None or w.seq_len is None or w.global_batch_size is None:
         raise ValueError("workload: plan needs steps, seq_len and global_batch_size (the job's token count)")
     tokens_per_step = w.global_batch_size * w.seq_len
+    params = None
     if isinstance(w, LmWorkload):
         flops_per_token = w.model.shape().flops_per_token(w.seq_len)
     elif model_flops_per_step:
         flops_per_token = model_flops_per_step / tokens_per_step
+        params = flops_per_token / 6  # what the slices all-reduce: a training step's 6 FLOPs a parameter a token
     else:
         raise ValueError("workload: plan needs the built-in lm workload's model size, or the FLOPs of the "
                          "program's own step (plan --compile takes them from the TPU compiler)")
@@ -160,7 +162,7 @@ def plan_spec(spec: JobSpec, *, deadline_hours: float | None = None, trace_path:
     return plan_job(tpu_types=auto.accelerators, tiers=[t.value for t in auto.tiers],
                     total_tokens=float(w.steps * tokens_per_step), deadline_hours=hours, budget_usd=spec.budget_usd,
                     trace_path=trace_path, flops_per_token=flops_per_token,
-                    counted=lambda singles: counted_options(spec, singles, tokens_per_step))
+                    counted=lambda singles: counted_options(spec, singles, tokens_per_step, params=params))
 
 
 def _prior_trace(deadline_hours: float, windows: int) -> SpotTrace:
