@@ -208,3 +208,24 @@ def test_an_entrypoint_that_cannot_be_imported_is_named(tmp_path, home):
     r = CliRunner().invoke(app, ["validate", str(user_job(tmp_path, program="import no_such_module\n")), "--compile"])
     assert r.exit_code == 2, r.output
     assert "cannot import the entrypoint train:main" in r.stderr and "no_such_module" in r.stderr, r.stderr
+
+
+def test_a_program_s_key_is_what_it_computes_not_where_its_state_is_kept():
+    """The CLI compiles before the job has its checkpoint folder; its controller finds the report by the same key."""
+    import dataclasses
+
+    from orchestrator import catalog
+    from orchestrator.control.tpu_compile import topology
+    from policies.model.shape import ModelShape
+    from workers.settings import LmSettings, TrainingSettings
+    from workers.tpu_target import program_key
+
+    shape = ModelShape(d_model=64, n_layers=1, n_heads=4, n_kv_heads=4, d_ff=128, vocab_size=256)
+    lm = LmSettings(model=shape, lr_peak=3e-4, lr_end=3e-5, warmup_steps=10, weight_decay=0.1)
+    s = TrainingSettings(steps=100, seq_len=256, global_batch_size=32)
+    target = topology(catalog.lookup("v4-16"))
+    key = program_key(lm, s, target)
+    assert key == program_key(lm, dataclasses.replace(s, checkpoint_dir="/x/ckpt", checkpoint_interval=7,
+                                                      checkpoint_keep=9, memory_interval=3), target)
+    assert key != program_key(lm, dataclasses.replace(s, seq_len=512), target)
+    assert key != program_key(lm, s, topology(catalog.lookup("v4-32")))
