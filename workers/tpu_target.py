@@ -222,8 +222,9 @@ def user_program_key(entrypoint: str, args: dict[str, Any], workdir: str | os.Pa
 
 # Settings that say where and how often state is kept, not what the step computes: left out of the key, so a
 # report made before the job had its checkpoint folder (the CLI's `--compile`) is found by its controller.
-_NOT_THE_PROGRAM = {f.name: f.default for f in dataclasses.fields(TrainingSettings)
-                    if f.name in ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep", "memory_interval")}
+_NOT_THE_PROGRAM: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(TrainingSettings)
+                                    if f.name in ("checkpoint_dir", "checkpoint_interval", "checkpoint_keep",
+                                                  "memory_interval")}
 
 
 def _key(program: str, settings: TrainingSettings, topology: Topology) -> str:

@@ -493,19 +493,14 @@ def _jax_on_cpu() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
-@app.command()
-def emulator(port: int = typer.Option(8470, help="0 picks a free port."),
-             time_scale: float = typer.Option(0.05, help="Multiplies the real service's timings."),
-             seed: int = typer.Option(0, help="Seed of the random transient errors.")) -> None:
-    """Serve a local emulator of the Cloud TPU API (127.0.0.1) until interrupted."""
-    from orchestrator.emulator.__main__ import main as emulator_main
-    from orchestrator.emulator.machines import MAX_TIME_SCALE
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def emulator(ctx: typer.Context) -> None:
+    """Emulated Google Cloud on 127.0.0.1: the TPU API; with --vms, VMs behind its nodes and Cloud Storage.
+    Subcommands: slices, reclaim, poweroff, notice (`orchestrator emulator --help`)."""
+    from orchestrator.emulator.cli import main as emulator_main  # the emulator loads only here (a tool beside)
 
-    if not 0 <= port <= 65535:
-        _fail(f"--port must be 0 to 65535 (0 picks a free port), got {port}")
-    if not 0 < time_scale <= MAX_TIME_SCALE:  # NaN too: its every wait would never end
-        _fail(f"--time-scale must be above 0 and at most {MAX_TIME_SCALE:g}, got {time_scale}")
-    raise typer.Exit(emulator_main(["--port", str(port), "--time-scale", str(time_scale), "--seed", str(seed)]))
+    raise typer.Exit(emulator_main(list(ctx.args)))
 
 
 @app.command()
@@ -555,14 +550,16 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
         _fail(f"{job_file}: deadline: plan needs a deadline (in the job file, or --deadline-hours)")
     if trace is not None and not trace.is_file():
         _fail(f"{trace}: file not found")
-    flops = None
-    if own:  # the compiler's table first: the plan prices the step it compiled
-        from orchestrator.user.compiled import model_flops_per_step
+    flops, steps = None, None
+    if compile:  # the compiler's table first: the plan starts from the steps it compiled
+        from orchestrator.user.compiled import compiled_steps, model_flops_per_step
 
         rows = _compile_check(spec, job_file)
-        flops = model_flops_per_step(spec, rows)[0] if rows is not None else None
+        flops = model_flops_per_step(spec, rows)[0] if rows is not None and own else None
+        steps = compiled_steps(spec, rows) if rows is not None else None
     try:
-        result = plan_spec(spec, deadline_hours=deadline_hours, trace_path=trace, model_flops_per_step=flops)
+        result = plan_spec(spec, deadline_hours=deadline_hours, trace_path=trace, model_flops_per_step=flops,
+                           compiled=steps)
     except ValueError as e:
         _fail(f"{job_file}: {e}")
     except TraceError as e:
@@ -570,11 +567,9 @@ def plan(job_file: Path = typer.Argument(..., help="The job's YAML file."),
     out.print(render_plan(result))
     for line in moves_lines(result, width=out.width):
         out.print(line, markup=False, highlight=False)
-    if not own:
+    if not own and not compile:  # with --compile, the compiler's HBM figures above replace the estimate
         auto = spec.autoscaling or AutoscalingConfig()
         out.print(render_memory([slice_fit(spec, name) for name in auto.accelerators]))
-        if compile:
-            _compile_check(spec, job_file)
 
 
 @app.command()

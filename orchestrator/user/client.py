@@ -382,14 +382,15 @@ class Client:
             its step to `ctx.loop`.
           workers.tpu_target.TargetUnavailable: `compile` without XLA's TPU compiler (libtpu) here.
         """
-        from orchestrator.user.compiled import compile_options, model_flops_per_step
+        from orchestrator.user.compiled import compile_options, compiled_steps, model_flops_per_step
         from orchestrator.user.planning import plan_spec
 
         rows = compile_options(spec, cache_dir=self.home.root / "tpu-programs", progress=progress) if compile \
             else None
         flops = model_flops_per_step(spec, rows)[0] if rows is not None else None
         return Plan(plan_spec(spec, deadline_hours=deadline_hours, trace_path=trace,
-                              model_flops_per_step=None if isinstance(spec.workload, LmWorkload) else flops), rows)
+                              model_flops_per_step=None if isinstance(spec.workload, LmWorkload) else flops,
+                              compiled=compiled_steps(spec, rows) if rows is not None else None), rows)
 
     def job(self, job_id: str) -> Job:
         """A job by id, unique id prefix, or name (its newest job)."""

@@ -35,6 +35,7 @@ from rich.table import Table
 
 from orchestrator import catalog
 from orchestrator.domain.spec import AutoscalingConfig, JobSpec, LmWorkload
+from policies.cost.compiled_prior import CompiledStep
 from policies.model.memory_fit import GIB, USABLE_FRACTION
 from workers.api import StepNotDeclared
 from workers.tpu_target import ProgramReport, TargetUnavailable, roofline_s
@@ -151,6 +152,18 @@ def compile_options(spec: JobSpec, *, cache_dir: Path | None,
             report, kept, error = None, False, "the program could not be traced: " + _one_line(e)
         rows.append(CompiledOption(name, count, field, report, error, kept, time.perf_counter() - t0))
     return rows
+
+
+def compiled_steps(spec: JobSpec, rows: list[CompiledOption]) -> dict[str, CompiledStep]:
+    """The compiler's step of each option that compiled and fits, by `Option.what` ("v4-16", "2xv4-16"): what the
+    cost plan starts from (`policies.cost.compiled_prior`) before anything is measured."""
+    w = spec.workload
+    tokens = float((w.global_batch_size or 0) * (w.seq_len or 0))
+    out = {}
+    for r in rows:
+        if r.fits and r.step_s and tokens:
+            out[r.accelerator if r.slices == 1 else f"{r.slices}x{r.accelerator}"] = CompiledStep(tokens, r.step_s)
+    return out
 
 
 def model_flops_per_step(spec: JobSpec, rows: list[CompiledOption]) -> tuple[float | None, str]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
@@ -40,6 +40,7 @@ from rich.table import Table
 from orchestrator.domain.fit import SliceFit
 from orchestrator.domain.options import DEFAULT_FLOPS_PER_TOKEN, job_options
 from orchestrator.domain.spec import AutoscalingConfig, JobSpec, LmWorkload
+from policies.cost.compiled_prior import COMPILED, PUBLISHED_SHARE, CompiledStep, priced
 from policies.cost.policy import CostPolicy
 from policies.cost.restart_cost import RestartCost
 from policies.cost.slice_options import Option
@@ -84,6 +85,9 @@ class JobPlan:
     options: tuple[ExpectedOutcome, ...]  # one per type x tier, run on that option alone
     policy: ExpectedOutcome  # the cost policy, free to move between the options
     policy_moves: tuple[DecisionRecord, ...]  # what it did in the first window, with reasons
+    # How each option's speed was priced (by `Option.what`): "scaling model", or "compiled" (a share of the TPU
+    # compiler's roofline, `policies.cost.compiled_prior`); empty when nothing was compiled.
+    priors: dict[str, str] = field(default_factory=dict)
 
 
 def plan_job(
@@ -99,16 +103,22 @@ def plan_job(
     restart: RestartCost = RestartCost(),
     windows: int = 6,
     counted: Callable[[tuple[Option, ...]], tuple[Option, ...]] | None = None,
+    compiled: Mapping[str, CompiledStep] | None = None,
 ) -> JobPlan:
     """Expected cost, time and deadline risk of each type x tier, and of the cost policy.
     `counted`: the single-slice options with several slices of each added (`autoscaling.max_slices`:
-    `orchestrator.control.autoscaler.counted_options`)."""
+    `orchestrator.control.autoscaler.counted_options`). `compiled`: the TPU compiler's step for some options
+    (by `Option.what`), which then start from a compiled prior instead of the scaling model."""
     if (problem := deadline_problem(deadline_hours)) is not None:
         raise ValueError(f"deadline_hours: plan takes {problem}")
     options = job_options(tpu_types, tiers, flops_per_token=flops_per_token,
                           measured_tokens_per_s=measured_tokens_per_s)
     if counted is not None:
         options = counted(options)
+    priors: dict[str, str] = {}
+    if compiled:
+        found = priced(options, compiled)
+        options, priors = found.options, found.priors
     job = SimJob(total_tokens, deadline_hours * 3600, options, budget_usd)
     trace = load_trace(trace_path) if trace_path else _prior_trace(deadline_hours, windows)
     starts = [i * trace.duration_s / windows for i in range(windows)]
@@ -123,14 +133,17 @@ def plan_job(
 
     fixed = tuple(replay(o.label, FixedPolicy(o, o.label))[0] for o in options)
     policy, runs = replay("cost policy", CostPolicy())
-    return JobPlan(total_tokens, deadline_hours, budget_usd, trace.name, windows, fixed, policy, runs[0].decisions)
+    return JobPlan(total_tokens, deadline_hours, budget_usd, trace.name, windows, fixed, policy, runs[0].decisions,
+                   priors)
 
 
 def plan_spec(spec: JobSpec, *, deadline_hours: float | None = None, trace_path: str | Path | None = None,
-              model_flops_per_step: float | None = None) -> JobPlan:
+              model_flops_per_step: float | None = None,
+              compiled: Mapping[str, CompiledStep] | None = None) -> JobPlan:
     """`plan_job` for a parsed job file: its options (type, tiers, slice counts), token count, deadline (or
     `deadline_hours`) and budget. `model_flops_per_step`: the FLOPs of one step where the job's model
     does not give them (a program of the user's own: from the TPU compiler, `orchestrator.user.compiled`).
+    `compiled`: the compiler's steps of the options it compiled (`compiled.compiled_steps`), their priors.
 
     Raises:
       ValueError: naming the job file's field that the plan lacks (a deadline, the token count, the FLOPs).
@@ -162,7 +175,8 @@ def plan_spec(spec: JobSpec, *, deadline_hours: float | None = None, trace_path:
     return plan_job(tpu_types=auto.accelerators, tiers=[t.value for t in auto.tiers],
                     total_tokens=float(w.steps * tokens_per_step), deadline_hours=hours, budget_usd=spec.budget_usd,
                     trace_path=trace_path, flops_per_token=flops_per_token,
-                    counted=lambda singles: counted_options(spec, singles, tokens_per_step, params=params))
+                    counted=lambda singles: counted_options(spec, singles, tokens_per_step, params=params),
+                    compiled=compiled)
 
 
 def _prior_trace(deadline_hours: float, windows: int) -> SpotTrace:
@@ -180,8 +194,11 @@ def _usd(x: float) -> str:
 def render_plan(plan: JobPlan) -> Table:
     """A rich Table: one row per option and one for the policy (`moves_lines` says what the policy did)."""
     budget = "no budget" if plan.budget_usd is None else f"budget {_usd(plan.budget_usd)}"
+    compiled = sorted(w for w, p in plan.priors.items() if p == COMPILED)
+    speeds = (f"speeds before measuring: {PUBLISHED_SHARE:.0%} of the TPU compiler's roofline (MaxText's published "
+              f"MFU) for {', '.join(compiled)}; the scaling model for the rest" if compiled else None)
     table = Table(title=f"{plan.total_tokens / 1e9:g}B tokens, deadline {plan.deadline_hours:g} h, {budget} "
-                        f"(trace {plan.trace}, {plan.windows} windows)")
+                        f"(trace {plan.trace}, {plan.windows} windows)", caption=speeds)
     table.add_column("option", no_wrap=True)
     for column in ("cost", "$/Btok", "time", "miss risk", "budget"):
         table.add_column(column, justify="right", no_wrap=True)

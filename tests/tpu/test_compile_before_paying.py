@@ -139,6 +139,7 @@ def test_plan_compiles_the_step_a_user_s_program_declares_and_prices_it(tmp_path
     assert "MFU: model FLOPs from the program's flops_per_step" in r.stdout
     assert "[2/2] compiling the train step for 2 x v4-16" in r.stderr
     assert "spot" in r.stdout and "$" in r.stdout  # the cost plan, priced by the compiled step's FLOPs
+    assert "speeds before measuring: 55% of the TPU compiler's roofline" in " ".join(r.stdout.split())
 
     # What was compiled is the program's own step: the compiler's count of its FLOPs is the program's formula
     # (6 per parameter per token, plus attention), within what the formula leaves out (norms, softmax, AdamW).
@@ -160,6 +161,9 @@ def test_plan_compiles_the_step_a_user_s_program_declares_and_prices_it(tmp_path
     assert all(r.kept and r.fits for r in plan.compiled) and plan.refusals == []
     assert {o.label for o in plan.costs.options} >= {"v4-16 spot", "v4-16 on-demand"}
     assert plan.costs.policy.expected_cost_usd > 0
+    assert plan.costs.priors == {"v4-16": "compiled", "2xv4-16": "compiled"}  # both compiled: the policy starts there
+    with pytest.raises(ValueError, match="plan --compile takes them from the TPU compiler"):
+        Client(home=home).plan(spec)  # without the compiler, nothing says how big the program's step is
 
 
 def test_a_changed_program_is_compiled_again(tmp_path, home):
