@@ -80,6 +80,11 @@ def not_found(what: str) -> ApiError:
     return ApiError(404, "NOT_FOUND", f"Resource '{what}' was not found", "RESOURCE_NOT_FOUND")
 
 
+def no_such_host(node_id: str, host: int, hosts: int) -> ApiError:
+    return ApiError(404, "NOT_FOUND", f"slice {node_id} has no host {host}; its hosts are 0 to {hosts - 1}",
+                    "RESOURCE_NOT_FOUND")
+
+
 def already_exists(what: str) -> ApiError:
     return ApiError(409, "ALREADY_EXISTS", f"Resource '{what}' already exists", "RESOURCE_ALREADY_EXISTS")
 

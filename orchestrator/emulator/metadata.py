@@ -14,6 +14,11 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
+# What a notice announces (`orchestrator emulator notice --event`): the key GCE sets and its value, which hosts
+# long-poll for (`workers.notices`).
+NOTICE_EVENTS = {"preempted": ("instance/preempted", "TRUE"),
+                 "maintenance": ("instance/maintenance-event", "TERMINATE_ON_HOST_MAINTENANCE")}
+
 
 class FakeMetadataServer:
     """Serves on a free port from construction until `close()`; `url` is the ``metadata_url`` to give hosts."""

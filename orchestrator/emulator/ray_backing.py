@@ -24,8 +24,11 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from orchestrator import catalog, cluster
+from orchestrator.emulator.errors import failed_precondition, no_such_host
+from orchestrator.emulator.metadata import NOTICE_EVENTS
 from orchestrator.emulator.vm import EmulatedVm
 from orchestrator.emulator.world import Hooks
 from orchestrator.providers.base import host_node_labels, host_node_resources
@@ -84,15 +87,19 @@ class RayBackedNodes:
                         log.warning("emulated node %s: host %d exited while starting; again (%d)", node_id, w, tries[w])
                         _stop(self.home, hosts[w], hard=True)
                         hosts[w] = start(w)
-            if not dead and self._joined(node_id) == worker_count:
-                log.info("emulated node %s: %d hosts joined the Ray cluster", node_id, worker_count)
+            if not dead and self._joined(node_id, hosts) == worker_count:
+                log.info("emulated node %s: its %d hosts are up", node_id, worker_count)
                 return
             time.sleep(1.0)
 
     @staticmethod
-    def _joined(node_id: str) -> int:
+    def _joined(node_id: str, hosts: list[int | EmulatedVm]) -> int:
+        """How many hosts of the node are up: by Ray when this process is connected to it (tests), else (the
+        `orchestrator emulator --vms` process, which is no Ray driver) the VMs whose startup script ended well."""
         import ray
 
+        if not ray.is_initialized():
+            return sum(1 for h in hosts if isinstance(h, EmulatedVm) and h.booted())
         return sum(1 for n in ray.nodes()
                    if n.get("Alive") and (n.get("Labels") or {}).get("ray.io/tpu-slice-name") == node_id)
 
@@ -101,6 +108,50 @@ class RayBackedNodes:
         or send it a notice through its own metadata server (`vm.metadata`)."""
         with self._lock:
             return [h for h in self._groups.get(node_id, []) if isinstance(h, EmulatedVm)]
+
+    # -- what `orchestrator emulator poweroff|notice` does to a host (share-nothing mode) ----------------------
+
+    def power_off(self, node_id: str, host: int) -> None:
+        """Power one VM of the node off, as a host that crashes: its processes and its disk go at once."""
+        self._vm(node_id, host).kill()
+
+    def notice(self, node_id: str, host: int | None, event: str) -> list[int]:
+        """Announce `event` (one of `NOTICE_EVENTS`) on the metadata server of one VM of the node, or of each;
+        returns the hosts told."""
+        key, value = NOTICE_EVENTS[event]
+        vms = [self._vm(node_id, host)] if host is not None else self._booted_vms(node_id)
+        for vm in vms:
+            vm.metadata.set(key, value)
+        return [vm.worker_id for vm in vms]
+
+    def describe(self) -> dict[str, list[dict[str, Any]]]:
+        """Each node's hosts: whether they run, booted, and what their metadata server says."""
+        with self._lock:
+            groups = {n: list(hosts) for n, hosts in self._groups.items()}
+        return {n: [{"host": w, "alive": _alive(h), "booted": isinstance(h, EmulatedVm) and h.booted(),
+                     "metadata": dict(h.metadata.values) if isinstance(h, EmulatedVm) else {}}
+                    for w, h in enumerate(hosts)]
+                for n, hosts in groups.items()}
+
+    def _booted_vms(self, node_id: str) -> list[EmulatedVm]:
+        vms = [vm for vm in self.vms(node_id) if vm.alive()]
+        if not vms:
+            raise failed_precondition(f"slice {node_id} has no VM running")
+        return vms
+
+    def _vm(self, node_id: str, host: int) -> EmulatedVm:
+        with self._lock:
+            hosts = self._groups.get(node_id)
+        if hosts is None:
+            raise failed_precondition(f"slice {node_id} has no VMs: it is not READY, or its VMs are gone")
+        if not 0 <= host < len(hosts):
+            raise no_such_host(node_id, host, len(hosts))
+        vm = hosts[host]
+        if not isinstance(vm, EmulatedVm):
+            raise failed_precondition(f"slice {node_id}'s hosts are Ray nodes on this machine, not VMs")
+        if not vm.alive():
+            raise failed_precondition(f"host {host} of slice {node_id} is powered off already")
+        return vm
 
     def node_gone(self, node_id: str, reason: str) -> None:
         with self._lock:

@@ -27,6 +27,8 @@ browsers send and the TPU client never does, is refused with 403.
     POST /_emulator/clear-faults      {}
     POST /_emulator/reclaim           {"name"}   a queued resource or node, id or full name
     POST /_emulator/terminate         {"name"}   a node's host dies (node TERMINATED)
+    POST /_emulator/poweroff          {"name", "host"?}  VMs off: all (node TERMINATED) or host N (needs VMs)
+    POST /_emulator/notice            {"name", "host"?, "event"?: "preempted"|"maintenance"}  on VMs' metadata
 
 Request headers are never logged or stored: a request's record keeps only whether
 it carried an Authorization header.
@@ -47,6 +49,7 @@ from urllib.parse import parse_qs, urlsplit
 from google.cloud import tpu_v2
 
 from orchestrator.emulator.errors import ApiError, invalid, not_found
+from orchestrator.emulator.metadata import NOTICE_EVENTS
 
 if TYPE_CHECKING:
     from orchestrator.emulator.server import Emulator
@@ -221,9 +224,27 @@ class Handler(BaseHTTPRequestHandler):
             return {"name": emu.reclaim(args["name"])}
         elif what == "terminate":
             return {"name": emu.terminate(args["name"])}
+        elif what == "poweroff":
+            return {"name": emu.power_off(args["name"], host=_host(args))}
+        elif what == "notice":
+            return {"hosts": emu.notice(args["name"], host=_host(args), event=_event(args))}
         else:
             raise not_found(f"/_emulator/{what}")
         return {}
+
+
+def _host(args: dict[str, Any]) -> int | None:
+    host = args.get("host")
+    if host is not None and (isinstance(host, bool) or not isinstance(host, int)):
+        raise invalid(f"host must be a host's number (0, 1, ...), got {host!r}")
+    return host
+
+
+def _event(args: dict[str, Any]) -> str:
+    event = args.get("event", "preempted")
+    if event not in NOTICE_EVENTS:
+        raise invalid(f"event must be one of {', '.join(NOTICE_EVENTS)}, got {event!r}")
+    return event
 
 
 def _parse(cls: Any, body: str) -> Any:

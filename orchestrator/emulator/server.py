@@ -27,9 +27,10 @@ import threading
 from collections import deque
 from dataclasses import dataclass, field
 from http.server import ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 from orchestrator.emulator.control import ControlClient
+from orchestrator.emulator.errors import failed_precondition, no_such_host
 from orchestrator.emulator.faults import Faults
 from orchestrator.emulator.machines import Timings
 from orchestrator.emulator.routes import Handler, RequestRecord
@@ -41,6 +42,17 @@ DEFAULT_TIME_SCALE = 0.05  # a two-minute provisioning takes 6 s
 
 # What an HTTP header can carry as a bearer token: visible ASCII, no spaces.
 _TOKEN_RE = re.compile(r"[\x21-\x7e]{16,}")
+
+
+class HostControl(Protocol):
+    """What backs the nodes' hosts with machines that can be powered off and told of a notice (VMs):
+    `ray_backing.RayBackedNodes` in share-nothing mode. Errors are `ApiError`s, answered as such."""
+
+    def power_off(self, node_id: str, host: int) -> None: ...
+
+    def notice(self, node_id: str, host: int | None, event: str) -> list[int]: ...
+
+    def describe(self) -> dict[str, list[dict[str, Any]]]: ...
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,8 @@ class EmulatorConfig:
     manual_clock: bool = False
     # The control API's bearer token; None: a random one at start. Kept out of repr.
     control_token: str | None = field(default=None, repr=False)
+    # The machines behind the nodes' hosts, for `power_off` of one host and `notice`; None: nodes without VMs.
+    hosts: HostControl | None = None
 
 
 class _Server(ThreadingHTTPServer):
@@ -169,8 +183,34 @@ class Emulator:
         """A host of the node dies: the node becomes TERMINATED at once."""
         return self.world.terminate(name)
 
+    def power_off(self, name: str, *, host: int | None = None) -> str:
+        """Power a slice's VMs off: every host (the node TERMINATED, as `terminate`), or host number `host`
+        alone (a crashed host: the API still says READY, as the real one does until it notices)."""
+        if host is None:
+            return self.terminate(name)
+        node = self.world.node(name)
+        if not 0 <= host < node.worker_count:
+            raise no_such_host(node.node_id, host, node.worker_count)
+        self._hosts().power_off(node.node_id, host)
+        return node.name
+
+    def notice(self, name: str, *, host: int | None = None, event: str = "preempted") -> list[int]:
+        """Announce `event` (preempted, maintenance) on the metadata server of a slice's VMs, or of one;
+        the hosts told."""
+        node = self.world.node(name)
+        if host is not None and not 0 <= host < node.worker_count:
+            raise no_such_host(node.node_id, host, node.worker_count)
+        return self._hosts().notice(node.node_id, host, event)
+
+    def _hosts(self) -> HostControl:
+        if self.config.hosts is None:
+            raise failed_precondition("this emulator's nodes have no VMs behind them (`orchestrator emulator --vms` "
+                                      "starts one that has)")
+        return self.config.hosts
+
     def state(self) -> dict[str, Any]:
-        return {**self.world.snapshot(), "faults": self.faults.describe()}
+        hosts = {} if self.config.hosts is None else {"hosts": self.config.hosts.describe()}
+        return {**self.world.snapshot(), "faults": self.faults.describe(), **hosts}
 
     def requests(self, method: str | None = None, *, zone: str | None = None) -> list[RequestRecord]:
         with self._requests_lock:
@@ -195,15 +235,17 @@ def serve(
     hooks: Hooks | None = None,
     control_token: str | None = None,
     manual_clock: bool = False,
+    hosts: HostControl | None = None,
 ) -> Emulator:
     """Start an emulator and return its handle; call ``stop()`` (or use it in ``with``).
 
     `control_token` is the control API's bearer token; by default a random one, read
-    back as ``emu.control_token``. `manual_clock`: time moves only by ``emu.advance(seconds)``."""
+    back as ``emu.control_token``. `manual_clock`: time moves only by ``emu.advance(seconds)``. `hosts`: the VMs
+    behind the nodes (`ray_backing.RayBackedNodes`), for `power_off` of one host and `notice`."""
     if timings is None:
         timings = Timings(scale=time_scale)
     config = EmulatorConfig(host=host, port=port, timings=timings, seed=seed, zones=zones, hooks=hooks or Hooks(),
-                            control_token=control_token, manual_clock=manual_clock)
+                            control_token=control_token, manual_clock=manual_clock, hosts=hosts)
     return Emulator(config).start()
 
 

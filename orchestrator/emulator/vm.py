@@ -130,6 +130,7 @@ esac
             f"bash {q(str(self.dir / 'startup.sh'))} && rc=0 || rc=$?",
             "cat /var/log/tpu-orchestrator-startup.log 2>/dev/null || true",
             'if [ "$rc" -ne 0 ]; then echo "startup script failed ($rc)"; exit "$rc"; fi',
+            f"touch {q(str(self.dir / 'booted'))}",  # seen from outside: the VM's own folder is this one
             "trap '' TERM",
             "while :; do sleep 3600 & wait $! || true; done",  # the VM's first process: it reaps orphans
         ])
@@ -156,6 +157,10 @@ esac
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def booted(self) -> bool:
+        """Its startup script ended well (and the VM still runs)."""
+        return self.alive() and (self.dir / "booted").exists()
 
     def kill(self) -> None:
         """Power the VM off: its first process dies, and the kernel kills every other one in it."""

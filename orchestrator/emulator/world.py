@@ -415,6 +415,17 @@ class World:
             self._move_node(node, m.N_TERMINATED, due=None, gone_reason="terminated")
             return node.name
 
+    def node(self, name: str) -> NodeRecord:
+        """The node `name` is, or the node of the queued resource it is (an id or a full name)."""
+        with self._cond:
+            node = self._find(self._nodes, name)
+            if node is None:
+                qr = self._find(self._qrs, name)
+                node = self._nodes.get(qr.node_name) if qr else None
+            if node is None:
+                raise not_found(name)
+            return node
+
     @staticmethod
     def _find(records: dict[str, Any], name: str) -> Any:
         if name in records:
