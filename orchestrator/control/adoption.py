@@ -19,6 +19,7 @@ import tenacity
 from orchestrator import catalog, cluster
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
 from orchestrator.control.group import RayWorkerGroup, kill_workers
+from orchestrator.domain.provider_facts import facts
 from orchestrator.providers.base import Host, Slice
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState, SliceState
@@ -94,14 +95,14 @@ def _take_over(plane: "Controller", job: JobRecord, rec: SliceRecord, t: catalog
     hosts = tuple(Host(i, r) for i, r in enumerate(rec.data["hosts"]))
     s = Slice(rec.name, job.id, t, catalog.Tier(rec.tier), rec.data.get("zone"), SliceState.READY, hosts,
               rec.provider)
-    if rec.provider == "local":
+    if not facts(rec.provider).owns_cloud_resources:  # hosts on this machine: follow their process groups
         plane.provider.adopt(s, rec.data["pgids"])
         return plane.provider
     from orchestrator.providers.gcp import GcpTpuProvider
 
     spec = job.spec
     provider = plane.provider_for(spec)
-    assert isinstance(provider, GcpTpuProvider) and spec.gcp is not None, "a slice not local is on gcp"
+    assert isinstance(provider, GcpTpuProvider) and spec.gcp is not None, "a slice in a cloud is on gcp"
     provider.adopt(s, rec.data.get("zone") or spec.gcp.zones[0])
     for found in provider.list(job_id=job.id):
         if found.name != s.name:

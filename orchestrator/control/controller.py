@@ -26,6 +26,7 @@ import shutil
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import cast
 
@@ -36,6 +37,7 @@ from orchestrator.control.driver import JobDriver
 from orchestrator.control.ownership import OnExisting
 from orchestrator.control.queue import AdmissionQueue
 from orchestrator.control.store_faults import HeldWrites, HoldingStore, StoreFault, StoreHealth, os_fault
+from orchestrator.domain.provider_facts import facts
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError, JobStateError, StoreFaultError
 from orchestrator.providers.base import Slice, SliceProvider
@@ -242,8 +244,14 @@ class Controller:
     # -- for drivers ----------------------------------------------------------------
 
     def provider_for(self, spec: JobSpec) -> SliceProvider:
-        if spec.provider == "local":
-            return self.provider
+        """The provider of the job's slices, by the spec's `provider` (`SLICE_PROVIDERS`)."""
+        return self.SLICE_PROVIDERS[spec.provider](self, spec)
+
+    def _local_provider(self, spec: JobSpec) -> SliceProvider:
+        return self.provider  # one for every local job: they share this machine's hosts
+
+    def _gcp_provider(self, spec: JobSpec) -> SliceProvider:
+        """One GcpTpuProvider for each project, zones and endpoint the jobs name."""
         from orchestrator.providers.gcp import GcpTpuProvider
         from orchestrator.providers.startup import WorkerSetup
 
@@ -259,10 +267,15 @@ class Controller:
                     on_change=lambda s: self._save_slice(s, []))
             return self._gcp[key]
 
+    # The registry from a job file's `provider` to the provider of its slices (the facts that set the
+    # providers apart are in `orchestrator.domain.provider_facts`).
+    SLICE_PROVIDERS: dict[str, Callable[[Controller, JobSpec], SliceProvider]] = {
+        "local": _local_provider, "gcp": _gcp_provider}
+
     def release_record(self, rec: SliceRecord) -> None:
         """Release a slice known only from the store (an earlier controller's)."""
         release_recorded(self.home, self.store, rec)
-        if rec.provider == "gcp":  # delete the cloud resources, not only our record of them
+        if facts(rec.provider).owns_cloud_resources:  # delete them there, not only our record of them
             try:
                 self.provider_for(self.store.job(rec.job_id).spec).release(rec.name)
             except Exception:  # `orchestrator gc` finds it later; say so now

@@ -350,7 +350,7 @@ class JobDriver(AutoscalingMixin, SlicesMixin, ReportsMixin):
         Raises CapacityError when it is refused or expires (released, unbilled), and
         ProvisioningError when its hosts do not all start within `start_timeout_s`.
         """
-        att, poll = self.att, (0.2 if spec.provider == "local" else 5.0)
+        att, poll = self.att, spec.provider_facts.poll_interval_s
         started = time.monotonic()
         while True:
             if att.cancel.is_set() or self.store.job(self.job_id).cancel_requested:

@@ -32,6 +32,7 @@ from orchestrator.control import memory, shipping
 from orchestrator.control.attempt import Attempt, pg_name, worker_name
 from orchestrator.control.compile_ahead import launch_programs
 from orchestrator.control.launch import workload_for
+from orchestrator.domain.provider_facts import ReportRoute
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Slice
 from orchestrator.state.events import EventKind, Launched
@@ -132,7 +133,7 @@ class RayWorkerGroup:
                            f"the {len(hosts)} workers of {where} could not all be placed within {timeout:.0f} s "
                            f"(each needs {t.chips_per_host} TPU chips on its own host)", transient=True)
         code = shipping.kept(self.home.job_dir(self.job_id))
-        env = shipping.runtime_env(code, ship_project=spec.provider != "local")  # what the hosts cannot have
+        env = shipping.runtime_env(code, ship_project=spec.provider_facts.ships_code)  # what the hosts cannot have
         # A multi-slice job's first tier: each host's copy of the state outlives its worker (`workers.memory`).
         keeps = len(slices) > 1 or att.memory_step is not None  # or the survivors of one restore from it
         keepers = [k for s in slices for k in memory.keepers(s, env)] if keeps else [None] * len(hosts)
@@ -271,7 +272,7 @@ def _report_to(spec: JobSpec):
     """Where the workers send their reports. A TPU VM has only the shipped packages and cannot load the
     controller's class, so its hosts report to the controller's inbox (`workers.inbox`); a local host
     shares this machine's installation and reports to the controller directly, by name."""
-    if spec.provider == "local":
+    if spec.provider_facts.report_route is ReportRoute.DIRECT:
         return (cluster.CONTROLLER_NAME, cluster.NAMESPACE)
     return inbox.start(cluster.NAMESPACE, cluster.CONTROLLER_NAME, ray.get_runtime_context().get_node_id())
 

@@ -9,7 +9,6 @@ from orchestrator import catalog
 from orchestrator.domain.fit import microbatches_for
 from orchestrator.domain.spec import EntrypointWorkload, JobSpec, LmWorkload
 from policies.model.sharding import MeshError, plan_mesh
-from workers.notices import GCE_METADATA_URL
 from workers.settings import LmSettings, TrainingSettings
 
 log = logging.getLogger(__name__)
@@ -40,11 +39,11 @@ def survivors_settings(spec: JobSpec, devices: int, hosts: int, slices: int) -> 
 
 
 def metadata_url(spec: JobSpec) -> str | None:
-    """Where hosts long-poll for preemption and maintenance notices: the spec's, else on gcp
-    the GCE metadata server (a TPU VM always has one), else none."""
+    """Where hosts long-poll for preemption and maintenance notices: the spec's, else its provider's
+    (on gcp the GCE metadata server: a TPU VM always has one), else none."""
     if spec.recovery.metadata_url:
         return spec.recovery.metadata_url
-    return GCE_METADATA_URL if spec.provider == "gcp" else None
+    return spec.provider_facts.metadata_url
 
 
 def training_settings(spec: JobSpec, devices: int, hosts: int, *, slices: int = 1,

@@ -73,7 +73,7 @@ class AutoscalingMixin:
         zone refused it lately)."""
         auto = spec.autoscaling
         assert auto is not None, "asked only for a job that autoscales (`_decide`'s callers check)"
-        hosts = self.plane.provider.max_hosts if spec.provider == "local" else None
+        hosts = self.plane.provider.max_hosts if spec.provider_facts.limited_by_local_hosts else None
         most = 0
         for t in (catalog.lookup(a) for a in auto.accelerators):
             for n in range(1, auto.max_slices + 1):

@@ -38,7 +38,7 @@ def queue_position(store: Store, job: JobRecord) -> int | None:
     if job.state is not JobState.QUEUED:
         return None
     same = [_waiting(j) for j in store.jobs(active_only=True)
-            if j.state is JobState.QUEUED and j.spec.provider == job.spec.provider]
+            if j.state is JobState.QUEUED and j.spec.provider_facts is job.spec.provider_facts]
     return next((i for i, w in enumerate(line(same), 1) if w.job_id == job.id), None)
 
 
@@ -67,14 +67,14 @@ class AdmissionQueue:
             entered = min(entered, since) if since is not None else entered
             if (ended := self._timed_out(limit_s, entered, f"no capacity: {refused}")) is not None:
                 return ended
-            if spec.provider != "local":  # the cloud says when it has room only by being asked again
+            if not spec.provider_facts.queues_capacity_locally:  # the cloud says when it has room only when asked
                 wait = retry_after(refusals, self._rng.random())
                 return self._sleep(job_id, cancel, entered, limit_s, wait, f"asking again in {wait:.0f} s")
         while True:
             job = self.store.job(job_id)  # once a poll: its cancel flag, its place, its reason
             if cancel.is_set() or job.cancel_requested:
                 return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
-            if spec.provider != "local":
+            if not spec.provider_facts.queues_capacity_locally:
                 return None  # a cloud job asks the cloud; only a refusal makes it wait
             decision = self._decide(job, spec)
             if decision.admit:
@@ -89,7 +89,7 @@ class AdmissionQueue:
 
     def _decide(self, job: JobRecord, spec: JobSpec):
         waiting = [_waiting(j) for j in self.store.jobs(active_only=True)
-                   if j.state is JobState.QUEUED and j.spec.provider == "local" and j.id != job.id]
+                   if j.state is JobState.QUEUED and j.spec.provider_facts.limited_by_local_hosts and j.id != job.id]
         me = Waiting(job.id, spec.priority, job.created_at, spec.tpu_type.hosts * spec.slices)
         total = self.local.max_hosts
         return admit([*waiting, me], job.id, free_hosts=total - self.local.hosts_in_use(), total_hosts=total)

@@ -28,6 +28,7 @@ from orchestrator import catalog
 from orchestrator.catalog import Tier
 from orchestrator.domain.job_file import read_job_file
 from orchestrator.domain.locations import check_bucket, check_checkpoint_directory, check_endpoint, looks_like_url
+from orchestrator.domain.provider_facts import ProviderFacts, facts
 from orchestrator.domain.workload import (
     MAX_TOKENS_PER_STEP,
     NAME_RE,
@@ -212,6 +213,11 @@ class JobSpec(_Frozen):
     def tpu_type(self) -> catalog.TpuType:
         return catalog.lookup(self.accelerator)
 
+    @property
+    def provider_facts(self) -> ProviderFacts:
+        """What sets the job's provider apart (`orchestrator.domain.provider_facts`)."""
+        return facts(self.provider)
+
     def moved(self, accelerator: str, tier: str, *, slices: int | None = None) -> "JobSpec":
         """This spec on another slice type and tier (a resize, or a move of the cost policy's), and
         on `slices` slices of it if given (else as many as before)."""
@@ -225,7 +231,7 @@ class JobSpec(_Frozen):
         gs://<gcp.bucket>/checkpoints/<name>, else `local_default` (the state directory's)."""
         if self.checkpoint.directory is not None:
             return self
-        if self.provider == "gcp":
+        if not self.provider_facts.hosts_share_disk:
             assert self.gcp is not None and self.gcp.bucket, "checked by semantic_problems"
             directory = f"gs://{self.gcp.bucket}/checkpoints/{self.name}"
         else:
@@ -267,9 +273,9 @@ class JobSpec(_Frozen):
 
     def semantic_problems(self, *, check_memory: bool = True) -> list[tuple[str, str]]:
         """Problems that involve several fields (the provider's settings, the mesh against the slice)."""
-        if self.provider == "gcp" and self.gcp is None:
+        if self.provider_facts.needs_gcp_config and self.gcp is None:
             return [("gcp", "provider gcp needs a gcp section with at least project and zones")]
-        if self.capacity_trace is not None and self.provider != "local":
+        if self.capacity_trace is not None and not self.provider_facts.replays_capacity_trace:
             return [("capacity_trace", "a replayed capacity trace is for provider local only")]
         general = self._storage_problems()
         if self.autoscaling is not None and self.deadline is None:
@@ -283,7 +289,7 @@ class JobSpec(_Frozen):
 
     def _storage_problems(self) -> list[tuple[str, str]]:
         """On gcp every file the hosts share lives in Cloud Storage: TPU VMs share no disk with this machine."""
-        if self.provider != "gcp":
+        if self.provider_facts.hosts_share_disk:
             return []
         problems = []
         assert self.gcp is not None, "checked by semantic_problems first"

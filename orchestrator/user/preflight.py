@@ -32,7 +32,7 @@ def _loopback(host: str) -> bool:
 
 def head_problems(spec: JobSpec, cluster_address: str | None) -> list[Problem]:
     """The head address the VMs would be given (`gcp.head_address`, else the cluster's)."""
-    if spec.provider != "gcp" or spec.gcp is None:
+    if not spec.provider_facts.needs_gcp_config or spec.gcp is None:
         return []
     address = spec.gcp.head_address or cluster_address
     if address is None:
@@ -48,7 +48,7 @@ def head_problems(spec: JobSpec, cluster_address: str | None) -> list[Problem]:
 
 def environment_problems(spec: JobSpec) -> list[Problem]:
     """Packages the hosts import that are missing here, so the worker environment cannot be pinned."""
-    if spec.provider != "gcp":
+    if not spec.provider_facts.ships_code:
         return []
     from orchestrator.providers.startup import WORKER_DISTRIBUTIONS
 
@@ -68,7 +68,7 @@ def storage_problems(spec: JobSpec) -> list[Problem]:
     """The job's checkpoint folder in a bucket: reachable and writable with this machine's credentials
     (a probe object written, read back and deleted), checked where it would otherwise fail only on a host."""
     directory = spec.checkpoint.directory
-    if spec.provider == "gcp" and directory is None and spec.gcp is not None and spec.gcp.bucket:
+    if not spec.provider_facts.hosts_share_disk and directory is None and spec.gcp is not None and spec.gcp.bucket:
         directory = spec.with_checkpoint_directory("").checkpoint.directory
     if directory is None or "://" not in directory:
         return []

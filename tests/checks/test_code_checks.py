@@ -3,6 +3,7 @@ in pyproject.toml), the linter (ruff) and the type checker (mypy), each over the
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,16 @@ def test_the_linter_passes():
 def test_the_types_check():
     r = _run("mypy")  # the files and settings are pyproject.toml's [tool.mypy]
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+
+
+PROVIDER_COMPARISON = re.compile(r"provider\s*(==|!=|in \()")
+
+
+def test_only_the_providers_compare_provider_names():
+    """The control plane asks a provider's facts (`orchestrator.domain.provider_facts`), never its name."""
+    found = [f"{path.relative_to(REPO)}:{n}: {line.strip()}"
+             for package in ("orchestrator", "workers", "policies", "kernels")
+             for path in sorted((REPO / package).rglob("*.py"))
+             if not path.is_relative_to(REPO / "orchestrator" / "providers")
+             for n, line in enumerate(path.read_text().splitlines(), 1) if PROVIDER_COMPARISON.search(line)]
+    assert found == []

@@ -16,6 +16,7 @@ from pathlib import Path
 from orchestrator import catalog
 from orchestrator.catalog import CATALOG
 from orchestrator.cluster import Home
+from orchestrator.domain.provider_facts import PROVIDERS
 from orchestrator.observe.goodput import Goodput, billed_slices, compute_goodput
 from orchestrator.observe.timeline import MARKER_TITLES, deadline_line, disruption_cause, markers, move_line
 from orchestrator.state.events import Disrupted, EventKind
@@ -169,8 +170,8 @@ class DashboardData:
 def _zone(rec: SliceRecord, job: JobRecord | None) -> str:
     if rec.data.get("zone"):
         return str(rec.data["zone"])
-    if rec.provider == "local":
-        return "local"
+    if (known := PROVIDERS.get(rec.provider)) is not None and known.zone is not None:  # every slice's zone
+        return known.zone
     spec = job.stored_spec if job else {}
     zones = (spec.get("gcp") or {}).get("zones") or []
     return spec.get("zone") or (", ".join(zones) if zones else "?")

@@ -1,0 +1,50 @@
+"""The providers' facts (`orchestrator.domain.provider_facts`): one record for every provider a job file
+may name, what each states, and the registry that gives a job its slices' provider."""
+
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from orchestrator.control.controller import Controller
+from orchestrator.domain.provider_facts import PROVIDERS, ReportRoute, facts
+from orchestrator.domain.spec import JobSpec
+from orchestrator.errors import SpecError
+from workers.notices import GCE_METADATA_URL
+
+NAMES = set(typing.get_args(JobSpec.model_fields["provider"].annotation))
+
+
+def test_every_provider_the_spec_accepts_has_facts_and_a_slice_provider():
+    assert NAMES == {"local", "gcp"}
+    assert set(PROVIDERS) == NAMES
+    assert set(Controller.SLICE_PROVIDERS) == NAMES
+    assert all(facts(name).name == name for name in NAMES)
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("local", dict(poll_interval_s=0.2, limited_by_local_hosts=True, queues_capacity_locally=True, ships_code=False,
+                   report_route=ReportRoute.DIRECT, metadata_url=None, owns_cloud_resources=False,
+                   needs_gcp_config=False, hosts_share_disk=True, replays_capacity_trace=True, zone="local")),
+    ("gcp", dict(poll_interval_s=5.0, limited_by_local_hosts=False, queues_capacity_locally=False, ships_code=True,
+                 report_route=ReportRoute.INBOX, metadata_url=GCE_METADATA_URL, owns_cloud_resources=True,
+                 needs_gcp_config=True, hosts_share_disk=False, replays_capacity_trace=False, zone=None)),
+])
+def test_the_facts_of_each_provider(name, expected):
+    f = facts(name)
+    assert {k: getattr(f, k) for k in expected} == expected
+    assert set(expected) | {"name"} == set(f.__dataclass_fields__)  # every fact is stated above
+
+
+def test_an_unknown_provider_names_the_field_and_the_valid_ones():
+    with pytest.raises(SpecError) as e:
+        facts("aws")
+    assert e.value.problems == [("provider", "unknown provider 'aws'; valid: gcp, local")]
+
+
+def test_a_spec_reads_its_providers_facts():
+    assert JobSpec(name="a").provider_facts is facts("local")
+    spec = JobSpec(name="a", provider="gcp", gcp={"project": "p", "zones": ["us-central2-b"], "bucket": "bkt"})
+    assert spec.provider_facts is facts("gcp")
+
