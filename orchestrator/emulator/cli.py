@@ -21,15 +21,18 @@ import sys
 import threading
 import urllib.error
 from collections.abc import Callable
-from typing import NoReturn, Optional, TypeVar
+from typing import TYPE_CHECKING, NoReturn, Optional, TypeVar
 
 import typer
 
-from orchestrator.cluster import Home
-from orchestrator.emulator.cloud import LocalCloud, Running, find_running
+from orchestrator.cluster.home import Home
 from orchestrator.emulator.control import ControlClient, ControlError
 from orchestrator.emulator.machines import MAX_TIME_SCALE
 from orchestrator.emulator.metadata import NOTICE_EVENTS
+from orchestrator.emulator.runfile import Running, find_running
+
+if TYPE_CHECKING:
+    from orchestrator.emulator.cloud import LocalCloud
 
 EXIT_FAILED, EXIT_USAGE = 1, 2
 T = TypeVar("T")
@@ -66,15 +69,18 @@ def serve(ctx: typer.Context,
         from orchestrator.emulator.__main__ import main
 
         raise typer.Exit(main(["--port", str(port), "--time-scale", str(time_scale), "--seed", str(seed)]))
-    raise typer.Exit(_serve_world(LocalCloud(Home.default(), port=port, storage_port=storage_port,
-                                             time_scale=time_scale, seed=seed)))
+    home = Home.default()
+    running = find_running(home)
+    if running is not None:
+        _fail(f"an emulator already runs for {home.root} (process {running.pid}, {running.url}); "
+              "stop it first (Ctrl-C in its shell)", EXIT_FAILED)
+    from orchestrator.emulator.cloud import LocalCloud
+
+    raise typer.Exit(_serve_world(LocalCloud(home, port=port, storage_port=storage_port, time_scale=time_scale,
+                                             seed=seed)))
 
 
 def _serve_world(cloud: LocalCloud) -> int:
-    running = find_running(cloud.home)
-    if running is not None:
-        _fail(f"an emulator already runs for {cloud.home.root} (process {running.pid}, {running.url}); "
-              "stop it first (Ctrl-C in its shell)", EXIT_FAILED)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # set first: a Ctrl-C while it starts stops it once started

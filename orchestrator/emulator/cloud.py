@@ -10,8 +10,7 @@ Each host of a node is an `EmulatedVm` with its own metadata server (as each GCE
 (`home`) with its token, which their fake Secret Manager hands out as `RAY_TOKEN_SECRET`.
 
 While it runs, `home`/emulator.json (mode 600: it holds the control token) says where: its process, the TPU
-API's URL and control token, the storage URL. The other subcommands read it (`find_running`); it is removed
-at stop.
+API's URL and control token, the storage URL (`runfile`). The other subcommands read it; it is removed at stop.
 """
 
 from __future__ import annotations
@@ -19,40 +18,23 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from orchestrator.cluster import Home, ensure_token
 from orchestrator.emulator.__main__ import _write_private
-from orchestrator.emulator.control import ControlClient
 from orchestrator.emulator.machines import Timings
 from orchestrator.emulator.ray_backing import RayBackedNodes
+from orchestrator.emulator.runfile import RUN_FILE, Running
 from orchestrator.emulator.server import Emulator, serve
 from orchestrator.emulator.storage import StorageEmulator, serve_storage
 
 log = logging.getLogger(__name__)
 
-RUN_FILE = "emulator.json"
 PROJECT = "emulated-project"
 ZONE = "us-central2-b"
 BUCKET = "emulated-bucket"
 RAY_TOKEN_SECRET = "ray-token"
-
-
-@dataclass(frozen=True)
-class Running:
-    """Where a running `orchestrator emulator --vms` is: what `home`/emulator.json records."""
-
-    pid: int
-    url: str  # the TPU API (and its control API under /_emulator/)
-    control_token: str
-    storage_url: str
-    project: str
-    zone: str
-    bucket: str
-
-    def control(self) -> ControlClient:
-        return ControlClient(self.url, token=self.control_token)
 
 
 class LocalCloud:
@@ -128,30 +110,3 @@ class LocalCloud:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def find_running(home: Home) -> Running | None:
-    """The emulator `home`/emulator.json names, if its process still runs; a stale file is removed."""
-    path = home.root / RUN_FILE
-    try:
-        running = Running(**json.loads(path.read_text()))
-    except FileNotFoundError:
-        return None
-    except (ValueError, TypeError) as e:
-        log.warning("%s is unreadable (%s); removed", path, e)
-        path.unlink(missing_ok=True)
-        return None
-    if not _alive(running.pid):
-        path.unlink(missing_ok=True)
-        return None
-    return running
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: it runs
-        return True
-    return True
