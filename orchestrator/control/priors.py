@@ -7,7 +7,9 @@ settings the job's hosts would run with on that option, the target, the code and
 compiler). Nothing is compiled here: the controller asks the policy every decision interval,
 and a compile takes minutes. An option without a kept report is priced by the scaling
 model, as before; so is every option of a job that runs its own program (its key is not
-known here).
+known here). The key covers the code that builds the step (kernels, workers, policies/model):
+after an edit there, the reports kept before are not found, and the scaling model prices the
+job until `--compile` runs again.
 """
 
 from __future__ import annotations
