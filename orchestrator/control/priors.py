@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from orchestrator import catalog
@@ -57,12 +56,9 @@ def kept_steps(spec: JobSpec, options: Sequence[Option], *,
             work = workload_for(spec.moved(t.name, spec.tier, slices=o.count), t.chips, t.hosts, slices=o.count)
         except MeshError:  # no mesh for the job on this option: nothing was compiled for it
             continue
-        target = topology(t, o.count)
-        # The key is over the settings, checkpoint folder included: the store fills in the folder a job file
-        # leaves out (`JobSpec.with_checkpoint_directory`), so the CLI compiled that job's step with none.
-        keys = dict.fromkeys(program_key(work["lm"], s, target)
-                             for s in (work["settings"], replace(work["settings"], checkpoint_dir=None)))
-        report = next((r for k in keys if (r := kept_report(cache, k)) is not None), None)
+        # The key leaves out the checkpoint folder the store fills in (`JobSpec.with_checkpoint_directory`):
+        # the CLI's --compile, which ran before the job had one, kept the report under this key.
+        report = kept_report(cache, program_key(work["lm"], work["settings"], topology(t, o.count)))
         if report is not None:
             out[o.what] = CompiledStep(tokens_per_step, roofline_s(report, t.generation.chip))
     return out
