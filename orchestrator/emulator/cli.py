@@ -16,6 +16,7 @@ not exist (one `error:` line), 1 when no emulator runs or it failed.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -69,6 +70,9 @@ def serve(ctx: typer.Context,
         from orchestrator.emulator.__main__ import main
 
         raise typer.Exit(main(["--port", str(port), "--time-scale", str(time_scale), "--seed", str(seed)]))
+    if os.geteuid() != 0:
+        _fail("--vms boots each host in mount and PID namespaces of its own (unshare), which needs root; run it as "
+              "root, or without --vms for the TPU API alone", EXIT_FAILED)
     home = Home.default()
     running = find_running(home)
     if running is not None:
@@ -186,6 +190,9 @@ def _check_slice(state: dict, name: str) -> None:
 
 
 def _running() -> Running:
+    if os.geteuid() != 0:
+        _fail("--vms boots each host in mount and PID namespaces of its own (unshare), which needs root; run it as "
+              "root, or without --vms for the TPU API alone", EXIT_FAILED)
     home = Home.default()
     running = find_running(home)
     if running is None:
