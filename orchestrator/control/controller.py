@@ -198,19 +198,6 @@ class Controller:
             raise ValueError(f"local hosts must be at least 1, got {hosts}")
         self.provider.max_hosts = hosts
 
-    def inject_fault(self, kind: str, **kw) -> None:
-        """Fault injection for tests and drills. Kinds:
-
-        - ``short_host`` (worker_id): that host of the next slices registers half its chips,
-          so the job's workers cannot all be placed; ``clear`` undoes it.
-        """
-        if kind == "short_host":
-            self.provider.short_hosts.add(int(kw["worker_id"]))
-        elif kind == "clear":
-            self.provider.short_hosts.clear()
-        else:
-            raise ValueError(f"unknown fault {kind!r}")
-
     def current_generation(self, job_id: str) -> int:
         return self.store.job(job_id).generation
 

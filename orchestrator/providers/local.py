@@ -71,7 +71,21 @@ class LocalProvider:
         self._restarts: dict[str, dict[int, int]] = {}
         self._since: dict[str, float] = {}  # monotonic time the request started waiting, or the notice came
         self._events: dict[str, list[SliceEvent]] = {}  # by slice: each job's driver takes its own
-        self.short_hosts: set[int] = set()  # fault injection, see `Controller.inject_fault`
+        self.short_hosts: set[int] = set()  # fault injection, see `inject_fault`
+
+    def inject_fault(self, kind: str, **kw) -> None:
+        """Fault injection for tests and drills (a test reaches it in the controller's actor with
+        ``controller.__ray_call__``; it is no part of the controller's API). Kinds:
+
+        - ``short_host`` (worker_id): that host of the next slices registers half its chips,
+          so the job's workers cannot all be placed; ``clear`` undoes it.
+        """
+        if kind == "short_host":
+            self.short_hosts.add(int(kw["worker_id"]))
+        elif kind == "clear":
+            self.short_hosts.clear()
+        else:
+            raise ValueError(f"unknown fault {kind!r}")
 
     def _set(self, s: Slice, state: SliceState | None = None) -> Slice:
         if state is not None and state != s.state:

@@ -158,14 +158,14 @@ def test_slice_too_big_for_the_provider_fails_clearly(client, tmp_path):
 
 
 def test_workers_that_cannot_all_start_fail_clearly_and_release_the_slice(client, tmp_path):
-    ctrl = client.controller()
-    ray.get(ctrl.inject_fault.remote("short_host", worker_id=1))
+    ctrl = client.controller()  # the fault is the local provider's, reached inside the controller's actor
+    ray.get(ctrl.__ray_call__.remote(lambda c: c.provider.inject_fault("short_host", worker_id=1)))
     try:
         spec = tiny_spec("short", "v4-16", tmp_path, recovery={"start_timeout_s": 20, "max_failures": 0})
         job = client.submit(spec)
         st = job.wait(timeout_s=240)
     finally:
-        ray.get(ctrl.inject_fault.remote("clear"))
+        ray.get(ctrl.__ray_call__.remote(lambda c: c.provider.inject_fault("clear")))
     assert st.state is JobState.FAILED
     assert "could not all be placed within 20 s (each needs 4 TPU chips on its own host)" in st.reason
     slices = client.store.slices(job_id=job.id)

@@ -7,10 +7,12 @@ import typing
 
 import pytest
 
+from orchestrator import cluster
 from orchestrator.control.controller import Controller
 from orchestrator.domain.provider_facts import PROVIDERS, ReportRoute, facts
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import SpecError
+from orchestrator.providers.local import LocalProvider
 from workers.notices import GCE_METADATA_URL
 
 NAMES = set(typing.get_args(JobSpec.model_fields["provider"].annotation))
@@ -48,3 +50,13 @@ def test_a_spec_reads_its_providers_facts():
     spec = JobSpec(name="a", provider="gcp", gcp={"project": "p", "zones": ["us-central2-b"], "bucket": "bkt"})
     assert spec.provider_facts is facts("gcp")
 
+
+def test_fault_injection_is_the_local_providers(tmp_path):
+    provider = LocalProvider(cluster.Home(tmp_path).ensure(), "127.0.0.1:1")
+    provider.inject_fault("short_host", worker_id=1)
+    assert provider.short_hosts == {1}
+    provider.inject_fault("clear")
+    assert provider.short_hosts == set()
+    with pytest.raises(ValueError, match="unknown fault 'flood'"):
+        provider.inject_fault("flood")
+    assert not hasattr(Controller, "inject_fault")  # no part of the controller's API
