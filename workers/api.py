@@ -361,6 +361,9 @@ class Loop:
         self._awaiting_done = False
         self._pending: _Pending | None = None
         self._ready_at = time.perf_counter()  # when the previous step's values were on the host
+        # Restored from the hosts' memory (every host alike, `workers.memory.recall`): storage holds an older step,
+        # so the first step after it is saved, and a later loss of every copy goes back no further.
+        self._behind_memory = ctx.restored_from == "memory"
         self._step_s: float | None = None  # the last step's time
 
     def __iter__(self) -> Iterator[int]:
@@ -398,7 +401,8 @@ class Loop:
         ctx = self.ctx
         self._flush()  # the previous step, before a save can wait for this one
         stop = bool(ctx.agreed_stop()) if ctx.agreed_stop else bool(ctx.stop_requested())  # all hosts ask
-        if self.step % ctx.settings.checkpoint_interval == 0 or self.step == self.total or stop:
+        if self.step % ctx.settings.checkpoint_interval == 0 or self.step == self.total or stop or self._behind_memory:
+            self._behind_memory = False
             self._save()
         if ctx.keeping is not None:  # the first tier: this host's shards, in its memory
             ctx.keeping.after_step(self.step, state, self._step_s)

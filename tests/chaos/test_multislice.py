@@ -127,5 +127,10 @@ def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client,
     assert [r.data.get("source") for r in restores] == ["storage", "memory", "memory", "storage"], \
         [r.reason for r in restores]
     stopped = restores[2].data["restored_step"]  # the notice's step: every host stopped there, its checkpoint committed
-    assert restores[-1].data["restored_step"] % INTERVAL == 0 or restores[-1].data["restored_step"] == stopped
+    # After each restore from memory, its next step was committed to storage: storage never fell behind it.
+    behind = {r.data["restored_step"] + 1 for r in restores[1:3]}
+    saved = {e.data.get("step") for e in kinds(job, "checkpoint")}
+    assert behind <= saved, (behind, sorted(s for s in saved if s is not None))
+    last = restores[-1].data["restored_step"]
+    assert last % INTERVAL == 0 or last == stopped or last in behind, (last, stopped, behind)
     print(f"from the kill to the next step on the surviving slices: {resumed_after:.1f} s")
