@@ -403,13 +403,8 @@ class World:
 
     def terminate(self, name: str) -> str:
         """A host of the node dies (hardware, maintenance): the node becomes TERMINATED."""
-        with self._cond:
-            node = self._find(self._nodes, name)
-            if node is None:
-                qr = self._find(self._qrs, name)
-                node = self._nodes.get(qr.node_name) if qr else None
-            if node is None:
-                raise not_found(name)
+        with self._cond:  # a reentrant lock: `node` takes it again
+            node = self.node(name)
             if node.state != m.N_READY:
                 raise failed_precondition(f"cannot terminate {node.name} in state {node.state}; it must be READY")
             self._move_node(node, m.N_TERMINATED, due=None, gone_reason="terminated")
