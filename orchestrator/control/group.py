@@ -151,7 +151,8 @@ class RayWorkerGroup:
         ]
         placed: list[dict] = ray.get([w.info.remote() for w in self.workers], timeout=timeout)
         self.store.add_event(self.job_id, Launched(first.name, [p["node_id"] for p in placed],
-                                                   [p["pid"] for p in placed], att.generation, len(slices)),
+                                                   [p["pid"] for p in placed], att.generation, len(slices),
+                                                   [s.name for s in slices]),
                              f"{len(hosts)} workers of generation {att.generation} on {where}, "
                              f"{_platforms([p.get('platform') for p in placed])}")
         coordinator: str | None = None

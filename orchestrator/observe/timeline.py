@@ -165,10 +165,10 @@ def move_line(store: Store, job: JobRecord) -> str | None:
     asked = [e for e in events if e.kind is EventKind.RESIZE and e.seq > running_since]
     live = store.slices(job_id=job.id, live_only=True)
     if job.state is JobState.RUNNING:
-        launched = [e.payload_as(Launched).slice for e in events if e.kind is EventKind.LAUNCHED
+        launched = [e.payload_as(Launched) for e in events if e.kind is EventKind.LAUNCHED
                     and e.payload_as(Launched).generation == job.generation]
-        running = launched[-1] if launched else None
-        beside = [r for r in live if r.name != running]
+        running = set(launched[-1].slice_names or [launched[-1].slice]) if launched else set()
+        beside = [r for r in live if r.name not in running]  # a multi-slice job's other slices are not a move
         if asked:
             r = asked[-1].payload_as(ResizeAsked)
             target = f"{r.to} {r.tier}" if r.tier else str(r.to)

@@ -91,6 +91,7 @@ class Launched(Payload):
     pids: list[int] | None = None
     generation: int | None = None
     slices: int | None = None  # slices the generation trains on (None: one, from before this was recorded)
+    slice_names: list[str] | None = None  # all of them (None: `slice` alone, from before this was recorded)
 
 
 @dataclass(frozen=True)

@@ -82,3 +82,18 @@ def test_status_says_what_a_move_is_doing(tmp_path):
     assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: releasing the old slice"
     s.transition("j-1", JobState.QUEUED, "waiting")
     assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: waiting for capacity"
+
+
+def test_a_job_on_two_slices_is_not_moving(tmp_path):
+    s = Store(tmp_path / "state.db")
+    s.create_job("j-1", "j", {"name": "j", "accelerator": "v4-16", "slices": 2, "workload": {"type": "lm"}})
+    for state in (JobState.PROVISIONING, JobState.STARTING):
+        s.transition("j-1", state, "x")
+    for name in ("j-1-1", "j-1-1s2"):
+        s.put_slice(name, "j-1", "local", "v4-16", "spot", "REQUESTED", {})
+        s.put_slice(name, "j-1", "local", "v4-16", "spot", "READY", {})
+    s.add_event("j-1", Launched("j-1-1", ["n1", "n2"], [1, 2], 1, 2, ["j-1-1", "j-1-1s2"]), "launched")
+    s.transition("j-1", JobState.RUNNING, "x", data=StateChange(generation=1), generation=1)
+    assert move_line(s, s.job("j-1")) is None  # it said "moving to v4-16 spot: slice ready, switching ..."
+    s.put_slice("j-1-2m1", "j-1", "local", "v4-32", "spot", "REQUESTED", {})  # a third, beside both: a move
+    assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: requesting the slice"
