@@ -31,6 +31,7 @@ class Attempt:
     adopted: bool = False  # a group started by an earlier controller
     last_progress: float = field(default_factory=time.monotonic)
     last_step: int = -1  # newest step reported by worker 0 in this generation
+    restored_step: int | None = None  # the steps complete that this generation restored (None: fresh, or not yet)
     cancel: threading.Event = field(default_factory=threading.Event)
     notice: str | None = None  # a preemption notice (or a stop the controller asked for), and when
     notice_at: float | None = None
@@ -90,6 +91,7 @@ class Attempt:
     def begin(self, generation: int) -> None:
         """A new launch: reports of `generation` count from now on."""
         self.generation, self.started, self.last_step, self.notice, self.accepting = generation, False, -1, None, True
+        self.restored_step = None
         self.lost = set()
 
     def teardown(self) -> None:

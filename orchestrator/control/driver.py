@@ -236,9 +236,9 @@ class JobDriver(AutoscalingMixin, SlicesMixin, ReportsMixin):
             outcome = dataclasses.replace(outcome, reason=finished)
         if k not in (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVISION_FAILED, OutcomeKind.RESIZED,
                      OutcomeKind.BUDGET_SPENT):
-            steps_done = att.last_step + 1
-            att.disrupted_at, att.disrupted_step, att.resumed = outcome.at, steps_done, False
-            self.store.add_event(self.job_id, Disrupted(k.value, att.last_step, outcome.reason, att.generation,
+            steps_done = max(att.last_step + 1, att.restored_step or 0)  # a generation lost before its first step
+            att.disrupted_at, att.disrupted_step, att.resumed = outcome.at, steps_done, False  # stood where it began
+            self.store.add_event(self.job_id, Disrupted(k.value, steps_done - 1, outcome.reason, att.generation,
                                                         time.time() - outcome.at),
                                  f"{k.value}: {outcome.reason} (after step {steps_done})", at=outcome.at)
         rec = job.spec.recovery

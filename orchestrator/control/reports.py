@@ -85,7 +85,7 @@ class ReportsMixin:
             change = StateChange(init_s=round(report.init_s, 3), generation=generation)
             held.add(lambda: self._transition_raw(JobState.RUNNING, "all hosts joined the runtime", change, now))
         elif isinstance(report, Timings) and rank == 0:
-            disrupted = att.disrupted_step
+            disrupted, att.restored_step = att.disrupted_step, report.restored_step
             held.add(lambda: self._record_restore(report, disrupted, now))
         elif isinstance(report, StepDone) and rank == 0:
             att.last_step = report.step

@@ -398,3 +398,32 @@ def test_the_spot_chips_a_job_may_ask_for_count_the_slices_it_may_hold(world, ac
                                deadline="PT24H"))
     world.provider.max_hosts = hosts
     assert driver._spot_chips_available(driver.spec()) == chips
+
+
+def test_a_generation_lost_before_its_first_step_is_lost_where_it_restored(world, monkeypatch):
+    """Generation 2 restores step 5 and loses a host before it trains: it was lost after step 5, not 'after
+    step 0', and nothing was lost by it (its disruption and lost work say so)."""
+    from tests.unit.driver_world import ScriptedGroup
+
+    launch = ScriptedGroup.launch
+
+    def launch_then_lose_a_host(group):
+        launch(group)
+        if group.generation == 2:
+            world.provider.send(group.slice_name, SliceEventKind.HOST_LOST, "host 0 vanished before its first step")
+
+    monkeypatch.setattr(ScriptedGroup, "launch", launch_then_lose_a_host)
+    driver = world.submit(spec())
+
+    def lose_a_host(group, step):
+        if group.generation == 1 and step == 7:  # steps 0-7 done; 5 committed
+            world.provider.send(group.slice_name, SliceEventKind.HOST_LOST, "host 1 of the slice vanished")
+
+    world.on_step = lose_a_host
+    world.run(driver)
+    assert world.store.job("job").state is JobState.SUCCEEDED
+    first, second = events(world, EventKind.DISRUPTION)[:2]
+    assert "before its first step" in second.reason, second.reason
+    assert second.data["step"] == 4 and "(after step 5)" in second.reason, second.reason
+    lost = events(world, EventKind.LOST_WORK)
+    assert [e.data["steps"] for e in lost][:2] == [3, 0], [e.reason for e in lost]
