@@ -13,12 +13,19 @@ import os
 from pathlib import Path
 
 TAIL_BYTES = 16384
+# How far back the lines that say what happened are looked for: Python's fatal-error dump of every thread's
+# stack comes after them, and a Ray worker's threads can fill more than the tail.
+SCAN_BYTES = 4 * 2**20
 
 
-def stderr_tail(pid: int, max_bytes: int = TAIL_BYTES) -> str | None:
+def stderr_tail(pid: int, max_bytes: int = TAIL_BYTES, scan_bytes: int = SCAN_BYTES) -> str | None:
     """The last `max_bytes` that worker process `pid` of this node wrote to its stderr ("" if nothing),
-    or None when this node has no such file. Runs as a task on the node: its own stderr is a file of
-    the same folder."""
+    after the lines before them, up to `scan_bytes` back, that say what happened
+    (`policies.decisions.recovery.is_telling`: a C++ exception's what(), gloo's enforce failure, the
+    signal); None when this node has no such file. Runs as a task on the node: its own stderr is a
+    file of the same folder."""
+    from policies.decisions.recovery import is_telling
+
     try:
         logs = Path(os.readlink("/proc/self/fd/2")).parent
     except OSError:
@@ -28,5 +35,8 @@ def stderr_tail(pid: int, max_bytes: int = TAIL_BYTES) -> str | None:
         return None
     with open(files[-1], "rb") as f:
         f.seek(0, os.SEEK_END)
-        f.seek(max(0, f.tell() - max_bytes))
-        return f.read().decode("utf-8", errors="replace")
+        f.seek(max(0, f.tell() - max(scan_bytes, max_bytes)))
+        text = f.read().decode("utf-8", errors="replace")
+    before, tail = text[:-max_bytes], text[-max_bytes:]
+    said = [line for line in before.splitlines() if is_telling(line)]
+    return "".join(f"{line}\n" for line in said) + tail

@@ -116,14 +116,19 @@ def native_lines(stderr_tail: str) -> list[str]:
             and "logging.cc:" not in ln]
 
 
+def is_telling(line: str) -> bool:
+    """Whether a line of a dead worker's stderr says what happened: an absl FATAL, a C++ exception and its
+    what(), gloo's enforce failure, the signal, Python's fatal error."""
+    return bool(_ABSL_FATAL.match(line) or _WHAT.match(line) or _ENFORCE.search(line) or _SIGNAL.search(line)
+                or _PY_FATAL.match(line) or "terminate called" in line)
+
+
 def telling_lines(stderr_tail: str, last: int = 40) -> list[str]:
-    """What to keep of a dead worker's stderr for its log: the lines that say what happened (an absl
-    FATAL, a C++ exception and its what(), gloo's enforce failure, the signal), then its last `last`
-    lines. Python's fatal-error dump lists every thread's stack after them, which would push them out."""
+    """What to keep of a dead worker's stderr for its log: the lines that say what happened (`is_telling`),
+    then its last `last` lines. Python's fatal-error dump lists every thread's stack after them, which
+    would push them out."""
     lines = native_lines(stderr_tail)
-    keep = [ln for ln in lines[:-last] if _ABSL_FATAL.match(ln) or _WHAT.match(ln) or _ENFORCE.search(ln)
-            or _SIGNAL.search(ln) or _PY_FATAL.match(ln) or "terminate called" in ln]
-    return keep + lines[-last:]
+    return [ln for ln in lines[:-last] if is_telling(ln)] + lines[-last:]
 
 
 def native_error(stderr_tail: str | None) -> str:

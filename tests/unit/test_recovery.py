@@ -233,3 +233,22 @@ def test_a_cpp_exception_says_its_what():
             "*** SIGABRT received at time=1 on cpu 0 ***\nFatal Python error: Aborted\n")
     assert native_error(tail) == ("SIGABRT: terminate called after throwing an instance of 'std::runtime_error': "
                                   "bad collective")
+
+
+def test_the_tail_read_on_the_host_keeps_what_gloo_said_before_a_long_thread_dump(tmp_path, monkeypatch):
+    """A Ray worker's fatal-error dump of its threads can be longer than the tail: the lines that say what
+    happened are kept from before it, so the job's status and log still name gloo's failure."""
+    from workers import crash
+
+    dump = "".join(f'Thread 0x{i:04x} (most recent call first):\n  File "/srv/x.py", line {i} in run\n'
+                   for i in range(2000))
+    assert len(dump) > crash.TAIL_BYTES
+    err = tmp_path / "worker-abc-01000000-4242.err"
+    err.write_text(GLOO_ABORT + dump)
+    monkeypatch.setattr(crash.os, "readlink", lambda path: str(tmp_path / "python-core-worker.log"))
+    tail = crash.stderr_tail(4242)
+    assert tail is not None and tail.endswith(dump[-crash.TAIL_BYTES:])
+    assert native_error(tail).startswith("SIGABRT: [enforce fail at external/gloo/gloo/transport/tcp/pair.cc:459]")
+    assert native_error((GLOO_ABORT + dump)[-crash.TAIL_BYTES:]) == "no native error on its stderr (killed from " \
+        "outside? SIGKILL, the OOM killer)"  # what the tail alone said
+    assert crash.stderr_tail(999) is None
