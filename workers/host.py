@@ -43,6 +43,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Libraries that narrate routine work at INFO into the job's log: orbax every save (through absl), fsspec every
+# block it reads of a bucket's token files, gcsfs its set-up. Their warnings still come through.
+_CHATTY_LOGGERS = ("absl", "fsspec", "gcsfs", "google.auth", "urllib3", "etils")
+
+
+def route_logs(out) -> logging.Handler:
+    """This process's logging into the job's log (`out`, a stream): INFO and up, from the chatty libraries
+    their warnings only. Returns the handler added to the root logger."""
+    handler = logging.StreamHandler(out)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+    for chatty in _CHATTY_LOGGERS:
+        logging.getLogger(chatty).setLevel(logging.WARNING)
+    return handler
+
 
 class _LineBuffer(io.TextIOBase):
     """Collects what user code prints or logs, to ship with the next report."""
@@ -141,11 +157,7 @@ class HostWorker:
         sys.stdout = self._out  # what the job's code prints reaches `orchestrator logs` (and still Ray's log file)
         runtime.configure(platform=self._platform, devices_per_host=devices_per_host,
                           compile_cache_dir=compile_cache_dir)
-        handler = logging.StreamHandler(self._out)
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        logging.getLogger().addHandler(handler)
-        logging.getLogger().setLevel(logging.INFO)
-        logging.getLogger("absl").setLevel(logging.WARNING)  # orbax narrates every save at INFO
+        route_logs(self._out)
         install_sigterm(self._on_notice)
         reaper.guard(f"{job_id}-g{generation}-w{rank}")  # what the job's code starts ends with this worker
         if workload_type == "lm":
