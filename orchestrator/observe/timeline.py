@@ -167,7 +167,7 @@ def move_line(store: Store, job: JobRecord) -> str | None:
     if job.state is JobState.RUNNING:
         launched = [e.payload_as(Launched) for e in events if e.kind is EventKind.LAUNCHED
                     and e.payload_as(Launched).generation == job.generation]
-        running = set(launched[-1].slice_names or [launched[-1].slice]) if launched else set()
+        running = set(launched[-1].slice_names or [launched[-1].slice or ""]) if launched else set()
         beside = [r for r in live if r.name not in running]  # a multi-slice job's other slices are not a move
         if asked:
             r = asked[-1].payload_as(ResizeAsked)
