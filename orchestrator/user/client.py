@@ -71,6 +71,19 @@ class Plan:
         return [line for r in self.compiled or [] if (line := r.refusal()) is not None]
 
 
+CONNECT_TRIES, CONNECT_WAIT_S = 2, 10.0  # joining a cluster this client started: tries, and the wait between
+
+
+def _busy_advice(home: cluster.Home) -> str:
+    """What to do when the cluster does not answer: how busy the machine is, where the logs are."""
+    try:
+        load = f"this machine's load average is {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+    except OSError:
+        load = ""
+    return (f"{load}Ray's head may still be starting: try again in a minute, or run `orchestrator down` then "
+            f"`orchestrator up` and read {home.root / 'logs' / 'head.log'}")
+
+
 class Client:
     def __init__(self, *, address: str | None = None, home: str | Path | None = None, stopping: bool = False):
         """`stopping`: for `down`, which must work even when the running cluster's store was deleted."""
@@ -109,13 +122,23 @@ class Client:
         else:
             address = self.address
         keep_ray_quiet(self.home)  # Ray's own messages go to logs/driver.log, not to the user's terminal
-        try:
-            ray.init(address=address, namespace=cluster.NAMESPACE, logging_level=logging.WARNING,
-                     log_to_driver=False, configure_logging=False)
-        except ConnectionError as e:
-            if self._owns_cluster:  # leave nothing running behind a failed start
-                cluster.stop_cluster(self.home)
-            raise ClusterError(f"cannot reach the Ray cluster at {address}: {e}") from None
+        tries = CONNECT_TRIES if self._owns_cluster else 1  # a head just started on a loaded machine can be slow
+        for attempt in range(1, tries + 1):
+            try:
+                ray.init(address=address, namespace=cluster.NAMESPACE, logging_level=logging.WARNING,
+                         log_to_driver=False, configure_logging=False)
+                break
+            except ConnectionError as e:
+                if attempt < tries:
+                    log.warning("cannot reach the Ray cluster at %s yet (%s); trying again in %.0f s", address, e,
+                                CONNECT_WAIT_S * attempt)
+                    time.sleep(CONNECT_WAIT_S * attempt)
+                    continue
+                if self._owns_cluster:  # leave nothing running behind a failed start
+                    cluster.stop_cluster(self.home)
+                times = f"{tries} tries" if tries > 1 else "1 try"
+                raise ClusterError(f"cannot reach the Ray cluster at {address} ({times}): {e}. "
+                                   f"{_busy_advice(self.home)}") from None
         keep_ray_quiet(self.home)  # again: connecting set Ray's logging up anew
         self._connected = True
         try:
