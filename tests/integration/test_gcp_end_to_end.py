@@ -58,9 +58,13 @@ def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path, request, gcs_e
         for e in job.events():
             if e.kind == "slice":
                 states.setdefault(e.data["name"], []).append(e.data["state"])
-        first, second = states.values()
+        # Under load a new slice's hosts can miss Ray's heartbeats while they start: that slice is given back and
+        # another asked for (a start failure, not a preemption: the count above stays 1).
+        first, *between, last = states.values()
         assert first[0] == "REQUESTED" and "READY" in first and first[-1] in ("GONE", "RELEASED"), first
-        assert second[0] == "REQUESTED" and second[-2:] == ["READY", "RELEASED"], second
+        assert last[0] == "REQUESTED" and last[-2:] == ["READY", "RELEASED"], last
+        assert all(s[0] == "REQUESTED" and s[-1] in ("GONE", "RELEASED") for s in between), between
+        assert len(between) <= 1, states
         ref = run_reference(spec, devices=8, tmp_path=tmp_path)
         assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
         deadline = time.monotonic() + 60
