@@ -43,14 +43,18 @@ def slice_states(world):
     return {name: s.state for name, s in world.provider.slices.items()}
 
 
-def test_a_host_lost_mid_run_recovers_on_a_new_slice_from_the_last_checkpoint(world):
-    driver = world.submit(spec())
-
+def lose_a_host_after_step_7(world) -> None:
+    """Generation 1 loses a host after steps 0-7 (5 committed)."""
     def lose_a_host(group, step):
-        if group.generation == 1 and step == 7:  # steps 0-7 done; 5 committed
+        if group.generation == 1 and step == 7:
             world.provider.send(group.slice_name, SliceEventKind.HOST_LOST, "host 1 of the slice vanished")
 
     world.on_step = lose_a_host
+
+
+def test_a_host_lost_mid_run_recovers_on_a_new_slice_from_the_last_checkpoint(world):
+    driver = world.submit(spec())
+    lose_a_host_after_step_7(world)
     world.run(driver)
     job = world.store.job("job")
     assert job.state is JobState.SUCCEEDED and job.preemptions == 1 and job.failures == 0  # spends max_preemptions
@@ -414,12 +418,7 @@ def test_a_generation_lost_before_its_first_step_is_lost_where_it_restored(world
 
     monkeypatch.setattr(ScriptedGroup, "launch", launch_then_lose_a_host)
     driver = world.submit(spec())
-
-    def lose_a_host(group, step):
-        if group.generation == 1 and step == 7:  # steps 0-7 done; 5 committed
-            world.provider.send(group.slice_name, SliceEventKind.HOST_LOST, "host 1 of the slice vanished")
-
-    world.on_step = lose_a_host
+    lose_a_host_after_step_7(world)
     world.run(driver)
     assert world.store.job("job").state is JobState.SUCCEEDED
     first, second = events(world, EventKind.DISRUPTION)[:2]
