@@ -54,6 +54,12 @@ class Home:
     def compile_cache(self) -> Path:
         return self.root / "jax-cache"
 
+    @property
+    def tpu_programs(self) -> Path:
+        """The TPU compiler's reports kept by `--compile` (`workers.tpu_target.keep_report`), which the
+        controller's cost policy reads as priors (`orchestrator.control.priors`)."""
+        return self.root / "tpu-programs"
+
     def job_dir(self, job_id: str) -> Path:
         return _inside(self.root / "jobs", job_id)
 

@@ -32,7 +32,7 @@ def programs_dir() -> Path:
     """Where the CLI's `--compile` keeps the compiler's reports: the state directory's tpu-programs."""
     from orchestrator.cluster.home import Home
 
-    return Home.default().root / "tpu-programs"
+    return Home.default().tpu_programs
 
 
 def kept_steps(spec: JobSpec, options: Sequence[Option], *,

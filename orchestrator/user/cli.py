@@ -116,7 +116,7 @@ def _compile_check(spec: JobSpec, job_file: Path) -> list | None:
     from workers.api import StepNotDeclared
     from workers.tpu_target import TargetUnavailable
 
-    cache = cluster.Home.default().ensure().root / "tpu-programs"
+    cache = cluster.Home.default().ensure().tpu_programs
     try:
         rows = compile_options(spec, cache_dir=cache, progress=lambda line: err.print(line, highlight=False))
     except StepNotDeclared as e:

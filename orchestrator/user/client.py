@@ -408,7 +408,7 @@ class Client:
         from orchestrator.user.compiled import compile_options, compiled_steps, model_flops_per_step
         from orchestrator.user.planning import plan_spec
 
-        rows = compile_options(spec, cache_dir=self.home.root / "tpu-programs", progress=progress) if compile \
+        rows = compile_options(spec, cache_dir=self.home.tpu_programs, progress=progress) if compile \
             else None
         flops = model_flops_per_step(spec, rows)[0] if rows is not None else None
         return Plan(plan_spec(spec, deadline_hours=deadline_hours, trace_path=trace,
