@@ -104,7 +104,7 @@ class CompileAhead:
             elif self.rank != 0 and not self._shared:
                 self._shared = self._take()
         except Exception as e:  # never stops training: the survivors then compile it themselves
-            log.warning("compile ahead: %s: %s", type(e).__name__, e)
+            log.warning("compile ahead: %s: %s", type(e).__name__, e, exc_info=True)
             self._shared = True
 
     # -- host 0 ------------------------------------------------------------------------
@@ -121,7 +121,7 @@ class CompileAhead:
                 raise RuntimeError("it kept no program")
         except Exception as e:
             log.warning("compile ahead: the rehearsal failed (%s: %s); a lost slice's survivors will compile",
-                        type(e).__name__, e)
+                        type(e).__name__, e, exc_info=True)
             self._made = ("", b"")  # slice 1's host stops asking
             return
         seconds = time.perf_counter() - t0
@@ -145,6 +145,7 @@ class CompileAhead:
 
     def _take(self) -> bool:
         """Whether host 0's program arrived (and is kept here); False while it has not."""
+        import jax
         from jax._src import distributed
 
         from workers import runtime
@@ -154,7 +155,7 @@ class CompileAhead:
             return True
         try:
             sealed = client.key_value_try_get_bytes(_STORE_NAME)
-        except Exception:  # not there yet
+        except jax.errors.JaxRuntimeError:  # NOT_FOUND: not there yet
             return False
         payload = runtime.open_sealed(_STORE_NAME, sealed)
         if not payload:  # not authentic, or host 0's rehearsal failed

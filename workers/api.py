@@ -481,7 +481,7 @@ def _memory_stats() -> dict[str, float]:
     """HBM in use and its peak on this host's first device, in GiB (backends that keep no stats: none)."""
     try:
         stats = jax.local_devices()[0].memory_stats()
-    except Exception:  # not every backend implements it
+    except jax.errors.JaxRuntimeError:  # the backend's allocator could not say (one that keeps none says None)
         return {}
     if not stats or "bytes_in_use" not in stats:
         return {}

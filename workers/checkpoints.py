@@ -125,7 +125,7 @@ class Checkpoints:
             try:
                 out = self._manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
-            except Exception as e:  # an unreadable checkpoint: try the one before
+            except Exception as e:  # noqa: BLE001 -- whatever makes a checkpoint unreadable: try the one before
                 error = e
                 self._pass_restore_barrier()
             if not all_hosts(error is None):  # taken only if every host read it: all hosts go on from one step

@@ -261,7 +261,7 @@ def like_tree(like: Any, tensors: dict[str, np.ndarray], *, where: str = "<expor
     if unused:
         problems.append(f"has {len(unused)} tensor(s) that `like` has no leaf for: {_few(unused)}")
     out = []
-    for w, (_, leaf) in zip(wanted, leaves):
+    for w, (_, leaf) in zip(wanted, leaves, strict=True):
         if w not in names:
             continue
         t = tensors[names[w]]

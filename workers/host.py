@@ -100,7 +100,7 @@ def _preload_lm() -> None:
     try:
         importlib.import_module("workers.train")
         importlib.import_module("workers.data").corpus()
-    except Exception as e:  # the training thread does it again, and reports the error there
+    except Exception as e:  # noqa: BLE001 -- the training thread does it again, and reports the error there
         log.debug("preloading the trainer failed: %s", e)
 
 
@@ -252,7 +252,7 @@ class HostWorker:
             result = WorkerResult(Ending.FAILED, self.rank, error=str(e), cause=FailureCause.FOLDER_TAKEN.value)
         except SystemExit as e:  # the job's code called sys.exit(): an end it chose, never to be taken for a hang
             result = self._exited(e)
-        except Exception as e:  # the boundary of user code: report it, typed (its cause), with its traceback
+        except Exception as e:  # noqa: BLE001 -- the boundary of user code: reported, typed, with its traceback
             tb = traceback.format_exc()
             print(tb, file=self._out)
             chain = _chain(e)
@@ -337,7 +337,7 @@ class HostWorker:
             found = stored_programs.take(workload, platform=self._platform, name="train_step",
                                          config=program_config(trainer.lm, trainer.settings), program_id=program_id)
         except Exception as e:  # never the job's failure: the host compiles as it would have
-            log.warning("stored program: not looked for (%s: %s); compiling", type(e).__name__, e)
+            log.warning("stored program: not looked for (%s: %s); compiling", type(e).__name__, e, exc_info=True)
             return
         if found is None or not found.used:
             if found is not None:
@@ -378,7 +378,7 @@ class HostWorker:
             try:
                 loop.close()  # the last save committed, as after a return
             except Exception as err:  # the exit is what this worker reports; the log keeps this
-                log.error("after sys.exit(): the last save failed: %s: %s", type(err).__name__, err)
+                log.error("after sys.exit(): the last save failed: %s: %s", type(err).__name__, err, exc_info=True)
         if status == 0 and (loop is None or loop.completed):
             return self._ended(loop) if loop is not None else WorkerResult(Ending.SUCCEEDED, self.rank)
         done = f" with {loop.step} of {loop.total} steps done" if loop is not None else ""
@@ -400,7 +400,7 @@ class HostWorker:
             return True
         try:
             fence = storage.read_fence(self._fence_dir, endpoint=self._storage_endpoint)
-        except Exception as e:  # unreachable, unreadable: not sure it is ours, so not writing
+        except Exception as e:  # noqa: BLE001 -- unreachable, unreadable: not sure it is ours, so not writing
             log.warning("cannot read the fence in %s (%s: %s); not writing", self._fence_dir, type(e).__name__, e)
             return False
         if fence is None:
@@ -444,6 +444,6 @@ class HostWorker:
             sent = ctrl.report.remote(self.job_id, self.generation, self.rank, report, lines)
             if wait:
                 ray.get(sent, timeout=10)
-        except Exception as e:  # a restarting controller: look it up again next time
+        except ray.exceptions.RayError as e:  # a restarting controller: look it up again next time
             print(f"report to the controller failed: {e!r}", file=sys.__stderr__, flush=True)  # Ray's worker log
             self._controller = None

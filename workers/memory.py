@@ -65,7 +65,7 @@ class HostMemory:
 def _key(index: tuple, shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     """A shard's index as (start, stop) per dimension."""
     out = []
-    for s, n in zip(index, shape):
+    for s, n in zip(index, shape, strict=True):
         start, stop, _ = s.indices(n)
         out.append((start, stop))
     return tuple(out)
@@ -111,7 +111,7 @@ def rebuild(table: list, target: Any) -> Any:
 
     leaves, treedef = jax.tree.flatten(target)
     out = []
-    for leaf, (kind, held) in zip(leaves, table):
+    for leaf, (kind, held) in zip(leaves, table, strict=True):
         made = jax.make_array_from_callback(leaf.shape, leaf.sharding, _reader(held, leaf.shape)) if kind == "array" \
             else held
         out.append(made)
@@ -170,7 +170,7 @@ class Keeping:
             self.keeper.keep.remote(step, snapshot(state), layout(state))
         except Exception as e:  # never stops training: a lost slice then restores from storage
             log.warning("host memory: cannot keep a copy (%s: %s); a lost slice will restore from storage",
-                        type(e).__name__, e)
+                        type(e).__name__, e, exc_info=True)
             self.broken = True
             return
         c.measured(time.perf_counter() - t)
@@ -214,7 +214,7 @@ def recall(keeper, step: int, target: Any) -> Any:
             _check(table, target)
     except MemoryMiss as e:
         why = str(e)
-    except Exception as e:  # the keeper or the object went: the same as no copy
+    except Exception as e:  # noqa: BLE001 -- every host must reach the vote below: any failure is no copy here
         why = f"{type(e).__name__}: {e}"
     ok = np.int32(why is None)
     if jax.process_count() > 1:
@@ -231,7 +231,7 @@ def _check(table: list, target: Any) -> None:
     leaves = jax.tree.leaves(target)
     if len(leaves) != len(table):
         raise MemoryMiss(f"the copy has {len(table)} leaves, the state {len(leaves)}")
-    for leaf, (kind, held) in zip(leaves, table):
+    for leaf, (kind, held) in zip(leaves, table, strict=True):
         if kind == "array":
             for index in leaf.sharding.addressable_devices_indices_map(leaf.shape).values():
                 if _key(index, leaf.shape) not in held:

@@ -144,4 +144,4 @@ def _call_chained(signum: int) -> None:
     try:
         fn(signum, None, None) if siginfo else fn(signum)
     except Exception as e:  # never let the chained handler cost us the notice
-        log.warning("the chained SIGTERM handler failed: %s", e)
+        log.warning("the chained SIGTERM handler failed: %s", e, exc_info=True)

@@ -79,7 +79,7 @@ def memory_stats() -> tuple[dict, ...]:
     for d in jax.local_devices():
         try:
             stats = d.memory_stats() or {}
-        except Exception:  # not every backend implements it
+        except jax.errors.JaxRuntimeError:  # the backend's allocator could not say (one that keeps none says None)
             stats = {}
         entry: dict[str, Any] = {"device": f"{d.platform}:{d.id}"}
         entry.update({k: int(stats[k]) for k in ("bytes_in_use", "peak_bytes_in_use", "bytes_limit") if k in stats})
@@ -201,7 +201,7 @@ class Profiler:
         options.python_tracer_level = 0  # tracing every Python call would slow a Python-heavy step
         try:
             jax.profiler.start_trace(local, create_perfetto_trace=True, profiler_options=options)
-        except Exception as e:  # e.g. the program runs a trace of its own
+        except Exception as e:  # noqa: BLE001 -- e.g. the program runs a trace of its own: told to who asked
             shutil.rmtree(local, ignore_errors=True)
             self._fail(req, f"could not start jax.profiler: {type(e).__name__}: {e}")
             return
@@ -220,13 +220,13 @@ class Profiler:
             memory = memory_stats()
             if a.req.memory_profile:
                 Path(a.local, MEMORY_PROFILE_FILE).write_bytes(jax.profiler.device_memory_profile())
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- any failure here is the capture's, told to who asked for it
             error = f"reading device memory failed: {type(e).__name__}: {e}"
         finally:
             self._active = None
             try:
                 jax.profiler.stop_trace()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 -- any failure here is the capture's, told to who asked for it
                 error = f"stopping jax.profiler failed: {type(e).__name__}: {e}"
         steps = loop.step - a.first
         log.info("profiled %d steps from step %d (capture %s)", steps, a.first, a.req.capture_id)
@@ -242,8 +242,8 @@ class Profiler:
         assert a is not None, "abandoned only while a capture is under way (the callers check)"
         try:
             jax.profiler.stop_trace()
-        except Exception:
-            pass
+        except RuntimeError:  # no trace running (JAX's own error is a RuntimeError too): the capture failed anyway
+            log.debug("capture %s: stopping jax.profiler failed", a.req.capture_id, exc_info=True)
         shutil.rmtree(a.local, ignore_errors=True)
         self._fail(a.req, f"the capture failed: {why}")
 
@@ -256,7 +256,7 @@ class Profiler:
                         "memory_profile": MEMORY_PROFILE_FILE if a.req.memory_profile else None}
                 Path(a.local, CAPTURE_FILE).write_text(json.dumps(meta, indent=1))
                 publish(a.local, dest)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- any failure here is the capture's, told to who asked for it
             error = f"copying the trace to {dest} failed: {type(e).__name__}: {e}"
         finally:
             shutil.rmtree(a.local, ignore_errors=True)

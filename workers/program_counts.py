@@ -202,7 +202,8 @@ def _nbytes(shape: str, *, memory: str = "any") -> float:
         tile = re.match(r"T\(([\d,]+)\)", tiling)
         if sizes and minor_to_major and tile:
             order = [int(x) for x in minor_to_major.split(",")]
-            for t, d in zip(reversed([int(x) for x in tile.group(1).split(",")]), order):
+            # the tile covers the minor dimensions only: fewer sizes than the order names
+            for t, d in zip(reversed([int(x) for x in tile.group(1).split(",")]), order, strict=False):
                 sizes[d] = -(-sizes[d] // t) * t
         total += DTYPE_BYTES.get(dt, 4) * math.prod(sizes)
     return total

@@ -244,7 +244,7 @@ def _compile_shared(lowered: "jax.stages.Lowered",
             return lowered.compile(), None
         try:
             payload = _receive(client, f"executable/{key}", share_timeout_s)
-        except Exception as e:  # process 0 never published it: compile here rather than wait forever
+        except jax.errors.JaxRuntimeError as e:  # process 0 never published it: compile here, not wait forever
             log.warning("no executable from process 0 (%s); compiling", type(e).__name__)
             return lowered.compile(), None
         return (load(payload, "process 0") if payload else None) or lowered.compile(), None
@@ -256,7 +256,7 @@ def _compile_shared(lowered: "jax.stages.Lowered",
         compiled = lowered.compile()
         try:  # fresh from the compiler (never from JAX's cache, see _own_programs), so it serializes
             payload, _, _ = serialize_executable.serialize(compiled)
-        except Exception as e:  # not serializable: every process compiles its own
+        except Exception as e:  # noqa: BLE001 -- whatever does not serialize costs a compile per process, no more
             log.warning("cannot share the executable (%s: %s)", type(e).__name__, e)
             payload = None
         if payload is not None and path is not None:
@@ -272,7 +272,7 @@ def _deserialize(payload: bytes, in_tree, out_tree, where: str) -> "jax.stages.C
 
     try:
         return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
-    except Exception as e:  # truncated, or from another build
+    except Exception as e:  # noqa: BLE001 -- bytes from a file or a peer, truncated or of another build: compile
         log.warning("the executable from %s is unusable (%s: %s); compiling it", where, type(e).__name__, e)
         return None
 
@@ -344,7 +344,7 @@ def kept_program_path(key: str) -> Path | None:
 def _load_keyed(blob: bytes, where: str) -> "jax.stages.Compiled | None":
     try:
         payload, in_tree, out_tree = pickle.loads(blob)
-    except Exception as e:  # truncated
+    except Exception as e:  # noqa: BLE001 -- unpickling a truncated file may raise anything: trace it instead
         log.warning("the program from %s is unreadable (%s: %s); tracing it", where, type(e).__name__, e)
         return None
     return _deserialize(payload, in_tree, out_tree, where)
@@ -416,7 +416,7 @@ def compile_keyed(key: str, lower: Callable[[], "jax.stages.Lowered"], *,
     need = f"program-need/{key}/{jax.process_index()}"
     try:
         digest = client.blocking_key_value_get(f"program/{key}", int(share_timeout_s * 1000))
-    except Exception as e:  # process 0 never answered: make our own
+    except jax.errors.JaxRuntimeError as e:  # process 0 never answered (DEADLINE_EXCEEDED): make our own
         log.warning("no word from process 0 on program %s (%s); compiling", key[:12], type(e).__name__)
         client.key_value_set(need, "no", allow_overwrite=True)
         return lower().compile()
@@ -440,7 +440,7 @@ def _someone_lacks(client, key: str, share_timeout_s: float) -> bool:
         try:
             if client.blocking_key_value_get(f"program-need/{key}/{i}", int(share_timeout_s * 1000)) != "no":
                 return True
-        except Exception as e:  # no answer: send them, a process that waits for them gets them
+        except jax.errors.JaxRuntimeError as e:  # no answer: send them, a process that waits gets them
             log.warning("process %d did not say whether it keeps program %s (%s); sending it",
                         i, key[:12], type(e).__name__)
             return True

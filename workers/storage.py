@@ -376,7 +376,7 @@ def check_writable(directory: PathLike, *, endpoint: str | None = None) -> None:
             write_bytes(probe, data)
             back = read_bytes(probe)
             remove(probe)
-    except Exception as e:  # what the client says is the message: no such bucket, 403, unreachable
+    except Exception as e:  # noqa: BLE001 -- what any client says is the message: no bucket, 403, unreachable
         raise StorageError(directory, f"cannot write there: {_reason(e)}") from None
     if back != data:
         raise StorageError(directory, "a file written there read back different")

@@ -192,7 +192,7 @@ def take(workload: dict, *, platform: str | None, name: str, config: dict, progr
     try:
         found = select(programs["directory"], stored_id(name, config), target, bytes.fromhex(programs["key"]),
                        endpoint=workload.get("storage_endpoint"))
-    except Exception as e:  # the storage failed: compile as before
+    except Exception as e:  # noqa: BLE001 -- the job's storage failed, however: compile as before
         return Lookup(target, None, f"the job's storage could not be read ({type(e).__name__}: {e})")
     if found.kept is not None:
         if (path := runtime.kept_program_path(program_id)) is None:

@@ -51,7 +51,7 @@ def _to_log(data: dict, ignore_prefix: bool = False) -> None:
         _MESSAGES.warning("(%s) %s", data.get("pid", "?"), line)
 
 
-setattr(_to_log, "_orchestrator", True)  # a mark on the function that replaces Ray's, read back with getattr
+setattr(_to_log, "_orchestrator", True)  # noqa: B010 -- mypy refuses a function attribute written plainly
 
 
 class _DriverLog(logging.FileHandler):

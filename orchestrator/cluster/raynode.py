@@ -41,7 +41,7 @@ def _unique_socket_file(self, socket_path, default_prefix):
     return _prepare_socket_file(self, socket_path, default_prefix)
 
 
-setattr(node.Node, "_prepare_socket_file", _unique_socket_file)  # a patch of Ray's method, on purpose
+setattr(node.Node, "_prepare_socket_file", _unique_socket_file)  # noqa: B010 -- a patch of Ray's method; mypy refuses it written plainly
 # read when the node's parameters are made, below `runtime_resources` so Ray's layout stays recognisable
 ray_constants.DEFAULT_RUNTIME_ENV_DIR_NAME = os.path.join(ray_constants.DEFAULT_RUNTIME_ENV_DIR_NAME,
                                                           f"node-{os.getpid()}")

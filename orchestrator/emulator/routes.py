@@ -251,7 +251,9 @@ def _parse(cls: Any, body: str) -> Any:
     # Strict, as the real API: an unknown field is an error, not silently dropped.
     try:
         return cls.from_json(body or "{}", ignore_unknown_fields=False)
-    except Exception as e:  # protobuf's ParseError and friends
+    # protobuf's ParseError (bad JSON, an unknown field, a value of the wrong type); protobuf is no declared
+    # dependency of the product (it comes with google-cloud-tpu), so its class is not imported here to be named
+    except Exception as e:  # noqa: BLE001 -- see above; answered as the API answers, 400 with the parser's reason
         raise invalid(f"Invalid JSON payload received. {e}") from None
 
 

@@ -69,6 +69,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import ThreadingHTTPServer
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlparse
 
 log = logging.getLogger(__name__)
@@ -246,11 +247,34 @@ def _empty_uploads_are_objects() -> None:
 
 
 def _make_server(host: str, port: int, buckets: list[str]) -> ThreadingHTTPServer:
+    """The package's server over an in-memory storage that keeps GCS's preconditions, with `buckets` made."""
     from gcp_storage_emulator.handlers import buckets as bucket_api
-    from gcp_storage_emulator.server import GET, RequestHandler, Router
-    from gcp_storage_emulator.storage import Storage
 
     _empty_uploads_are_objects()
+    storage = _precondition_storage()
+    for name in buckets:
+        bucket_api.create_bucket(name, storage)
+    handler = _handler_class(storage)
+
+    class _Server(ThreadingHTTPServer):
+        daemon_threads = True
+        request_queue_size = 128  # tensorstore opens many connections at once
+
+        def __init__(self):
+            self.lock = threading.Lock()
+            super().__init__((host, port), lambda *a: handler(storage, *a))
+
+        def handle_error(self, request, client_address):
+            if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+                return  # a client that stopped reading (tensorstore cancels reads it no longer needs)
+            super().handle_error(request, client_address)
+
+    return _Server()
+
+
+def _precondition_storage() -> Any:
+    """The package's in-memory storage, made to check GCS's preconditions at every object write."""
+    from gcp_storage_emulator.storage import Storage
 
     class _PreconditionStorage(Storage):
         """The package's in-memory storage, checking the request's preconditions at every object write."""
@@ -270,9 +294,12 @@ def _make_server(host: str, port: int, buckets: list[str]) -> ThreadingHTTPServe
             policy = (self.buckets.get(bucket_name) or {}).get("softDeletePolicy") or {}
             return int(policy.get("retentionDurationSeconds") or 0)  # none unless a bucket asks for it
 
-    storage = _PreconditionStorage(use_memory_fs=True)
-    for name in buckets:
-        bucket_api.create_bucket(name, storage)
+    return _PreconditionStorage(use_memory_fs=True)
+
+
+def _handler_class(storage: Any) -> type:
+    """The package's request handler, answering a request whose preconditions fail as GCS does (412, or 304)."""
+    from gcp_storage_emulator.server import RequestHandler, Router
 
     class _Handler(RequestHandler):
         def _serve(self, method: str) -> None:
@@ -281,30 +308,12 @@ def _make_server(host: str, port: int, buckets: list[str]) -> ThreadingHTTPServe
                 try:
                     url = urlparse(self.path)
                     _request.conditions = _conditions(parse_qs(url.query))
-                    if self._object_checks(method, url.path, _request.conditions):
+                    if _object_checks(self, storage, method, url.path, _request.conditions):
                         Router(self).handle(method)
                 except PreconditionFailed as e:
                     self._answer(HTTPStatus.PRECONDITION_FAILED, str(e))
                 finally:
                     _request.conditions = None
-
-        def _object_checks(self, method: str, path: str, conditions: dict[str, int]) -> bool:
-            """A GET's or DELETE's preconditions and a download's generation headers; False once answered."""
-            m = _OBJECT_PATH.match(path)
-            if method not in (GET, "DELETE") or not m or any(s in path for s in _NOT_AN_OBJECT):
-                return True
-            obj = storage.objects.get(m["bucket"], {}).get(unquote(m["object"]))
-            if obj is None:
-                return True  # the package answers 404
-            self._extra_headers = {"x-goog-generation": str(obj["generation"]),
-                                   "x-goog-metageneration": str(obj["metageneration"])}
-            why = _violated(conditions, obj)
-            if why is None:
-                return True
-            if method == GET and why.startswith(("ifGenerationNotMatch", "ifMetagenerationNotMatch")):
-                self._answer(HTTPStatus.NOT_MODIFIED, "")  # a cached copy is still current
-                return False
-            raise PreconditionFailed(f"{m['bucket']}/{unquote(m['object'])}: {why}")
 
         def _answer(self, status: HTTPStatus, message: str) -> None:
             body = b"" if status == HTTPStatus.NOT_MODIFIED else json.dumps(
@@ -337,20 +346,26 @@ def _make_server(host: str, port: int, buckets: list[str]) -> ThreadingHTTPServe
         def do_PATCH(self):
             self._serve("PATCH")
 
-    class _Server(ThreadingHTTPServer):
-        daemon_threads = True
-        request_queue_size = 128  # tensorstore opens many connections at once
+    return _Handler
 
-        def __init__(self):
-            self.lock = threading.Lock()
-            super().__init__((host, port), lambda *a: _Handler(storage, *a))
 
-        def handle_error(self, request, client_address):
-            if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
-                return  # a client that stopped reading (tensorstore cancels reads it no longer needs)
-            super().handle_error(request, client_address)
-
-    return _Server()
+def _object_checks(handler: Any, storage: Any, method: str, path: str, conditions: dict[str, int]) -> bool:
+    """A GET's or DELETE's preconditions and a download's generation headers; False once answered."""
+    m = _OBJECT_PATH.match(path)
+    if method not in ("GET", "DELETE") or not m or any(s in path for s in _NOT_AN_OBJECT):
+        return True
+    obj = storage.objects.get(m["bucket"], {}).get(unquote(m["object"]))
+    if obj is None:
+        return True  # the package answers 404
+    handler._extra_headers = {"x-goog-generation": str(obj["generation"]),
+                              "x-goog-metageneration": str(obj["metageneration"])}
+    why = _violated(conditions, obj)
+    if why is None:
+        return True
+    if method == "GET" and why.startswith(("ifGenerationNotMatch", "ifMetagenerationNotMatch")):
+        handler._answer(HTTPStatus.NOT_MODIFIED, "")  # a cached copy is still current
+        return False
+    raise PreconditionFailed(f"{m['bucket']}/{unquote(m['object'])}: {why}")
 
 
 def main(argv: list[str] | None = None) -> int:

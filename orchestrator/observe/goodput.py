@@ -299,7 +299,7 @@ def state_intervals(job: JobRecord, events: list[Event], *, now: float) -> list[
     states = [e.to_state.value for e in changes if e.to_state]  # all of them (changes have a to_state)
     outcomes = [e.payload_as(StateChange).outcome for e in changes]
     return [StateInterval(state, s, t, outcomes[i], outcomes[i + 1] if i + 1 < len(changes) else None)
-            for i, (state, s, t) in enumerate(zip(states, starts, ends))]
+            for i, (state, s, t) in enumerate(zip(states, starts, ends, strict=True))]
 
 
 def _claims(intervals: list[StateInterval], events: list[Event],

@@ -162,7 +162,18 @@ def read_trace(path: str) -> dict:
 # -- reading the trace -----------------------------------------------------------------------
 
 
-def _ops_and_executions(events: list[dict]) -> tuple[list[_Op], dict[str, dict[Any, list[tuple[float, float]]]]]:
+_Executions = dict[str, dict[Any, list[tuple[float, float]]]]  # program -> device -> its runs' (start, end)
+_Modules = dict[Any, list[tuple[float, float, str]]]  # device -> its XLA Modules events (start, end, program)
+
+
+def _ops_and_executions(events: list[dict]) -> tuple[list[_Op], _Executions]:
+    ops, modules = _read_ops(events, *_op_lines(events))
+    _place_in_modules(ops, modules)
+    return ops, _executions(ops, modules)
+
+
+def _op_lines(events: list[dict]) -> tuple[dict[tuple, str], set[Any]]:
+    """The threads' names, and the devices (processes) whose ops come on an "XLA Ops" line of their own."""
     processes: dict[Any, str] = {}
     threads: dict[tuple, str] = {}
     for e in events:
@@ -172,8 +183,13 @@ def _ops_and_executions(events: list[dict]) -> tuple[list[_Op], dict[str, dict[A
             threads[(e.get("pid"), e.get("tid"))] = (e.get("args") or {}).get("name", "")
     with_op_lines = {pid for (pid, _), name in threads.items()
                      if name == "XLA Ops" and processes.get(pid, "").startswith("/device:")}
+    return threads, with_op_lines
+
+
+def _read_ops(events: list[dict], threads: dict[tuple, str], with_op_lines: set[Any]) -> tuple[list[_Op], _Modules]:
+    """The ops of the trace's complete events, and each device's module executions (TPU traces have them)."""
     ops: list[_Op] = []
-    modules: dict[Any, list[tuple[float, float, str]]] = defaultdict(list)  # device -> XLA Modules events
+    modules: _Modules = defaultdict(list)
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
@@ -191,7 +207,12 @@ def _ops_and_executions(events: list[dict]) -> tuple[list[_Op], dict[str, dict[A
             name = str(args["hlo_op"])
             ops.append(_Op((pid, args.get("device_ordinal")), (pid, tid), ts, end, name,
                            op_kind(name, args.get("hlo_category")), str(args["hlo_module"]), args.get("run_id")))
-    for device, mods in modules.items():  # TPU: an op belongs to the module execution around it
+    return ops, modules
+
+
+def _place_in_modules(ops: list[_Op], modules: _Modules) -> None:
+    """TPU: an op with no program of its own belongs to the module execution around it (sets program and run)."""
+    for device, mods in modules.items():
         mods.sort()
         starts = [m[0] for m in mods]
         for op in ops:
@@ -199,7 +220,11 @@ def _ops_and_executions(events: list[dict]) -> tuple[list[_Op], dict[str, dict[A
                 i = bisect.bisect_right(starts, op.ts) - 1
                 if i >= 0 and op.ts <= mods[i][1]:
                     op.program, op.run = mods[i][2], i
-    executions: dict[str, dict[Any, list[tuple[float, float]]]] = defaultdict(dict)
+
+
+def _executions(ops: list[_Op], modules: _Modules) -> _Executions:
+    """Each program's runs per device: the module events where there are some, else the span of each run's ops."""
+    executions: _Executions = defaultdict(dict)
     if modules:
         for device, mods in modules.items():
             for ts, end, program in mods:
@@ -215,7 +240,7 @@ def _ops_and_executions(events: list[dict]) -> tuple[list[_Op], dict[str, dict[A
     for per_device in executions.values():
         for runs in per_device.values():
             runs.sort()
-    return ops, executions
+    return executions
 
 
 def _step_markers(events: list[dict]) -> list[float]:
@@ -234,29 +259,33 @@ def _self_segments(ops: list[_Op]) -> list[tuple[_Op, float, float]]:
     by_thread: dict[Any, list[_Op]] = defaultdict(list)
     for op in ops:
         by_thread[(op.device, op.thread)].append(op)
+    return [segment for thread_ops in by_thread.values() for segment in _thread_segments(thread_ops)]
+
+
+def _thread_segments(thread_ops: list[_Op]) -> list[tuple[_Op, float, float]]:
+    """One thread's time split among its innermost ops, walking its ops as a stack of open ones."""
+    thread_ops.sort(key=lambda o: (o.ts, -o.end))
     out: list[tuple[_Op, float, float]] = []
-    for thread_ops in by_thread.values():
-        thread_ops.sort(key=lambda o: (o.ts, -o.end))
-        stack: list[_Op] = []
-        cursor = 0.0
+    stack: list[_Op] = []
+    cursor = 0.0
 
-        def pop_until(t: float) -> None:
-            nonlocal cursor
-            while stack and stack[-1].end <= t:
-                top = stack.pop()
-                if top.end > cursor:
-                    out.append((top, cursor, top.end))
-                cursor = max(cursor, top.end)
+    def pop_until(t: float) -> None:
+        nonlocal cursor
+        while stack and stack[-1].end <= t:
+            top = stack.pop()
+            if top.end > cursor:
+                out.append((top, cursor, top.end))
+            cursor = max(cursor, top.end)
 
-        for op in thread_ops:
-            pop_until(op.ts)
-            if stack and op.ts > cursor:
-                out.append((stack[-1], cursor, op.ts))
-            if stack:
-                op.end = min(op.end, stack[-1].end)  # a child ends with its parent (clock jitter)
-            stack.append(op)
-            cursor = max(cursor, op.ts)
-        pop_until(float("inf"))
+    for op in thread_ops:
+        pop_until(op.ts)
+        if stack and op.ts > cursor:
+            out.append((stack[-1], cursor, op.ts))
+        if stack:
+            op.end = min(op.end, stack[-1].end)  # a child ends with its parent (clock jitter)
+        stack.append(op)
+        cursor = max(cursor, op.ts)
+    pop_until(float("inf"))
     return out
 
 

@@ -70,7 +70,7 @@ _STATE_COLOUR = {"PENDING": "#bdbdbd", "QUEUED": "#e0e0e0", "PROVISIONING": "#9e
                  "RUNNING": "#2ca02c", "RECOVERING": "#d62728", "RESIZING": "#9467bd"}
 _TIER_COLOUR = {"spot": "#ff9f1c", "on-demand": "#1f77b4", "reserved": "#2ca02c"}
 _CATEGORY_COLOUR = dict(zip(CATEGORIES, ["#2ca02c", "#bdbdbd", "#9ecae1", "#3182bd", "#9467bd", "#17becf",
-                                         "#8c564b", "#d62728", "#eeeeee"]))
+                                         "#8c564b", "#d62728", "#eeeeee"], strict=True))
 
 class NoStepsError(RequestError, ValueError):
     """A report was asked for a job that has not reported a single training step."""

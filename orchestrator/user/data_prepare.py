@@ -253,5 +253,5 @@ def load_tokenizer(path: str | Path):
         raise DataError(str(path), "no such tokenizer file")
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as e:  # the library raises a bare Exception for a file it cannot parse
+    except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception for a file it cannot parse
         raise DataError(str(path), f"not a tokenizers tokenizer.json: {e}") from None

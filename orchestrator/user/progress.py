@@ -98,33 +98,50 @@ def watch(job: Job, console: Console, *, mode: str = "auto", poll_s: float = 1.0
     if mode == "quiet":
         return job.wait(poll_s=poll_s)
     if mode == "json":
-        for st, new, usd, eta in _updates(job, poll_s):
-            for e in new:
-                state = e.to_state.value if e.to_state else None
-                print(json.dumps({"event": e.kind.value, "at": e.at, "state": state, "reason": e.reason,
-                                  "data": e.data}), flush=True)
-            print(json.dumps({"job": st.id, "state": st.state.value, "step": st.step, "total_steps": st.total_steps,
-                              "loss": st.loss, "tokens_per_s": st.tokens_per_s, "metrics": st.metrics, "eta_s": eta,
-                              "usd": round(usd, 4),
-                              "preemptions": st.preemptions}), flush=True)
-            if on_poll:
-                on_poll(None)
-        return st
+        return _watch_json(job, poll_s, on_poll)
     if not console.is_terminal:
-        every, printed = None, 0
-        for st, new, usd, eta in _updates(job, poll_s):
-            for e in new:
-                if e.kind in SHOWN or e.kind is EventKind.STATE:
-                    console.print(_event_line(e), highlight=False)
-            every = every or max(1, (st.total_steps or 10) // 10)
-            if st.step > printed and (st.step // every > printed // every or st.done):
-                printed = st.step
-                console.print(f"step {st.step}/{st.total_steps or '?'}  loss {_fmt(st.loss, '.4f')}  "
-                              f"tokens/s {_fmt(st.tokens_per_s, ',.0f')}{utilisation(st.metrics)}  ${usd:,.2f}",
-                              highlight=False)
-            if on_poll:
-                on_poll(None)
-        return st
+        return _watch_lines(job, console, poll_s, on_poll)
+    return _watch_bar(job, console, poll_s, on_poll)
+
+
+def _watch_json(job: Job, poll_s: float, on_poll: Callable[[Progress | None], None] | None) -> JobStatus:
+    """One JSON object a line: each new event, then the job's figures at each poll."""
+    for st, new, usd, eta in _updates(job, poll_s):
+        for e in new:
+            state = e.to_state.value if e.to_state else None
+            print(json.dumps({"event": e.kind.value, "at": e.at, "state": state, "reason": e.reason,
+                              "data": e.data}), flush=True)
+        print(json.dumps({"job": st.id, "state": st.state.value, "step": st.step, "total_steps": st.total_steps,
+                          "loss": st.loss, "tokens_per_s": st.tokens_per_s, "metrics": st.metrics, "eta_s": eta,
+                          "usd": round(usd, 4),
+                          "preemptions": st.preemptions}), flush=True)
+        if on_poll:
+            on_poll(None)
+    return st
+
+
+def _watch_lines(job: Job, console: Console, poll_s: float,
+                 on_poll: Callable[[Progress | None], None] | None) -> JobStatus:
+    """Plain lines for a console that is not a terminal: the events shown, and a step line each tenth of the run."""
+    every, printed = None, 0
+    for st, new, usd, _eta in _updates(job, poll_s):
+        for e in new:
+            if e.kind in SHOWN or e.kind is EventKind.STATE:
+                console.print(_event_line(e), highlight=False)
+        every = every or max(1, (st.total_steps or 10) // 10)
+        if st.step > printed and (st.step // every > printed // every or st.done):
+            printed = st.step
+            console.print(f"step {st.step}/{st.total_steps or '?'}  loss {_fmt(st.loss, '.4f')}  "
+                          f"tokens/s {_fmt(st.tokens_per_s, ',.0f')}{utilisation(st.metrics)}  ${usd:,.2f}",
+                          highlight=False)
+        if on_poll:
+            on_poll(None)
+    return st
+
+
+def _watch_bar(job: Job, console: Console, poll_s: float,
+               on_poll: Callable[[Progress | None], None] | None) -> JobStatus:
+    """The live bar on a terminal, with the events that change the run's course printed above it."""
     with LiveBar(console) as bar:
         for st, new, usd, eta in _updates(job, poll_s):
             for e in new:

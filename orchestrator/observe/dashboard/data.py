@@ -70,7 +70,7 @@ class DashboardData:
         step = last.step + 1 if last else 0
         try:
             hosts = catalog.lookup(spec.get("accelerator", "")).hosts
-        except Exception:
+        except ValueError:  # a type not in this version's catalog (UnknownAcceleratorError), or none
             hosts = None
         return {
             "id": job.id, "name": job.name, "state": job.state.value, "done": job.state.terminal,
@@ -111,8 +111,8 @@ class DashboardData:
             if rec.state in (SliceState.READY, SliceState.PROVISIONING, SliceState.PREEMPTING):  # billed
                 try:
                     per_hour += catalog.lookup(rec.accelerator).usd_per_hour(rec.tier)
-                except Exception:
-                    pass
+                except ValueError:  # a type or tier this version does not price: the estimate leaves it out
+                    continue
         left_s = max(0, total - step) * statistics.median(recent)
         return g.usd_total + per_hour * left_s / 3600.0
 
@@ -121,7 +121,7 @@ class DashboardData:
         try:
             t = catalog.lookup(rec.accelerator)
             chips, hosts, price = t.chips, t.hosts, t.usd_per_hour(rec.tier)
-        except Exception:
+        except ValueError:  # a type or tier this version does not know: shown with no figures
             chips, hosts, price = 0, 0, 0.0
         return {"name": rec.name, "job_id": rec.job_id, "job_name": job.name if job else "?",
                 "accelerator": rec.accelerator, "tier": rec.tier, "state": rec.state.value,
@@ -245,7 +245,7 @@ def _resize_choices(job: JobRecord) -> dict:
     try:
         t = catalog.lookup(job.stored_spec.get("accelerator", ""))
         types = [x.name for x in catalog.same_generation(t)]
-    except Exception:
+    except ValueError:  # a type this version does not know: any of the catalog's
         types = list(CATALOG)
     return {"accelerators": types, "tiers": [x.value for x in catalog.Tier],
             "allowed": job.state is JobState.RUNNING}

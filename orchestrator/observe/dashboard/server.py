@@ -43,7 +43,7 @@ import threading
 import time
 import urllib.parse
 from http import HTTPStatus
-from http.cookies import SimpleCookie
+from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Protocol
@@ -260,7 +260,7 @@ class _Handler(BaseHTTPRequestHandler):
         jar = SimpleCookie()
         try:
             jar.load(self.headers.get("Cookie", ""))
-        except Exception:
+        except CookieError:  # a header that is no cookie list: no session
             return None
         morsel = jar.get(self.auth.cookie_name)
         return self.auth.session_nonce(morsel.value if morsel else None)
