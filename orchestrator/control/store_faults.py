@@ -28,8 +28,12 @@ from typing import Any, TypeVar
 
 import tenacity
 
+from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import StoreFaultError
-from orchestrator.state.store import Store
+from orchestrator.state.events import EventKind, Payload, SliceChanged, StateChange
+from orchestrator.state.protocol import JobStore
+from orchestrator.state.states import JobState
+from orchestrator.state.store import Event, JobRecord, SliceRecord, StepMetric
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +119,8 @@ class StoreHealth:
                 log.debug("could not put a store line in the jobs' logs", exc_info=True)
 
 
-def write_through(health: StoreHealth, write: Callable[[], T], *, max_wait_s: float = 10.0) -> T:
+def write_through(health: StoreHealth, write: Callable[[], T], *, first_wait_s: float = 0.2,
+                  max_wait_s: float = 10.0) -> T:
     """`write()`, tried again with backoff while the store refuses it; blocks until it is taken."""
     def refused(state: tenacity.RetryCallState) -> None:
         error = state.outcome.exception() if state.outcome is not None else None
@@ -124,7 +129,7 @@ def write_through(health: StoreHealth, write: Callable[[], T], *, max_wait_s: fl
 
     retrying = tenacity.Retrying(
         retry=tenacity.retry_if_exception_type(StoreFaultError),
-        wait=tenacity.wait_exponential_jitter(initial=0.2, max=max_wait_s),
+        wait=tenacity.wait_exponential_jitter(initial=first_wait_s, max=max_wait_s),
         before_sleep=refused,
         reraise=True)
     result = retrying(write)
@@ -169,28 +174,95 @@ class HeldWrites:
         self._health.worked()
 
 
-class HoldingStore:
+class HoldingStore(JobStore):
     """The store as a job's driver thread writes it: reads as the store; a write waits until the store takes
-    it (`write_through`), after the held writes before it, so the job's records keep their order."""
+    it (`write_through`), after the held writes before it, so the job's records keep their order.
 
-    WRITES = frozenset({"create_job", "transition", "update_job", "update_spec", "bump_generation", "add_event",
-                        "import_event", "record_steps", "put_slice"})
+    Each method of `JobStore` is written out here: a read passes through, a write goes through `_write`.
+    A method added to the Protocol and not here is abstract to the type checker (no HoldingStore can be
+    made), and `tests/unit/test_store_protocol.py` fails: it calls every write of the Protocol on a store
+    that refuses it once and checks that the write was held and tried again.
+    """
 
-    def __init__(self, store: Store, health: StoreHealth, held: HeldWrites):
+    def __init__(self, store: JobStore, health: StoreHealth, held: HeldWrites, *, first_wait_s: float = 0.2):
         self._store, self._health, self._held = store, health, held
+        self._first_wait_s = first_wait_s
 
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._store, name)
-        if name not in self.WRITES:
-            return attr
+    def _write(self, write: Callable[[], T]) -> T:
+        def once() -> T:
+            self._held.flush()
+            return write()
+        return write_through(self._health, once, first_wait_s=self._first_wait_s)
 
-        def write(*args, **kwargs):
-            def once():
-                self._held.flush()
-                return attr(*args, **kwargs)
-            return write_through(self._health, once)
+    # -- reads: as the store answers them -------------------------------------------------------
 
-        return write
+    def job(self, job_id: str) -> JobRecord:
+        return self._store.job(job_id)
+
+    def jobs(self, *, active_only: bool = False) -> list[JobRecord]:
+        return self._store.jobs(active_only=active_only)
+
+    def find_job(self, prefix: str) -> JobRecord:
+        return self._store.find_job(prefix)
+
+    def job_using(self, folder: str) -> JobRecord | None:
+        return self._store.job_using(folder)
+
+    def events(self, job_id: str, *, after_seq: int = 0, kind: EventKind | None = None) -> list[Event]:
+        return self._store.events(job_id, after_seq=after_seq, kind=kind)
+
+    def slice_events(self, *, since: float, exclude_job: str | None = None) -> list[Event]:
+        return self._store.slice_events(since=since, exclude_job=exclude_job)
+
+    def steps(self, job_id: str) -> list[StepMetric]:
+        return self._store.steps(job_id)
+
+    def last_step(self, job_id: str) -> StepMetric | None:
+        return self._store.last_step(job_id)
+
+    def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[SliceRecord]:
+        return self._store.slices(job_id=job_id, live_only=live_only)
+
+    def copy_to(self, dest: Path | str) -> None:
+        self._store.copy_to(dest)
+
+    def check_writable(self) -> None:
+        self._store.check_writable()
+
+    # -- writes: held until the store takes them ------------------------------------------------
+
+    def create_job(self, job_id: str, name: str, spec: dict[str, Any], *, reason: str = "submitted",
+                   at: float | None = None, folder: str | None = None) -> JobRecord:
+        return self._write(lambda: self._store.create_job(job_id, name, spec, reason=reason, at=at, folder=folder))
+
+    def transition(self, job_id: str, target: JobState, reason: str, *, data: StateChange | None = None,
+                   at: float | None = None, **fields: Any) -> JobRecord:
+        return self._write(lambda: self._store.transition(job_id, target, reason, data=data, at=at, **fields))
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        self._write(lambda: self._store.update_job(job_id, **fields))
+
+    def update_spec(self, job_id: str, spec: JobSpec) -> None:
+        self._write(lambda: self._store.update_spec(job_id, spec))
+
+    def bump_generation(self, job_id: str) -> int:
+        return self._write(lambda: self._store.bump_generation(job_id))
+
+    def add_event(self, job_id: str, event: Payload, reason: str, *, at: float | None = None) -> None:
+        self._write(lambda: self._store.add_event(job_id, event, reason, at=at))
+
+    def import_event(self, job_id: str, kind: EventKind | str, reason: str, data: dict[str, Any] | None = None, *,
+                     at: float | None = None) -> None:
+        self._write(lambda: self._store.import_event(job_id, kind, reason, data, at=at))
+
+    def record_steps(self, job_id: str, generation: int, rows: list[tuple[Any, ...]], *,
+                     at: float | None = None) -> None:
+        self._write(lambda: self._store.record_steps(job_id, generation, rows, at=at))
+
+    def put_slice(self, name: str, job_id: str, provider: str, accelerator: str, tier: str, state: str,
+                  data: dict[str, Any], *, event: SliceChanged | None = None, reason: str | None = None) -> None:
+        self._write(lambda: self._store.put_slice(name, job_id, provider, accelerator, tier, state, data,
+                                                  event=event, reason=reason))
 
 
 def os_fault(path: Path | str, e: OSError) -> StoreFaultError:
