@@ -12,6 +12,12 @@ environment, the mechanism Ray users already know:
   job's state directory and uploaded again whenever Ray has dropped it (Ray frees a package
   no actor references, and a restarted cluster starts with an empty store).
 
+- ``pip``: the packages an entrypoint job's folder names in its ``requirements.txt``
+  (`orchestrator.domain.requirements`), installed on every host on top of the hosts' own, with
+  every package of the hosts' closure pinned at its version here (`worker_env.pins`), so a user's
+  package cannot move jax, ray or orbax: pip refuses the job's environment instead. The file
+  travels inside the packed folder, so each launch finds it where it finds the folder.
+
 A job's folder is shipped the same way on every provider. The project's packages are shipped to
 hosts that do not share this machine's installation (gcp); the local provider's hosts are
 processes of this machine and import the installed project.
@@ -23,9 +29,12 @@ import functools
 import logging
 import os
 import tempfile
+import zipfile
 from dataclasses import dataclass
+from io import BytesIO
 from pathlib import Path
 
+from orchestrator.domain import requirements
 from orchestrator.errors import SpecError
 
 log = logging.getLogger(__name__)
@@ -61,6 +70,8 @@ def pack_folder(folder: str | Path, *, source: str = "<spec>", limit: int = MAX_
     folder = Path(folder).resolve()
     if not folder.is_dir():
         raise SpecError(source, [("workdir", f"the job's folder {folder} is not a directory")])
+    if problems := requirement_problems(folder):
+        raise SpecError(source, problems)
     sizes: list[int] = []
     _dir_travel(folder, [_get_excludes(folder, FOLDER_EXCLUDES)],
                 lambda p: sizes.append(p.stat().st_size) if p.is_file() else None, include_gitignore=True,
@@ -74,6 +85,32 @@ def pack_folder(folder: str | Path, *, source: str = "<spec>", limit: int = MAX_
         target = Path(tmp) / "code.zip"
         create_package(str(folder), target, include_gitignore=True, excludes=FOLDER_EXCLUDES, logger=log)
         return Package(uri=get_uri_for_package(target), data=target.read_bytes(), files=len(sizes))
+
+
+def requirement_problems(folder: Path) -> list[tuple[str, str]]:
+    """What is wrong with the folder's ``requirements.txt``: lines that are no package by name, and
+    packages of the hosts' own whose pinned version a line excludes (pip would refuse it on every host)."""
+    from orchestrator.providers.worker_env import host_closure, normalized
+
+    reqs, problems = requirements.read(folder)
+    hosts = host_closure()
+    for req in reqs:
+        dist = hosts.get(normalized(req.name))
+        if dist is not None and req.specifier and not req.specifier.contains(dist.version, prereleases=True):
+            problems.append((requirements.FIELD, f"{req} excludes {dist.metadata['Name']} {dist.version}, the "
+                                                 f"version every host has (the project's constraints.txt); leave "
+                                                 f"it out, or allow that version"))
+    return problems
+
+
+def job_requirements(package: Package) -> list[str]:
+    """The requirement lines of a packed folder's ``requirements.txt`` (checked when it was packed)."""
+    with zipfile.ZipFile(BytesIO(package.data)) as z:
+        try:
+            text = z.read(requirements.FILE).decode()
+        except KeyError:
+            return []
+    return [str(r) for r in requirements.parse(text)[0]]
 
 
 def _mib(n: int) -> str:
@@ -112,6 +149,8 @@ def runtime_env(job_code: Package | None, *, ship_project: bool = True) -> dict 
     from ray._private.runtime_env.packaging import package_exists, pin_runtime_env_uri, upload_package_to_gcs
 
     env: dict = {"py_modules": [_project_package(name) for name in PROJECT_PACKAGES]} if ship_project else {}
+    if job_code is not None and (wanted := job_requirements(job_code)):
+        env["pip"] = pip_env(wanted)
     if job_code is not None:
         pin_runtime_env_uri(job_code.uri)
         if not package_exists(job_code.uri):
@@ -119,6 +158,15 @@ def runtime_env(job_code: Package | None, *, ship_project: bool = True) -> dict 
             log.info("uploaded the job's folder %s (%d bytes) to the cluster", job_code.uri, len(job_code.data))
         env["working_dir"] = job_code.uri
     return env or None
+
+
+def pip_env(wanted: list[str]) -> dict:
+    """Ray's ``pip`` runtime environment for a job's own packages: installed in a copy of the host's
+    environment (Ray clones it), with every package the host already has pinned at its version."""
+    from orchestrator.providers.worker_env import pins
+
+    return {"packages": [*wanted, *pins()], "pip_check": False,
+            "pip_install_options": ["--disable-pip-version-check", "--no-cache-dir", "--no-input"]}
 
 
 def _project_package(name: str) -> str:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator
 
 from orchestrator import catalog
 from orchestrator.catalog import Tier
+from orchestrator.domain import requirements
 from orchestrator.domain.job_file import read_job_file
 from orchestrator.domain.locations import check_bucket, check_checkpoint_directory, check_endpoint, looks_like_url
 from orchestrator.domain.provider_facts import ProviderFacts, facts
@@ -177,6 +178,10 @@ class JobSpec(_Frozen):
     queue_timeout: dt.timedelta | None = None  # waiting QUEUED longer than this ends the job FAILED; None: no limit
     # Where an entrypoint's module is imported from (absolute; in a job file a relative path is taken from the
     # file's folder, as checkpoint.directory's); `submit` sets the job file's folder when it is left out.
+    # The folder goes to every host. Its requirements.txt, if it has one, names the packages the program
+    # imports beyond the hosts' own (jax, optax, orbax, ... at the project's versions): one pip requirement
+    # by name a line (flax==0.12.1), installed on every host and pinned so it cannot move those; no pip
+    # options, URLs or paths (`orchestrator.domain.requirements`).
     workdir: str | None = None
 
     @field_validator("workdir")
@@ -379,7 +384,9 @@ class JobSpec(_Frozen):
         return problems + memory_problems(self, check_hbm=check_memory)
 
     def _entrypoint_problems(self, w: EntrypointWorkload) -> list[tuple[str, str]]:
-        """A user program's batch settings against the slice (its model is its own: not checked here)."""
+        """A user program's packages and batch settings against the slice (its model is its own: not checked here)."""
+        if self.workdir is not None and (problems := requirements.read(self.workdir)[1]):
+            return problems
         if w.global_batch_size is None:
             return []
         try:

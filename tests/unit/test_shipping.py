@@ -89,3 +89,54 @@ def test_the_worker_environment_has_every_package_the_shipped_code_imports():
     for dist in pinned:  # at the controller's own versions
         assert f"=={metadata.version(dist)}" in next(r for r in worker_requirements()
                                                      if r.split("==")[0].split("[")[0] == dist)
+
+
+# -- a job's own packages (requirements.txt in its folder) ------------------------------------
+
+def test_the_folders_requirements_travel_in_the_kept_package_and_become_a_pinned_pip_env(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train.py").write_text("import inflection\n")
+    (tmp_path / "src" / "requirements.txt").write_text("# the program's own\ninflection==0.5.1  # words\n\n")
+    shipping.keep(shipping.pack_folder(tmp_path / "src"), tmp_path / "job")
+    back = shipping.kept(tmp_path / "job")
+    assert back is not None and shipping.job_requirements(back) == ["inflection==0.5.1"]
+    env = shipping.pip_env(shipping.job_requirements(back))
+    assert env["packages"][0] == "inflection==0.5.1"
+    pinned = dict(line.split("==") for line in env["packages"][1:])
+    for dist in ("jax", "ray", "orbax-checkpoint", "numpy"):  # a user's package cannot move them
+        assert pinned[dist] == metadata.version(dist)
+    assert "--index-url" not in " ".join(env["pip_install_options"])
+
+
+def test_a_folder_without_requirements_asks_for_no_packages(tmp_path):
+    (tmp_path / "train.py").write_text("def main(ctx): pass\n")
+    assert shipping.job_requirements(shipping.pack_folder(tmp_path)) == []
+
+
+@pytest.mark.parametrize("line, expected", [
+    ("--index-url https://example.com/simple", "'--index-url https://example.com/simple' is a pip option"),
+    ("-r ../other.txt", "is a pip option"),
+    ("-e .", "is a pip option"),
+    ("../lib", "'../lib' is a URL or a path"),
+    ("/opt/wheels/x-1.0-py3-none-any.whl", "is a URL or a path"),
+    ("https://example.com/x.tar.gz", "is a URL or a path"),
+    ("x @ https://example.com/x-1.0-py3-none-any.whl", "is a URL or a path"),
+    ("flax ==", "is not a requirement"),
+    ("numpy==1.26.4", f"excludes numpy {metadata.version('numpy')}, the version every host has"),
+])
+def test_a_bad_requirement_is_refused_with_one_line_naming_the_file_and_line(tmp_path, line, expected):
+    (tmp_path / "train.py").write_text("def main(ctx): pass\n")
+    (tmp_path / "requirements.txt").write_text(f"inflection==0.5.1\n{line}\n")
+    with pytest.raises(SpecError) as e:
+        shipping.pack_folder(tmp_path, source="job.yaml")
+    [(field, why)] = e.value.problems
+    assert field == "workdir requirements.txt" and expected in why, why
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_a_requirements_file_that_is_a_link_out_of_the_folder_is_refused(tmp_path):
+    (tmp_path / "job").mkdir()
+    (tmp_path / "elsewhere.txt").write_text("inflection\n")
+    (tmp_path / "job" / "requirements.txt").symlink_to(tmp_path / "elsewhere.txt")
+    with pytest.raises(SpecError, match="workdir requirements.txt: .* is a symbolic link"):
+        shipping.pack_folder(tmp_path / "job", source="job.yaml")

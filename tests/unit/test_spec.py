@@ -610,3 +610,17 @@ def test_the_storage_endpoint_reaches_the_hosts():
     w = workload_for(spec, 4, 1)
     assert (w["storage_endpoint"], w["fence_dir"], w["settings"].checkpoint_dir) == (
         "http://127.0.0.1:8471", "gs://my-bucket/a", "gs://my-bucket/a")
+
+
+def test_an_entrypoint_folders_requirements_are_checked_with_the_job_file(tmp_path):
+    (tmp_path / "train.py").write_text("def main(ctx): pass\n")
+    job = tmp_path / "job.yaml"
+    job.write_text("name: a\nworkload: {type: entrypoint, entrypoint: 'train:main'}\n")
+    (tmp_path / "requirements.txt").write_text("inflection==0.5.1\nflax>=0.12; python_version >= '3.10'\n")
+    assert JobSpec.from_yaml(job).workdir == str(tmp_path)
+    (tmp_path / "requirements.txt").write_text("inflection\n--extra-index-url https://example.com/simple\n")
+    with pytest.raises(SpecError) as info:
+        JobSpec.from_yaml(job)
+    assert str(info.value) == (f"{job}: workdir requirements.txt: line 2: '--extra-index-url "
+                               "https://example.com/simple' is a pip option; only packages by name are taken (the "
+                               "hosts install from their package index, pinned to the project's versions)")
