@@ -6,6 +6,9 @@ here, in seconds, with the field to fix, not after a slice was paid for:
   unless the TPU API itself is an emulator on this machine);
 - the worker environment must be buildable: every package the hosts import is installed
   here, so its version can be pinned (`orchestrator.providers.startup.worker_requirements`);
+- every module a user program imports must be on the hosts: the project's packages (their
+  closure, `orchestrator.providers.worker_env`) or one the job's folder declares in its
+  ``requirements.txt`` (`import_problems`);
 - the job's checkpoint folder, in a bucket, must be reachable and writable (a probe object
   is written and deleted; `storage_problems`, for any provider).
 """
@@ -14,9 +17,11 @@ from __future__ import annotations
 
 import ipaddress
 from importlib import metadata
+from pathlib import Path
 from urllib.parse import urlparse
 
-from orchestrator.domain.spec import JobSpec
+from orchestrator.domain import requirements
+from orchestrator.domain.spec import EntrypointWorkload, JobSpec
 
 Problem = tuple[str, str]
 
@@ -64,6 +69,40 @@ def environment_problems(spec: JobSpec) -> list[Problem]:
     return []
 
 
+def import_problems(spec: JobSpec, folder: str | Path | None = None) -> list[Problem]:
+    """Modules an entrypoint program imports (`orchestrator.user.imports`) that the hosts would not have:
+    neither in the hosts' own environment, checked in a clean copy of it (an isolated interpreter that
+    sees nothing of this machine's packages beyond the hosts'), nor given by a package the job's folder
+    declares. `folder`: the job's folder, if not the spec's workdir. Nothing is installed."""
+    w = spec.workload
+    folder = folder or spec.workdir
+    if not spec.provider_facts.ships_code or not isinstance(w, EntrypointWorkload) or folder is None:
+        return []
+    from orchestrator.providers.worker_image import worker_image
+    from orchestrator.user.imports import missing_on_hosts, program, provided_by
+
+    outside = program(folder, w.entrypoint.partition(":")[0]).outside
+    if not outside:
+        return []
+    declared, problems = requirements.read(folder)
+    if problems:
+        return problems
+    missing = [m for m in missing_on_hosts(list(outside), worker_image().python)
+               if m not in provided_by([r.name for r in declared])]
+    installed = metadata.packages_distributions()
+    out = []
+    for m in sorted(missing):
+        if m == "orchestrator":
+            out.append(("workload.entrypoint", f"imports 'orchestrator' ({outside[m]}), the control plane, which the "
+                                               f"hosts do not have; a program imports workers (workers.api)"))
+            continue
+        here = installed.get(m)
+        hint = f" (e.g. {here[0]}=={metadata.version(here[0])}, the version installed here)" if here else ""
+        out.append(("workload.entrypoint", f"imports {m!r} ({outside[m]}), which the hosts do not have; add it to "
+                                           f"{requirements.FILE} in the job's folder{hint}"))
+    return out
+
+
 def storage_problems(spec: JobSpec) -> list[Problem]:
     """The job's checkpoint folder in a bucket: reachable and writable with this machine's credentials
     (a probe object written, read back and deleted), checked where it would otherwise fail only on a host."""
@@ -83,6 +122,7 @@ def storage_problems(spec: JobSpec) -> list[Problem]:
 
 
 def gcp_problems(spec: JobSpec, cluster_address: str | None = None) -> list[Problem]:
-    """Everything above: the head, the worker environment, then (if those hold) the bucket."""
+    """Everything above: the head, the worker environment, then (if those hold) the program's imports and the
+    bucket."""
     problems = head_problems(spec, cluster_address) + environment_problems(spec)
-    return problems or storage_problems(spec)
+    return problems or import_problems(spec) or storage_problems(spec)
