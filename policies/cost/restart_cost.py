@@ -23,10 +23,15 @@ DEFAULT_CHECKPOINT_INTERVAL_S = 600.0  # the longest interval: what the job chec
 # for a ~1B model (12 GB of parameters and Adam moments over 2-8 hosts) until a job
 # measures its own; the local cluster measures a fraction of a second for its small model.
 DEFAULT_SAVE_S = 5.0
-# A job on several slices that loses one (not the last) trains on the survivors from their
-# host memory: the survivors re-form their mesh and go on within seconds, nothing lost. The
-# same pause when a slice is added back. An assumption until the controller measures it.
-DEFAULT_RESHAPE_S = 30.0
+# A job on several slices that loses one (not the last), or adds one back, is relaunched: the
+# controller stops every host (at a committed step when it chooses the change), starts the
+# workers on the new set of slices and restores, the survivors of a loss from their hosts'
+# memory (nothing lost), a grow from the step it stopped at (orchestrator/control/slices.py:
+# `_keep_survivors`, `_regrow`). Its workers start as at any launch (JAX init, restore,
+# compile), so the pause is `startup_s` unless given: the replay benchmarks measured 35-91 s of
+# startup for one launch on the local cluster (benchmarks/results/autoscale_replay_slices.json,
+# `restart_s`) against the 240 s assumed for a ~1B model on a TPU slice, and nothing shorter
+# for a relaunch on survivors. (Issue 38: a grow once cost no time here, a shrink 30 s.)
 MIN_CHECKPOINT_INTERVAL_S = 60.0
 
 
@@ -38,11 +43,19 @@ class RestartCost:
     startup_s: float = DEFAULT_STARTUP_S  # JAX init, restore, compile; billed, no progress
     checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S  # the longest; shorter on spot (below)
     save_s: float = DEFAULT_SAVE_S  # training time one checkpoint costs
-    reshape_s: float = DEFAULT_RESHAPE_S  # pause of a multi-slice job losing a slice or adding one (billed)
+    # Relaunch of a multi-slice job losing a slice or adding one (billed, no progress); None: startup_s.
+    reshape_s: float = None  # type: ignore[assignment]  # (set to a float by __post_init__)
     # Whether a preemption notice (GCE gives about 30 s) leaves time to commit a checkpoint,
     # so that a preemption loses no work. Off by default: whether a big state commits that
     # fast from every host of a slice is not known here.
     saves_on_notice: bool = False
+
+    def __post_init__(self) -> None:
+        if self.reshape_s is None:
+            object.__setattr__(self, "reshape_s", self.startup_s)
+        for name in ("provisioning_s", "startup_s", "checkpoint_interval_s", "save_s", "reshape_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"RestartCost.{name} must be a number of seconds >= 0, not {getattr(self, name)!r}")
 
     @property
     def overhead_s(self) -> float:
@@ -73,11 +86,11 @@ class RestartCost:
         return per_s * (self.overhead_s + self.lost_per_preemption_s(interval)) + self.save_s / interval
 
     def shrink_loss_s(self, count: int) -> float:
-        """Training time the loss of one of `count` slices costs (the job goes on without it):
-        the pause to re-form on the survivors, a slice's share of the job's speed missing while
-        one is added back (make-before-break: its provisioning and startup), and the pause
-        when it joins."""
-        return 2 * self.reshape_s + self.overhead_s / count
+        """Training time of the whole group the loss of one of `count` slices costs (the job goes
+        on without it): the relaunch on the survivors (their share of the speed paused), a slice's
+        share missing while one is added back (make-before-break: its provisioning), and the
+        relaunch of the whole group when it joins."""
+        return self.reshape_s * (count - 1) / count + self.provisioning_s / count + self.reshape_s
 
     def lost_per_preemption_s(self, interval_s: float) -> float:
         """Work a preemption loses on average: half an interval, or none if the notice is used."""

@@ -1,14 +1,30 @@
 """The hindsight optimum: the least any policy could pay to finish a job on a trace
 window, knowing the whole trace.
 
-`hindsight_optimum` is a lower bound: a dynamic programme over the same steps as
-`policies.evaluation.simulator.simulate` that knows the whole trace, and so also knows when each
-preemption comes and loses no work to it. Everything else (overheads, billing,
-capacity) is the same as in `simulate`. Over options of several slices of one type, the
-bound lets the job drop some of its slices at a step boundary for nothing and add more
-of the same type at once for the added slices' startup alone, less than the simulator
-charges for a shrink or a grow (a pause, and the wait for the added slices), so it stays
-a lower bound. `single_slice_optimum` is the same over the job's one-slice options only.
+`hindsight_optimum` is a lower bound by construction: a dynamic programme over the same
+steps as `policies.evaluation.simulator.simulate` that solves a relaxation of what the
+simulator allows. Every rule the simulator enforces, the programme enforces no more
+strictly:
+
+- provisioning takes no time in the programme (the simulator provisions a slice while the
+  one before it trains, make-before-break, and before the first one nothing trains: both
+  are allowed at least as much here), and startup is the simulator's own (rounded to whole
+  steps), billed the same;
+- a spot slice trains only while the zone has its chips, as in the simulator, but it is given
+  up for free just before capacity drops (the clairvoyant job loses no work), and saves cost
+  nothing;
+- between options of several slices of one type, fewer slices are had for nothing and more
+  for the added slices' startup alone, at any step, where the simulator relaunches the whole
+  group (`RestartCost.reshape_s`, billed without progress) and loses time;
+- a run that ends mid-step pays the whole step here; the bound takes one step of the
+  dearest option off for it.
+
+So no run of the simulator that meets the deadline costs less (tests/unit/
+test_optimum_bounds.py checks it over the bundled traces and random small ones). The
+schedule reported beside it is one a policy could follow: the cheapest of a few clairvoyant
+schedules, each followed by `SchedulePolicy` in `simulate` and priced by it, so the true
+optimum of the simulator lies between the bound and the schedule.
+`single_slice_optimum` is the same over the job's one-slice options only.
 """
 
 from __future__ import annotations
@@ -19,7 +35,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from policies.cost.restart_cost import RestartCost
-from policies.evaluation.simulator import SimJob, quantized_restart, step_seconds
+from policies.cost.slice_options import Option
+from policies.cost.snapshot import Decision, Snapshot
+from policies.evaluation.simulator import SimJob, quantized_restart, simulate, step_seconds
 from policies.evaluation.traces import SpotTrace
 
 
@@ -27,56 +45,71 @@ from policies.evaluation.traces import SpotTrace
 class Optimum:
     """The cheapest any policy could do on this trace window, knowing the future."""
 
-    lower_bound_usd: float  # no run meeting the deadline costs less (Lagrangian dual of the DP)
-    schedule_cost_usd: float  # an actual clairvoyant schedule; the optimum lies in between
+    lower_bound_usd: float  # no simulated run meeting the deadline costs less (Lagrangian dual of the DP)
+    schedule_cost_usd: float  # the cheapest clairvoyant schedule simulated that met the deadline (nan: none did)
     schedule_finish_s: float
     feasible: bool
 
 
 def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
                       restart: RestartCost = RestartCost()) -> Optimum:
-    """Lower bound on the cost of finishing `job` by its deadline on this trace window.
+    """Lower bound on the cost of finishing `job` by its deadline on this trace window, and the
+    cheapest followable schedule found on the way.
 
     The exact problem (state: step, slice, progress) is too large for a progress grid
     fine enough to be exact, so we relax the token target with a price `mu` per token:
     g(mu) = min over schedules of [cost - mu * tokens] + mu * total_tokens. Every
     schedule that finishes costs at least g(mu), so max over mu of g is a lower bound
     (weak duality); g is concave in mu, and we find its maximum by zooming a grid. For
-    each mu the inner minimum is an exact DP over (step, idle | slice x overhead left).
+    each mu the inner minimum is an exact DP over (step, idle | slice x overhead left),
+    with provisioning 0 (the relaxation above).
 
-    The schedule reported beside the bound is a real clairvoyant schedule, so the true
-    optimum lies between the two. It is the cheapest of: the DP's schedule just above
-    the maximising price (it reaches the target, often with time to spare), its
-    schedule just below (short of the target) with idle stretches filled with
-    on-demand, and the two spliced at the step where the target is just reached.
+    The schedules come from the same DP with the simulator's provisioning (a schedule that
+    waits for each slice it asks for): the DP's schedule just above the maximising price,
+    its schedule just below with idle stretches filled with on-demand, and the two spliced
+    at the step where the target is just reached. Each is run in the simulator by
+    `SchedulePolicy`; the cheapest that meets the deadline is reported.
     """
     dt = step_seconds(trace)
-    restart = quantized_restart(restart, dt)
-    prov, startup = round(restart.provisioning_s / dt), round(restart.startup_s / dt)
+    quantized = quantized_restart(restart, dt)
+    prov, startup = round(quantized.provisioning_s / dt), round(quantized.startup_s / dt)
     steps = math.ceil(job.deadline_s / dt - 1e-9)
-    dp = _DualProgramme(job.options, trace.capacity_chips(start_s, dt, steps), dt, prov, startup)
+    capacity = trace.capacity_chips(start_s, dt, steps)
+    relaxed = _DualProgramme(job.options, capacity, dt, 0, startup)
     total = job.total_tokens
     per_token = np.array([o.usd_per_token for o in job.options])
     grid = np.geomspace(0.5 * per_token.min(), 200 * per_token.max(), 24)
-    g = dp.dual(grid, total)
-    if g[-1] > g[-2] and dp.evaluate(dp.path(grid[-1]), total)[0] < total:
+    g = relaxed.dual(grid, total)
+    if g[-1] > g[-2] and relaxed.evaluate(relaxed.path(grid[-1]), total)[0] < total:
         return Optimum(math.inf, math.inf, math.inf, False)  # not even the clairvoyant finishes
     for _ in range(3):
         k = int(np.argmax(g))
         grid = np.linspace(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)], 16)
-        g = dp.dual(grid, total)
+        g = relaxed.dual(grid, total)
     k = int(np.argmax(g))
     # A run that finishes mid-step pays only part of that step; the DP pays whole steps.
     bound = max(float(g[k]) - dt * max(o.usd_per_hour for o in job.options) / 3600, 0.0)
+    dp = _DualProgramme(job.options, capacity, dt, prov, startup)
     above, below = dp.path(grid[min(k + 1, len(grid) - 1)]), dp.path(grid[max(k - 1, 0)])
     schedules = [above, dp.splice_to_target(above, below, total), dp.splice_to_target(below, above, total)]
     schedules += [dp.fill(below, d, total) for d in range(len(job.options)) if not job.options[d].preemptible]
-    outcomes = [dp.evaluate(path, total) for path in schedules]
-    done = [(cost, finish) for tokens, cost, finish in outcomes if tokens >= total]
-    if not done:
+    reach = trace.capacity_chips(start_s, dt, steps + 1)
+    # The same from the relaxed programme, each slice asked for `prov` steps before it starts.
+    r_above, r_below = relaxed.path(grid[min(k + 1, len(grid) - 1)]), relaxed.path(grid[max(k - 1, 0)])
+    relaxed_schedules = [r_above, relaxed.splice_to_target(r_above, r_below, total),
+                         relaxed.splice_to_target(r_below, r_above, total)]
+    candidates = {(tuple(int(x) for x in h), dp.k, 0) for h in schedules}
+    candidates |= {(tuple(int(x) for x in h), relaxed.k, prov) for h in relaxed_schedules}
+    runs = []
+    for held, levels, lead in candidates:
+        policy = SchedulePolicy(job.options, held, dt, levels, tuple(int(c) for c in reach), lead)
+        run = simulate(policy, job, trace, start_s=start_s, restart=restart, knowledge="own", decision_interval_s=dt)
+        if run.deadline_met:
+            runs.append((run.cost_usd, run.finish_s))
+    if not runs:
         return Optimum(bound, math.nan, math.nan, True)
-    cost, finish = min(done)
-    return Optimum(min(bound, float(cost)), float(cost), float(finish), True)
+    cost, finish = min(runs)
+    return Optimum(bound, float(cost), float(finish or 0.0), True)
 
 
 def single_slice_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
@@ -85,6 +118,54 @@ def single_slice_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
     multi-slice options)."""
     return hindsight_optimum(replace(job, options=tuple(o for o in job.options if o.count == 1)), trace,
                              start_s=start_s, restart=restart)
+
+
+@dataclass
+class SchedulePolicy:
+    """Follows a DP schedule in the simulator (asked every step: `decision_interval_s` = the step).
+
+    `held[t]`: the DP state during step t (IDLE, or option c with j overhead steps left, flat
+    as c * (k + 1) + j). The next slice of the schedule within `lead` steps (the provisioning
+    a schedule without it needs) is requested now, beside the running one (make-before-break),
+    and switched onto when READY; the running slice is kept until the schedule leaves it, or
+    stopped a step early, at a committed step, where the zone takes it back at the next step
+    (`capacity`, chips by step), so that the reclaim loses no work. Past the schedule's last
+    slice (a job the saves and the stops left short of its target), its last slice if on-demand,
+    else the fastest on-demand option."""
+
+    options: tuple[Option, ...]
+    held: tuple[int, ...]
+    dt: float
+    k: int
+    capacity: tuple[int, ...]
+    lead: int = 0
+    name: str = "schedule"
+
+    def __post_init__(self) -> None:
+        self._last = max((u for u, state in enumerate(self.held) if state != IDLE), default=-1)
+
+    def _option(self, t: int) -> Option | None:
+        if t > self._last:
+            last = self.options[self.held[self._last] // (self.k + 1)] if self._last >= 0 else None
+            if last is not None and not last.preemptible:
+                return last
+            return max((o for o in self.options if not o.preemptible), key=lambda o: o.tokens_per_s, default=None)
+        state = self.held[t]
+        return None if state == IDLE else self.options[state // (self.k + 1)]
+
+    def decide(self, snap: Snapshot) -> Decision:
+        t, c = int(round(snap.now_s / self.dt)), snap.current
+        coming = [self._option(u) for u in range(t, t + self.lead + 1)]
+        upcoming = next((o for o in coming if o is not None and o != c), None)
+        if c is not None and c.preemptible and t + 1 < len(self.capacity) and self.capacity[t + 1] < c.chips:
+            return Decision(None, "the clairvoyant schedule: stop before a reclaim", math.nan, math.nan,
+                            wait_for=upcoming)
+        target: Option | None
+        if c is not None and (coming[0] == c or (coming[0] is None and upcoming is not None)):
+            target = upcoming or c  # keep training while the next slice provisions
+        else:
+            target = coming[0] if coming[0] is not None else upcoming
+        return Decision(target, "the clairvoyant schedule", math.nan, math.nan)
 
 
 IDLE = -1
@@ -111,7 +192,7 @@ class _DualProgramme:
         j = np.arange(self.k + 1)
         self.step_cost = self.price[:, None] * ((j >= 1) & (j <= startup))[None, :]  # [option, j]
         # Between options of one type, tier and zone (counts of slices): fewer for nothing, more
-        # for the added slices' startup. (from, to, $): only the bound (`dual`) uses them.
+        # for the added slices' startup, at any step. (from, to, $): only the bound (`dual`) uses them.
         self.resizes = [(a, b, max(self.price[b] - self.price[a], 0.0) * startup)
                         for a, oa in enumerate(options) for b, ob in enumerate(options)
                         if a != b and (oa.name, oa.tier, oa.zone) == (ob.name, ob.tier, ob.zone)]
@@ -129,10 +210,10 @@ class _DualProgramme:
         for blocked in self.blocked:
             idle = np.minimum(idle, value.reshape(len(mu), -1).min(axis=1))
             value[:, :, k] = np.minimum(value[:, :, k], idle[:, None])
-            if self.resizes:
-                trained = value[:, :, 0].copy()
+            if self.resizes:  # at any overhead level: the simulator relaunches a resized group
+                before = value.copy()
                 for a, b, usd in self.resizes:
-                    value[:, b, 0] = np.minimum(value[:, b, 0], trained[:, a] + usd)
+                    value[:, b, :] = np.minimum(value[:, b, :], before[:, a, :] + usd)
             value += blocked
             new = np.full_like(value, np.inf)  # nobody is at j = k until a slice is requested
             new[:, :, :k] = value[:, :, 1:] + step_value[:, :, 1:]

@@ -3,10 +3,12 @@ onto it when READY (make-before-break), preemption, training, saves and billing.
 
 A job may hold several slices of one type at once (`Option.count`); they move together as
 one group, one name in the records. The loss of some but not all of them is a `shrink`:
-the group's record ends GONE and the survivors go on under a new name, after a pause
-(`RestartCost.reshape_s`) and with nothing lost. A request for the same type with more
-slices, READY beside the group, is a `grow` when the job switches onto it: the added
-slices' startup is billed while the others train, then the same pause.
+the group's record ends GONE and the survivors go on under a new name, relaunched as the
+controller relaunches them (`RestartCost.reshape_s` billed without progress, restored from
+their memory: nothing lost). A request for the same type with more slices, READY beside the
+group, is a grow when the job switches onto it: like any move, the group stops at a
+committed step and the whole larger group relaunches (`RestartCost.reshape_s`, billed, no
+progress); only the added slices' provisioning overlaps the training.
 
 `policies.evaluation.simulator` owns the loop; this module holds what changes as it steps (`SimState`)
 and one function per thing that can happen to the job's slices. Every change of a slice
@@ -141,29 +143,25 @@ def release_request(s: SimState, now: float) -> None:
         s.refusals += 1
 
 
-def switch(s: SimState, now: float, startup_steps: int, interval_s: float, *, startup_s: float = 0.0,
-           reshape_s: float = 0.0) -> None:
-    """Onto the READY request: stop the held slice at a checkpoint, release it, start up on the new one.
-    A request for more slices of the held type is a grow: the held slices train on while the
-    added ones start up (`startup_s`, billed), then the group pauses `reshape_s`."""
+def switch(s: SimState, now: float, startup_steps: int, interval_s: float, *, reshape_steps: int | None = None) -> None:
+    """Onto the READY request: stop the held slice at a checkpoint, release it, start up on the new
+    one (`startup_steps`). A request for more slices of the held type is a grow: the same stop,
+    and the whole group relaunches for `reshape_steps` (default: `startup_steps`)."""
     r = s.request
     assert r is not None, "a switch is onto the READY request"
     held = s.held
-    if held is not None and r.option.count > held.count and \
-            (r.option.name, r.option.tier, r.option.zone) == (held.name, held.tier, held.zone):
-        record(s, now, s.held_name, held, "RELEASED")  # the group goes on as the larger one
-        added_usd_per_s = (r.option.usd_per_hour - held.usd_per_hour) / 3600
-        s.cost += added_usd_per_s * startup_s
-        s.billed[r.option.label] = s.billed.get(r.option.label, 0.0) + startup_s * (1 - held.count / r.option.count)
-        s.held, s.held_name, s.request = r.option, r.name, None
-        s.saving_s += reshape_s
-        s.slices_started += r.option.count - held.count
-        return
+    grow = held is not None and r.option.count > held.count and \
+        (r.option.name, r.option.tier, r.option.zone) == (held.name, held.tier, held.zone)
     if held is not None:
         stop(s, now)
     s.held, s.held_name, s.request = r.option, r.name, None
-    s.startup_steps, s.interval_s = startup_steps, interval_s
-    s.slices_started += 1
+    s.interval_s = interval_s
+    if grow and held is not None:
+        s.startup_steps = startup_steps if reshape_steps is None else reshape_steps
+        s.slices_started += r.option.count - held.count
+    else:
+        s.startup_steps = startup_steps
+        s.slices_started += 1
 
 
 def stop(s: SimState, now: float) -> None:
@@ -192,15 +190,17 @@ def preempt(s: SimState, now: float, saves_on_notice: bool) -> None:
     s.held, s.since_checkpoint_s, s.saving_s = None, 0.0, 0.0
 
 
-def shrink(s: SimState, now: float, survivors: Option, reshape_s: float) -> None:
-    """The zone takes back some of the held slices: the others go on from their host memory
-    after a pause, nothing lost (the group's record ends GONE; the survivors are a new one)."""
+def shrink(s: SimState, now: float, survivors: Option, reshape_steps: int) -> None:
+    """The zone takes back some of the held slices: the others are relaunched and go on from their
+    hosts' memory, nothing lost (the group's record ends GONE; the survivors are a new one), after
+    `reshape_steps` steps billed without progress."""
     assert s.held is not None and survivors.count < s.held.count, "a shrink leaves fewer of the held slices"
     record(s, now, s.held_name, s.held, "GONE")
     s.shrinks += 1
     s.held, s.held_name = survivors, f"{s.held_name}-{survivors.count}"
     record(s, now, s.held_name, survivors, "READY")
-    s.saving_s += reshape_s
+    s.startup_steps = max(s.startup_steps, reshape_steps)
+    s.saving_s = 0.0
 
 
 def train(s: SimState, now: float, dt: float, total_tokens: float, save_s: float) -> bool:

@@ -30,8 +30,10 @@ The simulated world (one job, one zone):
   says a notice leaves time for a save (off by default). Several slices of one type
   (`Option.count`): the capacity, in chips (the trace's hosts x 4 on v4), says how many of
   them fit; those that do not are reclaimed, and while one is left the job trains on the
-  survivors (`sim_slices.shrink`: a pause, nothing lost); the policy may add slices back
-  make-before-break (`sim_slices.switch`, a grow). Only losing the last is a full restart.
+  survivors (`sim_slices.shrink`: a relaunch, `RestartCost.reshape_s` billed without progress,
+  nothing lost); the policy may add slices back make-before-break (`sim_slices.switch`, a grow:
+  the added slices provision while the group trains, then the group stops at a committed step
+  and relaunches for `reshape_s`, as the controller does). Only losing the last is a full restart.
 - Billing stops the moment the last token is trained.
 
 The policy's snapshot is built by `policies.cost.knowledge.build_snapshot`, the function the
@@ -131,8 +133,11 @@ def step_seconds(trace: SpotTrace) -> float:
 
 def quantized_restart(restart: RestartCost, step_s: float) -> RestartCost:
     """The restart the simulator really charges: overheads rounded up to whole steps."""
-    return replace(restart, provisioning_s=math.ceil(restart.provisioning_s / step_s - 1e-9) * step_s,
-                   startup_s=math.ceil(restart.startup_s / step_s - 1e-9) * step_s)
+    def up(seconds: float) -> float:
+        return math.ceil(seconds / step_s - 1e-9) * step_s
+
+    return replace(restart, provisioning_s=up(restart.provisioning_s), startup_s=up(restart.startup_s),
+                   reshape_s=up(restart.reshape_s))
 
 
 def simulate(
@@ -221,7 +226,7 @@ def _step(w: _World, s: SimState, i: int) -> bool:
         left = min(cap // s.held.slice_chips, s.held.count - 1)
         survivors = s.held.with_count(left, w.job.options) if left else None
         if survivors is not None:
-            sl.shrink(s, now, survivors, w.restart.reshape_s)
+            sl.shrink(s, now, survivors, round(w.restart.reshape_s / w.dt))
         else:
             sl.preempt(s, now, w.restart.saves_on_notice)
     event = sl.advance(s, now, cap, w.restart.provisioning_s, w.job.options)
@@ -270,7 +275,7 @@ def _decide(w: _World, s: SimState, now: float, cap: int) -> None:
         s.decisions.append(DecisionRecord(now, label, decision.reason, str(move)))
     every_s = decision.checkpoint_interval_s or w.restart.checkpoint_interval_s  # for the target, at its launch
     if move.switch:
-        sl.switch(s, now, w.startup_steps, every_s, startup_s=w.restart.startup_s, reshape_s=w.restart.reshape_s)
+        sl.switch(s, now, w.startup_steps, every_s, reshape_steps=round(w.restart.reshape_s / w.dt))
         return
     if move.release_waiting:
         sl.release_request(s, now)
