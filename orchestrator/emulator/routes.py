@@ -43,16 +43,14 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from google.cloud import tpu_v2
 
 from orchestrator.emulator.errors import ApiError, invalid, not_found
 from orchestrator.emulator.metadata import NOTICE_EVENTS
-
-if TYPE_CHECKING:
-    from orchestrator.emulator.server import Emulator
+from orchestrator.emulator.world import World
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +84,40 @@ class RequestRecord:
     at: float
 
 
+class EmulatorSurface(Protocol):
+    """What a request reaches of the emulator (`orchestrator.emulator.server.Emulator` is one): the world the
+    API's calls change, the control API's token and its operations, and where each request is recorded.
+    Named here, beside its one user, so that the routes need not import the server that serves them."""
+
+    world: World
+    control_token: str
+
+    def record_request(self, rec: RequestRecord) -> None: ...
+
+    def state(self) -> dict[str, Any]: ...
+
+    def requests(self, method: str | None = None, *, zone: str | None = None) -> list[RequestRecord]: ...
+
+    def fail(self, method: str, kind: str, *, count: int = 1, zone: str | None = None) -> None: ...
+
+    def random_errors(self, rate: float, *, codes: tuple[int, ...] = (503, 429), seed: int | None = None,
+                      methods: tuple[str, ...] | None = None) -> None: ...
+
+    def stockout(self, zone: str, *, accelerator_type: str | None = None, mode: str = "wait") -> None: ...
+
+    def clear_stockout(self, zone: str | None = None) -> None: ...
+
+    def clear_faults(self) -> None: ...
+
+    def reclaim(self, name: str) -> str: ...
+
+    def terminate(self, name: str) -> str: ...
+
+    def power_off(self, name: str, *, host: int | None = None) -> str: ...
+
+    def notice(self, name: str, *, host: int | None = None, event: str = "preempted") -> list[int]: ...
+
+
 class Handler(BaseHTTPRequestHandler):
     # HTTP/1.0 closes each connection after its response, so no handler thread
     # outlives the server waiting on an idle keep-alive connection.
@@ -93,7 +125,7 @@ class Handler(BaseHTTPRequestHandler):
     server_version = "tpu-emulator"
 
     @property
-    def emulator(self) -> Emulator:
+    def emulator(self) -> EmulatorSurface:
         return self.server.emulator  # type: ignore[attr-defined]
 
     def do_GET(self) -> None:
@@ -139,7 +171,7 @@ class Handler(BaseHTTPRequestHandler):
             log.exception("emulator failed on %s %s", verb, url.path)
             status, payload = 500, ApiError(500, "INTERNAL", "emulator error").body()
         authorized = "authorization" in {k.lower() for k in self.headers.keys()}
-        self.emulator._record(RequestRecord(method, verb, url.path, zone, status, authorized, time.time()))
+        self.emulator.record_request(RequestRecord(method, verb, url.path, zone, status, authorized, time.time()))
         data = json.dumps(payload).encode()
         self.send_response(status)
         if status == 401:

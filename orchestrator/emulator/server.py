@@ -33,7 +33,7 @@ from orchestrator.emulator.control import ControlClient
 from orchestrator.emulator.errors import failed_precondition, no_such_host
 from orchestrator.emulator.faults import Faults
 from orchestrator.emulator.machines import Timings
-from orchestrator.emulator.routes import Handler, RequestRecord
+from orchestrator.emulator.routes import EmulatorSurface, Handler, RequestRecord
 from orchestrator.emulator.world import Hooks, World
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     allow_reuse_address = True
 
-    def __init__(self, address: tuple[str, int], emulator: Emulator):
+    def __init__(self, address: tuple[str, int], emulator: EmulatorSurface):  # the type checker holds Emulator to it
         self.emulator = emulator
         super().__init__(address, Handler)
 
@@ -219,7 +219,8 @@ class Emulator:
     def request_count(self, method: str | None = None, *, zone: str | None = None) -> int:
         return len(self.requests(method, zone=zone))
 
-    def _record(self, rec: RequestRecord) -> None:
+    def record_request(self, rec: RequestRecord) -> None:
+        """A request answered (the routes record each one)."""
         with self._requests_lock:
             self._requests.append(rec)
 

@@ -18,17 +18,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import TYPE_CHECKING
 
 from orchestrator import cluster
 from orchestrator.errors import CaptureError, ClusterError, JobStateError, ProfileError
 from orchestrator.observe.profile_summary import TraceSummary, read_trace, summarize
 from orchestrator.state.events import EventKind, Profiled
 from orchestrator.state.states import JobState
-from orchestrator.user.job import CLUSTER_GONE
-
-if TYPE_CHECKING:
-    from orchestrator.user.client import Client
+from orchestrator.user.job import CLUSTER_GONE, JobsClient
 
 MAX_STEPS = 100  # as the controller's (orchestrator.control.captures)
 GIB = 1024 ** 3
@@ -65,7 +61,7 @@ class Capture:
         return asdict(self)
 
 
-def check_request(client: "Client", job_id: str, steps: int, host: int | None):
+def check_request(client: JobsClient, job_id: str, steps: int, host: int | None):
     """The job's record if a capture can be asked of it: RUNNING, `steps` in range, `host` one of its hosts."""
     job = client.store.find_job(job_id)
     if job.state is not JobState.RUNNING:
@@ -81,7 +77,7 @@ def check_request(client: "Client", job_id: str, steps: int, host: int | None):
     return job
 
 
-def profile(client: "Client", job_id: str, *, steps: int, host: int | None, memory: bool, timeout_s: float,
+def profile(client: JobsClient, job_id: str, *, steps: int, host: int | None, memory: bool, timeout_s: float,
             read: bool = True) -> Capture:
     job = check_request(client, job_id, steps, host)
     seen = max((e.seq for e in client.store.events(job.id)), default=0)

@@ -9,13 +9,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import Any, Callable, Iterator, Protocol
 
+from orchestrator.cluster import Home
 from orchestrator.state.states import FailedBecause, JobState
-from orchestrator.state.store import Event, JobRecord, StepMetric
-
-if TYPE_CHECKING:
-    from orchestrator.user.client import Client
+from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 
 
 @dataclass(frozen=True)
@@ -68,10 +66,25 @@ CLUSTER_GONE = ("the local cluster is not running (stopped or crashed), so nothi
                 "`orchestrator up` starts it again and resumes the job from its last committed checkpoint")
 
 
+class JobsClient(Protocol):
+    """What a job's handle and a profile capture reach of the client that made them
+    (`orchestrator.user.client.Client` is one): named here so that neither imports the client back."""
+
+    home: Home
+    address: str | None
+    store: Store
+
+    def _status_of(self, job: JobRecord) -> JobStatus: ...
+
+    def _ask(self, method: str, *args: Any, timeout_s: float = 60) -> Any: ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+
 class Job:
     """A handle on one submitted job."""
 
-    def __init__(self, client: "Client", job_id: str):
+    def __init__(self, client: JobsClient, job_id: str):
         self._client, self.id = client, job_id
 
     def __repr__(self) -> str:
