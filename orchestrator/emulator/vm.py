@@ -8,8 +8,10 @@ tree in namespaces of its own (this machine runs as root, so `unshare` can make 
   /var/tmp (the tests' folders and Ray's session directories), /var/log and /opt (the VM's
   own disk), the home directory (~/.ray, the default state directory), the orchestrator's
   state directory, the project's sources, and any folder the caller names. What stays is the
-  VM's image: the Python interpreter and the environment with the worker packages installed
-  (what the startup script's pip install gives a real VM), and the VM's own folder;
+  VM's image: the Python interpreter, and at the startup script's venv path the environment its
+  pip install would give a real VM (`orchestrator.providers.worker_image`: the hosts' closure, nothing of
+  the submitting environment beyond it; read-only, as are the installed files it links to), and
+  the VM's own folder;
 - a PID namespace, so ``ray stop`` in the script sees only the VM's processes, and killing
   the VM's first process powers it off: every process in it dies, and with them its tmpfs
   mounts, so whatever the host wrote locally is gone;
@@ -40,6 +42,7 @@ from pathlib import Path
 from orchestrator.cluster import MARK_ENV, Home, node_mark
 from orchestrator.cluster.nodes import loopback_node_args
 from orchestrator.emulator.metadata import FakeMetadataServer
+from orchestrator.providers.worker_image import Image, worker_image
 from workers.accelerator import stand_in_env
 
 log = logging.getLogger(__name__)
@@ -83,6 +86,7 @@ class EmulatedVm:
         self.dir = Path(tempfile.mkdtemp(prefix=f"tpu-vm-{name}-{worker_id}-", dir="/var/tmp"))
         self.metadata = FakeMetadataServer()
         self.metadata.values["instance/attributes/agent-worker-number"] = str(worker_id)
+        self.image = worker_image()
         self._write_image(startup_script, secrets or {})
         self.proc = self._boot(hidden_paths(home, list(hide)))
 
@@ -97,8 +101,8 @@ class EmulatedVm:
         node_args = " ".join(q(a) for a in [*loopback_node_args(), "--num-cpus=1", "--include-log-monitor=False"])
         _executable(d / "ray", f"""#!/bin/sh
 # This image's `ray`: Ray's own command, its nodes kept on 127.0.0.1.
-if [ "$1" = start ]; then shift; exec {q(sys.executable)} {q(str(d / "raynode.py"))} start {node_args} "$@"; fi
-exec {q(sys.executable)} {q(str(d / "raynode.py"))} "$@"
+if [ "$1" = start ]; then shift; exec {IMAGE_VENV}/bin/python {q(str(d / "raynode.py"))} start {node_args} "$@"; fi
+exec {IMAGE_VENV}/bin/python {q(str(d / "raynode.py"))} "$@"
 """)
         secret_dir = d / "secrets"
         secret_dir.mkdir(mode=0o700)
@@ -115,16 +119,20 @@ esac
 
     def _boot(self, hidden: list[Path]) -> subprocess.Popen:
         q = shlex.quote
-        kept = sorted({Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), self.dir},
-                      key=lambda p: len(p.parts))
+        # (what, where the VM sees it, read-only), parents before what lies inside them
+        base = Path(sys.base_prefix).resolve()
+        kept = sorted({(base, base, True), *((p, p, True) for p in _image_sources(self.image)),
+                       (self.dir, self.dir, False), (self.image.root, Path(IMAGE_VENV), True)},
+                      key=lambda k: len(k[1].parts))
         boot = "\n".join([
             "set -euo pipefail",
             "mount -t tmpfs tmpfs /mnt",  # the image's parts are held here while the rest is hidden
-            *(f"mkdir /mnt/{i}; mount --bind {q(str(k))} /mnt/{i}" for i, k in enumerate(kept)),
+            *(f"mkdir /mnt/{i}; mount --bind {q(str(k))} /mnt/{i}" for i, (k, _, _) in enumerate(kept)),
             *(f"if [ -d {q(str(p))} ]; then mount -t tmpfs -o mode=1777 tmpfs {q(str(p))}; fi" for p in hidden),
-            *(f"mkdir -p {q(str(k))}; mount --bind /mnt/{i} {q(str(k))}; umount /mnt/{i}" for i, k in enumerate(kept)),
+            *(f"mkdir -p {q(str(at))}; mount --bind /mnt/{i} {q(str(at))}; umount /mnt/{i}"
+              + (f"; mount -o remount,bind,ro {q(str(at))}" if ro else "") for i, (_, at, ro) in enumerate(kept)),
             "umount /mnt",
-            f"mkdir -p {IMAGE_VENV}/bin && ln -s {q(str(self.dir / 'ray'))} {IMAGE_VENV}/bin/ray",
+            f"mount --bind {q(str(self.dir / 'ray'))} {IMAGE_VENV}/bin/ray",  # this VM's own ports
             "mount -t proc proc /proc",  # the VM's own processes only
             "cd /",
             f"bash {q(str(self.dir / 'startup.sh'))} && rc=0 || rc=$?",
@@ -135,7 +143,7 @@ esac
             "while :; do sleep 3600 & wait $! || true; done",  # the VM's first process: it reaps orphans
         ])
         env = {
-            "PATH": f"{self.dir / 'bin'}:{Path(sys.prefix) / 'bin'}:"
+            "PATH": f"{self.dir / 'bin'}:{IMAGE_VENV}/bin:"
                     "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "HOME": str(Path.home()), "LANG": "C.UTF-8",
             "GCE_METADATA_HOST": self.metadata.url.removeprefix("http://").split("/")[0],
@@ -176,6 +184,12 @@ esac
             log.warning("emulated VM %s-%d: unshare did not exit", self.name, self.worker_id)
         self.metadata.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _image_sources(image: Image) -> list[Path]:
+    """The installed folders the image links into: kept visible to the VM (read-only), and nothing else of
+    this machine's environment."""
+    return [p for p in image.sources if not any(p != q and q in p.parents for q in image.sources)]
 
 
 def _children(pid: int) -> list[int]:
