@@ -51,6 +51,15 @@ def worker_requirements() -> tuple[str, ...]:
     return tuple(pins)
 
 
+def worker_constraints() -> tuple[str, ...]:
+    """Every package the worker requirements bring, pinned to this machine's version (`worker_env.pins`): a
+    host's environment is then the one preflight checks programs against and emulated VMs boot from, and
+    the pins a job's own packages are installed with (`orchestrator.control.shipping.pip_env`) hold there."""
+    from orchestrator.providers.worker_env import pins
+
+    return pins()
+
+
 @dataclass(frozen=True)
 class WorkerSetup:
     """What a TPU VM needs to become a worker host of the orchestrator's Ray cluster.
@@ -59,6 +68,8 @@ class WorkerSetup:
     requirements: pip requirements of the worker environment (default: `worker_requirements`,
         the controller's own versions). The project's code is not among them: it is shipped
         with each job as a Ray runtime environment.
+    constraints: pip constraints they are installed with (default: `worker_constraints`, the
+        whole closure at the controller's versions).
     ray_token_secret: a Secret Manager secret holding the Ray cluster token (``ray
         get-auth-token``), or None when the cluster runs without token authentication.
     ray_command, ray_args: how the host runs ``ray start`` (default ``<venv>/bin/ray``) and
@@ -67,6 +78,7 @@ class WorkerSetup:
 
     head_address: str
     requirements: tuple[str, ...] = field(default_factory=worker_requirements)
+    constraints: tuple[str, ...] = field(default_factory=worker_constraints)
     venv: str = "/opt/tpu-orchestrator/venv"
     python: str = "python3"
     ray_token_secret: str | None = None
@@ -78,6 +90,8 @@ class WorkerSetup:
         host, sep, port = self.head_address.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"head_address must be host:port, got {self.head_address!r}")
+        if bad := [c for c in self.constraints if not _plain(c)]:
+            raise ValueError(f"constraints must be name==version lines, got {bad[:3]}")
 
 
 def startup_script(setup: WorkerSetup, tpu_type: TpuType, slice_name: str) -> str:
@@ -115,10 +129,18 @@ esac
 # The environment survives reboots; install it once.
 if [ ! -x {venv}/bin/ray ]; then
   {q(setup.python)} -m venv {venv}
-  {venv}/bin/pip install --quiet {" ".join(q(r) for r in setup.requirements)}
+  cat > {venv}/constraints.txt <<'CONSTRAINTS'
+{chr(10).join(setup.constraints)}
+CONSTRAINTS
+  {venv}/bin/pip install --quiet -c {venv}/constraints.txt {" ".join(q(r) for r in setup.requirements)}
 fi
 
 {token}{ray} stop --force >/dev/null 2>&1 || true
 {ray} start --address={q(setup.head_address)} --resources="$RESOURCES" --labels="$LABELS"{extra}
 echo "worker $WORKER_ID of {slice_name} joined {setup.head_address}"
 """
+
+
+def _plain(constraint: str) -> bool:
+    """A ``name==version`` line that cannot end the script's here-document or run anything."""
+    return all(c.isalnum() or c in "-_.=+!<>~" for c in constraint) and constraint != "CONSTRAINTS"

@@ -71,3 +71,16 @@ def test_the_image_is_built_once_and_reused(image):
     worker_image.worker_image.cache_clear()
     again = worker_image.worker_image()
     assert again.root == image.root and len(list(image.root.parent.iterdir())) == 1
+
+
+def test_a_real_vms_startup_script_installs_the_workers_with_the_whole_closure_pinned():
+    from orchestrator import catalog
+    from orchestrator.providers.startup import WorkerSetup, startup_script
+
+    script = startup_script(WorkerSetup("10.0.0.5:6379"), catalog.lookup("v4-16"), "s1")
+    written = script.split("<<'CONSTRAINTS'\n", 1)[1].split("\nCONSTRAINTS\n", 1)[0].splitlines()
+    assert written == list(worker_env.pins())
+    assert "/opt/tpu-orchestrator/venv/bin/pip install --quiet -c /opt/tpu-orchestrator/venv/constraints.txt " \
+           f"'ray[default]=={metadata.version('ray')}' 'jax[tpu]=={metadata.version('jax')}'" in script
+    with pytest.raises(ValueError, match="constraints must be name==version lines"):
+        WorkerSetup("10.0.0.5:6379", constraints=("x==1\nCONSTRAINTS\nrm -rf /",))
