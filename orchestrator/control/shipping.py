@@ -144,13 +144,18 @@ def runtime_env(job_code: Package | None, *, ship_project: bool = True) -> dict 
 
     Each package is uploaded to Ray's store if it is not there (any more). A host of the local
     provider is a process of this machine with the project installed; shipping it there would only
-    cost each new worker the runtime environment's set-up (and Ray's prestarted worker).
+    cost each new worker the runtime environment's set-up (and Ray's prestarted worker). For the same
+    reason a job's own packages go to a local host through pip only if this machine lacks one of them
+    (Ray's pip copies the whole environment first).
     """
     from ray._private.runtime_env.packaging import package_exists, pin_runtime_env_uri, upload_package_to_gcs
 
     env: dict = {"py_modules": [_project_package(name) for name in PROJECT_PACKAGES]} if ship_project else {}
     if job_code is not None and (wanted := job_requirements(job_code)):
-        env["pip"] = pip_env(wanted)
+        if ship_project or not satisfied_here(wanted):
+            env["pip"] = pip_env(wanted)
+        else:  # a local host imports what this machine has installed; Ray would copy the whole environment
+            log.info("the job's packages %s are installed here, where its hosts run", ", ".join(wanted))
     if job_code is not None:
         pin_runtime_env_uri(job_code.uri)
         if not package_exists(job_code.uri):
@@ -167,6 +172,25 @@ def pip_env(wanted: list[str]) -> dict:
 
     return {"packages": [*wanted, *pins()], "pip_check": False,
             "pip_install_options": ["--disable-pip-version-check", "--no-cache-dir", "--no-input"]}
+
+
+def satisfied_here(wanted: list[str]) -> bool:
+    """Whether this machine's environment already has every requirement of `wanted`, at a version it allows."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    for line in wanted:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate():
+            continue
+        try:
+            version = metadata.version(req.name)
+        except metadata.PackageNotFoundError:
+            return False
+        if not req.specifier.contains(version, prereleases=True):
+            return False
+    return True
 
 
 def _project_package(name: str) -> str:

@@ -121,8 +121,9 @@ def storage_problems(spec: JobSpec) -> list[Problem]:
     return []
 
 
-def gcp_problems(spec: JobSpec, cluster_address: str | None = None) -> list[Problem]:
+def gcp_problems(spec: JobSpec, cluster_address: str | None = None, *,
+                 folder: str | Path | None = None) -> list[Problem]:
     """Everything above: the head, the worker environment, then (if those hold) the program's imports and the
-    bucket."""
+    bucket. `folder`: the job's folder when the spec has no workdir (`Client.submit(spec, workdir=...)`)."""
     problems = head_problems(spec, cluster_address) + environment_problems(spec)
-    return problems or import_problems(spec) or storage_problems(spec)
+    return problems or import_problems(spec, folder) or storage_problems(spec)

@@ -140,3 +140,10 @@ def test_a_requirements_file_that_is_a_link_out_of_the_folder_is_refused(tmp_pat
     (tmp_path / "job" / "requirements.txt").symlink_to(tmp_path / "elsewhere.txt")
     with pytest.raises(SpecError, match="workdir requirements.txt: .* is a symbolic link"):
         shipping.pack_folder(tmp_path / "job", source="job.yaml")
+
+
+def test_what_this_machine_has_installed_needs_no_pip_env_on_its_own_local_hosts():
+    here = [f"typer=={metadata.version('typer')}", "pyyaml>=6", "pywin32; sys_platform == 'win32'"]
+    assert shipping.satisfied_here(here)
+    assert not shipping.satisfied_here(["typer<0.1"])
+    assert not shipping.satisfied_here(["no-such-distribution-here==1.0"])
