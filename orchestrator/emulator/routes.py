@@ -41,6 +41,7 @@ import json
 import logging
 import re
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol
@@ -232,37 +233,32 @@ class Handler(BaseHTTPRequestHandler):
             return emu.state()
         if verb == "GET" and what == "requests":
             return {"requests": [asdict(r) for r in emu.requests()]}
-        if verb != "POST":
+        operation = _CONTROL_OPERATIONS.get(what) if verb == "POST" else None
+        if operation is None:
             raise not_found(f"/_emulator/{what}")
         args = json.loads(body or "{}")
         if not isinstance(args, dict):
             raise ValueError("control requests take a JSON object")
-        if what == "fail":
-            emu.fail(args["method"], args["kind"], count=args.get("count", 1), zone=args.get("zone"))
-        elif what == "random-errors":
-            emu.random_errors(
-                args["rate"],
-                codes=tuple(args.get("codes", (503, 429))),
-                seed=args.get("seed"),
-                methods=tuple(args["methods"]) if args.get("methods") else None,
-            )
-        elif what == "stockout":
-            emu.stockout(args["zone"], accelerator_type=args.get("acceleratorType"), mode=args.get("mode", "wait"))
-        elif what == "clear-stockout":
-            emu.clear_stockout(args.get("zone"))
-        elif what == "clear-faults":
-            emu.clear_faults()
-        elif what == "reclaim":
-            return {"name": emu.reclaim(args["name"])}
-        elif what == "terminate":
-            return {"name": emu.terminate(args["name"])}
-        elif what == "poweroff":
-            return {"name": emu.power_off(args["name"], host=_host(args))}
-        elif what == "notice":
-            return {"hosts": emu.notice(args["name"], host=_host(args), event=_event(args))}
-        else:
-            raise not_found(f"/_emulator/{what}")
-        return {}
+        answer = operation(emu, args)
+        return {} if answer is None else answer
+
+
+# The control API's operations (POST /_emulator/<name>, a JSON object of arguments): what each asks of the
+# emulator, and what it answers (None: an empty object).
+_CONTROL_OPERATIONS: dict[str, Callable[[EmulatorSurface, dict[str, Any]], Any]] = {
+    "fail": lambda emu, a: emu.fail(a["method"], a["kind"], count=a.get("count", 1), zone=a.get("zone")),
+    "random-errors": lambda emu, a: emu.random_errors(
+        a["rate"], codes=tuple(a.get("codes", (503, 429))), seed=a.get("seed"),
+        methods=tuple(a["methods"]) if a.get("methods") else None),
+    "stockout": lambda emu, a: emu.stockout(a["zone"], accelerator_type=a.get("acceleratorType"),
+                                            mode=a.get("mode", "wait")),
+    "clear-stockout": lambda emu, a: emu.clear_stockout(a.get("zone")),
+    "clear-faults": lambda emu, a: emu.clear_faults(),
+    "reclaim": lambda emu, a: {"name": emu.reclaim(a["name"])},
+    "terminate": lambda emu, a: {"name": emu.terminate(a["name"])},
+    "poweroff": lambda emu, a: {"name": emu.power_off(a["name"], host=_host(a))},
+    "notice": lambda emu, a: {"hosts": emu.notice(a["name"], host=_host(a), event=_event(a))},
+}
 
 
 def _host(args: dict[str, Any]) -> int | None:

@@ -311,20 +311,9 @@ def _handler_class(storage: Any) -> type:
                     if _object_checks(self, storage, method, url.path, _request.conditions):
                         Router(self).handle(method)
                 except PreconditionFailed as e:
-                    self._answer(HTTPStatus.PRECONDITION_FAILED, str(e))
+                    _answer(self, HTTPStatus.PRECONDITION_FAILED, str(e))
                 finally:
                     _request.conditions = None
-
-        def _answer(self, status: HTTPStatus, message: str) -> None:
-            body = b"" if status == HTTPStatus.NOT_MODIFIED else json.dumps(
-                {"error": {"code": status.value, "message": message,
-                           "errors": [{"domain": "global", "reason": "conditionNotMet", "message": message}]}}).encode()
-            self.send_response(status.value)
-            if body:
-                self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
 
         def end_headers(self):
             for k, v in getattr(self, "_extra_headers", {}).items():
@@ -363,9 +352,22 @@ def _object_checks(handler: Any, storage: Any, method: str, path: str, condition
     if why is None:
         return True
     if method == "GET" and why.startswith(("ifGenerationNotMatch", "ifMetagenerationNotMatch")):
-        handler._answer(HTTPStatus.NOT_MODIFIED, "")  # a cached copy is still current
+        _answer(handler, HTTPStatus.NOT_MODIFIED, "")  # a cached copy is still current
         return False
     raise PreconditionFailed(f"{m['bucket']}/{unquote(m['object'])}: {why}")
+
+
+def _answer(handler: Any, status: HTTPStatus, message: str) -> None:
+    """A failed precondition as GCS answers it: 412 with its JSON error, or 304 with no body."""
+    body = b"" if status == HTTPStatus.NOT_MODIFIED else json.dumps(
+        {"error": {"code": status.value, "message": message,
+                   "errors": [{"domain": "global", "reason": "conditionNotMet", "message": message}]}}).encode()
+    handler.send_response(status.value)
+    if body:
+        handler.send_header("Content-Type", "application/json")
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
 
 
 def main(argv: list[str] | None = None) -> int:

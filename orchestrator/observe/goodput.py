@@ -48,7 +48,9 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields
+from typing import Any
 
 from rich.table import Table
 
@@ -302,21 +304,40 @@ def state_intervals(job: JobRecord, events: list[Event], *, now: float) -> list[
             for i, (state, s, t) in enumerate(zip(states, starts, ends, strict=True))]
 
 
+_Claim = Callable[[int, str, Any], None]  # (interval index, category, seconds): measured work put in an interval
+
+
 def _claims(intervals: list[StateInterval], events: list[Event],
             steps: list[StepMetric]) -> tuple[dict[int, list], list[StepMetric]]:
     """Measured work as {interval index: [(category, seconds), ...]}, and the step rows kept as productive."""
     claims: dict[int, list] = {}
 
-    def claim(i: int, category: str, seconds) -> None:
+    def claim(i: int, category: str, seconds: Any) -> None:
         if seconds:
             claims.setdefault(i, []).append((category, float(seconds)))
 
     starts = [iv.start for iv in intervals]
-    for i, iv in enumerate(intervals):  # a slice queued without capacity while we were provisioning
+    _claim_waiting(intervals, events, claim)
+    compiles_in_first_step = _claim_events(intervals, starts, events, claim)
+    stale = _stale_ranges(events)
+    kept = [s for s in steps if not any(s.step in steps_range and s.at < at for at, steps_range in stale)]
+    _claim_steps(intervals, starts, kept, compiles_in_first_step, claim)
+    return claims, kept
+
+
+def _claim_waiting(intervals: list[StateInterval], events: list[Event], claim: _Claim) -> None:
+    """A slice queued without capacity while the job was provisioning: that part of it was waiting."""
+    for i, iv in enumerate(intervals):
         if iv.base_category == "provisioning":
             for w0, w1 in _waiting_windows(events, iv.end):
                 claim(i, "waiting_for_capacity", max(0.0, min(w1, iv.end) - max(w0, iv.start)))
-    compiles_in_first_step = set()  # intervals whose launch compiled its step in the first step
+
+
+def _claim_events(intervals: list[StateInterval], starts: list[float], events: list[Event],
+                  claim: _Claim) -> set[int]:
+    """Restores, compiles, checkpoint saves and lost work as their events measured them; returns the intervals
+    whose launch compiled its program in the first step (a restore that measured no compile)."""
+    compiles_in_first_step = set()
     for e in events:
         if e.kind is EventKind.RESTORE:
             restored = e.payload_as(Restored)
@@ -328,8 +349,13 @@ def _claims(intervals: list[StateInterval], events: list[Event],
             claim(_work_interval(intervals, starts, e.at), "checkpoint_save", e.payload_as(CheckpointSaved).blocking_s)
         elif e.kind is EventKind.LOST_WORK:
             claim(_previous_run(intervals, starts, e.at), "lost_work", e.payload_as(LostWork).seconds)
-    stale = _stale_ranges(events)
-    kept = [s for s in steps if not any(s.step in steps_range and s.at < at for at, steps_range in stale)]
+    return compiles_in_first_step
+
+
+def _claim_steps(intervals: list[StateInterval], starts: list[float], kept: list[StepMetric],
+                 compiles_in_first_step: set[int], claim: _Claim) -> None:
+    """Each step's time as productive, less a launch's first step's time above the median (its warm-up: the
+    compile where the launch compiled then, else the runtime's start)."""
     times = sorted(s.step_time_s for s in kept if s.step_time_s)
     median = times[len(times) // 2] if times else 0.0
     first_step: dict[int, int] = {}  # rows are one per step; a launch's first step is its generation's lowest
@@ -340,7 +366,6 @@ def _claims(intervals: list[StateInterval], events: list[Event],
         warm_up = max(0.0, dt - median) if first_step[s.generation] == s.step else 0.0
         claim(i, "compile" if i in compiles_in_first_step else "runtime_init", warm_up)
         claim(i, "productive", dt - warm_up)
-    return claims, kept
 
 
 def _work_interval(intervals: list[StateInterval], starts: list[float], t: float) -> int:

@@ -71,22 +71,13 @@ def _top_level_names(body: list[ast.stmt]) -> set[str] | None:
     parse cannot tell (`from x import *`, a module `__getattr__`, assignments through `globals()`)."""
     names: set[str] = set()
     for node in body:
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                if alias.name == "*":
-                    return None
-                names.add(alias.asname or alias.name.split(".")[0])
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
-                if isinstance(t, ast.Subscript):  # globals()["main"] = ...
-                    return None
-        blocks = [getattr(node, attr, None) for attr in ("body", "orelse", "finalbody")]
-        blocks += [h.body for h in getattr(node, "handlers", [])]
+        bound = _names_bound_by(node)
+        if bound is None:
+            return None
+        names |= bound
         if isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+            blocks = [getattr(node, attr, None) for attr in ("body", "orelse", "finalbody")]
+            blocks += [h.body for h in getattr(node, "handlers", [])]
             for block in blocks:
                 if block:
                     inner = _top_level_names(block)
@@ -94,3 +85,22 @@ def _top_level_names(body: list[ast.stmt]) -> set[str] | None:
                         return None
                     names |= inner
     return None if "__getattr__" in names else names
+
+
+def _names_bound_by(node: ast.stmt) -> set[str] | None:
+    """The names one statement binds by itself (not in the blocks it holds); None when a parse cannot tell."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return {node.name}
+    names: set[str] = set()
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        for alias in node.names:
+            if alias.name == "*":
+                return None
+            names.add(alias.asname or alias.name.split(".")[0])
+    elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for t in targets:
+            if isinstance(t, ast.Subscript):  # globals()["main"] = ...
+                return None
+            names.update(n.id for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
