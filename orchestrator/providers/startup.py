@@ -20,20 +20,14 @@ from dataclasses import dataclass, field
 
 from orchestrator.catalog import TpuType
 from orchestrator.providers.base import host_node_labels, host_node_resources
+from orchestrator.providers import worker_env
+from orchestrator.providers.worker_env import WORKER_DISTRIBUTIONS
+
+__all__ = ["WORKER_DISTRIBUTIONS", "WorkerSetup", "startup_script", "worker_constraints", "worker_requirements"]
 
 # GCE_METADATA_HOST is the variable Google's own libraries read to find the metadata server.
 METADATA_URL = ("http://${GCE_METADATA_HOST:-metadata.google.internal}"
                 "/computeMetadata/v1/instance/attributes/agent-worker-number")
-
-# What the hosts import from outside the project (`workers`, `kernels` and `policies` are
-# shipped with every job, see `orchestrator.control.shipping`): the distributions, with the
-# extras a TPU VM needs.
-WORKER_DISTRIBUTIONS = {
-    "ray": "ray[default]", "jax": "jax[tpu]", "jaxlib": "jaxlib", "orbax-checkpoint": "orbax-checkpoint",
-    "absl-py": "absl-py", "optax": "optax", "numpy": "numpy", "etils": "etils[epath]", "fsspec": "fsspec",
-    "gcsfs": "gcsfs",
-    "google-cloud-storage": "google-cloud-storage", "safetensors": "safetensors", "pydantic": "pydantic",
-}
 
 
 def worker_requirements() -> tuple[str, ...]:
@@ -55,9 +49,7 @@ def worker_constraints() -> tuple[str, ...]:
     """Every package the worker requirements bring, pinned to this machine's version (`worker_env.pins`): a
     host's environment is then the one preflight checks programs against and emulated VMs boot from, and
     the pins a job's own packages are installed with (`orchestrator.control.shipping.pip_env`) hold there."""
-    from orchestrator.providers.worker_env import pins
-
-    return pins()
+    return worker_env.pins()
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,16 @@ from importlib import metadata
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+# What the hosts import from outside the project (`workers`, `kernels` and `policies` are
+# shipped with every job, see `orchestrator.control.shipping`): the distributions, with the
+# extras a TPU VM needs.
+WORKER_DISTRIBUTIONS = {
+    "ray": "ray[default]", "jax": "jax[tpu]", "jaxlib": "jaxlib", "orbax-checkpoint": "orbax-checkpoint",
+    "absl-py": "absl-py", "optax": "optax", "numpy": "numpy", "etils": "etils[epath]", "fsspec": "fsspec",
+    "gcsfs": "gcsfs",
+    "google-cloud-storage": "google-cloud-storage", "safetensors": "safetensors", "pydantic": "pydantic",
+}
+
 
 def _requires(dist: metadata.Distribution, extras: frozenset[str]) -> list[Requirement]:
     """The requirements of `dist` that apply here with `extras` asked for."""
@@ -55,8 +65,6 @@ def closure(requirements: tuple[str, ...]) -> dict[str, metadata.Distribution]:
 @functools.cache
 def host_closure() -> dict[str, metadata.Distribution]:
     """The distributions a host of any slice has (what the startup script's pip install gives it)."""
-    from orchestrator.providers.startup import WORKER_DISTRIBUTIONS
-
     return closure(tuple(WORKER_DISTRIBUTIONS.values()))
 
 
