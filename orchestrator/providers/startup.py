@@ -19,8 +19,8 @@ import shlex
 from dataclasses import dataclass, field
 
 from orchestrator.catalog import TpuType
-from orchestrator.providers.base import host_node_labels, host_node_resources
 from orchestrator.providers import worker_env
+from orchestrator.providers.base import host_node_labels, host_node_resources
 from orchestrator.providers.worker_env import WORKER_DISTRIBUTIONS
 
 __all__ = ["WORKER_DISTRIBUTIONS", "WorkerSetup", "startup_script", "worker_constraints", "worker_requirements"]
