@@ -29,6 +29,7 @@ class Program:
 
     files: list[Path] = field(default_factory=list)
     outside: dict[str, str] = field(default_factory=dict)  # top-level module name -> "file:line" of its first import
+    unreadable: dict[str, str] = field(default_factory=dict)  # "file:line" -> why it cannot be parsed
 
 
 def _local(folder: Path, dotted: str) -> list[Path]:
@@ -101,7 +102,15 @@ def program(folder: str | Path, module: str) -> Program:
             prog.files.append(path)
             rel = path.relative_to(folder)
             package = ".".join(rel.parts[:-1])  # of a.py: the folder's top; of a/b.py and a/__init__.py: a
-            for name, line in _imports(path, package):
+            try:
+                found = _imports(path, package)
+            except SyntaxError as e:
+                prog.unreadable[f"{rel}:{e.lineno or 0}"] = e.msg
+                continue
+            except (UnicodeDecodeError, ValueError) as e:  # not UTF-8, or a NUL byte
+                prog.unreadable[f"{rel}:0"] = str(e).splitlines()[0]
+                continue
+            for name, line in found:
                 top = name.split(".")[0]
                 if _local(folder, top) or (folder / top).is_dir():
                     todo.append(name)

@@ -81,7 +81,11 @@ def import_problems(spec: JobSpec, folder: str | Path | None = None) -> list[Pro
     from orchestrator.providers.worker_image import worker_image
     from orchestrator.user.imports import missing_on_hosts, program, provided_by
 
-    outside = program(folder, w.entrypoint.partition(":")[0]).outside
+    prog = program(folder, w.entrypoint.partition(":")[0])
+    if prog.unreadable:
+        return [("workload.entrypoint", f"{where}: {why}: Python cannot read the program there")
+                for where, why in prog.unreadable.items()]
+    outside = prog.outside
     if not outside:
         return []
     declared, problems = requirements.read(folder)

@@ -86,3 +86,9 @@ def test_imports_are_checked_only_for_hosts_that_do_not_share_this_machine(tmp_p
                                "workload": {"type": "entrypoint", "entrypoint": "train:main"}})
     assert import_problems(local) == []
     assert [f for f, _ in import_problems(program_spec(tmp_path))] == ["workload.entrypoint"]
+
+
+def test_a_module_of_the_program_that_does_not_parse_is_named(tmp_path):
+    write_program(tmp_path, **{"train.py": "import model\n\ndef main(ctx): pass\n", "model.py": "def f(:\n"})
+    [(field, why)] = import_problems(program_spec(tmp_path))
+    assert field == "workload.entrypoint" and why.startswith("model.py:1: ") and "cannot read the program" in why
