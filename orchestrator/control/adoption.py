@@ -11,16 +11,19 @@ runs on is adopted, the other released (a request never filled was never billed)
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import ray
 import tenacity
 
 from orchestrator import catalog, cluster
-from orchestrator.control.attempt import Attempt, pg_name, worker_name
-from orchestrator.control.group import RayWorkerGroup, kill_workers
+from orchestrator.control.attempt import pg_name, worker_name
+from orchestrator.control.group import kill_workers
+from orchestrator.control.launched import Launch
 from orchestrator.domain.provider_facts import facts
-from orchestrator.providers.base import Host, Slice
+from orchestrator.domain.shape import Shape
+from orchestrator.providers.base import Host, Slice, SliceProvider
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState, SliceState
 from orchestrator.state.store import JobRecord, SliceRecord
@@ -31,8 +34,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def adopt(plane: "Controller", job: JobRecord, slices: list[SliceRecord]) -> tuple[Attempt | None, list[dict]]:
-    """The job's running group as an adopted `Attempt` (with its worker 0's step history), or None
+@dataclass(frozen=True)
+class Adoption:
+    """A running generation a restarted controller found: what it was launched with, its workers."""
+
+    launch: Launch
+    provider: SliceProvider
+    workers: list[Any]  # its `HostWorker` actors, rank order
+    pg: Any  # their placement group
+    last_step: int  # the newest step its worker 0 did
+
+
+def adopt(plane: "Controller", job: JobRecord, slices: list[SliceRecord]) -> tuple[Adoption | None, list[dict]]:
+    """The job's running group as an `Adoption` (with its worker 0's step history), or None
     after stopping whatever is left of it; and the history to record (empty if none)."""
     workers, pg = [], None
     if job.spec.slices > 1:  # not adopted: relaunched from storage (its workers span slices a restart cannot rejoin)
@@ -64,11 +78,9 @@ def adopt(plane: "Controller", job: JobRecord, slices: list[SliceRecord]) -> tup
             log.warning("job %s: cannot adopt generation %d (%s)", job.id, job.generation, e)
         else:
             provider = _take_over(plane, job, rec, t)
-            att = Attempt(generation=job.generation, provider=provider, slice=provider.get(rec.name),
-                          started=True, adopted=True, accepting=True,
-                          last_step=max((h["step"] for h in history), default=-1))
-            att.group = RayWorkerGroup(plane.store, plane.home, job.id, job.spec, att, workers, pg)
-            return att, history
+            s = provider.get(rec.name)
+            launch = Launch(job.generation, (s,), Shape(s.tpu_type.name, s.tier.value, 1))
+            return Adoption(launch, provider, workers, pg, max((h["step"] for h in history), default=-1)), history
     kill_workers(workers, pg)
     if running is not None:
         plane.release_record(running)

@@ -1,6 +1,6 @@
 """The controller: a named, detached Ray actor that holds the registry of jobs and the public API.
 
-Each job has its driver (`orchestrator.control.driver`), a thread that runs attempts
+Each job has its driver (`orchestrator.control.job`), a thread that runs attempts
 until one ends the job; the controller only starts drivers, routes requests and workers'
 reports to them, and owns what jobs share: the store, the local provider and the cloud
 providers, the admission queue and the metrics endpoint.
@@ -33,7 +33,7 @@ from typing import cast
 from orchestrator import cluster
 from orchestrator.control import ownership, shipping
 from orchestrator.control.adoption import adopt
-from orchestrator.control.driver import JobDriver
+from orchestrator.control.job.driver import JobDriver
 from orchestrator.control.ownership import OnExisting
 from orchestrator.control.queue import AdmissionQueue
 from orchestrator.control.store_faults import HeldWrites, HoldingStore, StoreFault, StoreHealth, os_fault
@@ -168,7 +168,7 @@ class Controller:
             return
         driver.resize(target.accelerator, target.tier.value, reason)
         self.store.add_event(job_id, ResizeAsked(current.accelerator, accelerator, target.tier.value, reason,
-                                                 driver.att.last_step + 1),
+                                                 driver.progress.last_step + 1),
                              f"resizing {current.accelerator} {current.tier.value} -> {accelerator} "
                              f"{target.tier.value}: {reason}")
 
@@ -184,7 +184,7 @@ class Controller:
             raise JobStateError(job_id, job.state.value, "profiled", (JobState.RUNNING.value,))
         directory = driver.spec().checkpoint.directory
         assert directory is not None, "a submitted job's spec has its checkpoint directory (`submit` fills it)"
-        return driver.captures.ask(driver.att, directory, steps, host, memory)
+        return driver.captures.ask(driver.view(), directory, steps, host, memory)
 
     def profile_abandon(self, job_id: str, capture_id: str, why: str) -> None:
         """End a capture the client stopped waiting for (its event says `why`)."""
@@ -306,7 +306,7 @@ class Controller:
         with self._lock:
             drivers = list(self._drivers.values())
         for driver in drivers:
-            driver.log_lines([f"[store] {line}"])
+            driver.progress.log_lines([f"[store] {line}"])
             if ended is not None:
                 try:
                     self.store.add_event(driver.job_id, StoreFaulted(ended.cause, round(time.time() - ended.since, 1),
@@ -333,10 +333,10 @@ class Controller:
         for rec in self.store.slices(live_only=True):
             live.setdefault(rec.job_id, []).append(rec)
         for job in self.store.jobs(active_only=True):
-            att, history = adopt(self, job, live.pop(job.id, []))
-            driver = JobDriver(self, job.id, att)
-            if att is not None:
-                missed = driver.record_missed(job.generation, history)
+            adoption, history = adopt(self, job, live.pop(job.id, []))
+            driver = JobDriver(self, job.id, adoption)
+            if adoption is not None:
+                missed = driver.progress.record_missed(job.generation, history)
                 self.store.add_event(job.id, Adopted(), f"the controller restarted and adopted the running "
                                      f"generation {job.generation} ({missed} missed steps recorded)")
             elif job.state in (JobState.STARTING, JobState.RUNNING):  # its workers went with the cluster

@@ -1,7 +1,7 @@
 """One slice's workers for one generation: launched together, asked how they fare, stopped together.
 
-The driver holds one `WorkerGroup` per launch (`Attempt.group`) and never a worker itself:
-what it decides (`orchestrator.control.driver`, `orchestrator.control.watch`) reads only
+The driver holds one `WorkerGroup` per launch (`JobDriver.group`) and never a worker itself:
+what it decides (`orchestrator.control.job`, `orchestrator.control.job.watch`) reads only
 this interface, so it runs the same against `RayWorkerGroup` (one `HostWorker` actor per
 host, gang-placed) and against the scripted groups of the driver's tests.
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
@@ -29,7 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from orchestrator import cluster
 from orchestrator.cluster.home import Home
 from orchestrator.control import memory, shipping
-from orchestrator.control.attempt import Attempt, pg_name, worker_name
+from orchestrator.control.attempt import pg_name, worker_name
 from orchestrator.control.compile_ahead import launch_programs
 from orchestrator.control.launch import workload_for
 from orchestrator.domain.provider_facts import ReportRoute
@@ -54,6 +55,7 @@ from workers.protocol import WorkerResult
 if TYPE_CHECKING:
     from ray.actor import ActorHandle
 
+    from orchestrator.control.launched import Launch
     from workers.profiling import CaptureRequest
 
 log = logging.getLogger(__name__)
@@ -108,21 +110,23 @@ class WorkerGroup(Protocol):
 class RayWorkerGroup:
     """`HostWorker` actors in a placement group on one slice's hosts."""
 
-    def __init__(self, store: Store, home: Home, job_id: str, spec: JobSpec, att: Attempt,
-                 workers: list[ActorHandle] | None = None, pg: PlacementGroup | None = None):
-        self.store, self.home, self.job_id, self.spec, self.att = store, home, job_id, spec, att
+    def __init__(self, store: Store, home: Home, job_id: str, spec: JobSpec, launch: Launch, *,
+                 on_lost: Callable[[str], None], workers: list[ActorHandle] | None = None,
+                 pg: PlacementGroup | None = None):
+        self.store, self.home, self.job_id, self.spec, self.launched = store, home, job_id, spec, launch
+        self.on_lost = on_lost  # a slice whose host is gone (`Placement.mark_lost`)
         self.workers: list[ActorHandle] = workers or []  # rank order: slice-major
         self.pg = pg
-        self.slices = att.slices
+        self.slices = list(launch.slices)
         self.hosts = sum(s.tpu_type.hosts for s in self.slices)
 
     def launch(self) -> Outcome | None:
-        att, spec, slices = self.att, self.spec, self.slices
+        launch, spec, slices = self.launched, self.spec, self.slices
         t, first = slices[0].tpu_type, slices[0]
         timeout = spec.recovery.start_timeout_s
         hosts = [h for s in slices for h in s.hosts]
         bundles = [{"TPU": float(t.chips_per_host), h.resource: 1.0} for h in hosts]
-        self.pg = placement_group(bundles, strategy="STRICT_SPREAD", name=pg_name(first.name, att.generation),
+        self.pg = placement_group(bundles, strategy="STRICT_SPREAD", name=pg_name(first.name, launch.generation),
                                   lifetime="detached")
         names = ", ".join(s.name for s in slices)
         where = f"slice {first.name}" if len(slices) == 1 else f"{len(slices)} slices {names}"
@@ -135,15 +139,15 @@ class RayWorkerGroup:
         code = shipping.kept(self.home.job_dir(self.job_id))
         env = shipping.runtime_env(code, ship_project=spec.provider_facts.ships_code)  # what the hosts cannot have
         # A multi-slice job's first tier: each host's copy of the state outlives its worker (`workers.memory`).
-        keeps = len(slices) > 1 or att.memory_step is not None  # or the survivors of one restore from it
+        keeps = len(slices) > 1 or launch.memory_step is not None  # or the survivors of one restore from it
         keepers = [k for s in slices for k in memory.keepers(s, env)] if keeps else [None] * len(hosts)
         actor = ray.remote(HostWorker)
         self.workers = [
             actor.options(  # type: ignore[misc]  # ray types .remote() of an actor class as the handle or the class
                 num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8, runtime_env=env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-                name=worker_name(s.name, att.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
-            .remote(job_id=self.job_id, generation=att.generation, rank=rank, num_hosts=len(hosts),
+                name=worker_name(s.name, launch.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
+            .remote(job_id=self.job_id, generation=launch.generation, rank=rank, num_hosts=len(hosts),
                     devices_per_host=t.chips_per_host, compile_cache_dir=str(self.home.compile_cache),
                     controller=_report_to(spec), workload_type=spec.workload.type,
                     claim=HostClaim(s.name, t.name, i, t.generation.chip.name))
@@ -151,15 +155,15 @@ class RayWorkerGroup:
         ]
         placed: list[dict] = ray.get([w.info.remote() for w in self.workers], timeout=timeout)
         self.store.add_event(self.job_id, Launched(first.name, [p["node_id"] for p in placed],
-                                                   [p["pid"] for p in placed], att.generation, len(slices),
+                                                   [p["pid"] for p in placed], launch.generation, len(slices),
                                                    [s.name for s in slices]),
-                             f"{len(hosts)} workers of generation {att.generation} on {where}, "
+                             f"{len(hosts)} workers of generation {launch.generation} on {where}, "
                              f"{_platforms([p.get('platform') for p in placed])}")
         coordinator: str | None = None
         if len(hosts) > 1:
             # Ray types an actor handle's methods as Never.
             coordinator = ray.get(self.workers[0].coordinator_address.remote(), timeout=120)  # type: ignore[assignment]
-        workload = workload_for(spec, t.chips, t.hosts, slices=len(slices), memory_step=att.memory_step)
+        workload = workload_for(spec, t.chips, t.hosts, slices=len(slices), memory_step=launch.memory_step)
         if code is not None:
             workload["workdir"] = None  # the shipped copy (the runtime environment's working_dir), not the folder
         workload["programs"] = launch_programs(self.home, self.job_id, spec, t, len(slices))  # compiled ahead
@@ -202,7 +206,7 @@ class RayWorkerGroup:
 
     def died(self, error: WorkerGone) -> Outcome:
         at = time.time()
-        placed = _placed(self.store, self.job_id, self.att.generation)
+        placed = _placed(self.store, self.job_id, self.launched.generation)
         dead = [rank for rank, w in enumerate(self.workers) if not _answers(w)]
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         dead = [rank for rank in dead if rank < len(placed)]
@@ -248,8 +252,8 @@ class RayWorkerGroup:
         self.workers, self.pg = [], None
 
     def _lost(self, rank: int) -> None:
-        if (name := self.att.slice_of(rank)) is not None:
-            self.att.lost.add(name)
+        if (name := self.launched.slice_of(rank)) is not None:
+            self.on_lost(name)
 
     def _log_lines(self, rank: int, lines: list[str]) -> None:
         """Lines into the job's log (`orchestrator logs`), as the host's own."""

@@ -2,7 +2,7 @@
 job's slices, the step the survivors of a lost slice can all restore, and the keepers' end with their slice.
 
 A keeper lives as long as its slice is held, across the generations of workers on it; it
-goes when the slice is released (`Attempt.teardown`), and with its host when the host goes.
+goes when the slice is released (`Placement.teardown`), and with its host when the host goes.
 """
 
 from __future__ import annotations

@@ -11,8 +11,10 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator import catalog
 from orchestrator.cluster.home import Home
-from orchestrator.control.driver import JobDriver
+from orchestrator.control.autoscaler import Choice, Key
+from orchestrator.control.job.driver import JobDriver
 from orchestrator.control.queue import AdmissionQueue
 from orchestrator.control.store_faults import HeldWrites, StoreHealth
 from orchestrator.domain.spec import JobSpec
@@ -20,6 +22,9 @@ from orchestrator.providers.base import CapacityError, Host, Slice, SliceEvent, 
 from orchestrator.state.events import SliceChanged
 from orchestrator.state.states import SliceState
 from orchestrator.state.store import Store
+from policies.cost.moves import Move
+from policies.cost.slice_options import Option
+from policies.cost.snapshot import Decision
 from workers.protocol import Ending, Ready, Saved, StepDone, Timings, WorkerResult
 
 
@@ -126,10 +131,11 @@ class World:
     def provider_for(self, spec: JobSpec) -> FakeProvider:
         return self.provider
 
-    def submit(self, spec: dict, job_id: str = "job") -> JobDriver:
+    def submit(self, spec: dict, job_id: str = "job", *, policy: ScriptedPolicy | None = None) -> JobDriver:
+        """The job's driver; `policy`: a scripted cost policy in place of the real one."""
         parsed = JobSpec.from_dict(spec).with_checkpoint_directory(str(self.home.root / "ckpt"))
         self.store.create_job(job_id, parsed.name, parsed.model_dump(mode="json"))
-        return JobDriver(self, job_id, groups=self.group_for)  # type: ignore[arg-type]  # a World stands for the Controller
+        return JobDriver(self, job_id, groups=self.group_for, policy=policy)
 
     def group_for(self, driver: JobDriver, spec: JobSpec) -> ScriptedGroup:
         group = ScriptedGroup(self, driver, spec)
@@ -151,11 +157,13 @@ class ScriptedGroup:
 
     def __init__(self, world: World, driver: JobDriver, spec: JobSpec):
         self.world, self.driver, self.spec = world, driver, spec
-        self.generation = driver.att.generation
-        self.slices = [s.name for s in driver.att.slices]
-        self.hosts = sum(s.tpu_type.hosts for s in driver.att.slices)
-        self.slice_name = driver.att.held_slice.name
-        self.memory_step = driver.att.memory_step  # restore from the survivors' memory, not storage
+        launch = driver.launched
+        assert launch is not None, "a group is made for a launch"
+        self.generation = launch.generation
+        self.slices = [s.name for s in launch.slices]
+        self.hosts = launch.hosts
+        self.slice_name = launch.first.name
+        self.memory_step = launch.memory_step  # restore from the survivors' memory, not storage
         self.step = -1  # the last step done
         self.stop_reason: str | None = None
         self.stopped = False
@@ -215,9 +223,33 @@ class ScriptedGroup:
         self.stopped = True
 
 
+class ScriptedPolicy:
+    """A cost policy that answers what the test's `decide(spec, current, waiting=..., ready=...)` says
+    (set once the test has the driver its script reads)."""
+
+    def __init__(self) -> None:
+        self.decide: Callable[..., Choice] | None = None
+
+    def choose(self, spec: JobSpec, current: Key | None, *, waiting: Key | None, ready: bool) -> Choice:
+        assert self.decide is not None, "the test sets its script before the driver runs"
+        return self.decide(spec, current, waiting=waiting, ready=ready)
+
+
 def spec(**extra) -> dict:
     return {"name": "job", "accelerator": "v4-16", "tier": "spot",
             "workload": {"type": "lm", "steps": 20, "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64},
                          "seq_len": 16, "global_batch_size": 16},
             "checkpoint": {"interval_steps": 5}, **extra}
 
+
+def choice(move: Move | None, accelerator: str | None, count: int = 1) -> Choice:
+    """A scripted policy's answer: run `count` x `accelerator` spot (None: none) by way of `move`."""
+    decision = Decision(option=None, reason="scripted", expected_cost_usd=1.0, expected_finish_s=0.0)
+    return Choice(accelerator, "spot" if accelerator else None, decision, None, move, count)
+
+
+def option(name: str, count: int = 1) -> Option:
+    """`count` spot slices of `name`, as the policy names them in a move."""
+    t = catalog.lookup(name)
+    return Option(name, count * t.chips, count * t.hosts, "spot", count * t.usd_per_hour(catalog.Tier.SPOT),
+                  count * 1000.0, count=count)

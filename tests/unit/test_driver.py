@@ -12,16 +12,13 @@ import time
 
 import pytest
 
-from orchestrator.control import watch
-from orchestrator.control.autoscaler import Choice
+from orchestrator.control.job import watch
 from orchestrator.observe.goodput import billed_slices
 from orchestrator.providers.base import SliceEventKind
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import FailedBecause, JobState, SliceState
 from policies.cost.moves import Move
-from policies.cost.slice_options import Option
-from policies.cost.snapshot import Decision
-from tests.unit.driver_world import World, spec
+from tests.unit.driver_world import ScriptedPolicy, World, choice, option, spec
 
 
 @pytest.fixture
@@ -172,7 +169,7 @@ def test_a_transition_the_store_refuses_stops_the_driver_loudly(world, caplog):
             world.store.transition("job", JobState.RESIZING, "someone else's write")
 
     world.on_step = another_writer_moves_the_job
-    with caplog.at_level(logging.ERROR, logger="orchestrator.control.driver"):
+    with caplog.at_level(logging.ERROR, logger="orchestrator.control.job.loop"):
         world.run(driver)
     job = world.store.job("job")
     assert job.state is JobState.FAILED and job.cause == FailedBecause.CONTROLLER.value
@@ -184,22 +181,23 @@ def test_a_transition_the_store_refuses_stops_the_driver_loudly(world, caplog):
 
 
 def test_a_make_before_break_move_switches_to_the_slice_that_came_ready_beside(world):
-    driver = world.submit(spec(autoscaling={"accelerators": ["v4-16", "v4-32"]}, deadline="PT24H"))
+    policy = ScriptedPolicy()
+    driver = world.submit(spec(autoscaling={"accelerators": ["v4-16", "v4-32"]}, deadline="PT24H"), policy=policy)
     moving = {}
 
-    def decide(spec_, current, *, ready=False):
+    def decide(spec_, current, *, waiting=None, ready=False):
         if current is None:  # before the first provisioning: v4-16 spot
             return choice(Move(target=option("v4-16")), "v4-16")
-        if driver.att.generation == 1 and driver.att.last_step >= 4 and driver.att.waiting is None and not moving:
-            moving["asked_at"] = driver.att.last_step
+        if driver.progress.generation == 1 and driver.progress.last_step >= 4 and waiting is None and not moving:
+            moving["asked_at"] = driver.progress.last_step
             return choice(Move(target=option("v4-32"), request=option("v4-32")), "v4-16")
         if ready:
             return choice(Move(target=option("v4-32"), switch=True), "v4-32")
         return choice(None, spec_.accelerator)
 
-    driver._decide = decide
-    driver.att.next_decision = 0.0
-    world.on_step = lambda group, step: setattr(driver.att, "next_decision", 0.0)  # ask the policy every poll
+    policy.decide = decide
+    driver.moves.ask_now()
+    world.on_step = lambda group, step: driver.moves.ask_now()  # ask the policy every poll
     world.run(driver)
     job = world.store.job("job")
     assert job.state is JobState.SUCCEEDED and job.spec.accelerator == "v4-32"
@@ -219,25 +217,27 @@ def test_an_autoscaled_job_takes_the_slices_it_can_get_then_adds_one_beside_them
     """The policy chooses 2 x v4-16 spot while the zone has room for one: the job starts on the one
     (the other request is let go), and when capacity comes the policy's grow asks for one slice
     beside it, which the job switches onto at a committed step, keeping the running one."""
-    driver = world.submit(spec(autoscaling={"accelerators": ["v4-16"], "max_slices": 2}, deadline="PT24H"))
+    policy = ScriptedPolicy()
+    driver = world.submit(spec(autoscaling={"accelerators": ["v4-16"], "max_slices": 2}, deadline="PT24H"),
+                          policy=policy)
     world.provider.spot_slots = 1
     two = option("v4-16", 2)
     seen = []
 
-    def decide(spec_, current, *, ready=False):
-        seen.append((current, driver.att.waiting.key if driver.att.waiting else None, ready))
+    def decide(spec_, current, *, waiting=None, ready=False):
+        seen.append((current, waiting, ready))
         if current is None:
             return choice(Move(target=two), "v4-16", 2)
         if ready:
             return choice(Move(target=two, switch=True), "v4-16", 2)
-        if current == ("v4-16", "spot", 1) and driver.att.last_step >= 4 and driver.att.waiting is None:
+        if current == ("v4-16", "spot", 1) and driver.progress.last_step >= 4 and waiting is None:
             world.provider.spot_slots = 2  # capacity for the second came
             return choice(Move(target=two, request=two, beside=True), "v4-16", 2)
         return choice(Move(target=option("v4-16", current[2])), "v4-16", current[2])
 
-    driver._decide = decide
-    driver.att.next_decision = 0.0
-    world.on_step = lambda group, step: setattr(driver.att, "next_decision", 0.0)  # ask the policy every poll
+    policy.decide = decide
+    driver.moves.ask_now()
+    world.on_step = lambda group, step: driver.moves.ask_now()  # ask the policy every poll
     world.run(driver)
     job = world.store.job("job")
     assert job.state is JobState.SUCCEEDED and job.failures == 0 and job.spec.slices == 2
@@ -262,28 +262,29 @@ def test_an_autoscaled_job_that_loses_one_of_its_slices_goes_on_from_memory_and_
     """2 x v4-16 chosen by the policy; a host of the second slice goes: the job goes on on the first
     from memory (its spec now says 1 slice, as the policy is told), and the policy's grow adds one
     beside it, make-before-break."""
+    policy = ScriptedPolicy()
     driver = world.submit(spec(autoscaling={"accelerators": ["v4-16"], "max_slices": 2}, deadline="PT24H",
-                               workload={**spec()["workload"], "steps": 30}))
+                               workload={**spec()["workload"], "steps": 30}), policy=policy)
     two = option("v4-16", 2)
     told = []
 
-    def decide(spec_, current, *, ready=False):
+    def decide(spec_, current, *, waiting=None, ready=False):
         told.append(current)
         if current is None:
             return choice(Move(target=two), "v4-16", 2)
         if ready:
             return choice(Move(target=two, switch=True), "v4-16", 2)
-        if current == ("v4-16", "spot", 1) and driver.att.last_step >= 12 and driver.att.waiting is None:
+        if current == ("v4-16", "spot", 1) and driver.progress.last_step >= 12 and waiting is None:
             return choice(Move(target=two, request=two, beside=True), "v4-16", 2)
         return choice(Move(target=option("v4-16", current[2])), "v4-16", current[2])
 
     def lose_a_slice(group, step):
-        driver.att.next_decision = 0.0  # ask the policy every poll
+        driver.moves.ask_now()  # ask the policy every poll
         if group.generation == 1 and step == 7:
             world.lost_memory.add(group.slices[1])
             world.provider.send(group.slices[1], SliceEventKind.HOST_LOST, "host 1 of the second slice vanished")
 
-    driver._decide = decide
+    policy.decide = decide
     world.on_step = lose_a_slice
     world.run(driver)
     job = world.store.job("job")
@@ -299,22 +300,23 @@ def test_an_autoscaled_job_that_loses_one_of_its_slices_goes_on_from_memory_and_
 
 
 def test_a_move_to_several_slices_of_another_type_waits_for_all_of_them_then_releases_the_old_slice(world):
+    policy = ScriptedPolicy()
     driver = world.submit(spec(accelerator="v4-32", autoscaling={"accelerators": ["v4-16", "v4-32"],
-                                                                  "max_slices": 2}, deadline="PT24H"))
+                                                                  "max_slices": 2}, deadline="PT24H"), policy=policy)
     two = option("v4-16", 2)
 
-    def decide(spec_, current, *, ready=False):
+    def decide(spec_, current, *, waiting=None, ready=False):
         if current is None:
             return choice(Move(target=option("v4-32")), "v4-32")
         if ready:
             return choice(Move(target=two, switch=True), "v4-16", 2)
-        if current == ("v4-32", "spot", 1) and driver.att.last_step >= 3 and driver.att.waiting is None:
+        if current == ("v4-32", "spot", 1) and driver.progress.last_step >= 3 and waiting is None:
             return choice(Move(target=two, request=two, beside=True), "v4-16", 2)
         return choice(Move(target=option(current[0], current[2])), current[0], current[2])
 
-    driver._decide = decide
-    driver.att.next_decision = 0.0
-    world.on_step = lambda group, step: setattr(driver.att, "next_decision", 0.0)
+    policy.decide = decide
+    driver.moves.ask_now()
+    world.on_step = lambda group, step: driver.moves.ask_now()
     world.run(driver)
     job = world.store.job("job")
     assert job.state is JobState.SUCCEEDED and (job.spec.accelerator, job.spec.slices) == ("v4-16", 2)
@@ -330,16 +332,17 @@ def test_a_move_to_several_slices_of_another_type_waits_for_all_of_them_then_rel
 def test_a_refused_request_is_followed_by_the_policys_next_choice_without_a_failure(world):
     """An autoscaled job's spot request refused at once: the policy is asked again and its next choice
     requested (PROVISIONING again, an allowed move), spending no failure and queueing nothing."""
-    driver = world.submit(spec(autoscaling={"accelerators": ["v4-16", "v4-32"]}, deadline="PT24H"))
+    policy = ScriptedPolicy()
+    driver = world.submit(spec(autoscaling={"accelerators": ["v4-16", "v4-32"]}, deadline="PT24H"), policy=policy)
     world.provider.refuse = ["v4-32"]
     asked = []
 
-    def decide(spec_, current, *, ready=False):
+    def decide(spec_, current, *, waiting=None, ready=False):
         asked.append(current)
         name = "v4-32" if len(asked) == 1 else "v4-16"  # the big one first; refused, the small one
         return choice(Move(target=option(name)), name)
 
-    driver._decide = decide
+    policy.decide = decide
     world.run(driver)
     job = world.store.job("job")
     assert job.state is JobState.SUCCEEDED and job.failures == 0 and job.spec.accelerator == "v4-16"
@@ -378,19 +381,6 @@ def test_a_budget_stop_ends_the_job_failed_budget_at_a_committed_step(world, mon
     assert 0.03 < spent <= 0.05  # it trained on most of the cap and did not pass it
 
 
-def choice(move, accelerator, count=1):
-    decision = Decision(option=None, reason="scripted", expected_cost_usd=1.0, expected_finish_s=0.0)
-    return Choice(accelerator, "spot" if accelerator else None, decision, None, move, count)
-
-
-def option(name, count=1):
-    from orchestrator import catalog
-
-    t = catalog.lookup(name)
-    return Option(name, count * t.chips, count * t.hosts, "spot", count * t.usd_per_hour(catalog.Tier.SPOT),
-                  count * 1000.0, count=count)
-
-
 @pytest.mark.parametrize("accelerators, max_slices, hosts, chips", [
     (["v4-16"], 1, 8, 8), (["v4-16"], 2, 8, 16), (["v4-16"], 4, 8, 32),  # v4-16 x 4: 32 chips on 8 hosts
     (["v4-16"], 4, 6, 24),  # this machine's 6 hosts hold 3 of them
@@ -401,7 +391,10 @@ def test_the_spot_chips_a_job_may_ask_for_count_the_slices_it_may_hold(world, ac
     driver = world.submit(spec(autoscaling={"accelerators": accelerators, "max_slices": max_slices},
                                deadline="PT24H"))
     world.provider.max_hosts = hosts
-    assert driver._spot_chips_available(driver.spec()) == chips
+    from orchestrator.control.job.policy import StoredFactsPolicy
+
+    assert isinstance(driver.policy, StoredFactsPolicy)  # the real policy, when no test scripts one
+    assert driver.policy.spot_chips_available(driver.spec()) == chips
 
 
 def test_a_generation_lost_before_its_first_step_is_lost_where_it_restored(world, monkeypatch):

@@ -1,9 +1,10 @@
-"""What a job's workers report, as its driver records it (`JobDriver` is a `ReportsMixin`).
+"""What a job's workers report, recorded: the report sink, the one writer of the job's progress.
 
 Heartbeats, steps, saves, notices, restores and log lines arrive through the controller
 (`report`); each is written through the store's `HeldWrites`, so a report never waits for
 the store nor raises. Before a worker group is torn down, `catch_up` records the steps whose
-reports are still in flight.
+reports are still in flight. Progress (`started`, `last_step`, the last disruption, ...) is
+written here only; the driver tells the sink when a launch begins and when the job was disrupted.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from orchestrator.control.job.stop import StopRequest, Stops
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError
 from orchestrator.state.events import (
@@ -42,29 +44,65 @@ from workers.protocol import (
 )
 
 if TYPE_CHECKING:
-    from orchestrator.control.attempt import Attempt
     from orchestrator.control.captures import Captures
     from orchestrator.control.compile_ahead import ProgramsAhead
-    from orchestrator.control.controller import Controller
+    from orchestrator.control.group import WorkerGroup
+    from orchestrator.control.job.placement import Placement
+    from orchestrator.control.job.services import JobServices
+    from orchestrator.control.launched import Launch
     from orchestrator.control.limits import Limits
-    from orchestrator.state.store import Store
 
 log = logging.getLogger(__name__)
 
 
-class ReportsMixin:
-    """Workers' reports for `JobDriver` (which holds `plane`, `store`, `job_id`, `att`, `captures`, `limits`)."""
+class ReportSink:
+    def __init__(self, services: JobServices, job_id: str, spec: Callable[[], JobSpec], *, placement: Placement,
+                 stops: Stops, captures: Captures, limits: Limits, programs: ProgramsAhead):
+        self.services, self.job_id, self.spec = services, job_id, spec
+        self.placement, self.stops, self.captures, self.limits, self.programs = (placement, stops, captures, limits,
+                                                                                 programs)
+        self._launch: Launch | None = None
+        self.generation = 0  # whose reports count
+        self.started = False  # every host of `generation` joined the runtime
+        self.accepting = False  # whether reports of `generation` still count (not once its attempt ended)
+        self.last_progress = time.monotonic()
+        self.last_step = -1  # newest step reported by worker 0 in this generation
+        self.restored_step: int | None = None  # the steps complete this generation restored (None: fresh, or not yet)
+        self.disrupted_at: float | None = None  # wall time of the last disruption, for "resumed after"
+        self.disrupted_step: int | None = None  # steps complete when it happened
+        self.resumed = True
+        self._log_failed_at = -1e9
 
-    # What `JobDriver` holds, named here for the type checker.
-    plane: Controller
-    store: Store
-    job_id: str
-    att: Attempt
-    captures: Captures
-    limits: Limits
-    programs: ProgramsAhead
-    spec: Callable[[], JobSpec]
-    _log_failed_at: float
+    # -- what the driver tells it --------------------------------------------------------
+
+    def begin(self, launch: Launch) -> None:
+        """A new launch: reports of its generation count from now on."""
+        self._launch, self.generation = launch, launch.generation
+        self.started, self.last_step, self.accepting, self.restored_step = False, -1, True, None
+        self.last_progress = time.monotonic()
+
+    def adopted(self, launch: Launch, last_step: int) -> None:
+        """A launch of an earlier controller, its hosts joined and trained up to `last_step`."""
+        self.begin(launch)
+        self.started, self.last_step = True, last_step
+
+    def lost_with_the_cluster(self, generation: int, last_step: int) -> None:
+        """The launch went with the whole cluster; its last step recorded is `last_step`."""
+        self.generation, self.last_step = generation, last_step
+
+    def launched(self) -> None:
+        """The workers are up: the heartbeat counts from now."""
+        self.last_progress = time.monotonic()
+
+    def close(self) -> None:
+        """The attempt ended: a dying group's last words must not land after its disruption."""
+        self.accepting = False
+
+    def disrupted(self, at: float, steps_done: int) -> None:
+        """The job stood at `steps_done` at wall time `at`; the next first step says how long it took to resume."""
+        self.disrupted_at, self.disrupted_step, self.resumed = at, steps_done, False
+
+    # -- what the workers say ------------------------------------------------------------
 
     def report(self, generation: int, rank: int, report: Report, lines: list[str]) -> None:
         """Heartbeats, metrics and log lines from workers; those of an old generation are dropped.
@@ -72,27 +110,27 @@ class ReportsMixin:
         It never waits for the store and never raises (a worker sends and forgets: an error here
         would be printed by every worker at every step): what the store refuses is held.
         """
-        att, now, store, held = self.att, time.time(), self.plane.store, self.plane.held
+        now, store, held = time.time(), self.services.store, self.services.held
         if isinstance(report, ProfileDone):  # matched by its capture, whatever the generation
             self.captures.done(rank, report)
-        if generation != att.generation or not att.accepting:
+        if generation != self.generation or not self.accepting:
             return
         if lines:
             self.log_lines([f"[host-{rank}] {line}" for line in lines])
-        att.last_progress = time.monotonic()
-        if isinstance(report, Ready) and rank == 0 and not att.started:
-            att.started = True
+        self.last_progress = time.monotonic()
+        if isinstance(report, Ready) and rank == 0 and not self.started:
+            self.started = True
             change = StateChange(init_s=round(report.init_s, 3), generation=generation)
             held.add(lambda: self._transition_raw(JobState.RUNNING, "all hosts joined the runtime", change, now))
         elif isinstance(report, Timings) and rank == 0:
-            disrupted, att.restored_step = att.disrupted_step, report.restored_step
+            disrupted, self.restored_step = self.disrupted_step, report.restored_step
             held.add(lambda: self._record_restore(report, disrupted, now))
         elif isinstance(report, StepDone) and rank == 0:
-            att.last_step = report.step
+            self.last_step = report.step
             self.limits.stepped(report.step)
             resumed_after = None
-            if not att.resumed and att.disrupted_at is not None:
-                att.resumed, resumed_after = True, now - att.disrupted_at
+            if not self.resumed and self.disrupted_at is not None:
+                self.resumed, resumed_after = True, now - self.disrupted_at
             held.add(lambda: self._record_step(generation, report, resumed_after, now))
         elif isinstance(report, MemoryKept) and rank == 0:
             risk = "no step" if report.every == 1 else f"at most {report.every - 1} steps"
@@ -118,64 +156,64 @@ class ReportsMixin:
         elif isinstance(report, Saved) and rank == 0:
             held.add(lambda: store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
                                              f"saved step {report.step}", at=now))
-        elif isinstance(report, Noticed) and att.notice is None:
-            if (going := att.slice_of(rank)) is not None:
-                att.lost.add(going)  # its slice is going: a multi-slice job goes on without it
-            att.stop_requested(f"host {rank}: {report.reason}")
-            step = att.last_step + 1
+        elif isinstance(report, Noticed) and self.stops.current is None:
+            if self._launch is not None and (going := self._launch.slice_of(rank)) is not None:
+                self.placement.mark_lost(going)  # its slice is going: a multi-slice job goes on without it
+            self.stops.ask(StopRequest.notice(f"host {rank}: {report.reason}"))
+            step = self.last_step + 1
             held.add(lambda: store.add_event(self.job_id, NoticeSeen(rank, step), f"preemption notice on host "
                                              f"{rank} ({report.reason}) after step {step}", at=now))
 
     def log_lines(self, lines: list[str]) -> None:
         """Lines into the job's log (`orchestrator logs`); a log that cannot be written is logged, once a minute."""
         try:
-            with open(self.plane.home.job_dir(self.job_id) / "job.log", "a") as f:
+            with open(self.services.home.job_dir(self.job_id) / "job.log", "a") as f:
                 f.writelines(f"{line}\n" for line in lines)
         except OSError as e:
             if time.monotonic() - self._log_failed_at > 60:
                 self._log_failed_at = time.monotonic()
                 log.warning("job %s: cannot write its log (lines are dropped): %s", self.job_id, e)
 
+    def record_missed(self, generation: int, history: list[dict]) -> int:
+        """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
+        store = self.services.store
+        known = {m.step for m in store.steps(self.job_id)}
+        # A step whose loss the worker has not read back yet (reads lag the step) is not recorded.
+        missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"), h.get("at"), h.get("metrics"))
+                  for h in history if h["step"] not in known and h.get("loss") is not None]
+        store.record_steps(self.job_id, generation, missed)  # one transaction, each row at its own time
+        return len(missed)
+
+    def catch_up(self, outcome: Outcome, group: WorkerGroup | None) -> None:
+        """Before a group is torn down, record the steps whose reports are still in flight.
+
+        Not after a host was lost: a dead host's worker may not answer, and recovery must not wait for it.
+        """
+        if group is None or not self.started or outcome.kind is OutcomeKind.INFRA_LOST:
+            return
+        history = group.history()
+        if history is None:  # the worker went with its host after all: what is recorded is what there is
+            return
+        self.accepting = False
+        self.record_missed(self.generation, history)
+        self.last_step = max([self.last_step, *(h["step"] for h in history)])
+
     def _transition_raw(self, target: JobState, reason: str, data: StateChange, at: float) -> None:
         """A transition written by `HeldWrites` (the store's own, not waiting: it is retried from there)."""
         try:
-            self.plane.store.transition(self.job_id, target, reason, data=data, at=at)
+            self.services.store.transition(self.job_id, target, reason, data=data, at=at)
         except IllegalTransitionError as e:
             log.warning("job %s: %s", self.job_id, e)
 
     def _record_step(self, generation: int, r: StepDone, resumed_after: float | None, at: float) -> None:
-        store = self.plane.store
+        store = self.services.store
         store.record_steps(self.job_id, generation, [(r.step, r.loss, r.tokens_per_s, r.step_time_s, at, r.metrics)])
         if resumed_after is not None:
             store.add_event(self.job_id, Resumed(resumed_after, r.step + 1),
                             f"resumed after {resumed_after:.1f} s (first step done: {r.step + 1})", at=at)
 
-    def record_missed(self, generation: int, history: list[dict]) -> int:
-        """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
-        known = {m.step for m in self.store.steps(self.job_id)}
-        # A step whose loss the worker has not read back yet (reads lag the step) is not recorded.
-        missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"), h.get("at"), h.get("metrics"))
-                  for h in history if h["step"] not in known and h.get("loss") is not None]
-        self.store.record_steps(self.job_id, generation, missed)  # one transaction, each row at its own time
-        return len(missed)
-
-    def catch_up(self, outcome: Outcome) -> None:
-        """Before a group is torn down, record the steps whose reports are still in flight.
-
-        Not after a host was lost: a dead host's worker may not answer, and recovery must not wait for it.
-        """
-        att = self.att
-        if att.group is None or not att.started or outcome.kind is OutcomeKind.INFRA_LOST:
-            return
-        history = att.group.history()
-        if history is None:  # the worker went with its host after all: what is recorded is what there is
-            return
-        att.accepting = False
-        self.record_missed(att.generation, history)
-        att.last_step = max([att.last_step, *(h["step"] for h in history)])
-
     def _record_restore(self, t: Timings, disrupted_step: int | None, at: float) -> None:
-        store = self.plane.store  # written by `HeldWrites`: the store's own
+        store = self.services.store  # written by `HeldWrites`: the store's own
         restored, unreadable = t.restored_step, list(t.unreadable)
         what = f"restored step {restored}" if restored is not None else "started from scratch"
         if t.source == "memory":

@@ -14,11 +14,14 @@ for the heartbeat timeout is a hang only while every worker still answers.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from orchestrator.control.attempt import Attempt
 from orchestrator.control.group import PING_S, WorkerGone, WorkerGroup
+from orchestrator.control.job.stop import StopRequest, Stops
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import SliceEventKind
 from orchestrator.state.store import Store
@@ -31,58 +34,75 @@ from policies.decisions.recovery import (
     results_outcome,
 )
 
+if TYPE_CHECKING:
+    from orchestrator.control.job.placement import Placement
+    from orchestrator.control.job.reports import ReportSink
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.25
 SETTLE_S = 1.0  # how long a failure waits for word that a host died (the others fail within seconds of it)
 
 
-def watch(store: Store, job_id: str, spec: JobSpec, att: Attempt, *, on_poll: Callable[[], None]) -> Outcome:
+@dataclass(frozen=True)
+class Watched:
+    """What watching a launch reads (its group, slices, stop request, the user's cancel, its progress),
+    and the two things it may do: mark a slice lost (`Placement.mark_lost`) and ask a stop (`Stops.ask`)."""
+
+    group: WorkerGroup
+    placement: Placement
+    stops: Stops
+    cancelled: threading.Event
+    progress: ReportSink
+
+
+def watch(store: Store, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Callable[[], None]) -> Outcome:
     """Block until the attempt's group ends; `on_poll` runs once a poll (the autoscaler's chance to move the job)."""
-    group = att.held_group
+    group = run.group
     hang_limit, grace = spec.recovery.heartbeat_timeout_s, spec.recovery.grace_period_s
     stop_sent = False
     while True:
-        if (ended := _provider_says(att)) is not None:
+        if (ended := _provider_says(run)) is not None:
             return ended
         try:
             results = group.results(timeout_s=0.5)  # None: slow to answer; the heartbeat timeout decides
         except WorkerGone as e:
-            return worker_died(store, job_id, att, e)
+            return worker_died(store, job_id, run, e)
         if results is not None:
-            outcome = results_outcome(results, resizing_to=att.resize_to, notice=att.notice)
+            stop = run.stops.current
+            outcome = results_outcome(results, notice=stop.reason if stop is not None else None,
+                                      resizing_to=stop.target.accelerator if stop and stop.target else None)
             if outcome is not None and outcome.kind in FAILURES:
-                return _confirm_failure(store, job_id, att, outcome)
+                return _confirm_failure(store, job_id, run, outcome)
             if outcome is not None:
                 if outcome.kind is OutcomeKind.SUCCEEDED:
                     first = results[0]
                     assert first is not None, "every host has its result when the job succeeded"
                     store.update_job(job_id, result={"steps": first.steps, "param_sums": first.param_sums})
                 return outcome
-        if att.cancel.is_set() or store.job(job_id).cancel_requested:
-            stop_for_cancel(att, stop_sent, grace)
+        if run.cancelled.is_set() or store.job(job_id).cancel_requested:
+            stop_for_cancel(run, stop_sent, grace)
             return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
-        if att.notice is not None:
+        if (stop := run.stops.current) is not None:
             if not stop_sent:  # every host stops after the same step, with a committed checkpoint
-                group.request_stop(att.notice)
+                group.request_stop(stop.reason)
                 stop_sent = True
-            assert att.notice_at is not None, "set with the notice (Attempt.stop_requested)"
-            if time.monotonic() - att.notice_at > grace:
-                return Outcome(OutcomeKind.PREEMPTED, f"preemption notice ({att.notice}); no checkpoint within "
+            if time.monotonic() - stop.at > grace:
+                return Outcome(OutcomeKind.PREEMPTED, f"preemption notice ({stop.reason}); no checkpoint within "
                                                       f"the {grace:.0f} s grace window")
-        if att.started and time.monotonic() - att.last_progress > hang_limit:
-            return _no_progress(store, job_id, att, hang_limit)
+        if run.progress.started and time.monotonic() - run.progress.last_progress > hang_limit:
+            return _no_progress(store, job_id, run, hang_limit)
         on_poll()
         time.sleep(POLL_S)
 
 
-def _provider_says(att: Attempt) -> Outcome | None:
+def _provider_says(run: Watched) -> Outcome | None:
     """The provider sees a host go within a poll; a notice only marks the attempt."""
     # Other slices' events stay for their own drivers.
-    for ev in att.chosen_provider.poll_events(slices=[s.name for s in att.slices]):
-        att.lost.add(ev.slice_name)  # going (a notice) or gone: the others may go on without it
+    for ev in run.placement.provider.poll_events(slices=[s.name for s in run.placement.slices]):
+        run.placement.mark_lost(ev.slice_name)  # going (a notice) or gone: the others may go on without it
         if ev.kind is SliceEventKind.PREEMPTION_NOTICE:
-            att.stop_requested(ev.reason)
+            run.stops.ask(StopRequest.notice(ev.reason))
         else:
             kind = OutcomeKind.PREEMPTED if ev.kind is SliceEventKind.RECLAIMED else OutcomeKind.INFRA_LOST
             return Outcome(kind, ev.reason)
@@ -93,69 +113,70 @@ FAILURES = (OutcomeKind.APP_FAILED, OutcomeKind.USER_EXIT, OutcomeKind.IMPORT_ER
             OutcomeKind.PLATFORM_FAILED, OutcomeKind.FOLDER_TAKEN)
 
 
-def _host_lost(att: Attempt) -> str | None:
+def _host_lost(run: Watched) -> str | None:
     """The provider's word that a host of the slice went, waiting up to SETTLE_S for it."""
     deadline = time.monotonic() + SETTLE_S
     while True:
-        lost = att.chosen_provider.poll_events(slices=[s.name for s in att.slices])
+        lost = run.placement.provider.poll_events(slices=[s.name for s in run.placement.slices])
         if lost:
-            att.lost.update(e.slice_name for e in lost)
+            for e in lost:
+                run.placement.mark_lost(e.slice_name)
             return lost[0].reason
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.1)
 
 
-def _no_progress(store: Store, job_id: str, att: Attempt, hang_limit: float) -> Outcome:
+def _no_progress(store: Store, job_id: str, run: Watched, hang_limit: float) -> Outcome:
     """No step for the heartbeat timeout: a host or worker gone if one is, else a hang."""
     at = time.time()
-    died, silent = att.held_group.ping()
+    died, silent = run.group.ping()
     if died is not None:
-        return worker_died(store, job_id, att, died)
+        return worker_died(store, job_id, run, died)
     if silent:
         return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} (no answer within {PING_S:.0f} s, and no step "
                                                f"for {hang_limit:.0f} s)", at=at)
     return Outcome(OutcomeKind.HUNG, f"no step for {hang_limit:.0f} s while every worker answers {HUNG}", at=at)
 
 
-def worker_died(store: Store, job_id: str, att: Attempt, error: WorkerGone) -> Outcome:
+def worker_died(store: Store, job_id: str, run: Watched, error: WorkerGone) -> Outcome:
     """A worker's process is gone: its host went (INFRA_LOST), or it died on a host still up (WORKER_ABORTED).
 
     The host went if the provider says so; then nothing more is asked of it. Otherwise the group
     finds out where the worker ran (`WorkerGroup.died`).
     """
     at = time.time()
-    if (lost := _host_lost(att)) is not None:
+    if (lost := _host_lost(run)) is not None:
         return Outcome(OutcomeKind.INFRA_LOST, lost, at=at)
-    return att.held_group.died(error)
+    return run.group.died(error)
 
 
-def _confirm_failure(store: Store, job_id: str, att: Attempt, failure: Outcome) -> Outcome:
+def _confirm_failure(store: Store, job_id: str, run: Watched, failure: Outcome) -> Outcome:
     """Gather what `classify_failure` needs: did a host die (waiting up to SETTLE_S for the word), does
     every worker answer. A worker whose process died meanwhile is asked about as `worker_died` does."""
-    host_lost = _host_lost(att)
+    host_lost = _host_lost(run)
     unreachable = None
     if host_lost is None:
-        died, silent = att.held_group.ping()
+        died, silent = run.group.ping()
         if died is not None:
-            return worker_died(store, job_id, att, died)
+            return worker_died(store, job_id, run, died)
         if silent:
             unreachable = f"host {silent[0]} answered no ping within {PING_S:.0f} s"
     return classify_failure(failure, host_lost=host_lost, unreachable=unreachable)
 
 
-def stop_for_cancel(att: Attempt, stop_sent: bool, grace: float) -> None:
+def stop_for_cancel(run: Watched, stop_sent: bool, grace: float) -> None:
     """Stop every host after the same step with that step's checkpoint committed, as a notice would.
 
     So a cancelled job loses nothing: resubmitted with the same checkpoint directory, it
     goes on from the step it reached. Hosts that do not stop within the grace period are
     killed like any others.
     """
-    if not att.started:
+    if not run.progress.started:
         return
-    group: WorkerGroup = att.held_group
+    group: WorkerGroup = run.group
     if not stop_sent:
-        att.stop_requested("cancelled by the user")  # the hosts' own "notice" reports are this stop
+        run.stops.ask(StopRequest.cancel())  # the hosts' own "notice" reports are this stop
         group.request_stop("cancelled by the user")
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:

@@ -1,0 +1,181 @@
+"""The job's state machine, one attempt at a time: the driver's thread runs `main`.
+
+An attempt: wait for a turn in the queue, hold READY slices (a provisioning, or what the last
+attempt left ready: survivors, a move's or a regrow's slices), launch generation N on them, watch
+it to its typed `Outcome`, tear down. `after` records the outcome and does what
+`policies.decisions.recovery.after` names: succeed, fail, cancel, recover, or relaunch where the
+stop request said (RESIZING).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from orchestrator.control.job.ending import (
+    FAILED_BECAUSE,
+    NOT_DISRUPTED,
+    finished_at_submit,
+    finished_before,
+    worker_aborts,
+)
+from orchestrator.control.job.watch import watch
+from orchestrator.control.launch import write_fence
+from orchestrator.errors import IllegalTransitionError, ProvisioningError
+from orchestrator.providers.base import CapacityError
+from orchestrator.state.events import Disrupted, StateChange
+from orchestrator.state.states import FailedBecause, JobState
+from policies.decisions.recovery import Budgets, Next, Outcome, OutcomeKind, after
+
+if TYPE_CHECKING:
+    from orchestrator.control.job.driver import JobDriver
+
+log = logging.getLogger(__name__)
+
+
+def main(d: JobDriver, on_exit: Callable[[str], None]) -> None:
+    try:
+        if d.adopted:  # a group started by the previous controller: watch it to its end first
+            try:
+                outcome = watch(d.store, d.job_id, d.spec(), d.watched(), on_poll=d.on_poll)
+                d.progress.catch_up(outcome, d.group)
+            finally:
+                d.teardown()
+            after_attempt(d, outcome)
+        elif (finished := finished_at_submit(d.store, d.job_id)) is not None:  # nothing to provision or restore
+            steps, why = finished
+            d.store.update_job(d.job_id, result={"steps": steps})
+            d.transition(JobState.SUCCEEDED, why)
+        while not d.store.job(d.job_id).state.terminal:
+            after_attempt(d, attempt(d))
+    except Exception as e:  # a bug of ours: end the job visibly rather than leave it hanging
+        log.exception("job %s: controller error", d.job_id)
+        d.teardown()
+        try:
+            d.transition(JobState.FAILED, f"controller error: {type(e).__name__}: {e}", cause=FailedBecause.CONTROLLER)
+        except IllegalTransitionError:  # it ended meanwhile (its state says how)
+            log.exception("job %s: could not record the controller error", d.job_id)
+    finally:
+        d.placement.release_all("the job is over")
+        on_exit(d.job_id)
+
+
+def attempt(d: JobDriver) -> Outcome:
+    job_id, placement = d.job_id, d.placement
+    refused, refusals, queued_since = None, 0, None
+    t0 = time.monotonic()
+    while not placement.ready:  # until slices are ready: a request refused for capacity goes back to the queue
+        job, spec = d.store.job(job_id), d.spec()
+        if job.cancel_requested or d.cancelled.is_set():
+            return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
+        if spec.autoscaling is not None:
+            spec = d.moves.before_provisioning(spec)
+        if (spent := d.limits.before_start(spec)) is not None:
+            return spent
+        ended = d.plane.queue.wait_turn(job_id, spec, d.cancelled, refused=refused, refusals=refusals,
+                                        since=queued_since, limit_s=d.user_queue_limit_s(spec))
+        if ended is not None:
+            return ended
+        d.transition(JobState.PROVISIONING, f"requesting {spec.accelerator} ({spec.tier.value})")
+        t0 = time.monotonic()
+        placement.use(d.plane.provider_for(spec))
+        try:
+            placement.provision(spec, job.generation + 1, refusals, limit_s=d.queue_limit_s(spec),
+                                still_wanted=d.moves.still_wanted)
+        except CapacityError as e:  # waiting never spends max_failures
+            refused, refusals = str(e), refusals + 1
+            queued_since = queued_since or t0
+            if spec.autoscaling is not None:  # a capacity fact for the policy, which is asked again at once
+                refused = None
+        except ProvisioningError as e:
+            return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
+    held = placement.hold_next()
+    provision_s, overlap = time.monotonic() - t0, ""
+    spec = d.on_slices(held.slices)
+    names = ", ".join(s.name for s in held.slices)
+    if held.survived_from is not None:  # the survivors of a lost slice go on, from their memory if they can
+        n = len(held.slices)
+        from_where = (f"restoring step {held.memory_step} from their memory" if held.memory_step is not None
+                      else "restoring from storage")
+        d.transition(JobState.PROVISIONING, f"going on on the {n} surviving slice{'s' if n > 1 else ''} "
+                     f"of {held.survived_from} slices ({names}), {from_where}")
+        provision_s = 0.0
+    elif held.ready_at is not None:  # a move made before break: the new slice waited beside the old one
+        provision_s = held.provision_s
+        overlap = f"; it overlapped the old slice for {time.time() - held.ready_at:.1f} s"
+        d.transition(JobState.PROVISIONING, f"slice {held.slices[0].name} ({spec.accelerator} {spec.tier.value}), "
+                     "requested beside the old one, is ready")
+    try:
+        if d.cancelled.is_set():
+            return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
+        launch = d.new_launch(held.slices, spec, held.memory_step)
+        write_fence(spec, launch.generation, job_id)
+        d.transition(JobState.STARTING, f"slice {launch.first.name} ready after {provision_s:.1f} s{overlap}; "
+                     f"starting generation {launch.generation}",
+                     data=StateChange(provision_s=round(provision_s, 3), slice=launch.first.name,
+                                      overlap_s=(round(time.time() - held.ready_at, 3)
+                                                 if held.ready_at is not None else None)))
+        group = d.start_group(spec)
+        if (failed := group.launch()) is not None:
+            return failed
+        d.progress.launched()
+        outcome = watch(d.store, job_id, spec, d.watched(), on_poll=d.on_poll)
+        d.progress.catch_up(outcome, group)
+        if outcome.kind in (OutcomeKind.INFRA_LOST, OutcomeKind.PREEMPTED):
+            placement.keep_survivors(spec, group.held_step)
+        return outcome
+    finally:
+        d.teardown()
+
+
+def after_attempt(d: JobDriver, outcome: Outcome) -> None:
+    """Record how the attempt ended, and do what the recovery rules say comes next."""
+    job, progress = d.store.job(d.job_id), d.progress
+    outcome = d.limits.outcome(outcome)
+    d.captures.attempt_ended(progress.generation, outcome.reason)
+    k = outcome.kind
+    if k is OutcomeKind.SUCCEEDED and (finished := finished_before(d.store, d.job_id)) is not None:
+        outcome = dataclasses.replace(outcome, reason=finished)
+    if k not in NOT_DISRUPTED:
+        steps_done = max(progress.last_step + 1, progress.restored_step or 0)  # lost before its first step
+        progress.disrupted(outcome.at, steps_done)  # stood where it began
+        d.store.add_event(d.job_id, Disrupted(k.value, steps_done - 1, outcome.reason, progress.generation,
+                                              time.time() - outcome.at),
+                          f"{k.value}: {outcome.reason} (after step {steps_done})", at=outcome.at)
+    rec = job.spec.recovery
+    aborts = worker_aborts(d.store, d.job_id) - (k is OutcomeKind.WORKER_ABORTED)  # the one just recorded is this
+    decided = after(outcome, preemptions=job.preemptions, failures=job.failures, aborts=aborts,
+                    budgets=Budgets(rec.max_preemptions, rec.max_failures, rec.max_aborts), jitter=d.rng.random())
+    if decided.preemptions != job.preemptions:
+        d.store.update_job(d.job_id, preemptions=decided.preemptions)
+    if decided.failures != job.failures or decided.aborts != aborts:  # the job's error: a traceback, or a native one
+        d.store.update_job(d.job_id, failures=decided.failures, error=outcome.traceback or outcome.reason)
+    if decided.next is Next.SUCCEED:
+        d.transition(JobState.SUCCEEDED, decided.reason)
+    elif decided.next is Next.CANCEL:
+        d.transition(JobState.CANCELLED, decided.reason)
+    elif decided.next is Next.FAIL:
+        d.transition(JobState.FAILED, decided.reason, cause=FAILED_BECAUSE.get(k))
+    elif decided.next is Next.RESIZE:
+        stop = d.stops.current
+        assert stop is not None and stop.target is not None, "a relaunch names its shape (the stop request)"
+        d.store.update_spec(d.job_id, job.spec.moved(stop.target.accelerator, stop.target.tier))
+        d.transition(JobState.RESIZING, decided.reason, data=StateChange(to=stop.target.accelerator))
+        progress.disrupted(time.time(), progress.last_step + 1)
+    else:
+        d.transition(JobState.RECOVERING, decided.reason, data=StateChange(outcome=k.value))
+        d.cancelled.wait(decided.backoff_s)
+
+
+def lost_with_the_cluster(d: JobDriver, generation: int) -> None:
+    """The job's workers went with the whole cluster (the restarted controller found none to adopt):
+    a host loss like any other. It is recorded and counted, and the steps after the last committed
+    checkpoint are counted as lost work when the job restores."""
+    last = d.store.last_step(d.job_id)
+    d.progress.lost_with_the_cluster(generation, last.step if last else -1)
+    after_attempt(d, Outcome(OutcomeKind.INFRA_LOST, "the cluster went down while the job ran; the restarted "
+                                                     "controller found none of its workers",
+                             at=last.at if last else time.time()))  # its last sign of life
