@@ -16,6 +16,8 @@ here, in seconds, with the field to fix, not after a slice was paid for:
 from __future__ import annotations
 
 import ipaddress
+import logging
+import subprocess
 from importlib import metadata
 from pathlib import Path
 from urllib.parse import urlparse
@@ -24,6 +26,8 @@ from orchestrator.domain import requirements
 from orchestrator.domain.spec import EntrypointWorkload, JobSpec
 
 Problem = tuple[str, str]
+
+log = logging.getLogger(__name__)
 
 
 def _loopback(host: str) -> bool:
@@ -91,8 +95,12 @@ def import_problems(spec: JobSpec, folder: str | Path | None = None) -> list[Pro
     declared, problems = requirements.read(folder)
     if problems:
         return problems
-    missing = [m for m in missing_on_hosts(list(outside), worker_image().python)
-               if m not in provided_by([r.name for r in declared])]
+    try:
+        absent = missing_on_hosts(list(outside), worker_image().python)
+    except (OSError, subprocess.SubprocessError) as e:  # no venv module here, a full disk: the hosts will tell
+        log.warning("the program's imports were not checked: the hosts' environment could not be made here (%s)", e)
+        return []
+    missing = [m for m in absent if m not in provided_by([r.name for r in declared])]
     installed = metadata.packages_distributions()
     out = []
     for m in sorted(missing):
