@@ -12,26 +12,38 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import ray
 import tenacity
 
 from orchestrator import catalog, cluster
-from orchestrator.control.attempt import pg_name, worker_name
-from orchestrator.control.group import kill_workers
+from orchestrator.control.group import kill_workers, pg_name, worker_name
 from orchestrator.control.launched import Launch
 from orchestrator.domain.provider_facts import facts
 from orchestrator.domain.shape import Shape
+from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Host, Slice, SliceProvider
+from orchestrator.providers.local import LocalProvider
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState, SliceState
-from orchestrator.state.store import JobRecord, SliceRecord
-
-if TYPE_CHECKING:
-    from orchestrator.control.controller import Controller
+from orchestrator.state.store import JobRecord, SliceRecord, Store
 
 log = logging.getLogger(__name__)
+
+
+class Reconciling(Protocol):
+    """What adoption needs of the controller that restarted."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def provider(self) -> LocalProvider: ...  # this machine's hosts
+
+    def provider_for(self, spec: JobSpec) -> SliceProvider: ...
+
+    def release_record(self, rec: SliceRecord) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -45,7 +57,7 @@ class Adoption:
     last_step: int  # the newest step its worker 0 did
 
 
-def adopt(plane: "Controller", job: JobRecord, slices: list[SliceRecord]) -> tuple[Adoption | None, list[dict]]:
+def adopt(plane: Reconciling, job: JobRecord, slices: list[SliceRecord]) -> tuple[Adoption | None, list[dict]]:
     """The job's running group as an `Adoption` (with its worker 0's step history), or None
     after stopping whatever is left of it; and the history to record (empty if none)."""
     workers, pg = [], None
@@ -101,7 +113,7 @@ def _placement_group(name: str):
         return None
 
 
-def _take_over(plane: "Controller", job: JobRecord, rec: SliceRecord, t: catalog.TpuType):
+def _take_over(plane: Reconciling, job: JobRecord, rec: SliceRecord, t: catalog.TpuType):
     """Make the slice's provider follow it again; on gcp, also give back what else carries the job's
     label in the cloud (a request an earlier controller made and the store never heard of)."""
     hosts = tuple(Host(i, r) for i, r in enumerate(rec.data["hosts"]))

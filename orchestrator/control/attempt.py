@@ -43,11 +43,3 @@ class Attempt:
             self.notice = reason
             if self.on_stop is not None:
                 self.on_stop(reason)
-
-
-def worker_name(slice_name: str, generation: int, rank: int) -> str:
-    return f"{slice_name}-g{generation}-w{rank}"
-
-
-def pg_name(slice_name: str, generation: int) -> str:
-    return f"{slice_name}-g{generation}"

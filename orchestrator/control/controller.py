@@ -33,6 +33,7 @@ from typing import cast
 from orchestrator import cluster
 from orchestrator.control import ownership, shipping
 from orchestrator.control.adoption import adopt
+from orchestrator.control.job import loop
 from orchestrator.control.job.driver import JobDriver
 from orchestrator.control.ownership import OnExisting
 from orchestrator.control.queue import AdmissionQueue
@@ -277,7 +278,7 @@ class Controller:
     def _start(self, driver: JobDriver) -> None:
         with self._lock:
             self._drivers[driver.job_id] = driver
-        driver.start(on_exit=self._forget)
+        loop.start(driver, on_exit=self._forget)
 
     def _forget(self, job_id: str) -> None:
         with self._lock:
@@ -340,7 +341,7 @@ class Controller:
                 self.store.add_event(job.id, Adopted(), f"the controller restarted and adopted the running "
                                      f"generation {job.generation} ({missed} missed steps recorded)")
             elif job.state in (JobState.STARTING, JobState.RUNNING):  # its workers went with the cluster
-                driver.lost_with_the_cluster(job.generation)
+                loop.lost_with_the_cluster(driver, job.generation)
             elif job.state not in (JobState.PENDING, JobState.QUEUED, JobState.RECOVERING):
                 driver.transition(JobState.RECOVERING, "the controller restarted; relaunching")
             self._start(driver)

@@ -30,7 +30,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from orchestrator import cluster
 from orchestrator.cluster.home import Home
 from orchestrator.control import memory, shipping
-from orchestrator.control.attempt import pg_name, worker_name
 from orchestrator.control.compile_ahead import launch_programs
 from orchestrator.control.launch import workload_for
 from orchestrator.domain.provider_facts import ReportRoute
@@ -105,6 +104,16 @@ class WorkerGroup(Protocol):
 
     def stop(self) -> None:
         """End every worker and free their places; idempotent."""
+
+
+def worker_name(slice_name: str, generation: int, rank: int) -> str:
+    """The name a restarted controller finds a worker by (`orchestrator.control.adoption`)."""
+    return f"{slice_name}-g{generation}-w{rank}"
+
+
+def pg_name(slice_name: str, generation: int) -> str:
+    """The name of a generation's placement group (after its first slice)."""
+    return f"{slice_name}-g{generation}"
 
 
 class RayWorkerGroup:

@@ -14,6 +14,7 @@ from pathlib import Path
 from orchestrator import catalog
 from orchestrator.cluster.home import Home
 from orchestrator.control.autoscaler import Choice, Key
+from orchestrator.control.job import loop
 from orchestrator.control.job.driver import JobDriver
 from orchestrator.control.queue import AdmissionQueue
 from orchestrator.control.store_faults import HeldWrites, StoreHealth
@@ -145,7 +146,7 @@ class World:
     def run(self, driver: JobDriver, timeout_s: float = 30.0) -> None:
         """Drive the job to its end (the driver's own thread), or fail the test after `timeout_s`."""
         done = threading.Event()
-        driver.start(lambda job_id: done.set())
+        loop.start(driver, lambda job_id: done.set())
         if not done.wait(timeout_s):
             driver.cancel()
             raise AssertionError(f"the driver did not end within {timeout_s} s")

@@ -6,8 +6,9 @@ The pieces, and what each one owns (the only code that writes it):
 - `driver.JobDriver` assembles the pieces for one job and answers the controller (report, cancel,
   resize, a snapshot for the budget, captures and compile-ahead: `view`). It owns the current
   launch's record (`launched`) and its workers (`group`).
-- `loop` is the state machine: queue, provision, launch, watch, tear down, and what the recovery
-  rules say after each attempt (`policies.decisions.recovery.after`).
+- `loop` is the state machine (`loop.start` runs it on the job's own thread): queue, provision,
+  launch, watch (`watch`), tear down, and what the recovery rules say after each attempt
+  (`policies.decisions.recovery.after`).
 - `placement.Placement` owns where the job runs: the held slices, the ready slices the next launch
   goes on, the lost ones, the survivors and their memory step, and regrowing. Its `requests.Requests`
   owns the request waiting beside the slices, request naming, and all-or-none requests.
@@ -16,7 +17,9 @@ The pieces, and what each one owns (the only code that writes it):
 - `reports.ReportSink` owns the job's progress: what the workers reported (started, last step,
   restored step, the last disruption and whether the job resumed since).
 - `stop.Stops` owns the launch's one `StopRequest` (notice, cancel, resize, move, release, regrow).
-- `launched.Launch` is a frozen record of one launch: generation, slices, shape, memory step.
+- `orchestrator.control.launched.Launch` is a frozen record of one launch: generation, slices, shape,
+  memory step (beside the package: the worker group and adoption read it too).
+- `ending` names how an attempt ended (the failure cause by outcome, a finished run found at submit).
 - `policy.CostPolicy` is the injected cost policy (`StoredFactsPolicy` in production, a scripted one
   in tests); `services.JobServices` is what the loop needs of the controller.
 

@@ -23,7 +23,6 @@ from orchestrator.control.autoscaler import with_checkpoint_interval
 from orchestrator.control.captures import Captures
 from orchestrator.control.compile_ahead import ProgramsAhead
 from orchestrator.control.group import WorkerGroup
-from orchestrator.control.job import loop
 from orchestrator.control.job.moves import Moves
 from orchestrator.control.job.placement import Placement
 from orchestrator.control.job.policy import CostPolicy, StoredFactsPolicy
@@ -98,9 +97,6 @@ class JobDriver:
         self.group = RayWorkerGroup(self.plane.store, self.plane.home, self.job_id, self.spec(), adoption.launch,
                                     on_lost=self.placement.mark_lost, workers=adoption.workers, pg=adoption.pg)
 
-    def start(self, on_exit: Callable[[str], None]) -> None:
-        threading.Thread(target=loop.main, args=(self, on_exit), name=f"job-{self.job_id}", daemon=True).start()
-
     def spec(self) -> JobSpec:
         return self.store.job(self.job_id).spec
 
@@ -117,9 +113,6 @@ class JobDriver:
         count = max(1, len(self.placement.slices))
         self.stops.ask(StopRequest(StopKind.RESIZE, f"resize to {accelerator}: {reason}",
                                    Shape(accelerator, tier, count)))
-
-    def lost_with_the_cluster(self, generation: int) -> None:
-        loop.lost_with_the_cluster(self, generation)
 
     def view(self) -> Attempt:
         """The launch as the budget, profile captures and compile-ahead read it (a snapshot), with its one

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
+from orchestrator.control.job.driver import JobDriver
 from orchestrator.control.job.ending import (
     FAILED_BECAUSE,
     NOT_DISRUPTED,
@@ -30,10 +31,12 @@ from orchestrator.state.events import Disrupted, StateChange
 from orchestrator.state.states import FailedBecause, JobState
 from policies.decisions.recovery import Budgets, Next, Outcome, OutcomeKind, after
 
-if TYPE_CHECKING:
-    from orchestrator.control.job.driver import JobDriver
-
 log = logging.getLogger(__name__)
+
+
+def start(d: JobDriver, on_exit: Callable[[str], None]) -> None:
+    """Run the job's state machine on a thread of its own; `on_exit(job_id)` once the job is over."""
+    threading.Thread(target=main, args=(d, on_exit), name=f"job-{d.job_id}", daemon=True).start()
 
 
 def main(d: JobDriver, on_exit: Callable[[str], None]) -> None:
