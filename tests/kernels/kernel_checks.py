@@ -40,7 +40,7 @@ def assert_close(got, want_f32, want_same_dtype, *, dtype, what: str = "") -> No
     paths_and_got, treedef = jax.tree_util.tree_flatten_with_path(got)
     want_leaves = treedef.flatten_up_to(want_f32)
     plain_leaves = treedef.flatten_up_to(want_same_dtype)
-    for (path, g), w, r in zip(paths_and_got, want_leaves, plain_leaves):
+    for (path, g), w, r in zip(paths_and_got, want_leaves, plain_leaves, strict=True):
         name = f"{what}{jax.tree_util.keystr(path)}"
         g, w, r = _np_f32(g), _np_f32(w), _np_f32(r)
         assert g.shape == w.shape, f"{name}: shape {g.shape} != {w.shape}"

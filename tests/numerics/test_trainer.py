@@ -92,7 +92,7 @@ def test_remat_gives_the_same_gradients(remat, full_batch_gradients):
     loss, grads = full_batch_gradients
     loss_r, grads_r = gradients(settings(remat=remat))
     assert float(loss_r) == pytest.approx(float(loss), rel=1e-6)
-    for g, g_r in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_r)):
+    for g, g_r in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_r), strict=True):
         np.testing.assert_allclose(np.asarray(g_r), np.asarray(g), rtol=1e-5, atol=1e-7)
 
 
@@ -101,7 +101,7 @@ def test_two_microbatches_equal_the_full_batch(full_batch_gradients):
     loss_2, grads_2 = gradients(settings(microbatches=2))
     assert float(loss_2) == pytest.approx(float(loss), rel=1e-5)
     worst = max(float(jnp.max(jnp.abs(a - b)) / (jnp.max(jnp.abs(a)) + 1e-12))
-                for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_2)))
+                for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_2), strict=True))
     assert worst < 1e-5, worst
 
 

@@ -133,7 +133,7 @@ def test_plan_compiles_the_step_a_user_s_program_declares_and_prices_it(tmp_path
     assert r.exit_code == 0, r.output
     table = rows(r.stdout)
     assert set(table) == {"v4-16", "2 x v4-16"}, r.stdout
-    for label, (compiles, hbm, usable, fits, compile_s, step_ms, tokens_s, mfu) in table.items():
+    for label, (compiles, hbm, usable, fits, _compile_s, step_ms, _tokens_s, mfu) in table.items():
         assert (compiles, fits, usable) == ("yes", "yes", "28.8"), (label, table[label])
         assert 0 < float(hbm) < 1 and float(step_ms) > 0 and 0 < int(mfu.rstrip("%")) <= 100
     assert "MFU: model FLOPs from the program's flops_per_step" in r.stdout

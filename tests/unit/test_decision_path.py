@@ -159,7 +159,7 @@ def test_one_recorded_history_gives_the_same_decisions_through_both_paths(tmp_pa
     assert compared >= 20
     # What the simulator did with each decision is the move the autoscaler hands the driver.
     moves = {d.at_s: d.move for d in run.decisions}
-    for (now, seen), (snap, decision) in zip(run.asked, policy.seen):
+    for (now, seen), (snap, decision) in zip(run.asked, policy.seen, strict=True):
         if now in moves and snap.current_ready_in_s == 0:
             waiting, ready = _waiting(run.records[:seen], snap.current)
             move = next_move(decision.option, held=snap.current, waiting=waiting, waiting_ready=ready,

@@ -403,7 +403,8 @@ def test_control_api_without_the_token_is_refused_and_changes_nothing(emulator):
     create(client)
     wait_state(client, QR_NAME, QRState.ACTIVE)
     for control in (ControlClient(emulator.url), ControlClient(emulator.url, token="not-the-token-0123456789")):
-        for call in (lambda: control.reclaim("q1"), lambda: control.stockout(ZONE), control.state, control.requests):
+        calls = (lambda c=control: c.reclaim("q1"), lambda c=control: c.stockout(ZONE), control.state, control.requests)
+        for call in calls:
             with pytest.raises(ControlError) as e:
                 call()
             assert e.value.status == 401 and "control token" in str(e.value)

@@ -109,7 +109,8 @@ def test_report_series_holds_what_the_picture_shows(store):
         ("checkpoint", 16, "saved step 16")]
     assert [(sl.accelerator, sl.tier, sl.chips) for sl in s.slices] == [("v4-8", "spot", 4), ("v4-8", "on-demand", 4)]
     # The spot slice holds its chips once out of the queue (T0 + 16), the on-demand one from its request.
-    assert list(zip(s.chips_at, s.chips)) == [(T0, 0), (T0 + 16, 4), (T0 + 63, 0), (T0 + 64, 4), (T0 + 110, 0)]
+    chips = list(zip(s.chips_at, s.chips, strict=True))
+    assert chips == [(T0, 0), (T0 + 16, 4), (T0 + 63, 0), (T0 + 64, 4), (T0 + 110, 0)]
     assert s.cost_usd[0] == 0 and s.cost_usd[-1] == pytest.approx(s.goodput.usd_total)
     assert list(s.cost_usd) == sorted(s.cost_usd)
 

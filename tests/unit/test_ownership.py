@@ -150,7 +150,7 @@ def test_of_two_submits_at_the_same_moment_exactly_one_gets_the_folder(tmp_path)
         folder = tmp_path / f"ckpt-{round_}"
         start, outcomes = threading.Barrier(2), {}
 
-        def submit(job_id: str) -> None:
+        def submit(job_id: str, start=start, folder=folder, outcomes=outcomes) -> None:
             start.wait()
             try:
                 record_job(Store(tmp_path / "state.db"), job_id, spec(folder), OnExisting.CHECK)

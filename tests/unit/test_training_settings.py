@@ -94,7 +94,7 @@ def test_a_plain_process_context_takes_settings_and_hooks_by_name():
     assert ctx.settings == TrainingSettings(steps=30, seq_len=128, global_batch_size=16)
     assert (ctx.steps, ctx.send) == (30, sent.append)
     with pytest.raises(AttributeError, match="no attribute 'stpes'"):
-        ctx.stpes
+        _ = ctx.stpes
 
 
 def test_the_microbatch_count_is_for_each_slice_s_share_of_the_batch():
