@@ -295,10 +295,10 @@ class Client:
             # asks again, and records the job in the same transaction.
             ownership.claim(self.store, claimed, on_existing)
         # The embedded cluster always listens on 127.0.0.1; TPU VMs are told its address unless gcp.head_address.
-        problems = gcp_problems(spec, self.address or "127.0.0.1:6379")
+        folder = spec.workdir or (str(Path(workdir).resolve()) if workdir else None)
+        problems = gcp_problems(spec, self.address or "127.0.0.1:6379", folder=folder)  # the program's imports too
         if problems:
             raise SpecError(source, problems)
-        folder = spec.workdir or (str(Path(workdir).resolve()) if workdir else None)
         code = None
         if spec.workload.type == "entrypoint":
             if folder is None:
