@@ -92,11 +92,12 @@ from orchestrator.domain.spec import JobSpec, LmWorkload  # noqa: E402
 from policies.cost.compiled_prior import PUBLISHED_SHARE, CompiledStep, priced  # noqa: E402
 from policies.cost.policy import CostPolicy  # noqa: E402
 from policies.cost.restart_cost import RestartCost  # noqa: E402
+from policies.cost.scaling_assumptions import ASSUMPTIONS, DEFAULT, ScalingAssumptions  # noqa: E402
 from policies.cost.slice_options import MultiSlice, multi_slice_options  # noqa: E402
 from policies.evaluation.baselines import FixedPolicy, GreedyPolicy  # noqa: E402
 from policies.evaluation.hindsight import hindsight_optimum, single_slice_optimum  # noqa: E402
 from policies.evaluation.simulator import SimJob, simulate  # noqa: E402
-from policies.evaluation.traces import bundled_traces  # noqa: E402
+from policies.evaluation.traces import bundled_traces, tune_and_check  # noqa: E402
 
 TOTAL_TOKENS = 20e9
 PARAMS = 1.0e9  # the model's parameters (`orchestrator.domain.options.DEFAULT_FLOPS_PER_TOKEN`'s model)
@@ -106,8 +107,10 @@ DEADLINE_OVER_ONDEMAND = 1.75
 POLICIES = ("product", "policy", "ondemand", "spot_restart", "greedy", "optimum", "optimum_single", "policy_notice",
             "policy_own", "policy_own_release_first", "product_one_slice")
 OPTIMA = ("optimum", "optimum_single")
+SINGLE_SLICE_POLICIES = ("product_one_slice", "ondemand", "spot_restart", "greedy")  # bounded by optimum_single
 SWEEP = (1.25, 2.5, 3.5)  # other deadlines, as multiples of the on-demand v4-32 duration
 RESULT_PATH = Path(__file__).parent / "results" / "cost.json"
+PESSIMISTIC_RESULT_PATH = Path(__file__).parent / "results" / "cost_pessimistic.json"
 
 # --priors: the job the TPU compiler compiled (benchmarks/tpu_compile.py), priced both ways.
 PRIORS_JOB_FILE = Path(__file__).resolve().parents[1] / "examples" / "plan-1b.yaml"
@@ -120,11 +123,17 @@ COMPILED = (f"compiled: {PUBLISHED_SHARE} (MaxText's published MFU) x the TPU co
             "(benchmarks/results/tpu_compile.json), policies.cost.compiled_prior; the scaling model where none")
 
 
-def benchmark_job(deadline_over_ondemand: float = DEADLINE_OVER_ONDEMAND, max_slices: int = MAX_SLICES) -> SimJob:
-    options = multi_slice_options(job_options(["v4-16", "v4-32", "v4-64"], ["spot", "on-demand"]),
-                                  MultiSlice(PARAMS, BATCH_TOKENS), max_slices)
-    ondemand = next(o for o in options if o.name == "v4-32" and o.tier == "on-demand" and o.count == 1)
-    return SimJob(TOTAL_TOKENS, deadline_over_ondemand * TOTAL_TOKENS / ondemand.tokens_per_s, options)
+def benchmark_job(deadline_over_ondemand: float = DEADLINE_OVER_ONDEMAND, max_slices: int = MAX_SLICES,
+                  scaling: ScalingAssumptions = DEFAULT) -> SimJob:
+    """The headline job, its options priced under `scaling` (`policies.cost.scaling_assumptions`). The
+    deadline is always 1.75x the on-demand v4-32 duration under the default assumptions, so both
+    assumptions give the job the same hours."""
+    singles = job_options(["v4-16", "v4-32", "v4-64"], ["spot", "on-demand"])
+    multi = MultiSlice(PARAMS, BATCH_TOKENS, bytes_per_s_per_host=scaling.dcn_bytes_per_s_per_host,
+                       hidden_share=scaling.hidden_share)
+    options = multi_slice_options([scaling.reprice(o, DEFAULT) for o in singles], multi, max_slices)
+    default_od = next(o for o in singles if o.name == "v4-32" and o.tier == "on-demand")
+    return SimJob(TOTAL_TOKENS, deadline_over_ondemand * TOTAL_TOKENS / default_od.tokens_per_s, options)
 
 
 def compiled_steps(path: Path = COMPILED_PATH, model: str = "1b") -> dict[str, CompiledStep]:
@@ -156,10 +165,12 @@ def priors_job(priors: str, compiled_path: Path = COMPILED_PATH) -> tuple[SimJob
 
 def run_window(args: tuple) -> dict[str, dict]:
     """The policies named (and both optima) on one trace window; returns {policy: {usd, hours, deadline_met, ...}}.
-    `args`: (trace, start, deadline over on-demand, policies[, priors]): with priors, `priors_job`'s job."""
-    trace_name, start_s, deadline_over_ondemand, names, *priors = args
+    `args`: (trace, start, deadline over on-demand, policies, priors or None, scaling assumptions' name):
+    with priors, `priors_job`'s job. `best_known` (and `best_known_single`): the cheapest run that met the
+    deadline on the window, of every policy and the optimum's schedule (the single-slice ones)."""
+    trace_name, start_s, deadline_over_ondemand, names, priors, scaling = args
     trace = next(t for t in bundled_traces() if t.name == trace_name)
-    job = priors_job(priors[0])[0] if priors else benchmark_job(deadline_over_ondemand)
+    job = priors_job(priors)[0] if priors else benchmark_job(deadline_over_ondemand, scaling=ASSUMPTIONS[scaling])
     od32 = next(o for o in job.options if o.label == "v4-32 on-demand")
     spot32 = next(o for o in job.options if o.label == "v4-32 spot")
     policies = {
@@ -196,6 +207,10 @@ def run_window(args: tuple) -> dict[str, dict]:
         best = optimum(job, trace, start_s=start_s)
         out[name] = {"usd": best.lower_bound_usd, "schedule_usd": best.schedule_cost_usd,
                      "hours": best.schedule_finish_s / 3600, "deadline_met": best.feasible}
+    for key, optimum, ran in (("best_known", "optimum", [p for p in out if p not in OPTIMA]),
+                              ("best_known_single", "optimum_single", [p for p in SINGLE_SLICE_POLICIES if p in out])):
+        usd = [out[p]["usd"] for p in ran if out[p]["deadline_met"]] + [out[optimum]["schedule_usd"]]
+        out[key] = min(u for u in usd if u == u)  # (nan: the schedule missed; on-demand always meets it here)
     return out
 
 
@@ -220,9 +235,14 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
                 counts = sorted({c for r in runs for c in r["hours_by_count"]})
                 row[policy]["hours_by_slice_count"] = {
                     c: round(sum(r["hours_by_count"].get(c, 0.0) for r in runs) / len(runs), 2) for c in counts}
-        for optimum in OPTIMA:
-            row[optimum]["schedule_cost_per_btok"] = round(
-                sum(w[optimum]["schedule_usd"] for w in windows) / len(windows) * per_btok, 3)
+        for optimum, best in (("optimum", "best_known"), ("optimum_single", "best_known_single")):
+            schedules = [w[optimum]["schedule_usd"] for w in windows
+                         if w[optimum]["schedule_usd"] == w[optimum]["schedule_usd"]]  # (nan: none met the deadline)
+            row[optimum]["schedule_cost_per_btok"] = (round(sum(schedules) / len(schedules) * per_btok, 3)
+                                                      if len(schedules) == len(windows) else None)
+            known = sum(w[best] for w in windows) / len(windows) * per_btok
+            row[optimum]["best_known_cost_per_btok"] = round(known, 3)
+            row[optimum]["best_known_over_bound"] = round(known / row[optimum]["cost_per_btok"], 4)
         traces[name] = row
     def mean(values):
         values = list(values)
@@ -259,6 +279,9 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
                     "worst_trace_single": worst_single[0],
                     "worst_trace_ratio": round(worst[1], 4), "worst_trace": worst[0]},
         "single_slice_optimum_over_optimum": over_optimum("optimum_single"),
+        "best_known_over_bound": {
+            o: {"mean": mean(t[o]["best_known_over_bound"] for t in traces.values()),
+                "worst": max(t[o]["best_known_over_bound"] for t in traces.values())} for o in OPTIMA},
         "optimum_saving_vs_ondemand": saving("optimum"),
         "single_slice_optimum_saving_vs_ondemand": saving("optimum_single"),
     }
@@ -275,11 +298,19 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
     return {"traces": traces, "summary": summary}
 
 
+def traces_of(which: str) -> list:
+    """The bundled traces: all, or the tune or the check set (`policies.evaluation.traces.tune_and_check`)."""
+    if which == "all":
+        return bundled_traces()
+    return dict(zip(("tune", "check"), tune_and_check(bundled_traces())))[which]
+
+
 def run_all(pool: ProcessPoolExecutor, deadline_over_ondemand: float, windows: int,
-            names: tuple[str, ...] = POLICIES) -> dict[str, list[dict]]:
-    """The policies named on every window of every trace: {trace: [one result per window]}."""
-    tasks = [(t.name, i * t.duration_s / windows, deadline_over_ondemand, names)
-             for t in bundled_traces() for i in range(windows)]
+            names: tuple[str, ...] = POLICIES, scaling: str = DEFAULT.name,
+            which: str = "all") -> dict[str, list[dict]]:
+    """The policies named on every window of every trace (of `which` set): {trace: [one result per window]}."""
+    tasks = [(t.name, i * t.duration_s / windows, deadline_over_ondemand, names, None, scaling)
+             for t in traces_of(which) for i in range(windows)]
     trace_runs: dict[str, list[dict]] = {}
     for (name, *_), result in zip(tasks, pool.map(run_window, tasks)):
         trace_runs.setdefault(name, []).append(result)
@@ -299,7 +330,7 @@ def run_priors(pool: ProcessPoolExecutor, windows: int) -> dict:
     }, "priors": {}}
     for priors in PRIORS:
         job, used = priors_job(priors)
-        tasks = [(t.name, i * t.duration_s / windows, 0.0, PRIORS_POLICIES, priors)
+        tasks = [(t.name, i * t.duration_s / windows, 0.0, PRIORS_POLICIES, priors, DEFAULT.name)
                  for t in bundled_traces() for i in range(windows)]
         trace_runs: dict[str, list[dict]] = {}
         for (name, *_), result in zip(tasks, pool.map(run_window, tasks)):
@@ -356,6 +387,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="policies to run, comma-separated (product and ondemand always; both optima always)")
     parser.add_argument("--out", type=Path, default=None, help=f"default {RESULT_PATH} ({PRIORS_RESULT_PATH} "
                         "with --priors)")
+    parser.add_argument("--scaling", choices=sorted(ASSUMPTIONS), default=DEFAULT.name,
+                        help="scaling assumptions the options are priced with (policies.cost.scaling_assumptions); "
+                             f"pessimistic writes {PESSIMISTIC_RESULT_PATH.name} by default")
+    parser.add_argument("--traces", choices=("all", "tune", "check"), default="all",
+                        help="the bundled traces, or only the set to tune on or the set to check on")
     parser.add_argument("--priors", action="store_true",
                         help="instead: the compiled job (examples/plan-1b.yaml) priced a priori and with compiled "
                              f"priors, side by side ({', '.join(PRIORS_POLICIES)})")
@@ -363,35 +399,46 @@ def main(argv: list[str] | None = None) -> None:
     if args.priors:
         main_priors(args.windows, args.jobs, args.out or PRIORS_RESULT_PATH)
         return
-    args.out = args.out or RESULT_PATH
+    args.out = args.out or (RESULT_PATH if args.scaling == DEFAULT.name else PESSIMISTIC_RESULT_PATH)
+    scaling = ASSUMPTIONS[args.scaling]
     names = tuple(dict.fromkeys(("product", "ondemand", *args.policies)))
     unknown = set(names) - set(POLICIES)
     if unknown:
         parser.error(f"unknown policies {sorted(unknown)}; choose from {', '.join(POLICIES)}")
 
-    job = benchmark_job(args.deadline)
+    job = benchmark_job(args.deadline, scaling=scaling)
+    tune, check = ([t.name for t in ts] for ts in tune_and_check(bundled_traces()))
     began = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
-        report = summarise(run_all(pool, args.deadline, args.windows, names))
+        runs = run_all(pool, args.deadline, args.windows, names, scaling.name, args.traces)
+        report = summarise(runs)
+        report["sets"] = {name: {"traces": members, **summarise({n: runs[n] for n in members})["summary"]}
+                          for name, members in (("tune", tune), ("check", check)) if members[0] in runs}
         sweep = [d for d in args.sweep if d != args.deadline]
         report["by_deadline"] = {str(args.deadline): report["summary"]}
         for d in sweep:
             print(f"deadline {d}x ...", flush=True)
-            report["by_deadline"][str(d)] = summarise(run_all(pool, d, args.windows, names))["summary"]
+            report["by_deadline"][str(d)] = summarise(run_all(pool, d, args.windows, names, scaling.name,
+                                                              args.traces))["summary"]
     report["job"] = {
         "model": "dense decoder ~1B params (24 layers, d_model 2048, seq 2048)",
         "priors": A_PRIORI,
+        "scaling": scaling.describe(),
+        "restart": {k: v for k, v in vars(RestartCost()).items()},
         "global_batch_tokens": BATCH_TOKENS,
         "max_slices": MAX_SLICES,
         "total_tokens": TOTAL_TOKENS,
         "deadline_hours": round(job.deadline_s / 3600, 2),
         "deadline_over_ondemand_v4_32": args.deadline,
         "options": {o.label: {"tokens_per_s": round(o.tokens_per_s), "usd_per_hour": round(o.usd_per_hour, 2),
-                              "dcn_efficiency": round(MultiSlice(PARAMS, BATCH_TOKENS).efficiency(
+                              "dcn_efficiency": round(MultiSlice(
+                                  PARAMS, BATCH_TOKENS, bytes_per_s_per_host=scaling.dcn_bytes_per_s_per_host,
+                                  hidden_share=scaling.hidden_share).efficiency(
                                   o.with_count(1, job.options) or o, o.count), 4)}
                     for o in job.options},
         "windows_per_trace": args.windows,
     }
+    report["command"] = "python benchmarks/cost.py " + " ".join(argv if argv is not None else sys.argv[1:])
     report["seconds"] = round(time.time() - began, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
@@ -404,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name:58s} {cells} {row['product']['unfilled_requests']:8.1f}  "
               f"{'yes' if row['product']['deadline_met'] else 'NO'}")
     print(json.dumps(report["summary"], indent=2))
+    for name, summary in report["sets"].items():
+        print(name, json.dumps(summary["product"]))
     print(f"{report['seconds']} s; wrote {args.out}")
 
 

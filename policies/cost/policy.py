@@ -56,6 +56,17 @@ token) subject to meeting the deadline. The decision rule, in `decide`:
    than trading it for a smaller one it can, forgoes spot capacity (measured on the
    bundled traces: 1.182x the single-slice optimum with the rule, 1.118x without).
 
+4. Spot sized to what is there (issue 38). A start on spot takes every slice of its type that
+   fits now when the larger count costs no more a token (`_every_slice_that_fits`: with the
+   all-reduce hidden, N slices cost what one does a token and finish N times sooner) and the
+   added slices' expected stretch, learned per zone and size, outlasts the relaunch their loss
+   costs the group.
+5. No chasing of short bursts (issue 38). Leaving a running slice for a spot one is a
+   candidate only while the spot size's expected stretch outlasts the two startups of going
+   there and coming back, and the work a reclaim loses (`_stretch_pays`).
+
+Neither rule has a constant of its own: both compare a learned stretch with restart figures.
+
 What this does that Can't Be Late's rules do not: it chooses the slice size (small spot
 slices are cheaper per token, large ones use scarce spot windows when the deadline is
 tight), it starts on-demand when the risk that waiting forces a larger, dearer
@@ -157,6 +168,7 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
         if slack_s < 0:
             return _safety_net(snap, on_demand, od_finish_s, horizon_s, slack_s)
 
+    spot_now = [o for o in spot_now if _stretch_pays(snap, o)]
     candidates = [None, *spot_now, *on_demand]
     view = plan_inputs(snap)
     values = [value_of(a, snap, view, lookahead_s) for a in candidates]
@@ -185,9 +197,53 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
         if keeping:
             least = min(score(v) for v in keeping)
             chosen = min((v for v in keeping if score(v) <= least + tolerance), key=preference)
+    wider = _every_slice_that_fits(snap, chosen, values)
+    if wider is not None:
+        chosen = wider
     decision = _decision(snap, chosen.option, _reason(snap, chosen), chosen.cost_usd,
                          snap.now_s + chosen.elapsed_s + chosen.plan.finish_after_s)
     return replace(decision, wait_for=_wait_for(snap, chosen))
+
+
+def _stretch_pays(snap: Snapshot, o: Option) -> bool:
+    """Rule 5 (issue 38): leaving a running slice for spot pays only if the spot stretch is expected
+    to outlast what the move costs: the startup on the spot slice and, when the stretch ends, the
+    startup back on another, plus the work a reclaim loses. The expected stretch is the mean up
+    period learned for the size in the zone (one slice's size: the job trains while one is left).
+    Starting spot from no slice, or keeping or adding to the running one, is left to the values."""
+    c = snap.current
+    if c is None or o == c or snap.is_grow(o):
+        return True
+    r = snap.restart
+    stretch_s = 3600 * snap.availability.uptime_h(o.zone, o.slice_chips)[0]
+    hazard = slice_hazard_per_hour(o, snap)
+    return stretch_s > 2 * r.startup_s + r.lost_per_preemption_s(r.interval_s(hazard))
+
+
+def _every_slice_that_fits(snap: Snapshot, chosen: ActionValue, values: list[ActionValue]) -> ActionValue | None:
+    """Rule 4 (issue 38): a start on spot takes every slice of its type that fits, when the larger
+    count costs no more a token and its expected value pays the start. Where several slices train
+    at the speed of one times their count (the all-reduce hidden), N slices cost what one does a
+    token and finish N times sooner, which leaves more of the job for later spot; the fluid plan
+    prices them near-equal, and the tie went to the smaller slice. Only a start: the job pays the
+    startup whatever the count; adding slices to running ones is a relaunch the values decide on.
+
+    Whether the stretch pays: when the zone takes the added slices back, the group relaunches on
+    the survivors (`RestartCost.reshape_s` of the whole group's time); the added slices pay for it
+    if, over the expected stretch of their size (learned per zone and size, `SpotAvailability.
+    uptime_h`), they train more than that relaunch loses."""
+    o = chosen.option
+    if o is None or not o.preemptible or o == snap.current or snap.is_grow(o):
+        return None
+
+    def pays(v: Option) -> bool:
+        stretch_s = 3600 * snap.availability.uptime_h(v.zone, v.chips)[0]
+        return (v.count - o.count) * stretch_s > v.count * snap.restart.reshape_s
+
+    wider = [v for v in values if v.option is not None and v.option.preemptible and v.option.count > o.count
+             and (v.option.name, v.option.zone) == (o.name, o.zone)
+             and v.option.usd_per_token <= o.usd_per_token * (1 + 1e-9) and pays(v.option)]
+    return max(wider, key=lambda v: v.option.count if v.option else 0, default=None)
 
 
 def _wait_for(snap: Snapshot, v: ActionValue) -> Option | None:

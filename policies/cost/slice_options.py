@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
+from policies.cost.scaling_assumptions import DEFAULT
+
 SPOT = "spot"
 ON_DEMAND = "on-demand"
 RESERVED = "reserved"
@@ -75,13 +77,14 @@ class ScalingModel:
     """Throughput before the job has measured it: tokens/s = chips x peak x MFU / FLOPs per token.
 
     MFU starts at `mfu_one_host` and loses a factor `efficiency_per_doubling` each time
-    the host count doubles (more of each step goes to cross-host communication).
+    the host count doubles (more of each step goes to cross-host communication); both from
+    `policies.cost.scaling_assumptions.DEFAULT`, where their sources are.
     """
 
     flops_per_token: float  # training FLOPs: `ModelShape.flops_per_token`
     peak_flops_per_chip: float
-    mfu_one_host: float = 0.50
-    efficiency_per_doubling: float = 0.94
+    mfu_one_host: float = DEFAULT.mfu_one_host
+    efficiency_per_doubling: float = DEFAULT.efficiency_per_doubling
 
     def mfu(self, hosts: int) -> float:
         return self.mfu_one_host * self.efficiency_per_doubling ** math.log2(max(hosts, 1))
@@ -106,13 +109,12 @@ def estimate_tokens_per_s(
 
 # --- several slices at once -------------------------------------------------------------
 
-# DCN bandwidth a v4 host gives a cross-slice all-reduce, bytes/s. An assumption, not a
-# measurement: 50 Gbit/s of each host's NIC for the gradient traffic (the TPU v4 hosts'
-# network ports are faster than that; storage, input and the other collectives share
-# them). Every estimate below scales with it: halve it and the exposed time doubles.
-DCN_BYTES_PER_S_PER_HOST = 50e9 / 8
+# DCN bandwidth a v4 host gives a cross-slice all-reduce, bytes/s, and the share of a step (the
+# backward pass) it hides behind: `policies.cost.scaling_assumptions.DEFAULT`, with their sources.
+# Every estimate below scales with the bandwidth: halve it and the exposed time doubles.
+DCN_BYTES_PER_S_PER_HOST = DEFAULT.dcn_bytes_per_s_per_host
 GRADIENT_BYTES_PER_PARAM = 2  # bf16 gradients
-BACKWARD_SHARE = 2 / 3  # of a step: the backward pass, behind which the all-reduce can run
+BACKWARD_SHARE = DEFAULT.hidden_share
 MAX_CHIPS = 32  # the most chips a multi-slice job may hold at once
 
 
@@ -126,10 +128,12 @@ def dcn_all_reduce_s(*, params: float, count: int, slice_hosts: int,
 
 
 def dcn_efficiency(*, params: float, count: int, slice_hosts: int, slice_step_s: float,
-                   bytes_per_s_per_host: float = DCN_BYTES_PER_S_PER_HOST) -> float:
+                   bytes_per_s_per_host: float = DCN_BYTES_PER_S_PER_HOST,
+                   hidden_share: float = BACKWARD_SHARE) -> float:
     """Share of a multi-slice step spent training: step / (step + the all-reduce time not
-    hidden behind the backward pass). `slice_step_s`: one slice's step on its share of the
-    global batch (the single slice's step time at global batch / N).
+    hidden behind `hidden_share` of the step, the backward pass; 0: nothing hidden).
+    `slice_step_s`: one slice's step on its share of the global batch (the single slice's
+    step time at global batch / N).
 
     The all-reduce time over the hidden part is about (N - 1) x chips per host x FLOP/s a
     chip does / (DCN bytes/s per host x tokens in the global batch), times (4 x params /
@@ -148,7 +152,7 @@ def dcn_efficiency(*, params: float, count: int, slice_hosts: int, slice_step_s:
     (8B: 0.66), at 0.0625M, 0.41 (0.37).
     """
     exposed_s = max(dcn_all_reduce_s(params=params, count=count, slice_hosts=slice_hosts,
-                                     bytes_per_s_per_host=bytes_per_s_per_host) - BACKWARD_SHARE * slice_step_s, 0.0)
+                                     bytes_per_s_per_host=bytes_per_s_per_host) - hidden_share * slice_step_s, 0.0)
     return slice_step_s / (slice_step_s + exposed_s)
 
 
@@ -162,12 +166,13 @@ class MultiSlice:
     max_count: int = 4
     max_chips: int = MAX_CHIPS
     bytes_per_s_per_host: float = DCN_BYTES_PER_S_PER_HOST
+    hidden_share: float = BACKWARD_SHARE  # of a step the all-reduce hides behind (`dcn_efficiency`)
 
     def efficiency(self, one: Option, count: int) -> float:
         """`dcn_efficiency` of `count` slices like `one` (a single-slice option)."""
         step_s = self.batch_tokens / count / one.tokens_per_s
         return dcn_efficiency(params=self.params, count=count, slice_hosts=one.hosts, slice_step_s=step_s,
-                              bytes_per_s_per_host=self.bytes_per_s_per_host)
+                              bytes_per_s_per_host=self.bytes_per_s_per_host, hidden_share=self.hidden_share)
 
 
 def multi_slice_options(options: Sequence[Option], multi: MultiSlice | None, max_count: int = 1) -> tuple[Option, ...]:

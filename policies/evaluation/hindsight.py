@@ -40,6 +40,8 @@ from policies.cost.snapshot import Decision, Snapshot
 from policies.evaluation.simulator import SimJob, quantized_restart, simulate, step_seconds
 from policies.evaluation.traces import SpotTrace
 
+SCHEDULES_SIMULATED = 4  # clairvoyant schedules priced by the simulator for each optimum
+
 
 @dataclass(frozen=True)
 class Optimum:
@@ -98,10 +100,12 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
     r_above, r_below = relaxed.path(grid[min(k + 1, len(grid) - 1)]), relaxed.path(grid[max(k - 1, 0)])
     relaxed_schedules = [r_above, relaxed.splice_to_target(r_above, r_below, total),
                          relaxed.splice_to_target(r_below, r_above, total)]
-    candidates = {(tuple(int(x) for x in h), dp.k, 0) for h in schedules}
-    candidates |= {(tuple(int(x) for x in h), relaxed.k, prov) for h in relaxed_schedules}
+    candidates = {(tuple(int(x) for x in h), dp.k, 0): dp.evaluate(h, total) for h in schedules}
+    candidates |= {(tuple(int(x) for x in h), relaxed.k, prov): relaxed.evaluate(h, total) for h in relaxed_schedules}
+    # The simulator prices the few cheapest in the programme's own arithmetic (those short of the target last).
+    ranked = sorted(candidates, key=lambda c: (candidates[c][0] < total, candidates[c][1]))
     runs = []
-    for held, levels, lead in candidates:
+    for held, levels, lead in ranked[:SCHEDULES_SIMULATED]:
         policy = SchedulePolicy(job.options, held, dt, levels, tuple(int(c) for c in reach), lead)
         run = simulate(policy, job, trace, start_s=start_s, restart=restart, knowledge="own", decision_interval_s=dt)
         if run.deadline_met:

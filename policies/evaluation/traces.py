@@ -113,6 +113,14 @@ def bundled_traces() -> list[SpotTrace]:
     return [load_trace(p, name=p.relative_to(TRACE_ROOT).with_suffix("").as_posix()) for p in paths]
 
 
+def tune_and_check(traces: list[SpotTrace]) -> tuple[list[SpotTrace], list[SpotTrace]]:
+    """The traces split into a set to tune the policy's constants on and a set to check them on
+    (issue 38): alternately in name order, so each family (availability or preemption, 1 or 4
+    nodes, each date) lands in both where it has more than one trace."""
+    ordered = sorted(traces, key=lambda t: t.name)
+    return ordered[0::2], ordered[1::2]
+
+
 def constant_trace(count: int, *, gap_s: float = 600.0, ticks: int = 1000, nodes: int = 1) -> SpotTrace:
     """A trace whose capacity never changes (no preemptions when count > 0)."""
     return SpotTrace(f"constant-{count}", gap_s, (count,) * ticks, nodes)
