@@ -95,7 +95,7 @@ from policies.cost.restart_cost import RestartCost  # noqa: E402
 from policies.cost.scaling_assumptions import ASSUMPTIONS, DEFAULT, ScalingAssumptions  # noqa: E402
 from policies.cost.slice_options import MultiSlice, multi_slice_options  # noqa: E402
 from policies.evaluation.baselines import FixedPolicy, GreedyPolicy  # noqa: E402
-from policies.evaluation.hindsight import hindsight_optimum, single_slice_optimum  # noqa: E402
+from policies.evaluation.hindsight import SCHEDULES_SIMULATED, hindsight_optimum, single_slice_optimum  # noqa: E402
 from policies.evaluation.simulator import SimJob, simulate  # noqa: E402
 from policies.evaluation.traces import bundled_traces, tune_and_check  # noqa: E402
 
@@ -168,7 +168,7 @@ def run_window(args: tuple) -> dict[str, dict]:
     `args`: (trace, start, deadline over on-demand, policies, priors or None, scaling assumptions' name):
     with priors, `priors_job`'s job. `best_known` (and `best_known_single`): the cheapest run that met the
     deadline on the window, of every policy and the optimum's schedule (the single-slice ones)."""
-    trace_name, start_s, deadline_over_ondemand, names, priors, scaling = args
+    trace_name, start_s, deadline_over_ondemand, names, priors, scaling, schedules = args
     trace = next(t for t in bundled_traces() if t.name == trace_name)
     job = priors_job(priors)[0] if priors else benchmark_job(deadline_over_ondemand, scaling=ASSUMPTIONS[scaling])
     od32 = next(o for o in job.options if o.label == "v4-32 on-demand")
@@ -204,7 +204,7 @@ def run_window(args: tuple) -> dict[str, dict]:
                      "refusals": run.refusals, "shrinks": run.shrinks, "hours_by_count": hours_by_count,
                      "hours_by_option": {k: v / 3600 for k, v in run.billed_s.items()}}
     for name, optimum in (("optimum", hindsight_optimum), ("optimum_single", single_slice_optimum)):
-        best = optimum(job, trace, start_s=start_s)
+        best = optimum(job, trace, start_s=start_s, schedules=schedules)
         out[name] = {"usd": best.lower_bound_usd, "schedule_usd": best.schedule_cost_usd,
                      "hours": best.schedule_finish_s / 3600, "deadline_met": best.feasible}
     for key, optimum, ran in (("best_known", "optimum", [p for p in out if p not in OPTIMA]),
@@ -307,9 +307,9 @@ def traces_of(which: str) -> list:
 
 def run_all(pool: ProcessPoolExecutor, deadline_over_ondemand: float, windows: int,
             names: tuple[str, ...] = POLICIES, scaling: str = DEFAULT.name,
-            which: str = "all") -> dict[str, list[dict]]:
+            which: str = "all", schedules: int = SCHEDULES_SIMULATED) -> dict[str, list[dict]]:
     """The policies named on every window of every trace (of `which` set): {trace: [one result per window]}."""
-    tasks = [(t.name, i * t.duration_s / windows, deadline_over_ondemand, names, None, scaling)
+    tasks = [(t.name, i * t.duration_s / windows, deadline_over_ondemand, names, None, scaling, schedules)
              for t in traces_of(which) for i in range(windows)]
     trace_runs: dict[str, list[dict]] = {}
     for (name, *_), result in zip(tasks, pool.map(run_window, tasks)):
@@ -330,7 +330,8 @@ def run_priors(pool: ProcessPoolExecutor, windows: int) -> dict:
     }, "priors": {}}
     for priors in PRIORS:
         job, used = priors_job(priors)
-        tasks = [(t.name, i * t.duration_s / windows, 0.0, PRIORS_POLICIES, priors, DEFAULT.name)
+        tasks = [(t.name, i * t.duration_s / windows, 0.0, PRIORS_POLICIES, priors, DEFAULT.name,
+                  SCHEDULES_SIMULATED)
                  for t in bundled_traces() for i in range(windows)]
         trace_runs: dict[str, list[dict]] = {}
         for (name, *_), result in zip(tasks, pool.map(run_window, tasks)):
@@ -392,6 +393,9 @@ def main(argv: list[str] | None = None) -> None:
                              f"pessimistic writes {PESSIMISTIC_RESULT_PATH.name} by default")
     parser.add_argument("--traces", choices=("all", "tune", "check"), default="all",
                         help="the bundled traces, or only the set to tune on or the set to check on")
+    parser.add_argument("--schedules", type=int, default=SCHEDULES_SIMULATED,
+                        help="clairvoyant schedules each optimum prices in the simulator (0: the bounds alone; "
+                             "the best known run is then the policies' best)")
     parser.add_argument("--priors", action="store_true",
                         help="instead: the compiled job (examples/plan-1b.yaml) priced a priori and with compiled "
                              f"priors, side by side ({', '.join(PRIORS_POLICIES)})")
@@ -410,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     tune, check = ([t.name for t in ts] for ts in tune_and_check(bundled_traces()))
     began = time.time()
     with ProcessPoolExecutor(args.jobs) as pool:
-        runs = run_all(pool, args.deadline, args.windows, names, scaling.name, args.traces)
+        runs = run_all(pool, args.deadline, args.windows, names, scaling.name, args.traces, args.schedules)
         report = summarise(runs)
         report["sets"] = {name: {"traces": members, **summarise({n: runs[n] for n in members})["summary"]}
                           for name, members in (("tune", tune), ("check", check)) if members[0] in runs}
@@ -419,7 +423,7 @@ def main(argv: list[str] | None = None) -> None:
         for d in sweep:
             print(f"deadline {d}x ...", flush=True)
             report["by_deadline"][str(d)] = summarise(run_all(pool, d, args.windows, names, scaling.name,
-                                                              args.traces))["summary"]
+                                                              args.traces, args.schedules))["summary"]
     report["job"] = {
         "model": "dense decoder ~1B params (24 layers, d_model 2048, seq 2048)",
         "priors": A_PRIORI,

@@ -54,7 +54,7 @@ class Optimum:
 
 
 def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
-                      restart: RestartCost = RestartCost()) -> Optimum:
+                      restart: RestartCost = RestartCost(), schedules: int = SCHEDULES_SIMULATED) -> Optimum:
     """Lower bound on the cost of finishing `job` by its deadline on this trace window, and the
     cheapest followable schedule found on the way.
 
@@ -70,7 +70,8 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
     waits for each slice it asks for): the DP's schedule just above the maximising price,
     its schedule just below with idle stretches filled with on-demand, and the two spliced
     at the step where the target is just reached. Each is run in the simulator by
-    `SchedulePolicy`; the cheapest that meets the deadline is reported.
+    `SchedulePolicy`; the cheapest that meets the deadline is reported (`schedules` of them are
+    simulated; 0: none, the bound alone).
     """
     dt = step_seconds(trace)
     quantized = quantized_restart(restart, dt)
@@ -91,21 +92,23 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
     k = int(np.argmax(g))
     # A run that finishes mid-step pays only part of that step; the DP pays whole steps.
     bound = max(float(g[k]) - dt * max(o.usd_per_hour for o in job.options) / 3600, 0.0)
+    if schedules <= 0:
+        return Optimum(bound, math.nan, math.nan, True)
     dp = _DualProgramme(job.options, capacity, dt, prov, startup)
     above, below = dp.path(grid[min(k + 1, len(grid) - 1)]), dp.path(grid[max(k - 1, 0)])
-    schedules = [above, dp.splice_to_target(above, below, total), dp.splice_to_target(below, above, total)]
-    schedules += [dp.fill(below, d, total) for d in range(len(job.options)) if not job.options[d].preemptible]
+    paths = [above, dp.splice_to_target(above, below, total), dp.splice_to_target(below, above, total)]
+    paths += [dp.fill(below, d, total) for d in range(len(job.options)) if not job.options[d].preemptible]
     reach = trace.capacity_chips(start_s, dt, steps + 1)
     # The same from the relaxed programme, each slice asked for `prov` steps before it starts.
     r_above, r_below = relaxed.path(grid[min(k + 1, len(grid) - 1)]), relaxed.path(grid[max(k - 1, 0)])
     relaxed_schedules = [r_above, relaxed.splice_to_target(r_above, r_below, total),
                          relaxed.splice_to_target(r_below, r_above, total)]
-    candidates = {(tuple(int(x) for x in h), dp.k, 0): dp.evaluate(h, total) for h in schedules}
+    candidates = {(tuple(int(x) for x in h), dp.k, 0): dp.evaluate(h, total) for h in paths}
     candidates |= {(tuple(int(x) for x in h), relaxed.k, prov): relaxed.evaluate(h, total) for h in relaxed_schedules}
     # The simulator prices the few cheapest in the programme's own arithmetic (those short of the target last).
     ranked = sorted(candidates, key=lambda c: (candidates[c][0] < total, candidates[c][1]))
     runs = []
-    for held, levels, lead in ranked[:SCHEDULES_SIMULATED]:
+    for held, levels, lead in ranked[:schedules]:
         policy = SchedulePolicy(job.options, held, dt, levels, tuple(int(c) for c in reach), lead)
         run = simulate(policy, job, trace, start_s=start_s, restart=restart, knowledge="own", decision_interval_s=dt)
         if run.deadline_met:
@@ -117,11 +120,11 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
 
 
 def single_slice_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
-                         restart: RestartCost = RestartCost()) -> Optimum:
+                         restart: RestartCost = RestartCost(), schedules: int = SCHEDULES_SIMULATED) -> Optimum:
     """`hindsight_optimum` over the job's one-slice options (what the optimum was before
     multi-slice options)."""
     return hindsight_optimum(replace(job, options=tuple(o for o in job.options if o.count == 1)), trace,
-                             start_s=start_s, restart=restart)
+                             start_s=start_s, restart=restart, schedules=schedules)
 
 
 @dataclass

@@ -135,3 +135,11 @@ def test_a_shrink_relaunches_the_survivors_without_losing_work():
     assert run.shrinks == free.shrinks == 1 and run.tokens_lost == free.tokens_lost == 0
     assert run.finish_s is not None and free.finish_s is not None
     assert run.finish_s - free.finish_s == pytest.approx(RestartCost().startup_s, abs=10.0)
+
+
+def test_the_bound_does_not_depend_on_the_schedules_priced():
+    trace = SpotTrace("small", 300.0, tuple(([4] * 20 + [2] * 8 + [0] * 10) * 4), 4)
+    j = job(2.0, 1.75)
+    priced, alone = hindsight_optimum(j, trace), hindsight_optimum(j, trace, schedules=0)
+    assert alone.lower_bound_usd == priced.lower_bound_usd and math.isnan(alone.schedule_cost_usd)
+    assert priced.schedule_cost_usd >= priced.lower_bound_usd
