@@ -54,28 +54,88 @@ def client(session_home):
 def run_reference(spec, devices: int, tmp_path: Path, *, env: dict | None = None) -> dict:
     """Per-step losses and final parameter sums of `spec`'s workload (the built-in trainer or a user
     program) trained in one plain process with `devices` CPU devices, without checkpoints."""
+    return start_reference(spec, devices, tmp_path, env=env).result()
+
+
+def start_reference(spec, devices: int, tmp_path: Path, *, env: dict | None = None) -> Reference:
+    """`run_reference` started now and read later (`.result()`): the plain process trains while the
+    test's job waits on its slices, instead of after it."""
     from orchestrator.control.launch import workload_for
 
     t = spec.tpu_type
-    workload = workload_for(spec, t.chips, t.hosts)
-    return run_workload(workload, devices, tmp_path, env=env)
+    return start_workload(workload_for(spec, t.chips, t.hosts), devices, tmp_path, env=env)
 
 
 def run_workload(workload: dict, devices: int, tmp_path: Path, *, env: dict | None = None) -> dict:
     """`workers.reference` on a host's `workload`, without its checkpoints (`env`: extra variables)."""
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    wl_file, out = tmp_path / "ref-workload.pkl", tmp_path / "ref-out.json"
-    settings = dataclasses.replace(workload["settings"], checkpoint_dir=None)
-    wl_file.write_bytes(pickle.dumps({**workload, "settings": settings}))
-    subprocess.run([sys.executable, "-m", "workers.reference", "--workload", str(wl_file), "--devices", str(devices),
-                    "--out", str(out)], check=True, cwd=REPO, timeout=600, env={**os.environ, **(env or {})})
-    return json.loads(out.read_text())
+    return start_workload(workload, devices, tmp_path, env=env).result()
+
+
+REFERENCE_TIMEOUT_S = 600
+_running: list[Reference] = []  # started and not yet read or stopped
+_compile_cache: list[Path] = []  # the session's, once `_reference_compile_cache` has made it
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _reference_compile_cache(tmp_path_factory):
+    """The references of one session share a compile cache: a program another reference compiled
+    already is loaded, not compiled again (the same executable, so the same losses)."""
+    _compile_cache.append(tmp_path_factory.mktemp("reference-compile-cache"))
+
+
+class Reference:
+    """A `workers.reference` process running in the background; `result()` waits for what it wrote."""
+
+    def __init__(self, workload: dict, devices: int, tmp_path: Path, env: dict | None):
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        wl_file, self._out = tmp_path / "ref-workload.pkl", tmp_path / "ref-out.json"
+        settings = dataclasses.replace(workload["settings"], checkpoint_dir=None)
+        wl_file.write_bytes(pickle.dumps({**workload, "settings": settings}))
+        self._started = time.monotonic()
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "workers.reference", "--workload", str(wl_file), "--devices", str(devices),
+             "--out", str(self._out), *(["--compile-cache", str(_compile_cache[0])] if _compile_cache else [])],
+            cwd=REPO, env={**os.environ, **(env or {})})
+        self._value: dict | None = None
+        _running.append(self)
+
+    def result(self) -> dict:
+        if self._value is None:
+            try:
+                rc = self._proc.wait(timeout=max(1.0, REFERENCE_TIMEOUT_S - (time.monotonic() - self._started)))
+            finally:
+                self.stop()
+            if rc != 0:
+                raise subprocess.CalledProcessError(rc, self._proc.args)
+            self._value = json.loads(self._out.read_text())
+        return self._value
+
+    def stop(self) -> None:
+        """Ends the process if it still runs (a test that failed before reading it)."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        if self in _running:
+            _running.remove(self)
+
+
+def start_workload(workload: dict, devices: int, tmp_path: Path, *, env: dict | None = None) -> Reference:
+    """`run_workload` started now and read later (`.result()`)."""
+    return Reference(workload, devices, tmp_path, env)
 
 
 def assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:
     assert len(actual) == len(expected), f"{len(actual)} steps, expected {len(expected)}"
     worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
     assert worst <= rtol, f"per-step losses differ by up to {worst:.2e} relative (allowed {rtol:.0e})"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _end_leftover_references():
+    """A reference a module's tests started and never read ends with the module, not later beside another's job."""
+    yield
+    for ref in list(_running):
+        ref.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from kernels.dispatch import INTERPRET_ENV
-from tests.conftest import assert_losses_close, run_workload
+from tests.conftest import Reference, assert_losses_close, start_workload
 from workers.model import ModelShape
 from workers.settings import LmSettings, TrainingSettings
 
@@ -25,15 +25,17 @@ LM = LmSettings(model=ModelShape(d_model=64, n_layers=1, n_heads=2, n_kv_heads=1
 
 
 def train(settings: TrainingSettings, lm: LmSettings, implementation: str, devices: int, tmp_path,
-          env: dict | None = None) -> dict:
-    """The built-in trainer on `implementation`'s kernels in one process (`workers.reference`)."""
+          env: dict | None = None) -> Reference:
+    """The built-in trainer on `implementation`'s kernels in one process (`workers.reference`), started now:
+    two such runs train side by side (the Pallas interpreter keeps one core busy), `.result()` waits."""
     workload = {"type": "lm", "settings": settings, "lm": dataclasses.replace(lm, implementation=implementation)}
-    return run_workload(workload, devices, tmp_path, env=env)
+    return start_workload(workload, devices, tmp_path, env=env)
 
 
 def test_pallas_and_xla_kernels_train_alike(tmp_path):
-    xla = train(SETTINGS, LM, "xla", devices=1, tmp_path=tmp_path / "x")
-    pallas = train(SETTINGS, LM, "pallas", devices=1, tmp_path=tmp_path / "p")
+    xla_run, pallas_run = (train(SETTINGS, LM, "xla", devices=1, tmp_path=tmp_path / "x"),
+                           train(SETTINGS, LM, "pallas", devices=1, tmp_path=tmp_path / "p"))
+    xla, pallas = xla_run.result(), pallas_run.result()
     assert len(xla["losses"]) == 3
     assert xla["losses"][-1] < xla["losses"][0]
     assert_losses_close(pallas["losses"], xla["losses"], rtol=2e-5)
@@ -74,8 +76,10 @@ def test_sharded_pallas_training_equals_unsharded_xla(tmp_path):
     devices in lockstep and stalls on a 2-core CPU with 4 devices (the single-device test
     above covers the kernels in TPU interpret mode).
     """
-    xla = train(SETTINGS, SHARDED_LM, "xla", devices=1, tmp_path=tmp_path / "x")
-    pallas = train(SHARDED, SHARDED_LM, "pallas", devices=4, tmp_path=tmp_path / "p", env={INTERPRET_ENV: "generic"})
+    xla_run, pallas_run = (train(SETTINGS, SHARDED_LM, "xla", devices=1, tmp_path=tmp_path / "x"),
+                           train(SHARDED, SHARDED_LM, "pallas", devices=4, tmp_path=tmp_path / "p",
+                                 env={INTERPRET_ENV: "generic"}))
+    xla, pallas = xla_run.result(), pallas_run.result()
     assert len(pallas["losses"]) == SHARDED.steps
     assert_losses_close(pallas["losses"], xla["losses"], rtol=2e-5)
 
@@ -89,8 +93,9 @@ ODD_SHAPES = dataclasses.replace(
 
 def test_lengths_the_blocks_do_not_divide_train_alike_on_pallas_and_xla(tmp_path):
     """seq_len 200 with 128-blocks (attention, RoPE, scan: fitted and padded) and 400 rows with block_rows 256."""
-    xla = train(ODD_SHAPES, LM, "xla", devices=1, tmp_path=tmp_path / "x")
-    pallas = train(ODD_SHAPES, LM, "pallas", devices=1, tmp_path=tmp_path / "p")
+    xla_run, pallas_run = (train(ODD_SHAPES, LM, "xla", devices=1, tmp_path=tmp_path / "x"),
+                           train(ODD_SHAPES, LM, "pallas", devices=1, tmp_path=tmp_path / "p"))
+    xla, pallas = xla_run.result(), pallas_run.result()
     assert len(pallas["losses"]) == ODD_SHAPES.steps
     assert_losses_close(pallas["losses"], xla["losses"], rtol=2e-5)
 
