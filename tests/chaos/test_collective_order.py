@@ -21,7 +21,7 @@ from pathlib import Path
 
 from orchestrator import JobSpec
 from orchestrator.control.launch import workload_for
-from tests.conftest import REPO, assert_losses_close, run_reference
+from tests.conftest import REPO, assert_losses_close, start_reference
 
 HOSTS, STEPS = 4, 8
 LAUNCH_TIMEOUT_S = 150  # a launch that hangs in a collective mismatch ends here
@@ -71,7 +71,7 @@ def test_a_restored_slice_whose_host_alone_declines_a_save_stays_in_step(tmp_pat
     spec = _spec(tmp_path / "ckpt")
     workload_file = tmp_path / "workload.pkl"
     workload_file.write_bytes(pickle.dumps(workload_for(spec, spec.tpu_type.chips, spec.tpu_type.hosts)))
-    reference = run_reference(spec, devices=HOSTS * 4, tmp_path=tmp_path / "ref")["losses"]
+    reference = start_reference(spec, devices=HOSTS * 4, tmp_path=tmp_path / "ref")  # trains beside the hosts
 
     (tmp_path / "a").mkdir()
     first = _launch(workload_file, tmp_path / "a", notice_at=3)  # every host stops after step 3, committed
@@ -87,4 +87,4 @@ def test_a_restored_slice_whose_host_alone_declines_a_save_stays_in_step(tmp_pat
 
     losses = {int(k): v for h in (first[0], second[0]) for k, v in h["losses"].items()}
     assert sorted(losses) == list(range(STEPS))
-    assert_losses_close([losses[s] for s in range(STEPS)], reference, rtol=1e-5)
+    assert_losses_close([losses[s] for s in range(STEPS)], reference.result()["losses"], rtol=1e-5)
