@@ -153,10 +153,10 @@ def test_the_command_shows_progress_on_a_terminal(src, tmp_path, home, monkeypat
 
     from rich.console import Console
 
-    import orchestrator.user.cli as cli
+    from orchestrator.user.commands import console
 
     screen = io.StringIO()
-    monkeypatch.setattr(cli, "err", Console(file=screen, force_terminal=True, width=100))
+    monkeypatch.setattr(console, "err", Console(file=screen, force_terminal=True, width=100))
     r = run("data", "prepare", src, "-o", tmp_path / "tokens", "--vocab-size", 300)
     assert r.exit_code == 0, r.output
     assert "training" in screen.getvalue() and "encoding" in screen.getvalue()

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.state.states import FailedBecause, JobState
 from orchestrator.state.store import Store
-from orchestrator.user.cli import _status_dict, jobs_lines
+from orchestrator.user.commands.views import jobs_lines, status_dict
 from orchestrator.user.job import _status
 from policies.decisions.limits import MIN_RUN_S, budget_refuses_start, budget_stop, forecast, step_seconds
 from policies.decisions.recovery import Budgets, Next, Outcome, OutcomeKind, after
@@ -60,8 +60,8 @@ def test_a_failed_jobs_cause_is_kept_and_shown_with_its_state(tmp_path):
     one, two = (_status(store.job(j), None) for j in ("j1", "j2"))
     assert (one.state, one.cause, one.state_name) == (JobState.FAILED, FailedBecause.BUDGET, "FAILED_BUDGET")
     assert (two.cause, two.state_name) == (None, "CANCELLED")
-    assert json.loads(json.dumps(_status_dict(one)))["cause"] == "budget"  # list --json, status --json
-    assert _status_dict(one)["state"] == "FAILED"
+    assert json.loads(json.dumps(status_dict(one)))["cause"] == "budget"  # list --json, status --json
+    assert status_dict(one)["state"] == "FAILED"
     assert "FAILED_BUDGET" in "\n".join(jobs_lines([one, two], width=80))
 
 

@@ -18,6 +18,7 @@ from orchestrator.state.events import Launched, ResizeAsked, StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
 from orchestrator.user import cli
+from orchestrator.user.commands import console
 from orchestrator.user.job import JobStatus
 from orchestrator.user.progress import LiveBar, bar_fields
 from orchestrator.user.terminal import fit_fields, table, unique_prefixes
@@ -60,7 +61,7 @@ def home(tmp_path, monkeypatch):
 
 def run_at(width: int, monkeypatch, *args) -> tuple[int, list[str]]:
     buf = io.StringIO()
-    monkeypatch.setattr(cli, "out", Console(file=buf, width=width, soft_wrap=True, color_system=None))
+    monkeypatch.setattr(console, "out", Console(file=buf, width=width, soft_wrap=True, color_system=None))
     r = CliRunner().invoke(cli.app, list(args))
     assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
     return r.exit_code, (buf.getvalue() + r.stdout).splitlines()
