@@ -13,6 +13,16 @@ roofline in results/tpu_compile.json); each row says which priors each option go
 simulator trains at the speeds the policy is given, so each prior is its own world: compare
 the choices and the product against the optima within one, not dollars across them.
 
+Issue 38: the simulator charges a grow, a shrink and a move the relaunch the controller pays
+(`RestartCost.reshape_s`, the startup unless given); both optima are lower bounds by construction
+(a relaxation of the simulator: `policies.evaluation.hindsight`); each prices up to `--schedules`
+clairvoyant schedules in the simulator, and `best_known_over_bound` (per trace and in the
+summary) is the cheapest run that met the deadline on each window, of every policy run and those
+schedules, over the bound. `--scaling pessimistic` prices the options with the all-reduce not
+hidden and no large-slice penalty (`policies.cost.scaling_assumptions`; results/
+cost_pessimistic.json). The summary is repeated for the tune and the check set
+(`policies.evaluation.traces.tune_and_check`) under `sets`; `--traces tune` runs one set alone.
+
 Quick iterations: `--windows 1 --sweep '' --policies product,ondemand` runs the product,
 the on-demand baseline and both optima on one window a trace at one deadline (about a
 tenth of the full run).
@@ -32,7 +42,8 @@ The job (fixed before looking at any result, and the same on every trace):
 - deadline 1.75x the on-demand v4-32 duration (20.7 h -> 36.0 h): a v4-16 alone
   could not make it, so the policy must trade size against tier;
 - restart figures: the defaults of `policies.cost.restart_cost.RestartCost` (120 s
-  provisioning, 240 s startup, a checkpoint at least every 600 s, each save costing 5 s).
+  provisioning, 240 s startup, the same 240 s to relaunch a group that grows or shrinks, a
+  checkpoint at least every 600 s, each save costing 5 s).
 
 Each trace (see policies/evaluation/traces/README.md: AWS GPU traces standing in for one TPU
 slice family in one zone) is replayed from `--windows` start times spread evenly over
