@@ -17,7 +17,7 @@ import ray
 
 from orchestrator import JobSpec, JobState
 from orchestrator.state.states import SliceState
-from tests.conftest import REPO, assert_losses_close, run_reference
+from tests.conftest import REPO, assert_losses_close, start_reference
 from tests.waiting import wait_step
 
 TINY_MODEL = {"d_model": 64, "n_layers": 1, "n_heads": 4, "d_ff": 128}
@@ -73,8 +73,8 @@ def test_resumed_run_equals_uninterrupted(client, tmp_path):
     exactly there: nothing was lost, and every step of the first run was recorded.
     """
     # 64 steps of a tiny model: a busy 2-core machine once ran the last 23 of 32 before the cancel landed.
+    # The uninterrupted run trains on its own one-host slice beside the first one, not before it.
     reference = client.submit(tiny_spec("ref", "v4-8", tmp_path, steps=64, interval=8))
-    assert reference.wait(timeout_s=300).state is JobState.SUCCEEDED
     spec = tiny_spec("resume", "v4-8", tmp_path, steps=64, interval=8)
     first = client.submit(spec)
     wait_step(first, 9)
@@ -86,6 +86,7 @@ def test_resumed_run_equals_uninterrupted(client, tmp_path):
     assert second.wait(timeout_s=300).state is JobState.SUCCEEDED
     restored = [e.data["restored_step"] for e in second.events() if e.kind == "restore"]
     assert restored == [done_before], (restored, done_before)
+    assert reference.wait(timeout_s=300).state is JobState.SUCCEEDED
     combined = losses(first) + [m.loss for m in second.metrics() if m.step >= done_before]
     assert_losses_close(combined, losses(reference), rtol=1e-6)
 
@@ -94,6 +95,7 @@ def test_resumed_run_equals_uninterrupted(client, tmp_path):
 def test_multihost_job_matches_single_process_reference(client, tmp_path, accelerator, hosts):
     spec = tiny_spec(f"mh{hosts}", accelerator, tmp_path, steps=6, interval=3)
     job = client.submit(spec)
+    ref = start_reference(spec, devices=spec.tpu_type.chips, tmp_path=tmp_path)  # trains while the slice starts
     st = job.wait(timeout_s=420)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-2000:])
     # Every worker ran on its own node, and each node belongs to this job's slice, in worker-id order.
@@ -109,8 +111,7 @@ def test_multihost_job_matches_single_process_reference(client, tmp_path, accele
     assert not any(n["Alive"] and n["Labels"].get("ray.io/tpu-slice-name") == slice_name for n in ray.nodes())
     # One orbax checkpoint written by all processes together, and the same losses as one process.
     assert sorted(int(p.name) for p in Path(spec.checkpoint.directory).iterdir() if p.name.isdigit()) == [3, 6]
-    ref = run_reference(spec, devices=spec.tpu_type.chips, tmp_path=tmp_path)
-    assert_losses_close(losses(job), ref["losses"], rtol=1e-5)
+    assert_losses_close(losses(job), ref.result()["losses"], rtol=1e-5)
     logs = job.logs()
     assert "[host-0]" in logs and "step 6/6" in logs
 
