@@ -10,8 +10,8 @@ This drives that path through the real controller as a user meets it (`Client().
 embedded local cluster): an entrypoint job (`benchmarks/cache_stress_program`) whose train step
 takes seconds to compile, far over the `jax_persistent_cache_min_compile_time_secs` the hosts'
 cache is set up with, on 2 hosts (v4-16), 4 hosts (v4-32) and 2 slices (v4-16 x 2). Each job
-loses a host (its node's processes, SIGKILL) `--disturb` times, each time after the generation
-restored before it has run steps; `--busy` spinning processes keep both cores loaded meanwhile.
+loses a host (its node's processes, SIGKILL) `--disturb` times, each time once the generation
+restored before has saved twice; `--busy` spinning processes keep both cores loaded meanwhile.
 
 Recorded per job: its generations, worker aborts (the disruptions the controller classified so)
 and every gloo error line in the job's log and in Ray's worker logs, what JAX's cache did in each
@@ -119,13 +119,15 @@ def probes(probe_dir: Path) -> list[dict]:
     return sorted(notes, key=lambda n: (n["at"], n["rank"]))
 
 
-def disturb(client, job, i: int, steps: int) -> dict | None:
-    """Wait until the newest generation has run two steps past its restore, then kill one of its hosts."""
-    wait_until(lambda: job.status().state is JobState.RUNNING or job.status().done, timeout_s=900, poll_s=0.5)
-    base = (events(job, "restore")[-1].data.get("restored_step") or 0) if events(job, "restore") else 0
-    target = min(steps - 3, base + 2)
-    wait_until(lambda: (job.status().state is JobState.RUNNING and job.status().step >= target)
-               or job.status().done, timeout_s=900, poll_s=0.2)
+def disturb(client, job, i: int) -> dict | None:
+    """Once the newest generation has saved twice since its restore (its first step long done, the first of
+    those saves committed), kill one of its hosts; then wait for the next generation's restore."""
+    def saved_twice() -> bool:
+        ev = job.events()
+        restore = max((e.at for e in ev if e.kind == "restore"), default=None)
+        return restore is not None and sum(1 for e in ev if e.kind == "checkpoint" and e.at > restore) >= 2
+
+    wait_until(lambda: saved_twice() or job.status().done, timeout_s=900, poll_s=0.2)
     if job.status().done:
         return None
     restores, seen = len(events(job, "restore")), len(events(job, "disruption"))
@@ -141,21 +143,25 @@ def disturb(client, job, i: int, steps: int) -> dict | None:
             "restored_step": restore.data.get("restored_step"), "source": restore.data.get("source", "storage")}
 
 
-def run_job(client, shape: str, n: int, steps: int, tmp: Path, ref: list[float], *, jax_cache: bool) -> dict:
+def run_job(client, shape: str, n: int, steps: int, tmp: Path, ref: list[float], *, jax_cache: bool,
+            progress) -> dict:
     probe_dir = tmp / f"probe-{shape}-{'control' if jax_cache else 'fixed'}"
     probe_dir.mkdir()
     home = client.home.compile_cache  # $ORCHESTRATOR_HOME/jax-cache, every local host's
     before = cache_entries(home)
     t0 = time.monotonic()
-    job = client.submit(spec(f"cache-{shape}{'-control' if jax_cache else ''}", shape, steps, probe_dir,
-                             jax_cache=jax_cache))
+    name = f"cache-{shape.replace('_', '-')}{'-control' if jax_cache else ''}"
+    job = client.submit(spec(name, shape, steps, probe_dir, jax_cache=jax_cache))
     cycles = []
     for i in range(n):
-        cycle = disturb(client, job, i, steps)
+        cycle = disturb(client, job, i)
         if cycle is None:
             break
         cycles.append(cycle)
         print(f"  {shape} disturbance {i + 1}: {cycle}", flush=True)
+        progress({"in_progress": True, "disturbances": len(cycles), "per_disturbance": cycles,
+                  "generations": len(events(job, "launched")),
+                  "disruptions": [e.data["kind"] for e in events(job, "disruption")]})
     st = job.wait(timeout_s=1800)
     losses = [m.loss for m in job.metrics()]
     disruptions = events(job, "disruption")
@@ -197,14 +203,15 @@ def main() -> None:
     p.add_argument("--disturb", type=int, default=10, help="host losses per job (default 10)")
     p.add_argument("--busy", type=int, default=2, help="spinning processes beside the jobs (default 2, one per core)")
     p.add_argument("--shapes", default="two_hosts,four_hosts,two_slices", help=f"of {', '.join(SHAPES)}")
-    p.add_argument("--control", action="store_true", help="first a 2-host job with JAX's cache on in the program")
+    p.add_argument("--control", action="store_true",
+                   help="first a 2-host job with JAX's cache on in the program (up to 3 disturbances)")
     p.add_argument("--quick", action="store_true", help="3 disturbances, 2 hosts only")
     args = p.parse_args()
     if args.quick:
         args.disturb, args.shapes = 3, "two_hosts"
     shapes = [s for s in args.shapes.split(",") if s]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit still stops the loops and the cluster
-    steps = 2 * args.disturb + 2 * INTERVAL + 4
+    steps = 3 * INTERVAL * (args.disturb + 1)  # room for two saves and a kill per generation
     tmp = Path(tempfile.mkdtemp(prefix="cache-stress-"))
     load_before = os.getloadavg()
     ref_proc, ref_out = start_reference(spec("reference", "two_hosts", steps, tmp), tmp)
@@ -215,6 +222,7 @@ def main() -> None:
               "machine": machine()}
     try:
         client = fresh_client()
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # again: connecting to Ray installed its own
         if ref_proc.wait(timeout=1800) != 0:
             raise RuntimeError("the undisturbed reference failed")
         ref = json.loads(ref_out.read_text())["losses"]
@@ -222,9 +230,15 @@ def main() -> None:
         for shape, jax_cache in runs:
             print(f"{shape}{' (control: JAX cache on in the program)' if jax_cache else ''}: "
                   f"load {os.getloadavg()[0]:.1f}", flush=True)
-            key = f"{shape}_control" if jax_cache else shape
-            result["jobs"][key] = {"load_average_at_start": os.getloadavg(),
-                                   **run_job(client, shape, args.disturb, steps, tmp, ref, jax_cache=jax_cache)}
+            key, start = f"{shape}_control" if jax_cache else shape, {"load_average_at_start": os.getloadavg()}
+
+            def progress(part: dict, key=key, start=start) -> None:
+                result["jobs"][key] = {**start, **part}
+                save("cache_stress", result)
+
+            n = min(3, args.disturb) if jax_cache else args.disturb
+            result["jobs"][key] = {**start, **run_job(client, shape, n, steps, tmp, ref, jax_cache=jax_cache,
+                                                      progress=progress)}
             result["ray_worker_gloo_errors"] = ray_worker_errors()[:40]
             save("cache_stress", result)  # after each job: a run cut short keeps what it finished
         result["complete"] = True
