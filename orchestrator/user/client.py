@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -28,24 +27,21 @@ from typing import TYPE_CHECKING
 
 from orchestrator import catalog, cluster
 from orchestrator.catalog import Tier
-from orchestrator.cluster.driver_output import keep_ray_quiet
-from orchestrator.cluster.processes import stop_marked
 from orchestrator.control import ownership
 from orchestrator.control.ownership import OnExisting
 from orchestrator.control.shipping import pack_folder
-from orchestrator.domain.spec import EntrypointWorkload, JobSpec, LmWorkload
+from orchestrator.domain.spec import JobSpec, LmWorkload
 from orchestrator.errors import (
     ClusterError,
     JobNotFoundError,
     JobStateError,
-    OrchestratorError,
-    OutputFileError,
     SpecError,
     StoreFaultError,
 )
 from orchestrator.observe.metrics import read_store_fault
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store
+from orchestrator.user.connection import ClusterLink
 from orchestrator.user.entrypoint import check_entrypoint
 from orchestrator.user.job import CLUSTER_GONE, Job, JobStatus, _status
 from orchestrator.user.preflight import gcp_problems
@@ -71,20 +67,9 @@ class Plan:
         return [line for r in self.compiled or [] if (line := r.refusal()) is not None]
 
 
-CONNECT_TRIES, CONNECT_WAIT_S = 2, 10.0  # joining a cluster this client started: tries, and the wait between
+class Client(ClusterLink):
+    """The Python API (see this module's docstring); its link to the cluster is `ClusterLink`'s."""
 
-
-def _busy_advice(home: cluster.Home) -> str:
-    """What to do when the cluster does not answer: how busy the machine is, where the logs are."""
-    try:
-        load = f"this machine's load average is {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
-    except OSError:
-        load = ""
-    return (f"{load}Ray's head may still be starting: try again in a minute, or run `orchestrator down` then "
-            f"`orchestrator up` and read {home.root / 'logs' / 'head.log'}")
-
-
-class Client:
     def __init__(self, *, address: str | None = None, home: str | Path | None = None, stopping: bool = False):
         """`stopping`: for `down`, which must work even when the running cluster's store was deleted."""
         self.home = (cluster.Home(Path(home).expanduser().resolve()) if home else cluster.Home.default()).ensure()
@@ -100,168 +85,6 @@ class Client:
         self._owns_cluster = False
         self._cluster_seen: tuple[float, str] = (-1e9, "gone")
         self._fault_seen: tuple[float, str | None] = (-1e9, None)
-
-    # -- cluster ---------------------------------------------------------------
-
-    def connect(self) -> None:
-        """Reach the cluster (starting the embedded one if needed) and its controller."""
-        if self._connected:
-            return
-        import ray
-
-        if self.address is None:
-            cluster.apply_ray_env(self.home)
-            info = cluster.read_cluster(self.home)
-            if info is None:
-                info = cluster.start_head(self.home, owner="submit")
-                self._owns_cluster = True
-            elif not cluster.answers(info):  # Ray's driver would retry a dead head for minutes
-                raise ClusterError(f"the cluster at {info.address} (state in {self.home.root}) does not answer; "
-                                   "`orchestrator down` stops what is left of it")
-            address = info.address
-        else:
-            address = self.address
-        keep_ray_quiet(self.home)  # Ray's own messages go to logs/driver.log, not to the user's terminal
-        tries = CONNECT_TRIES if self._owns_cluster else 1  # a head just started on a loaded machine can be slow
-        for attempt in range(1, tries + 1):
-            try:
-                ray.init(address=address, namespace=cluster.NAMESPACE, logging_level=logging.WARNING,
-                         log_to_driver=False, configure_logging=False)
-                break
-            except ConnectionError as e:
-                if attempt < tries:
-                    log.warning("cannot reach the Ray cluster at %s yet (%s); trying again in %.0f s", address, e,
-                                CONNECT_WAIT_S * attempt)
-                    time.sleep(CONNECT_WAIT_S * attempt)
-                    continue
-                if self._owns_cluster:  # leave nothing running behind a failed start
-                    cluster.stop_cluster(self.home)
-                times = f"{tries} tries" if tries > 1 else "1 try"
-                raise ClusterError(f"cannot reach the Ray cluster at {address} ({times}): {e}. "
-                                   f"{_busy_advice(self.home)}") from None
-        keep_ray_quiet(self.home)  # again: connecting set Ray's logging up anew
-        self._connected = True
-        try:
-            self._ensure_controller(address)
-        except Exception:
-            self.close()
-            raise
-
-    def _ensure_controller(self, address: str):
-        import ray
-
-        from orchestrator.control.controller import Controller
-
-        try:
-            return ray.get_actor(cluster.CONTROLLER_NAME, namespace=cluster.NAMESPACE)
-        except ValueError:
-            pass
-        has_head_resource = ray.cluster_resources().get(cluster.CONTROLLER_RESOURCE, 0) > 0
-        ctrl = ray.remote(Controller).options(
-            name=cluster.CONTROLLER_NAME, namespace=cluster.NAMESPACE, lifetime="detached", get_if_exists=True,
-            num_cpus=0, max_concurrency=64, max_restarts=-1,
-            resources={cluster.CONTROLLER_RESOURCE: 0.01} if has_head_resource else None,
-        ).remote(str(self.home.root), address)
-        # Ray types an actor handle's method as the class's own (without .remote).
-        ray.get(ctrl.ping.remote(), timeout=120)  # type: ignore[attr-defined]
-        return ctrl
-
-    def controller(self):
-        import ray
-
-        self.connect()
-        return ray.get_actor(cluster.CONTROLLER_NAME, namespace=cluster.NAMESPACE)
-
-    @property
-    def owns_cluster(self) -> bool:
-        return self._owns_cluster
-
-    def close(self, *, stop_owned_cluster: bool = True) -> None:
-        """Disconnect; stop the embedded cluster if this client started it and no job is active."""
-        if not self._connected:
-            return
-        import ray
-
-        if stop_owned_cluster and self._owns_cluster and not self.store.jobs(active_only=True):
-            self._shutdown_controller()
-            ray.shutdown()
-            cluster.stop_cluster(self.home)
-        else:
-            ray.shutdown()
-        self._connected = False
-
-    def _shutdown_controller(self) -> None:
-        import ray
-
-        try:
-            ctrl = ray.get_actor(cluster.CONTROLLER_NAME, namespace=cluster.NAMESPACE)
-            ray.get(ctrl.shutdown.remote(), timeout=120)
-            ray.kill(ctrl, no_restart=True)
-        except ValueError:
-            pass
-
-    def down(self) -> bool:
-        """Cancel active jobs, release every slice, stop the embedded cluster. False if none ran.
-
-        Only processes that are this cluster's nodes are stopped (`cluster.session_is_ours`);
-        a recorded id that another program holds now is left alone and logged. A head that
-        does not answer is stopped without asking its controller first.
-        """
-        info = cluster.read_cluster(self.home)
-        if info is None:
-            self._release_recorded_slices()
-            stop_marked(self.home)  # what a job's code left running past the cluster
-            (self.home.root / "metrics.json").unlink(missing_ok=True)
-            return False
-        import ray
-
-        try:
-            if cluster.answers(info):
-                self.connect()
-                self._shutdown_controller()
-            else:
-                log.warning("the cluster at %s does not answer; stopping its processes", info.address)
-        except Exception:  # whatever the controller says, the cluster goes down
-            log.exception("the controller did not shut down cleanly; stopping the cluster anyway")
-        finally:
-            ray.shutdown()
-            self._connected = False
-            self._release_recorded_slices()
-            cluster.stop_cluster(self.home)
-            stop_marked(self.home)  # what a job's code started and hid from the nodes' sessions
-        (self.home.root / "metrics.json").unlink(missing_ok=True)  # its server went with the controller
-        return True
-
-    def _release_recorded_slices(self) -> list[int]:
-        """Stop the hosts of every slice the store says is live; returns the ids left alone (not ours)."""
-        from orchestrator.providers.local import release_recorded
-
-        return [pgid for rec in self.store.slices(live_only=True)
-                for pgid in release_recorded(self.home, self.store, rec)]
-
-    # -- jobs ------------------------------------------------------------------
-
-    def _ask(self, method: str, *args, timeout_s: float = 60):
-        """Call the controller's `method` and wait for its answer.
-
-        An `OrchestratorError` the controller raises is raised here as itself (not wrapped
-        in Ray's `RayTaskError`); a controller that died or does not answer is a
-        `ClusterError`. Any other error of the controller's stays a `RayTaskError`.
-        """
-        import ray
-
-        ctrl = self.controller()
-        try:
-            return ray.get(getattr(ctrl, method).remote(*args), timeout=timeout_s)
-        except ray.exceptions.RayTaskError as e:
-            log.debug("controller.%s failed: %s", method, e)  # str(e) holds the remote traceback
-            if isinstance(e.cause, OrchestratorError):
-                raise e.cause from None
-            raise
-        except ray.exceptions.GetTimeoutError:
-            raise ClusterError(f"the controller did not answer {method} within {timeout_s:g} s") from None
-        except ray.exceptions.RayActorError as e:
-            raise ClusterError(f"the controller died during {method}: {e.error_msg}") from None
 
     def submit(self, spec: JobSpec, *, workdir: str | Path | None = None, source: str = "<spec>",
                fresh: bool = False, resume_anyway: bool = False) -> Job:
@@ -339,59 +162,9 @@ class Client:
             client.export("tiny-lm", "weights/")
             params, config = workers.export.load("weights/")
         """
-        from orchestrator.user.outputs import check_output_folder, check_reachable
-        from workers.export import ExportError, export_checkpoint
+        from orchestrator.user.exporting import export_job
 
-        if latest and step is not None:
-            raise ValueError("latest and step exclude each other: the newest committed step, or a given one")
-        job = self.store.find_job(job_id)
-        if step is None and not latest and job.state is not JobState.SUCCEEDED:
-            raise JobStateError(job.id, job.state.value, "exported without --latest or --step",
-                                (JobState.SUCCEEDED.value,))
-        spec = job.spec
-        w = spec.workload
-        lm = w if isinstance(w, LmWorkload) else None
-        config = {"job": {"id": job.id, "name": job.name, "state": job.state.value},
-                  "workload": w.entrypoint if isinstance(w, EntrypointWorkload) else "lm",
-                  "model": lm.model.model_dump(mode="json") if lm else None,
-                  "data": w.data.path if w.data else None}
-        directory = spec.checkpoint.directory or str(self.home.default_checkpoint_dir(job.name))
-        try:
-            out = check_output_folder(os.fspath(out), force=force)
-            self._refuse_checkpoint_folders(out)
-            in_bucket = next((url for url in (out, directory) if storage.is_url(url)), None)
-            if in_bucket is not None:  # one endpoint serves both
-                check_reachable(in_bucket, spec.storage.endpoint)
-        except OutputFileError as e:
-            raise ExportError(e.path, e.problem) from None
-        storage.configure(spec.storage.endpoint)  # where the job's gs:// folders are
-        return export_checkpoint(directory, out, step=step, config=config, force=force, subtree=subtree)
-
-    def _refuse_checkpoint_folders(self, out: str | Path) -> None:
-        """An ExportError if `out` is inside, is, or holds a job's checkpoint folder: writing (or with
-        --force replacing) it there would break that job's checkpoints, and its next export or restore."""
-        from workers.export import ExportError
-
-        if storage.is_url(out):
-            for job in self.store.jobs():
-                url = job.spec.checkpoint.directory or ""
-                their_prefix, my_prefix = url.rstrip("/") + "/", str(out).rstrip("/") + "/"
-                if storage.is_url(url) and (my_prefix.startswith(their_prefix) or their_prefix.startswith(my_prefix)):
-                    raise ExportError(str(out), f"is inside or holds the checkpoint folder of job {job.id} "
-                                                f"({url}); write the export elsewhere")
-            return
-        mine = Path(os.path.realpath(out))
-        for job in self.store.jobs():
-            folder = job.spec.checkpoint.directory or self.home.default_checkpoint_dir(job.name)
-            if storage.is_url(folder):  # a bucket: not a path on this machine
-                continue
-            theirs = Path(os.path.realpath(folder))
-            if mine == theirs or theirs in mine.parents:
-                raise ExportError(str(out), f"is inside the checkpoint folder of job {job.id} ({folder}); "
-                                            "write the export elsewhere")
-            if mine in theirs.parents:
-                raise ExportError(str(out), f"holds the checkpoint folder of job {job.id} ({folder}); "
-                                            "write the export elsewhere")
+        return export_job(self.store, self.home, job_id, out, step=step, latest=latest, force=force, subtree=subtree)
 
     def plan(self, spec: JobSpec, *, compile: bool = False, deadline_hours: float | None = None,
              trace: str | Path | None = None, progress: Callable[[str], None] = lambda line: None) -> Plan:
@@ -593,7 +366,6 @@ def _tier(value: Tier | str) -> Tier:
     except ValueError:
         allowed = ", ".join(repr(t.value) for t in Tier)
         raise SpecError("<resize>", [("tier", f"{value!r} is not a tier; use one of {allowed}")]) from None
-
 
 
 
