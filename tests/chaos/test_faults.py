@@ -20,7 +20,7 @@ import pytest
 from orchestrator import JobSpec, JobState
 from orchestrator.cluster import kill_host
 from orchestrator.observe.goodput import goodput
-from tests.conftest import assert_losses_close, run_reference
+from tests.conftest import Reference, assert_losses_close, start_reference
 from tests.waiting import wait_for, wait_step
 
 STEPS, INTERVAL = 20, 4
@@ -41,11 +41,11 @@ def reference(tmp_path_factory):
     """The undisturbed run: the same job trained in one plain process on as many devices.
 
     That a multi-host job equals such a run (1e-5) when nothing disturbs it is checked by
-    `test_multihost_job_matches_single_process_reference`.
+    `test_multihost_job_matches_single_process_reference`. Started at the module's first test, it
+    trains while that test's job waits on its slice; `assert_same_model` reads it.
     """
     tmp = tmp_path_factory.mktemp("ref")
-    out = run_reference(chaos_spec("chaos-ref", tmp), devices=8, tmp_path=tmp)
-    return {"losses": out["losses"], "params": out["param_sums"]}
+    return start_reference(chaos_spec("chaos-ref", tmp), devices=8, tmp_path=tmp)
 
 
 def host_pgids(client, job) -> list[int]:
@@ -54,11 +54,11 @@ def host_pgids(client, job) -> list[int]:
     return live[0].data["pgids"]
 
 
-def assert_same_model(job, reference) -> None:
+def assert_same_model(job, reference: Reference) -> None:
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
-    assert_losses_close([m.loss for m in job.metrics()], reference["losses"], rtol=1e-5)
-    got, want = job.record().result["param_sums"], reference["params"]
+    assert_losses_close([m.loss for m in job.metrics()], reference.result()["losses"], rtol=1e-5)
+    got, want = job.record().result["param_sums"], reference.result()["param_sums"]
     assert set(got) == set(want)
     for k in want:
         assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (k, got[k], want[k])

@@ -7,7 +7,7 @@ import time
 import ray
 
 from orchestrator import JobState
-from tests.conftest import assert_losses_close, run_reference
+from tests.conftest import assert_losses_close, start_reference
 from tests.integration.test_local_jobs import tiny_spec
 
 
@@ -28,6 +28,7 @@ def wait_running_at(job, step: int, generation: int = 1) -> None:
 def test_resize_up_and_down_keeps_the_loss_curve(client, tmp_path):
     spec = tiny_spec("elastic", "v4-16", tmp_path, steps=18, interval=100)  # only resizes checkpoint
     job = client.submit(spec)
+    ref = start_reference(spec, devices=8, tmp_path=tmp_path)  # trains while the job waits on its slices
     ctrl = client.controller()
     wait_running_at(job, 5)
     ray.get(ctrl.resize.remote(job.id, "v4-32", "test: more speed"))
@@ -43,5 +44,4 @@ def test_resize_up_and_down_keeps_the_loss_curve(client, tmp_path):
     restored = [e.data["restored_step"] for e in job.events() if e.kind == "restore"]
     assert restored[0] is None and restored[1] >= 5 and restored[2] >= 11
     assert all(e.data["steps"] == 0 for e in job.events() if e.kind == "lost_work")
-    ref = run_reference(spec, devices=8, tmp_path=tmp_path)
-    assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
+    assert_losses_close([m.loss for m in job.metrics()], ref.result()["losses"], rtol=1e-5)
