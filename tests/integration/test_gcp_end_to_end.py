@@ -16,7 +16,7 @@ from orchestrator.cluster import read_cluster
 from orchestrator.emulator.machines import Timings
 from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.server import serve
-from tests.conftest import assert_losses_close, run_reference
+from tests.conftest import assert_losses_close, start_reference
 from tests.integration.test_local_jobs import tiny_spec
 from tests.storage_fixture import unique_folder
 
@@ -41,6 +41,7 @@ def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path, request, gcs_e
     try:
         spec = gcp_spec("gcp-e2e", "v4-16", tmp_path, request, gcs_emulator, emu.url, steps=16, interval=4)
         job = client.submit(spec)
+        ref = start_reference(spec, devices=8, tmp_path=tmp_path)  # trains while the job waits on its slices
         deadline = time.monotonic() + 300
         while not (job.status().state is JobState.RUNNING and job.status().step >= 6):
             assert time.monotonic() < deadline and not job.status().done, job.status().reason
@@ -65,8 +66,7 @@ def test_job_on_emulated_gcp_survives_a_reclaim(client, tmp_path, request, gcs_e
         assert last[0] == "REQUESTED" and last[-2:] == ["READY", "RELEASED"], last
         assert all(s[0] == "REQUESTED" and s[-1] in ("GONE", "RELEASED") for s in between), between
         assert len(between) <= 1, states
-        ref = run_reference(spec, devices=8, tmp_path=tmp_path)
-        assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
+        assert_losses_close([m.loss for m in job.metrics()], ref.result()["losses"], rtol=1e-5)
         deadline = time.monotonic() + 60
         while True:  # deletes are long-running operations: give them a moment
             state = emu.state()
