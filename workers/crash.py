@@ -4,7 +4,7 @@ A native abort (an XLA `Check failed`, a segfault in a kernel, the OOM killer) e
 worker's process without a Python exception: nothing reaches the controller but Ray's
 "the actor died". The process's stderr is a file in its node's Ray log folder
 (``worker-<id>-<job>-<pid>.err``); the controller runs `stderr_tail` as a task on that
-host, which also proves the host is up (`orchestrator.control.watch`).
+host, which also proves the host is up (`orchestrator.control.job.watch`).
 """
 
 from __future__ import annotations

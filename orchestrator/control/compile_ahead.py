@@ -107,7 +107,7 @@ def targets(t: catalog.TpuType, slices: int) -> dict[str, str]:
 
 
 def option_for(spec: JobSpec, shape: Shape, platform: str) -> Option:
-    """What the hosts of `shape` run, resolved as their launch would (`JobDriver._on_slice`, `workload_for`)."""
+    """What the hosts of `shape` run, resolved as their launch would (`JobDriver.on_slices`, `workload_for`)."""
     t = catalog.lookup(shape.accelerator)
     count = shape.slices if spec.autoscaling is not None else spec.slices
     on = spec if (t.name, count) == (spec.accelerator, spec.slices) else spec.moved(t.name, spec.tier.value,

@@ -167,7 +167,10 @@ class Controller:
                                    source=f"resize of {job_id} to {accelerator}")  # SpecError if it does not fit
         if (target.accelerator, target.tier) == (current.accelerator, current.tier):
             return
-        driver.resize(target.accelerator, target.tier.value, reason)
+        standing = driver.resize(target.accelerator, target.tier.value, reason)
+        if standing is not None:  # one stop a launch: the resize would be lost behind it, so it is refused
+            raise JobStateError(job_id, "stopping", "resized", (JobState.RUNNING.value,),
+                                why=f"its workers are stopping already ({standing.reason}); resize once it runs again")
         self.store.add_event(job_id, ResizeAsked(current.accelerator, accelerator, target.tier.value, reason,
                                                  driver.progress.last_step + 1),
                              f"resizing {current.accelerator} {current.tier.value} -> {accelerator} "

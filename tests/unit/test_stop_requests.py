@@ -160,3 +160,22 @@ def test_a_shape_counts_at_least_one_slice():
     with pytest.raises(ValueError, match="Shape.count"):
         Shape("v4-16", "spot", 0)
     assert Shape("v4-16", "spot", 2).label == "2xv4-16 spot" and Shape("v4-32", "on-demand").label == "v4-32 on-demand"
+
+
+def test_a_resize_behind_a_standing_notice_is_refused_not_lost(world, asked):
+    """One stop a launch: a user's resize asked while a notice stands would be dropped silently, so the
+    driver refuses it and names the stop that stands (the controller turns that into the user's error)."""
+    driver = world.submit(spec())
+    refused = []
+
+    def notice_then_resize_at_step_3(group, step):
+        if group.generation == 1 and step == 3:
+            driver.stops.ask(StopRequest.notice("host 0: preempted"))
+            refused.append(driver.resize("v4-32", "spot", "by hand"))
+
+    world.on_step = notice_then_resize_at_step_3
+    world.run(driver)
+    assert len(refused) == 1 and refused[0] is not None and refused[0].kind is StopKind.NOTICE
+    assert asked[1] is refused[0]
+    job = world.store.job("job")
+    assert job.state is JobState.SUCCEEDED and job.spec.accelerator == "v4-16"  # not resized behind the notice

@@ -108,11 +108,12 @@ class JobDriver:
     def cancel(self) -> None:
         self.cancelled.set()
 
-    def resize(self, accelerator: str, tier: str, reason: str) -> None:
-        """Stop at the current step (checkpointed) and go on on `accelerator` `tier` (a user's resize)."""
+    def resize(self, accelerator: str, tier: str, reason: str) -> StopRequest | None:
+        """Stop at the current step (checkpointed) and go on on `accelerator` `tier` (a user's resize).
+        None if taken; else the stop that stands already (a notice, a move, ...): the resize is not made."""
         count = max(1, len(self.placement.slices))
-        self.stops.ask(StopRequest(StopKind.RESIZE, f"resize to {accelerator}: {reason}",
-                                   Shape(accelerator, tier, count)))
+        asked = StopRequest(StopKind.RESIZE, f"resize to {accelerator}: {reason}", Shape(accelerator, tier, count))
+        return None if self.stops.ask(asked) else self.stops.current
 
     def view(self) -> Attempt:
         """The launch as the budget, profile captures and compile-ahead read it (a snapshot), with its one
