@@ -19,7 +19,7 @@ from orchestrator.cluster import kill_host
 from orchestrator.emulator.metadata import FakeMetadataServer
 from orchestrator.user.data_prepare import prepare
 from tests.chaos.test_faults import host_pgids, kinds
-from tests.conftest import REPO, assert_losses_close, run_reference
+from tests.conftest import REPO, Reference, assert_losses_close, start_reference
 from tests.integration.test_resize import wait_running_at
 from tests.waiting import wait_for, wait_step
 
@@ -47,18 +47,19 @@ def user_spec(name: str, ckpt_root: Path, tokens: str, *, accelerator: str = "v4
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, tokens):
+def reference(tmp_path_factory, tokens) -> Reference:
+    """Started at the module's first test, it trains while that test's job waits on its slice."""
     tmp = tmp_path_factory.mktemp("user-ref")
-    out = run_reference(user_spec("user-ref", tmp, tokens), devices=8, tmp_path=tmp)
-    assert len(out["losses"]) == STEPS and out["losses"][-1] < out["losses"][0]
-    return {"losses": out["losses"], "params": out["param_sums"]}
+    return start_reference(user_spec("user-ref", tmp, tokens), devices=8, tmp_path=tmp)
 
 
-def assert_same_model(job, reference) -> None:
+def assert_same_model(job, reference: Reference) -> None:
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
-    assert_losses_close([m.loss for m in job.metrics()], reference["losses"], rtol=1e-5)
-    got, want = job.record().result["param_sums"], reference["params"]
+    out = reference.result()
+    assert len(out["losses"]) == STEPS and out["losses"][-1] < out["losses"][0]
+    assert_losses_close([m.loss for m in job.metrics()], out["losses"], rtol=1e-5)
+    got, want = job.record().result["param_sums"], out["param_sums"]
     assert set(got) == set(want) and len(want) > 10  # every array of the user's parameter tree
     for k in want:
         assert abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])), (k, got[k], want[k])

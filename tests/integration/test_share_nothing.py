@@ -31,7 +31,7 @@ from orchestrator.emulator.server import serve
 from orchestrator.state.states import FailedBecause
 from orchestrator.user.data_prepare import prepare
 from tests.chaos.test_faults import kinds
-from tests.conftest import REPO, assert_losses_close, run_reference
+from tests.conftest import REPO, assert_losses_close, start_reference
 from tests.integration.test_local_jobs import tiny_spec
 from tests.storage_fixture import unique_folder
 from tests.waiting import wait_for, wait_step
@@ -172,14 +172,16 @@ def test_the_user_example_on_vms_outlives_a_reclaim_and_its_controller(client, t
             "checkpoint": {"interval_steps": 4, "keep": 5, "directory": ckpt},
             "recovery": {"start_timeout_s": 180}, **where})
 
-    reference = run_reference(spec_for("user-ref", gcs.folder + "/ref"), devices=8, tmp_path=tmp_path / "ref")
     job = client.submit(spec_for("user-vms", gcs.folder + "/ckpt", provider="gcp", gcp=gcp))
+    # It trains while the job waits on its slices, on the example's own code: the job's folder goes next.
+    reference = start_reference(spec_for("user-ref", gcs.folder + "/ref", workdir=str(EXAMPLE)), devices=8,
+                                tmp_path=tmp_path / "ref")
     shutil.rmtree(folder)  # the code went with the job
     reclaim_then_kill_the_controller(client, emu, job, reclaim_at=6, kill_at=12)
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
-    assert_losses_close([m.loss for m in job.metrics()], reference["losses"], rtol=1e-5)
-    got, want = job.record().result["param_sums"], reference["param_sums"]
+    assert_losses_close([m.loss for m in job.metrics()], reference.result()["losses"], rtol=1e-5)
+    got, want = job.record().result["param_sums"], reference.result()["param_sums"]
     assert set(got) == set(want) and all(abs(got[k] - want[k]) <= 1e-5 * max(1.0, abs(want[k])) for k in want)
     assert_recovered_and_adopted(job)
 
@@ -191,11 +193,11 @@ def test_the_built_in_trainer_on_vms_outlives_a_reclaim_and_its_controller(clien
                      checkpoint={"interval_steps": 4, "directory": unique_folder(request)},
                      storage={"endpoint": gcs_emulator.url})
     job = client.submit(spec)
+    ref = start_reference(spec, devices=8, tmp_path=tmp_path)  # trains while the job waits on its slices
     reclaim_then_kill_the_controller(client, emu, job, reclaim_at=6, kill_at=12)
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
-    ref = run_reference(spec, devices=8, tmp_path=tmp_path)
-    assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
+    assert_losses_close([m.loss for m in job.metrics()], ref.result()["losses"], rtol=1e-5)
     assert_recovered_and_adopted(job)
 
 
@@ -208,6 +210,7 @@ def test_a_notice_on_one_vm_and_a_vm_lost_on_share_nothing_hosts(client, tmp_pat
                      checkpoint={"interval_steps": 4, "directory": unique_folder(request)},
                      storage={"endpoint": gcs_emulator.url})
     job = client.submit(spec)
+    ref = start_reference(spec, devices=8, tmp_path=tmp_path)  # trains while the job waits on its slices
     wait_step(job, 6)
     [live] = client.store.slices(job_id=job.id, live_only=True)
     backing.vms(live.name)[1].metadata.set("instance/preempted", "TRUE")
@@ -218,7 +221,6 @@ def test_a_notice_on_one_vm_and_a_vm_lost_on_share_nothing_hosts(client, tmp_pat
     backing.vms(live.name)[0].kill()
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
-    ref = run_reference(spec, devices=8, tmp_path=tmp_path)
-    assert_losses_close([m.loss for m in job.metrics()], ref["losses"], rtol=1e-5)
+    assert_losses_close([m.loss for m in job.metrics()], ref.result()["losses"], rtol=1e-5)
     assert [d.data["kind"] for d in kinds(job, "disruption")] == ["preempted", "infra_lost"]
     assert kinds(job, "notice") and kinds(job, "lost_work")[0].data["steps"] == 0  # the notice's step, committed
