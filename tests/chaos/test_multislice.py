@@ -19,7 +19,7 @@ import pytest
 
 from orchestrator import JobSpec, JobState
 from orchestrator.cluster import kill_host
-from tests.conftest import assert_losses_close, run_reference
+from tests.conftest import assert_losses_close, start_reference
 from tests.waiting import wait_for, wait_step
 
 STEPS, INTERVAL = 22, 6
@@ -80,11 +80,11 @@ def test_two_slices_train_as_one_slice_of_as_many_hosts(client, tmp_path, one_sl
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The three-slice job's model trained in one plain process (the equality of the two is what
-    `test_two_slices_train_as_one_slice_of_as_many_hosts` shows for a job on the cluster)."""
+    `test_two_slices_train_as_one_slice_of_as_many_hosts` shows for a job on the cluster). It trains while
+    the job waits on its slices, and is read at the end."""
     tmp = tmp_path_factory.mktemp("ref")
-    out = run_reference(spec("ms-ref", tmp, accelerator="v4-8", slices=3, batch=48, steps=LOSE_STEPS), devices=4,
-                        tmp_path=tmp)
-    return {"losses": out["losses"], "params": out["param_sums"]}
+    return start_reference(spec("ms-ref", tmp, accelerator="v4-8", slices=3, batch=48, steps=LOSE_STEPS), devices=4,
+                           tmp_path=tmp)
 
 
 def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client, tmp_path, reference):
@@ -122,7 +122,8 @@ def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client,
 
     wait_step(job, kinds(job, "restore")[-1].data["restored_step"] + 4)  # the last slice goes
     kill_host(client.home, live_slices(client, job)[0].data["pgids"][0])
-    assert_same_model(outcome(job), reference)
+    out = reference.result()
+    assert_same_model(outcome(job), {"losses": out["losses"], "params": out["param_sums"]})
     restores = kinds(job, "restore")
     assert [r.data.get("source") for r in restores] == ["storage", "memory", "memory", "storage"], \
         [r.reason for r in restores]
