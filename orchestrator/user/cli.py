@@ -67,8 +67,19 @@ data_app = typer.Typer(cls=_Commands, no_args_is_help=True, help="Token files fo
 data_app.command("prepare")(data.data_prepare)
 app.add_typer(data_app, name="data")
 app.command()(data.export)
-app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-            add_help_option=False)(cluster.emulator)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def emulator(ctx: typer.Context) -> None:
+    """Emulated Google Cloud on 127.0.0.1: the TPU API; with --vms, VMs behind its nodes and Cloud Storage.
+    Subcommands: slices, reclaim, poweroff, notice (`orchestrator emulator --help`)."""
+    # The emulator is a tool beside the product: it loads only here (tests/checks/test_packaging.py).
+    from orchestrator.emulator.cli import main as emulator_main
+
+    raise typer.Exit(emulator_main(list(ctx.args)))
+
+
 app.command()(cluster.gc)
 app.command()(job_file.plan)
 app.command()(cluster.up)

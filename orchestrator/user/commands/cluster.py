@@ -1,4 +1,4 @@
-"""The commands on the cluster and the cloud: `up`, `dashboard`, `down`, `gc` and the `emulator`."""
+"""The commands on the cluster and the cloud: `up`, `dashboard`, `down` and `gc`."""
 
 from __future__ import annotations
 
@@ -11,14 +11,6 @@ from orchestrator.errors import ClusterError
 from orchestrator.user.client import Client
 from orchestrator.user.commands import console
 from orchestrator.user.commands.console import fail
-
-
-def emulator(ctx: typer.Context) -> None:
-    """Emulated Google Cloud on 127.0.0.1: the TPU API; with --vms, VMs behind its nodes and Cloud Storage.
-    Subcommands: slices, reclaim, poweroff, notice (`orchestrator emulator --help`)."""
-    from orchestrator.emulator.cli import main as emulator_main  # the emulator loads only here (a tool beside)
-
-    raise typer.Exit(emulator_main(list(ctx.args)))
 
 
 def gc(project: str = typer.Option(..., help="Google Cloud project."),
