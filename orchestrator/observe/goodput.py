@@ -45,31 +45,19 @@ all if it never got past it: nothing is allocated to a queued request while it w
 
 from __future__ import annotations
 
-import bisect
-import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
 
 from rich.table import Table
 
-from orchestrator.catalog import lookup
-from orchestrator.errors import UnknownAcceleratorError
-from orchestrator.state.events import (
-    CheckpointSaved,
-    Disrupted,
-    EventKind,
-    LostWork,
-    Restored,
-    SliceChanged,
-    StateChange,
-)
+# billed_slices: kept importable from here for control/limits.py, tests/unit/test_driver.py and
+# benchmarks/autoscale_replay.py
+from orchestrator.observe.billing import billed_slices
+from orchestrator.observe.goodput_intervals import claims, state_intervals
+from orchestrator.state.events import Disrupted, EventKind, LostWork, StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 from policies.decisions.recovery import RULES, Budget
-
-log = logging.getLogger(__name__)
 
 CATEGORIES = ("productive", "waiting_for_capacity", "provisioning", "runtime_init", "compile", "restore",
               "checkpoint_save", "lost_work", "idle")
@@ -79,15 +67,9 @@ CATEGORIES = ("productive", "waiting_for_capacity", "provisioning", "runtime_ini
 _CARVE_ORDER = ("waiting_for_capacity", "restore", "compile", "checkpoint_save", "runtime_init", "productive",
                 "lost_work")
 
-# The only state in which the job's workers are up: the controller enters RESIZING and
-# RECOVERING after it has stopped them, so work reported then is late news of the run before.
-_WORK_STATES = ("RUNNING",)
-_BASE_CATEGORY = {"PENDING": "waiting_for_capacity", "QUEUED": "waiting_for_capacity", "PROVISIONING": "provisioning",
-                  "STARTING": "runtime_init"}
 # What the controller counts against max_preemptions, and against max_failures (`policies.decisions.recovery.RULES`).
 _PREEMPTION_OUTCOMES = tuple(k.value for k, r in RULES.items() if r.spends is Budget.PREEMPTIONS)
 _FAILURE_OUTCOMES = tuple(k.value for k, r in RULES.items() if r.spends is Budget.FAILURES)
-_BILLING_ENDS = ("GONE", "RELEASED")
 
 
 @dataclass(frozen=True)
@@ -133,46 +115,6 @@ class Goodput:
         return out | {"wall_s": self.wall_s, "goodput_fraction": self.goodput_fraction}
 
 
-@dataclass(frozen=True)
-class BilledSlice:
-    """One slice's billing window: it costs `usd_per_hour` from `start` to `end`."""
-
-    name: str
-    accelerator: str
-    tier: str
-    chips: int
-    usd_per_hour: float
-    start: float
-    end: float
-
-    @property
-    def usd(self) -> float:
-        return self.usd_until(self.end)
-
-    def usd_until(self, t: float) -> float:
-        """Dollars billed for this slice up to time `t`."""
-        return self.usd_per_hour * max(0.0, min(t, self.end) - self.start) / 3600.0
-
-
-@dataclass(frozen=True)
-class StateInterval:
-    """The job was in `state` from `start` to `end`."""
-
-    state: str
-    start: float
-    end: float
-    entry_outcome: str | None  # `outcome` of the event that began it (set on ->RECOVERING)
-    exit_outcome: str | None  # `outcome` of the event that ended it
-
-    @property
-    def base_category(self) -> str:
-        if self.state == "PROVISIONING" and self.exit_outcome in ("provision_failed", "no_capacity"):
-            return "waiting_for_capacity"  # asked for a slice that did not come
-        if self.state == "RECOVERING" and self.entry_outcome == "provision_failed":
-            return "waiting_for_capacity"  # the back-off before asking again
-        return _BASE_CATEGORY.get(self.state, "idle")
-
-
 def goodput(store: Store, job_id: str, *, now: float | None = None) -> Goodput:
     """The goodput of job `job_id` up to its end (or `now`, default the current time, if it is active)."""
     job = store.job(job_id)
@@ -183,11 +125,11 @@ def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric]
     """`goodput` over rows already read (a pure function: the same rows give the same answer)."""
     intervals = state_intervals(job, events, now=now)
     start, end = intervals[0].start, intervals[-1].end
-    claims, kept = _claims(intervals, events, steps)
+    claimed, kept = claims(intervals, events, steps)
     spent = dict.fromkeys(CATEGORIES, 0.0)
     for i, iv in enumerate(intervals):
         left = iv.end - iv.start
-        for category, seconds in sorted(claims.get(i, []), key=lambda c: _CARVE_ORDER.index(c[0])):
+        for category, seconds in sorted(claimed.get(i, []), key=lambda c: _CARVE_ORDER.index(c[0])):
             take = min(max(seconds, 0.0), left)
             spent[category] += take
             left -= take
@@ -228,32 +170,6 @@ def disruptions(events: list[Event]) -> list[tuple[float, str]]:
     return sorted(recorded + [(at, k) for at, k in recovering if k == "provision_failed"])
 
 
-def billed_slices(events: list[Event], *, end: float) -> list[BilledSlice]:
-    """Each slice of the job's slice events with its billing window (open windows close at `end`)."""
-    by_name: dict[str, list[tuple[float, SliceChanged]]] = {}
-    for e in events:
-        if e.kind is EventKind.SLICE and (changed := e.payload_as(SliceChanged)).name:
-            by_name.setdefault(changed.name, []).append((e.at, changed))
-    out = []
-    for name, evs in by_name.items():
-        first = next((x for x in evs if x[1].state == "REQUESTED"), evs[0])
-        waited = [i for i, (_, s) in enumerate(evs) if s.state == "WAITING"]
-        if waited:  # billed from when capacity came (after the last wait: a zone fall-through waits again)
-            allocated = next((x for x in evs[waited[-1]:] if x[1].state not in ("WAITING", *_BILLING_ENDS)), None)
-            if allocated is None:  # let go while still queued: never allocated, never billed
-                continue
-            first = allocated
-        last = next((x for x in evs if x[1].state in _BILLING_ENDS and x[0] >= first[0]), None)
-        accelerator, tier = str(first[1].accelerator or "?"), str(first[1].tier or "?")
-        price = next((s.usd_per_hour for _, s in evs if s.usd_per_hour is not None), None)
-        chips = next((s.chips for _, s in evs if s.chips is not None), None)
-        if price is None or chips is None:
-            price, chips = _catalog_facts(accelerator, tier, price, chips)
-        stop = last[0] if last is not None else max(end, first[0])
-        out.append(BilledSlice(name, accelerator, tier, int(chips), float(price), first[0], stop))
-    return sorted(out, key=lambda s: s.start)
-
-
 def render_goodput(g: Goodput) -> Table:
     """A rich table of the breakdown (category, time, share of wall time), with cost and counts below it."""
     table = Table("category", "time", "share", title=f"goodput of {g.job_id}", title_justify="left",
@@ -283,153 +199,3 @@ def format_duration(seconds: float) -> str:
     m, s = divmod(round(seconds), 60)
     h, m = divmod(m, 60)
     return f"{h}h {m:02d}m {s:02d}s" if h else f"{m}m {s:02d}s"
-
-
-# -- building blocks ------------------------------------------------------------------
-
-
-def state_intervals(job: JobRecord, events: list[Event], *, now: float) -> list[StateInterval]:
-    """The job's states as intervals tiling [created, end]; a terminal state's interval is empty."""
-    changes = [e for e in events if e.kind is EventKind.STATE and e.to_state]
-    if not changes:  # a job row without its creation event: all of it is one PENDING stretch
-        return [StateInterval("PENDING", job.created_at, max(now, job.created_at), None, None)]
-    starts = [job.created_at]
-    for e in changes[1:]:
-        starts.append(max(e.at, starts[-1]))  # a clock step backwards must not make a negative interval
-    end = starts[-1] if job.state.terminal else max(now, starts[-1])
-    ends = starts[1:] + [end]
-    states = [e.to_state.value for e in changes if e.to_state]  # all of them (changes have a to_state)
-    outcomes = [e.payload_as(StateChange).outcome for e in changes]
-    return [StateInterval(state, s, t, outcomes[i], outcomes[i + 1] if i + 1 < len(changes) else None)
-            for i, (state, s, t) in enumerate(zip(states, starts, ends, strict=True))]
-
-
-_Claim = Callable[[int, str, Any], None]  # (interval index, category, seconds): measured work put in an interval
-
-
-def _claims(intervals: list[StateInterval], events: list[Event],
-            steps: list[StepMetric]) -> tuple[dict[int, list], list[StepMetric]]:
-    """Measured work as {interval index: [(category, seconds), ...]}, and the step rows kept as productive."""
-    claims: dict[int, list] = {}
-
-    def claim(i: int, category: str, seconds: Any) -> None:
-        if seconds:
-            claims.setdefault(i, []).append((category, float(seconds)))
-
-    starts = [iv.start for iv in intervals]
-    _claim_waiting(intervals, events, claim)
-    compiles_in_first_step = _claim_events(intervals, starts, events, claim)
-    stale = _stale_ranges(events)
-    kept = [s for s in steps if not any(s.step in steps_range and s.at < at for at, steps_range in stale)]
-    _claim_steps(intervals, starts, kept, compiles_in_first_step, claim)
-    return claims, kept
-
-
-def _claim_waiting(intervals: list[StateInterval], events: list[Event], claim: _Claim) -> None:
-    """A slice queued without capacity while the job was provisioning: that part of it was waiting."""
-    for i, iv in enumerate(intervals):
-        if iv.base_category == "provisioning":
-            for w0, w1 in _waiting_windows(events, iv.end):
-                claim(i, "waiting_for_capacity", max(0.0, min(w1, iv.end) - max(w0, iv.start)))
-
-
-def _claim_events(intervals: list[StateInterval], starts: list[float], events: list[Event],
-                  claim: _Claim) -> set[int]:
-    """Restores, compiles, checkpoint saves and lost work as their events measured them; returns the intervals
-    whose launch compiled its program in the first step (a restore that measured no compile)."""
-    compiles_in_first_step = set()
-    for e in events:
-        if e.kind is EventKind.RESTORE:
-            restored = e.payload_as(Restored)
-            claim(_work_interval(intervals, starts, e.at), "restore", restored.restore_s)
-            claim(_work_interval(intervals, starts, e.at), "compile", restored.compile_s)
-            if not restored.compile_s:
-                compiles_in_first_step.add(_work_interval(intervals, starts, e.at))
-        elif e.kind is EventKind.CHECKPOINT:
-            claim(_work_interval(intervals, starts, e.at), "checkpoint_save", e.payload_as(CheckpointSaved).blocking_s)
-        elif e.kind is EventKind.LOST_WORK:
-            claim(_previous_run(intervals, starts, e.at), "lost_work", e.payload_as(LostWork).seconds)
-    return compiles_in_first_step
-
-
-def _claim_steps(intervals: list[StateInterval], starts: list[float], kept: list[StepMetric],
-                 compiles_in_first_step: set[int], claim: _Claim) -> None:
-    """Each step's time as productive, less a launch's first step's time above the median (its warm-up: the
-    compile where the launch compiled then, else the runtime's start)."""
-    times = sorted(s.step_time_s for s in kept if s.step_time_s)
-    median = times[len(times) // 2] if times else 0.0
-    first_step: dict[int, int] = {}  # rows are one per step; a launch's first step is its generation's lowest
-    for s in kept:
-        first_step[s.generation] = min(first_step.get(s.generation, s.step), s.step)
-    for s in kept:
-        i, dt = _work_interval(intervals, starts, s.at), s.step_time_s or 0.0
-        warm_up = max(0.0, dt - median) if first_step[s.generation] == s.step else 0.0
-        claim(i, "compile" if i in compiles_in_first_step else "runtime_init", warm_up)
-        claim(i, "productive", dt - warm_up)
-
-
-def _work_interval(intervals: list[StateInterval], starts: list[float], t: float) -> int:
-    """The latest RUNNING interval begun by `t`; else the interval holding `t`."""
-    holding = max(0, bisect.bisect_right(starts, t) - 1)
-    for i in range(holding, -1, -1):
-        if intervals[i].state in _WORK_STATES:
-            return i
-    return holding
-
-
-def _previous_run(intervals: list[StateInterval], starts: list[float], t: float) -> int:
-    """The latest RUNNING interval that had ended by `t` (lost work is reported after the restore)."""
-    for i in range(len(intervals) - 1, -1, -1):
-        if intervals[i].state in _WORK_STATES and intervals[i].end <= t and intervals[i].end > intervals[i].start:
-            return i
-    return _work_interval(intervals, starts, t)
-
-
-def _stale_ranges(events: list[Event]) -> list[tuple[float, range]]:
-    """(reported at, step indices) of lost_work events: rows of those steps written before will be recomputed.
-
-    `from_step` and `to_step` bound the lost steps in either order (the controller
-    writes from the disrupted step back to the restored one); without `to_step`, the
-    `steps` steps from `from_step` on.
-    """
-    out = []
-    for e in events:
-        if e.kind is not EventKind.LOST_WORK:
-            continue
-        lost = e.payload_as(LostWork)
-        if lost.from_step is None:
-            continue
-        a = int(lost.from_step)
-        b = int(lost.to_step) if lost.to_step is not None else a + int(lost.steps or 0)
-        out.append((e.at, range(min(a, b), max(a, b))))
-    return out
-
-
-def _waiting_windows(events: list[Event], end: float) -> list[tuple[float, float]]:
-    """[from, to) windows in which one of the job's slices was WAITING."""
-    windows: list[tuple[float, float]] = []
-    waiting_since: dict[str | None, float] = {}
-    for e in events:
-        if e.kind is not EventKind.SLICE:
-            continue
-        changed = e.payload_as(SliceChanged)
-        name, state = changed.name, changed.state
-        if name in waiting_since:
-            windows.append((waiting_since.pop(name), e.at))
-        if state == "WAITING":
-            waiting_since[name] = e.at
-    return windows + [(t, end) for t in waiting_since.values()]
-
-
-def _catalog_facts(accelerator: str, tier: str, price, chips) -> tuple[float, int]:
-    """The catalog's price and chips for what a slice event left out (0 for a type the catalog lacks)."""
-    try:
-        t = lookup(accelerator)
-    except UnknownAcceleratorError:
-        log.warning("slice of unknown accelerator %r: billed at $0", accelerator)
-        return price or 0.0, chips or 0
-    try:
-        list_price = t.usd_per_hour(tier)
-    except ValueError:  # an unknown tier: plan with the on-demand price, the higher one
-        list_price = t.usd_per_hour("on-demand")
-    return (list_price if price is None else price), (t.chips if chips is None else chips)

@@ -33,17 +33,9 @@ from matplotlib.transforms import blended_transform_factory
 
 from orchestrator.domain.locations import kernel_tree_problem
 from orchestrator.errors import OutputFileError, RequestError
-from orchestrator.observe.goodput import (
-    CATEGORIES,
-    BilledSlice,
-    Goodput,
-    StateInterval,
-    billed_slices,
-    compute_goodput,
-    format_duration,
-    state_intervals,
-    summary_line,
-)
+from orchestrator.observe.billing import BilledSlice, billed_slices
+from orchestrator.observe.goodput import CATEGORIES, Goodput, compute_goodput, format_duration, summary_line
+from orchestrator.observe.goodput_intervals import StateInterval, state_intervals
 from orchestrator.observe.timeline import MARKER_TITLES, SAVE, Marker
 from orchestrator.observe.timeline import markers as timeline_markers
 from orchestrator.state.events import EventKind, Profiled

@@ -12,7 +12,7 @@ import pytest
 from orchestrator import catalog, cluster
 from orchestrator.control.adoption import running_slice
 from orchestrator.control.waiting import Look, Waiting, look
-from orchestrator.observe.goodput import billed_slices
+from orchestrator.observe.billing import billed_slices
 from orchestrator.providers.base import CapacityError, SliceEventKind, SliceRequest
 from orchestrator.providers.capacity import SpotCapacity, TraceClock
 from orchestrator.providers.local import LocalProvider

@@ -17,7 +17,8 @@ from orchestrator import catalog
 from orchestrator.catalog import CATALOG
 from orchestrator.cluster import Home
 from orchestrator.domain.provider_facts import PROVIDERS
-from orchestrator.observe.goodput import Goodput, billed_slices, compute_goodput
+from orchestrator.observe.billing import billed_slices
+from orchestrator.observe.goodput import Goodput, compute_goodput
 from orchestrator.observe.timeline import MARKER_TITLES, deadline_line, disruption_cause, markers, move_line
 from orchestrator.state.events import Disrupted, EventKind
 from orchestrator.state.states import JobState, SliceState
