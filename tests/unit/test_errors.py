@@ -21,7 +21,8 @@ from orchestrator.errors import (
     SpecError,
     UnknownAcceleratorError,
 )
-from orchestrator.observe.report import NoStepsError, write_atomically
+from orchestrator.observe.report import write_atomically
+from orchestrator.observe.report_series import NoStepsError
 from orchestrator.providers.gcp import CloudApiError, NoCapacityError
 
 EXAMPLES = [

@@ -14,7 +14,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from orchestrator.catalog import lookup
 from orchestrator.observe.goodput import CATEGORIES
 from orchestrator.observe.metrics import RemoteMetricsRefused, serve_metrics
-from orchestrator.observe.report import NoStepsError, report_series, write_report
+from orchestrator.observe.report import write_report
+from orchestrator.observe.report_series import NoStepsError, report_series
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
 from tests.unit.test_goodput import T0, preempted_job

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.domain.spec import JobSpec
-from orchestrator.observe.report import _MARKER_STYLE, report_series, write_report
+from orchestrator.observe.report import write_report
+from orchestrator.observe.report_picture import _MARKER_STYLE
+from orchestrator.observe.report_series import report_series
 from orchestrator.observe.timeline import MARKER_KINDS, MARKER_TITLES, disruption_cause, markers, move_line
 from orchestrator.state.events import Adopted, Disrupted, Launched, ResizeAsked, StateChange
 from orchestrator.state.states import JobState
