@@ -5,6 +5,7 @@ the store for it, `static/` holds its pages, script and style, and uPlot (MIT, 1
 vendored from the npm registry's `uplot` package with its license) draws its curves.
 """
 
-from orchestrator.observe.dashboard.server import Auth, DashboardServer, serve_dashboard
+from orchestrator.observe.dashboard.auth import Auth
+from orchestrator.observe.dashboard.server import DashboardServer, serve_dashboard
 
 __all__ = ["Auth", "DashboardServer", "serve_dashboard"]
