@@ -26,38 +26,15 @@ import json
 import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-               "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "s4": 0.5, "u4": 0.5, "token": 0}
-_ARRAY = re.compile(r"\b([a-z]+\d*(?:e\dm\d\w*)?)\[([\d,]*)\](\{[^{}]*\})?")  # dtype[dims]{layout}
-_HEADER = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{$")
-_INSTRUCTION = re.compile(r"^\s+(ROOT )?%([\w.\-]+) = (.*)$")
+from workers import hlo_text as hlo
+from workers.hlo_text import Computation, Instruction
+
 # Opcodes that move no HBM bytes of their own (views, bookkeeping, control flow counted in its bodies).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "conditional", "call",
          "after-all", "partition-id", "replica-id", "iota", "opt-barrier", "copy-done", "slice-done",
          "async-done", "all-reduce-done", "all-gather-done", "collective-permute-done", "send-done", "recv-done"}
-
-
-@dataclass
-class Instruction:
-    name: str
-    shape: str  # the result's shape, layouts included
-    opcode: str
-    operands: list[str]  # names of instructions of the same computation
-    attributes: str
-    args: str = ""  # what the parentheses hold: the operands, or a constant's literal
-    root: bool = False
-
-
-@dataclass
-class Computation:
-    name: str
-    instructions: dict[str, Instruction] = field(default_factory=dict)
-
-    @property
-    def root(self) -> Instruction:
-        return next(i for i in self.instructions.values() if i.root)
 
 
 @dataclass(frozen=True)
@@ -71,7 +48,7 @@ class Counts:
 
 def counts(text: str, *, loops: bool = True) -> Counts:
     """The program's FLOPs and bytes for one run (`loops` False: each loop body once, as XLA counts)."""
-    computations, entry = _parse(text)
+    computations, entry = hlo.parse(text)
     runs: dict[str, float] = defaultdict(float)  # computation -> times it runs (fusions: times their caller runs)
     top: set[str] = set()  # computations whose instructions touch HBM one by one (not fusion bodies)
     trips: list[tuple[str, int]] = []
@@ -82,17 +59,17 @@ def counts(text: str, *, loops: bool = True) -> Counts:
             top.add(name)
         for ins in computations[name].instructions.values():
             if ins.opcode == "while":
-                body, cond = _called(ins, "body"), _called(ins, "condition")
+                body, cond = hlo.called(ins, "body"), hlo.called(ins, "condition")
                 n = _trip_count(computations[name], ins, computations[body], computations[cond])
                 trips.append((ins.name, n))
                 visit(cond, times * (n + 1 if loops else 1), True)
                 visit(body, times * (n if loops else 1), True)
             elif ins.opcode == "fusion":
-                visit(_called(ins), times, False)
+                visit(hlo.called(ins), times, False)
             elif ins.opcode in ("call", "async-start"):
-                visit(_attr(ins.attributes, "calls") or _called(ins, "to_apply"), times, is_top)
+                visit(hlo.attr(ins.attributes, "calls") or hlo.called(ins, "to_apply"), times, is_top)
             elif ins.opcode == "conditional":  # each branch at most once a run: counted once
-                for branch in re.findall(r"%([\w.\-]+)", _braced(ins.attributes, "branch_computations")):
+                for branch in re.findall(r"%([\w.\-]+)", hlo.braced(ins.attributes, "branch_computations")):
                     visit(branch, times, is_top)
 
     visit(entry, 1.0, True)
@@ -107,111 +84,6 @@ def counts(text: str, *, loops: bool = True) -> Counts:
                 nbytes += times * _bytes(comp, ins, computations, "any")
                 hbm += times * _bytes(comp, ins, computations, "default")
     return Counts(flops, nbytes, hbm, kernel_flops, tuple(trips))
-
-
-# --- reading the text -------------------------------------------------------------------------------------
-
-def _parse(text: str) -> tuple[dict[str, Computation], str]:
-    computations: dict[str, Computation] = {}
-    entry, current = "", None
-    for line in text.splitlines():
-        if current is None:
-            m = _HEADER.match(line)
-            if m:
-                current = computations.setdefault(m.group(2), Computation(m.group(2)))
-                entry = m.group(2) if m.group(1) else entry
-            continue
-        if line.startswith("}"):
-            current = None
-            continue
-        m = _INSTRUCTION.match(line)
-        if m:
-            ins = _instruction(m.group(2), m.group(3), root=bool(m.group(1)))
-            current.instructions[ins.name] = ins
-    if not entry:
-        raise ValueError("no ENTRY computation in the program's text")
-    return computations, entry
-
-
-def _instruction(name: str, rest: str, *, root: bool) -> Instruction:
-    shape, rest = _split_shape(rest)
-    m = re.match(r"([\w\-]+)\(", rest)
-    if m is None:
-        raise ValueError(f"cannot read instruction %{name}: {rest[:120]}")
-    end = _closing(rest, m.end() - 1)
-    operands = re.findall(r"%([\w.\-]+)", rest[m.end():end])
-    return Instruction(name, shape, m.group(1), operands, rest[end + 1:], rest[m.end():end], root)
-
-
-def _split_shape(rest: str) -> tuple[str, str]:
-    if rest.startswith("("):
-        end = _closing(rest, 0)
-        return rest[:end + 1], rest[end + 1:].lstrip()
-    shape, _, tail = rest.partition(" ")
-    return shape, tail
-
-
-def _closing(s: str, start: int) -> int:
-    """Index of the bracket that closes the one at `start`."""
-    pairs, depth = {"(": ")", "{": "}", "[": "]"}, 0
-    opening = s[start]
-    for i in range(start, len(s)):
-        if s[i] == opening:
-            depth += 1
-        elif s[i] == pairs[opening]:
-            depth -= 1
-            if depth == 0:
-                return i
-    raise ValueError(f"unbalanced {opening!r} in {s[:120]}")
-
-
-def _attr(attributes: str, key: str) -> str | None:
-    m = re.search(rf"\b{key}=%?([\w.\-]+)", attributes)
-    return m.group(1) if m else None
-
-
-def _called(ins: Instruction, key: str = "calls") -> str:
-    """The computation `ins` calls under `key` (a fusion's ``calls``, a loop's ``body``)."""
-    name = _attr(ins.attributes, key)
-    if name is None:
-        raise ValueError(f"%{ins.name} ({ins.opcode}) names no {key}=")
-    return name
-
-
-def _braced(attributes: str, key: str) -> str:
-    i = attributes.find(f"{key}={{")
-    return "" if i < 0 else attributes[i + len(key) + 1:_closing(attributes, i + len(key) + 1) + 1]
-
-
-def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-    """(dtype, dimensions) of each array in a shape (a tuple's elements in order)."""
-    return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims, _ in _ARRAY.findall(shape)]
-
-
-def _nbytes(shape: str, *, memory: str = "any") -> float:
-    """Bytes the shape takes in memory: each array padded to its layout's tile (``T(8,128)`` pads the two most
-    minor dimensions to 8 and 128), as the TPU lays it out. `memory` "default": only the arrays in the default
-    memory space (HBM; a layout's ``S(n)`` puts an array in memory space n: the compiler's on-chip and scratch
-    spaces)."""
-    total = 0.0
-    for dt, dims, layout in _ARRAY.findall(shape):
-        if memory == "default" and re.search(r"S\([1-9]\d*\)", layout):
-            continue
-        sizes = [int(d) for d in dims.split(",") if d]
-        minor_to_major, _, tiling = layout[1:-1].partition(":")
-        tile = re.match(r"T\(([\d,]+)\)", tiling)
-        if sizes and minor_to_major and tile:
-            order = [int(x) for x in minor_to_major.split(",")]
-            # the tile covers the minor dimensions only: fewer sizes than the order names
-            for t, d in zip(reversed([int(x) for x in tile.group(1).split(",")]), order, strict=False):
-                sizes[d] = -(-sizes[d] // t) * t
-        total += DTYPE_BYTES.get(dt, 4) * math.prod(sizes)
-    return total
-
-
-def _dims(comp: Computation, name: str) -> tuple[int, ...]:
-    (_, dims), = _arrays(comp.instructions[name].shape)
-    return dims
 
 
 # --- loops ------------------------------------------------------------------------------------------------
@@ -262,9 +134,9 @@ def _constant(comp: Computation, name: str) -> int | None:
 def _flops(comp: Computation, ins: Instruction) -> tuple[float, float]:
     """(XLA's FLOPs, a Pallas kernel's declared FLOPs) of one instruction."""
     if ins.opcode == "dot":
-        lhs = _dims(comp, ins.operands[0])
-        contracting = [int(d) for d in re.findall(r"\d+", _braced(ins.attributes, "lhs_contracting_dims"))]
-        (_, out), = _arrays(ins.shape)
+        lhs = hlo.dims(comp, ins.operands[0])
+        contracting = [int(d) for d in re.findall(r"\d+", hlo.braced(ins.attributes, "lhs_contracting_dims"))]
+        (_, out), = hlo.arrays(ins.shape)
         return 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting), 0.0
     if ins.opcode == "convolution":
         return _convolution_flops(comp, ins), 0.0
@@ -281,9 +153,9 @@ def _convolution_flops(comp: Computation, ins: Instruction) -> float:
     if labels is None:
         raise ValueError(f"%{ins.name}: a convolution without dim_labels")
     lhs_labels, rhs_labels, out_labels = labels.groups()
-    lhs, rhs = _dims(comp, ins.operands[0]), _dims(comp, ins.operands[1])
-    (_, out), = _arrays(ins.shape)
-    window = _braced(ins.attributes, "window")
+    lhs, rhs = hlo.dims(comp, ins.operands[0]), hlo.dims(comp, ins.operands[1])
+    (_, out), = hlo.arrays(ins.shape)
+    window = hlo.braced(ins.attributes, "window")
 
     def per_dim(key: str, n: int, default: int) -> list[int]:
         m = re.search(rf"\b{key}=([\d_x]+)", window)
@@ -336,20 +208,20 @@ def _bytes(comp: Computation, ins: Instruction, computations: dict[str, Computat
         if 'custom_call_target="AllocateBuffer"' in ins.attributes:
             return 0.0
     if ins.opcode.endswith("-start"):  # async copy or slice: ((operand), result, sync flag): its source read,
-        results = _ARRAY.findall(ins.shape)  # its result written
+        results = hlo.ARRAY.findall(ins.shape)  # its result written
         if len(results) < 2 or not ins.operands:
             return 0.0
         source = comp.instructions[ins.operands[0]].shape
-        share = _nbytes(_text(results[-2])) / max(_nbytes(source), 1.0)  # a slice reads its part of the source
-        return share * _nbytes(source, memory=memory) + _nbytes(_text(results[-2]), memory=memory)
-    operands = [_nbytes(comp.instructions[o].shape, memory=memory) for o in ins.operands if o in comp.instructions]
+        share = hlo.nbytes(_text(results[-2])) / max(hlo.nbytes(source), 1.0)  # a slice reads its part of the source
+        return share * hlo.nbytes(source, memory=memory) + hlo.nbytes(_text(results[-2]), memory=memory)
+    operands = [hlo.nbytes(comp.instructions[o].shape, memory=memory) for o in ins.operands if o in comp.instructions]
     if ins.opcode == "fusion":
-        return _fusion_bytes(computations[_called(ins)], ins, operands, computations, memory)
+        return _fusion_bytes(computations[hlo.called(ins)], ins, operands, computations, memory)
     if ins.opcode in ("dynamic-slice", "slice"):
-        return 2 * _nbytes(ins.shape, memory=memory)
+        return 2 * hlo.nbytes(ins.shape, memory=memory)
     if ins.opcode == "dynamic-update-slice":
         return 2 * operands[1]
-    return _nbytes(ins.shape, memory=memory) + sum(operands)
+    return hlo.nbytes(ins.shape, memory=memory) + sum(operands)
 
 
 def _text(array: tuple[str, str, str]) -> str:
@@ -370,16 +242,17 @@ def _fusion_bytes(fused: Computation, ins: Instruction, operands: list[float], c
                         for u in uses):
             updated.update(u.name for u in uses)
         elif number < len(operands):
-            whole = _nbytes(p.shape)
+            whole = hlo.nbytes(p.shape)
             total += operands[number] * (min(whole, _read_bytes(fused, p.name, computations)) / whole if whole else 1)
     root = fused.root
     outputs = [fused.instructions[o] for o in root.operands] if root.opcode == "tuple" else [root]
-    placed = _ARRAY.findall(ins.shape)  # the outputs as the caller lays them out (their memory spaces)
+    placed = hlo.ARRAY.findall(ins.shape)  # the outputs as the caller lays them out (their memory spaces)
     for k, out in enumerate(outputs):
-        written = _nbytes(_text(placed[k]), memory=memory) if k < len(placed) else _nbytes(out.shape, memory=memory)
+        written = (hlo.nbytes(_text(placed[k]), memory=memory) if k < len(placed)
+                   else hlo.nbytes(out.shape, memory=memory))
         base = _through_bitcast_up(fused, out)
         if base.name in updated and written:  # in place: only the update is written
-            written = _nbytes(fused.instructions[base.operands[1]].shape)
+            written = hlo.nbytes(fused.instructions[base.operands[1]].shape)
         total += written
     return total
 
@@ -387,12 +260,12 @@ def _fusion_bytes(fused: Computation, ins: Instruction, operands: list[float], c
 def _read_bytes(comp: Computation, name: str, computations: dict[str, Computation]) -> float:
     """Bytes of the value `name` a fusion reads: its slices where only slices of it are taken (inside nested
     fusions too), else all of it."""
-    whole, sliced = _nbytes(comp.instructions[name].shape), 0.0
+    whole, sliced = hlo.nbytes(comp.instructions[name].shape), 0.0
     for u in _users(comp, name):
         if u.opcode in ("dynamic-slice", "slice") and u.operands[0] == name:
-            sliced += _nbytes(u.shape)
+            sliced += hlo.nbytes(u.shape)
         elif u.opcode == "fusion":
-            nested = computations[_called(u)]
+            nested = computations[hlo.called(u)]
             inner = {int(p.args): p.name for p in nested.instructions.values() if p.opcode == "parameter"}
             sliced += sum(_read_bytes(nested, inner[k], computations) for k, o in enumerate(u.operands) if o == name)
         else:
