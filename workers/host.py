@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import io
 import logging
 import os
 import socket
@@ -34,6 +33,8 @@ import ray
 
 from policies.decisions.recovery import FailureCause, failure_cause
 from workers import accelerator, reaper, runtime, storage
+from workers.host_errors import EntrypointError, FolderTaken, error_chain, error_line
+from workers.host_output import LineBuffer, route_logs
 from workers.notices import MetadataWatcher, install_sigterm
 from workers.profiling import CaptureRequest, Profiler
 from workers.protocol import Ending, Lines, Noticed, Ready, Report, StepDone, WorkerResult
@@ -42,55 +43,6 @@ if TYPE_CHECKING:
     from workers import api
 
 log = logging.getLogger(__name__)
-
-# Libraries that narrate routine work at INFO into the job's log: orbax every save (through absl), fsspec every
-# block it reads of a bucket's token files, gcsfs its set-up. Their warnings still come through.
-_CHATTY_LOGGERS = ("absl", "fsspec", "gcsfs", "google.auth", "urllib3", "etils")
-
-
-def route_logs(out) -> logging.Handler:
-    """This process's logging into the job's log (`out`, a stream): INFO and up, from the chatty libraries
-    their warnings only. Returns the handler added to the root logger."""
-    handler = logging.StreamHandler(out)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)
-    logging.getLogger().setLevel(logging.INFO)
-    for chatty in _CHATTY_LOGGERS:
-        logging.getLogger(chatty).setLevel(logging.WARNING)
-    return handler
-
-
-class _LineBuffer(io.TextIOBase):
-    """Collects what user code prints or logs, to ship with the next report."""
-
-    def __init__(self, echo):
-        self._echo, self._lock, self._lines, self._partial = echo, threading.Lock(), [], ""
-
-    def write(self, s: str) -> int:
-        self._echo.write(s)
-        with self._lock:
-            text = self._partial + s
-            *full, self._partial = text.split("\n")
-            self._lines.extend(full)
-        return len(s)
-
-    def flush(self) -> None:
-        self._echo.flush()
-
-    def fileno(self) -> int:  # for code that writes to the descriptor itself (that output is not collected)
-        return self._echo.fileno()
-
-    @property
-    def encoding(self) -> str:  # type: ignore[override]  # typeshed has TextIOBase.encoding writeable; io's is not
-        return getattr(self._echo, "encoding", None) or "utf-8"
-
-    def isatty(self) -> bool:
-        return False
-
-    def drain(self) -> list[str]:
-        with self._lock:
-            lines, self._lines = self._lines, []
-        return lines
 
 
 def _preload_lm() -> None:
@@ -102,34 +54,6 @@ def _preload_lm() -> None:
         importlib.import_module("workers.data").corpus()
     except Exception as e:  # noqa: BLE001 -- the training thread does it again, and reports the error there
         log.debug("preloading the trainer failed: %s", e)
-
-
-class FolderTaken(RuntimeError):
-    """The fence beside the job's checkpoints names another job: another controller took the folder."""
-
-
-class EntrypointError(Exception):
-    """The job's entrypoint could not be imported (its module, a module it imports, or its function)."""
-
-
-def _chain(e: BaseException | None) -> list[tuple[str, int | None, str]]:
-    """`e` and its causes, each as `policies.decisions.recovery.failure_cause` reads them."""
-    out, seen = [], set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        out.append((type(e).__name__, getattr(e, "errno", None) if isinstance(e, OSError) else None, str(e)))
-        e = e.__cause__ or e.__context__
-    return out
-
-
-def _error_line(e: BaseException, chain: list, cause: FailureCause) -> str:
-    """One line for the job's reason: the exception, and for a storage error the link of its chain that says so."""
-    line = str(e) if isinstance(e, EntrypointError) else f"{type(e).__name__}: {e}"
-    if cause is FailureCause.STORAGE:
-        name, _, message = next((c for c in chain if failure_cause([c]) is FailureCause.STORAGE), chain[0])
-        if message not in line:
-            line += f" (from {name}: {message})"
-    return line
 
 
 class HostWorker:
@@ -152,7 +76,7 @@ class HostWorker:
         self._fence_dir: str | None = None  # where the fence is: the job's checkpoint folder
         self._storage_endpoint: str | None = None
         self._steps_total: int | None = None  # for the progress lines in the log
-        self._out = _LineBuffer(sys.stdout)
+        self._out = LineBuffer(sys.stdout)
         self._profiler = Profiler(rank, num_hosts, self._send)  # captures `orchestrator profile` asks for
         sys.stdout = self._out  # what the job's code prints reaches `orchestrator logs` (and still Ray's log file)
         runtime.configure(platform=self._platform, devices_per_host=devices_per_host,
@@ -255,9 +179,9 @@ class HostWorker:
         except Exception as e:  # noqa: BLE001 -- the boundary of user code: reported, typed, with its traceback
             tb = traceback.format_exc()
             print(tb, file=self._out)
-            chain = _chain(e)
+            chain = error_chain(e)
             cause = failure_cause(chain, importing=isinstance(e, EntrypointError))
-            result = WorkerResult(Ending.FAILED, self.rank, error=_error_line(e, chain, cause), traceback=tb,
+            result = WorkerResult(Ending.FAILED, self.rank, error=error_line(e, chain, cause), traceback=tb,
                                   cause=cause.value)
         finally:
             if watcher:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import logging
 
-from workers.host import _CHATTY_LOGGERS, route_logs
+from workers.host_output import _CHATTY_LOGGERS, route_logs
 
 
 def test_the_job_log_gets_the_program_s_lines_and_only_the_libraries_warnings():
