@@ -86,7 +86,7 @@ def adopt(plane: Reconciling, job: JobRecord, slices: list[SliceRecord]) -> tupl
                 retry=tenacity.retry_if_exception_type(ray.exceptions.ActorUnavailableError))
             probe(lambda: ray.get([w.info.remote() for w in workers], timeout=30))
             history: list[dict] = probe(lambda: ray.get(workers[0].history.remote(), timeout=30))
-        except Exception as e:  # some part is gone: relaunch
+        except Exception as e:  # noqa: BLE001 -- any part gone, however it fails, means relaunch (logged)
             log.warning("job %s: cannot adopt generation %d (%s)", job.id, job.generation, e)
         else:
             provider = _take_over(plane, job, rec, t)

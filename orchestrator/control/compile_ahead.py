@@ -197,18 +197,18 @@ class ProgramsAhead:
                                                 endpoint=spec.storage.endpoint,
                                                 key_file=self.home.job_dir(self.job_id) / _KEY_FILE)
                 results = answer["options"]
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 -- a failed compile ahead only costs the hosts a compile
                 log.warning("job %s: compile ahead failed: %s: %s", self.job_id, type(e).__name__, e)
                 results = [{"target": o.target, "ok": False, "seconds": None, "size": None,
                             "error": f"{type(e).__name__}: {e}"[:500]} for o in options]
-            for o, r in zip(options, results):
+            for o, r in zip(options, results, strict=True):
                 message = (f"compiled ahead for {r['target']} ({o.why}) in {r['seconds']:.1f} s and stored "
                            f"({r['size'] / 2**20:.1f} MiB): its hosts load it" if r["ok"] else
                            f"compile ahead for {r['target']} ({o.why}) failed: {r['error']}; its hosts will compile")
                 try:
                     self.store.add_event(self.job_id, ProgramStored(r["target"], r["ok"], None, r["seconds"],
                                                                     r["size"], r.get("error")), message)
-                except Exception:
+                except Exception:  # noqa: BLE001 -- an event that cannot be written is logged, never fatal here
                     log.exception("job %s: %s", self.job_id, message)
         finally:  # idle once its events are recorded
             self._busy.release()

@@ -181,7 +181,8 @@ class RayWorkerGroup:
         ray.get(self.workers[0].start.remote(coordinator, given[0], share_key), timeout=120)
         if coordinator is not None:  # the others join once host 0 listens (an early one waits out a backoff)
             ray.get(self.workers[0].coordinator_listening.remote(coordinator, 10.0), timeout=30)
-        ray.get([w.start.remote(coordinator, g, share_key) for w, g in zip(self.workers[1:], given[1:])], timeout=120)
+        others = zip(self.workers[1:], given[1:], strict=True)
+        ray.get([w.start.remote(coordinator, g, share_key) for w, g in others], timeout=120)
         return None
 
     def results(self, timeout_s: float) -> list[WorkerResult | None] | None:
@@ -231,7 +232,7 @@ class RayWorkerGroup:
             try:
                 tail = ray.get(ray.remote(num_cpus=0, max_retries=0)(stderr_tail).options(
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid), timeout=PROBE_S)
-            except Exception as e:  # the host cannot run a task: it is as good as gone
+            except Exception as e:  # noqa: BLE001 -- a host that cannot run a task, however, is as good as gone
                 self._lost(rank)
                 return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} (host {rank} runs no task: "
                                                        f"{type(e).__name__})", at=at)
@@ -248,7 +249,7 @@ class RayWorkerGroup:
     def history(self) -> list[dict] | None:
         try:
             return ray.get(self.workers[0].history.remote(), timeout=5)
-        except Exception as e:  # the worker went with its host after all
+        except Exception as e:  # noqa: BLE001 -- the worker went with its host after all, however it fails
             log.warning("job %s: no step history from worker 0 (%s)", self.job_id, type(e).__name__)
             return None
 
@@ -295,13 +296,13 @@ def kill_workers(workers: list, pg) -> None:
     for w in workers:
         try:
             ray.kill(w, no_restart=True)
-        except Exception:  # already gone with its host
-            pass
+        except Exception as e:  # noqa: BLE001 -- already gone with its host: nothing left to end
+            log.debug("worker already gone: %s", e)
     if pg is not None:
         try:
             remove_placement_group(pg)
-        except Exception:
-            pass
+        except Exception as e:  # noqa: BLE001 -- gone with the cluster or removed already: nothing left to free
+            log.debug("placement group already gone: %s", e)
 
 
 def _answers(worker) -> bool:
@@ -319,6 +320,7 @@ def _placed(store: Store, job_id: str, generation: int) -> list[tuple[str, int]]
     for e in reversed(store.events(job_id)):
         data = e.data or {}
         if e.kind is EventKind.LAUNCHED and data.get("generation") == generation:
-            return list(zip(data.get("nodes") or [], data.get("pids") or []))
+            # strict=False: a launch event of an older version may name nodes and no pids
+            return list(zip(data.get("nodes") or [], data.get("pids") or [], strict=False))
     return []
 

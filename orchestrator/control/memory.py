@@ -49,7 +49,7 @@ def common_step(slices: list[Slice]) -> tuple[int | None, str]:
                 keeper = ray.get_actor(keeper_name(s.name, h.worker_id), namespace=cluster.NAMESPACE)
                 steps: dict[int, str] = ray.get(keeper.steps.remote(), timeout=ASK_S)  # type: ignore[assignment]
                 held.append(steps)
-            except Exception as e:  # gone, or not answering: this host holds nothing usable
+            except Exception as e:  # noqa: BLE001 -- gone or not answering, however: this host holds nothing usable
                 return None, f"host {h.worker_id} of slice {s.name} holds no copy ({type(e).__name__})"
     if not held:
         return None, "no host"
@@ -68,5 +68,5 @@ def drop_keepers(s: Slice) -> None:
     for h in s.hosts:
         try:
             ray.kill(ray.get_actor(keeper_name(s.name, h.worker_id), namespace=cluster.NAMESPACE), no_restart=True)
-        except Exception:  # none, or gone with its host
-            pass
+        except Exception as e:  # noqa: BLE001 -- none, or gone with its host: nothing left to end
+            log.debug("no keeper %s to end: %s", keeper_name(s.name, h.worker_id), e)

@@ -172,7 +172,7 @@ def look(directory: str, *, endpoint: str | None = None) -> Folder:
         names = storage.listdir(directory, endpoint=endpoint)
     except FileNotFoundError:
         return Folder(directory)
-    except Exception as e:  # a bucket that cannot be reached or read
+    except Exception as e:  # noqa: BLE001 -- a bucket that cannot be reached or read, told as the folder's error
         raise CheckpointFolderError(directory, f"cannot be read: {type(e).__name__}: {e}") from None
     steps = tuple(sorted(int(n) for n in names if n.isdigit()))
     if IDENTITY not in names:
@@ -183,7 +183,7 @@ def look(directory: str, *, endpoint: str | None = None) -> Folder:
         recorded = None
     except ValueError:  # not JSON: as good as no record
         recorded = None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- any other read failure, told as the folder's error
         raise CheckpointFolderError(directory, f"cannot read its {IDENTITY}: {type(e).__name__}: {e}") from None
     return Folder(directory, steps, recorded if isinstance(recorded, dict) else None)
 
@@ -213,7 +213,7 @@ def record_job(store: Store, job_id: str, spec: JobSpec, on_existing: OnExisting
     store.create_job(job_id, spec.name, spec.model_dump(mode="json"), folder=folder_key(directory))
     try:
         event = take(spec, job_id, claimed)
-    except Exception as e:  # the job cannot run without its folder: say why, to the caller too
+    except Exception as e:  # noqa: BLE001 -- the job cannot run without its folder: say why, to the caller too
         why = f"{type(e).__name__}: {e}"
         store.transition(job_id, JobState.FAILED, f"could not set up checkpoint folder {directory}: {why}",
                          cause=FailedBecause.STORAGE.value)

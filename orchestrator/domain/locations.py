@@ -135,7 +135,7 @@ def check_endpoint(value: str) -> str:
     if parts.path not in ("", "/") or parts.query or parts.fragment or parts.username or parts.password:
         raise ValueError(f"must be a scheme, host and port only (no path, query or credentials), got {value!r}")
     try:
-        parts.port
+        _ = parts.port  # urllib parses the port only when asked
     except ValueError:
         raise ValueError(f"has a port that is not a number from 0 to 65535, got {value!r}") from None
     return value.rstrip("/")

@@ -23,8 +23,10 @@ from orchestrator.control.job.ending import (
     finished_before,
     worker_aborts,
 )
+from orchestrator.control.job.placement import Held
 from orchestrator.control.job.watch import watch
 from orchestrator.control.launch import write_fence
+from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError, ProvisioningError
 from orchestrator.providers.base import CapacityError
 from orchestrator.state.events import Disrupted, StateChange
@@ -67,21 +69,34 @@ def main(d: JobDriver, on_exit: Callable[[str], None]) -> None:
 
 
 def attempt(d: JobDriver) -> Outcome:
+    """One attempt: slices ready (queued, provisioned, or held from before), a launch on them, watched to its end."""
+    ended, t0 = _until_ready(d)
+    if ended is not None:
+        return ended
+    held = d.placement.hold_next()
+    spec = d.on_slices(held.slices)
+    provision_s, overlap = _announce(d, held, spec, time.monotonic() - t0)
+    return _launch_and_watch(d, held, spec, provision_s, overlap)
+
+
+def _until_ready(d: JobDriver) -> tuple[Outcome | None, float]:
+    """Queue and provision until slices are ready (a request refused for capacity goes back to the queue), or
+    the outcome that ends the attempt first; with when the last request was made."""
     job_id, placement = d.job_id, d.placement
     refused, refusals, queued_since = None, 0, None
     t0 = time.monotonic()
-    while not placement.ready:  # until slices are ready: a request refused for capacity goes back to the queue
+    while not placement.ready:
         job, spec = d.store.job(job_id), d.spec()
         if job.cancel_requested or d.cancelled.is_set():
-            return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
+            return Outcome(OutcomeKind.CANCELLED, "cancelled by the user"), t0
         if spec.autoscaling is not None:
             spec = d.moves.before_provisioning(spec)
         if (spent := d.limits.before_start(spec)) is not None:
-            return spent
+            return spent, t0
         ended = d.plane.queue.wait_turn(job_id, spec, d.cancelled, refused=refused, refusals=refusals,
                                         since=queued_since, limit_s=d.user_queue_limit_s(spec))
         if ended is not None:
-            return ended
+            return ended, t0
         d.transition(JobState.PROVISIONING, f"requesting {spec.accelerator} ({spec.tier.value})")
         t0 = time.monotonic()
         placement.use(d.plane.provider_for(spec))
@@ -94,10 +109,13 @@ def attempt(d: JobDriver) -> Outcome:
             if spec.autoscaling is not None:  # a capacity fact for the policy, which is asked again at once
                 refused = None
         except ProvisioningError as e:
-            return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient)
-    held = placement.hold_next()
-    provision_s, overlap = time.monotonic() - t0, ""
-    spec = d.on_slices(held.slices)
+            return Outcome(OutcomeKind.PROVISION_FAILED, str(e), transient=e.transient), t0
+    return None, t0
+
+
+def _announce(d: JobDriver, held: Held, spec: JobSpec, provision_s: float) -> tuple[float, str]:
+    """Say where the launch goes when it is not a fresh request's slices; the provisioning time it counts
+    (0 for survivors, the request's own for a move made before break) and what overlapped."""
     names = ", ".join(s.name for s in held.slices)
     if held.survived_from is not None:  # the survivors of a lost slice go on, from their memory if they can
         n = len(held.slices)
@@ -105,12 +123,17 @@ def attempt(d: JobDriver) -> Outcome:
                       else "restoring from storage")
         d.transition(JobState.PROVISIONING, f"going on on the {n} surviving slice{'s' if n > 1 else ''} "
                      f"of {held.survived_from} slices ({names}), {from_where}")
-        provision_s = 0.0
-    elif held.ready_at is not None:  # a move made before break: the new slice waited beside the old one
-        provision_s = held.provision_s
-        overlap = f"; it overlapped the old slice for {time.time() - held.ready_at:.1f} s"
+        return 0.0, ""
+    if held.ready_at is not None:  # a move made before break: the new slice waited beside the old one
         d.transition(JobState.PROVISIONING, f"slice {held.slices[0].name} ({spec.accelerator} {spec.tier.value}), "
                      "requested beside the old one, is ready")
+        return held.provision_s, f"; it overlapped the old slice for {time.time() - held.ready_at:.1f} s"
+    return provision_s, ""
+
+
+def _launch_and_watch(d: JobDriver, held: Held, spec: JobSpec, provision_s: float, overlap: str) -> Outcome:
+    """Launch a generation on `held`, watch it to its outcome, keep the survivors of a loss; torn down after."""
+    job_id = d.job_id
     try:
         if d.cancelled.is_set():
             return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
@@ -128,7 +151,7 @@ def attempt(d: JobDriver) -> Outcome:
         outcome = watch(d.store, job_id, spec, d.watched(), on_poll=d.on_poll)
         d.progress.catch_up(outcome, group)
         if outcome.kind in (OutcomeKind.INFRA_LOST, OutcomeKind.PREEMPTED):
-            placement.keep_survivors(spec, group.held_step)
+            d.placement.keep_survivors(spec, group.held_step)
         return outcome
     finally:
         d.teardown()

@@ -110,7 +110,7 @@ class ReportSink:
         It never waits for the store and never raises (a worker sends and forgets: an error here
         would be printed by every worker at every step): what the store refuses is held.
         """
-        now, store, held = time.time(), self.services.store, self.services.held
+        now = time.time()
         if isinstance(report, ProfileDone):  # matched by its capture, whatever the generation
             self.captures.done(rank, report)
         if generation != self.generation or not self.accepting:
@@ -118,51 +118,77 @@ class ReportSink:
         if lines:
             self.log_lines([f"[host-{rank}] {line}" for line in lines])
         self.last_progress = time.monotonic()
-        if isinstance(report, Ready) and rank == 0 and not self.started:
+        for kind, handle in _HANDLERS:
+            if isinstance(report, kind):
+                handle(self, generation, rank, report, now)
+                return
+
+    # One handler a kind of report; what the store is told is held (`HeldWrites`) and written in order.
+
+    def _ready(self, generation: int, rank: int, report: Ready, now: float) -> None:
+        if rank == 0 and not self.started:
             self.started = True
             change = StateChange(init_s=round(report.init_s, 3), generation=generation)
-            held.add(lambda: self._transition_raw(JobState.RUNNING, "all hosts joined the runtime", change, now))
-        elif isinstance(report, Timings) and rank == 0:
+            self.services.held.add(
+                lambda: self._transition_raw(JobState.RUNNING, "all hosts joined the runtime", change, now))
+
+    def _timings(self, generation: int, rank: int, report: Timings, now: float) -> None:
+        if rank == 0:
             disrupted, self.restored_step = self.disrupted_step, report.restored_step
-            held.add(lambda: self._record_restore(report, disrupted, now))
-        elif isinstance(report, StepDone) and rank == 0:
+            self.services.held.add(lambda: self._record_restore(report, disrupted, now))
+
+    def _step_done(self, generation: int, rank: int, report: StepDone, now: float) -> None:
+        if rank == 0:
             self.last_step = report.step
             self.limits.stepped(report.step)
             resumed_after = None
             if not self.resumed and self.disrupted_at is not None:
                 self.resumed, resumed_after = True, now - self.disrupted_at
-            held.add(lambda: self._record_step(generation, report, resumed_after, now))
-        elif isinstance(report, MemoryKept) and rank == 0:
-            risk = "no step" if report.every == 1 else f"at most {report.every - 1} steps"
-            held.add(lambda: store.add_event(
-                self.job_id, MemoryCadence(report.every, round(report.copy_s, 6), round(report.step_s, 6)),
-                f"host memory: a copy of the state every {report.every} step(s) ({report.copy_s * 1e3:.1f} ms a copy, "
-                f"{report.copy_s / report.step_s:.1%} of a step); a lost slice loses {risk}" if report.step_s else
-                f"host memory: a copy of the state every {report.every} step(s)", at=now))
-        elif isinstance(report, CompiledAhead):
-            done = "compiled" if report.compiled else "found kept"
-            held.add(lambda: store.add_event(
-                self.job_id, AheadCompiled(report.slices, round(report.seconds, 3), report.compiled, rank),
-                f"the program for {report.slices} slice(s) {done} ahead in {report.seconds:.1f} s: a lost slice's "
-                f"survivors load it" if rank == 0 else
-                f"host {rank} keeps the program for {report.slices} slice(s) too (from host 0): it is the survivors' "
-                f"first host if slice 0 is lost", at=now))
-        elif isinstance(report, ProgramLooked) and rank == 0:  # every host looks; the first one speaks for them
-            self.programs.hosts_look_for(report.target)
-            held.add(lambda: store.add_event(
-                self.job_id, ProgramStored(report.target, report.used, rank, reason=report.reason),
-                f"host {rank} loads the step compiled ahead: {report.reason}" if report.used else
-                f"host {rank} compiles the step for {report.target}: {report.reason}", at=now))
-        elif isinstance(report, Saved) and rank == 0:
-            held.add(lambda: store.add_event(self.job_id, CheckpointSaved(report.step, report.blocking_s),
-                                             f"saved step {report.step}", at=now))
-        elif isinstance(report, Noticed) and self.stops.current is None:
-            if self._launch is not None and (going := self._launch.slice_of(rank)) is not None:
-                self.placement.mark_lost(going)  # its slice is going: a multi-slice job goes on without it
-            self.stops.ask(StopRequest.notice(f"host {rank}: {report.reason}"))
-            step = self.last_step + 1
-            held.add(lambda: store.add_event(self.job_id, NoticeSeen(rank, step), f"preemption notice on host "
-                                             f"{rank} ({report.reason}) after step {step}", at=now))
+            self.services.held.add(lambda: self._record_step(generation, report, resumed_after, now))
+
+    def _memory_kept(self, generation: int, rank: int, report: MemoryKept, now: float) -> None:
+        if rank != 0:
+            return
+        risk = "no step" if report.every == 1 else f"at most {report.every - 1} steps"
+        self.services.held.add(lambda: self.services.store.add_event(
+            self.job_id, MemoryCadence(report.every, round(report.copy_s, 6), round(report.step_s, 6)),
+            f"host memory: a copy of the state every {report.every} step(s) ({report.copy_s * 1e3:.1f} ms a copy, "
+            f"{report.copy_s / report.step_s:.1%} of a step); a lost slice loses {risk}" if report.step_s else
+            f"host memory: a copy of the state every {report.every} step(s)", at=now))
+
+    def _compiled_ahead(self, generation: int, rank: int, report: CompiledAhead, now: float) -> None:
+        done = "compiled" if report.compiled else "found kept"
+        self.services.held.add(lambda: self.services.store.add_event(
+            self.job_id, AheadCompiled(report.slices, round(report.seconds, 3), report.compiled, rank),
+            f"the program for {report.slices} slice(s) {done} ahead in {report.seconds:.1f} s: a lost slice's "
+            f"survivors load it" if rank == 0 else
+            f"host {rank} keeps the program for {report.slices} slice(s) too (from host 0): it is the survivors' "
+            f"first host if slice 0 is lost", at=now))
+
+    def _program_looked(self, generation: int, rank: int, report: ProgramLooked, now: float) -> None:
+        if rank != 0:  # every host looks; the first one speaks for them
+            return
+        self.programs.hosts_look_for(report.target)
+        self.services.held.add(lambda: self.services.store.add_event(
+            self.job_id, ProgramStored(report.target, report.used, rank, reason=report.reason),
+            f"host {rank} loads the step compiled ahead: {report.reason}" if report.used else
+            f"host {rank} compiles the step for {report.target}: {report.reason}", at=now))
+
+    def _saved(self, generation: int, rank: int, report: Saved, now: float) -> None:
+        if rank == 0:
+            self.services.held.add(lambda: self.services.store.add_event(
+                self.job_id, CheckpointSaved(report.step, report.blocking_s), f"saved step {report.step}", at=now))
+
+    def _noticed(self, generation: int, rank: int, report: Noticed, now: float) -> None:
+        if self.stops.current is not None:
+            return
+        if self._launch is not None and (going := self._launch.slice_of(rank)) is not None:
+            self.placement.mark_lost(going)  # its slice is going: a multi-slice job goes on without it
+        self.stops.ask(StopRequest.notice(f"host {rank}: {report.reason}"))
+        step = self.last_step + 1
+        self.services.held.add(lambda: self.services.store.add_event(
+            self.job_id, NoticeSeen(rank, step), f"preemption notice on host {rank} ({report.reason}) after step "
+                                                 f"{step}", at=now))
 
     def log_lines(self, lines: list[str]) -> None:
         """Lines into the job's log (`orchestrator logs`); a log that cannot be written is logged, once a minute."""
@@ -234,3 +260,10 @@ class ReportSink:
             mean = sum(times) / len(times) if times else 0.0
             store.add_event(self.job_id, LostWork(lost, lost * mean, disrupted_step, restored or 0),
                             f"lost {lost} steps (from step {disrupted_step} back to {restored or 0})", at=at)
+
+
+_HANDLERS: tuple[tuple[type, Callable[..., None]], ...] = (
+    (Ready, ReportSink._ready), (Timings, ReportSink._timings), (StepDone, ReportSink._step_done),
+    (MemoryKept, ReportSink._memory_kept), (CompiledAhead, ReportSink._compiled_ahead),
+    (ProgramLooked, ReportSink._program_looked), (Saved, ReportSink._saved), (Noticed, ReportSink._noticed),
+)

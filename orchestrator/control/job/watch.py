@@ -68,18 +68,8 @@ def watch(store: Store, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Ca
             results = group.results(timeout_s=0.5)  # None: slow to answer; the heartbeat timeout decides
         except WorkerGone as e:
             return worker_died(store, job_id, run, e)
-        if results is not None:
-            stop = run.stops.current
-            outcome = results_outcome(results, notice=stop.reason if stop is not None else None,
-                                      resizing_to=stop.target.accelerator if stop and stop.target else None)
-            if outcome is not None and outcome.kind in FAILURES:
-                return _confirm_failure(store, job_id, run, outcome)
-            if outcome is not None:
-                if outcome.kind is OutcomeKind.SUCCEEDED:
-                    first = results[0]
-                    assert first is not None, "every host has its result when the job succeeded"
-                    store.update_job(job_id, result={"steps": first.steps, "param_sums": first.param_sums})
-                return outcome
+        if results is not None and (ended := _results_say(store, job_id, run, results)) is not None:
+            return ended
         if run.cancelled.is_set() or store.job(job_id).cancel_requested:
             stop_for_cancel(run, stop_sent, grace)
             return Outcome(OutcomeKind.CANCELLED, "cancelled by the user")
@@ -94,6 +84,20 @@ def watch(store: Store, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Ca
             return _no_progress(store, job_id, run, hang_limit)
         on_poll()
         time.sleep(POLL_S)
+
+
+def _results_say(store: Store, job_id: str, run: Watched, results: list) -> Outcome | None:
+    """What the hosts' results (some may still be running: None) end the attempt with, if anything yet."""
+    stop = run.stops.current
+    outcome = results_outcome(results, notice=stop.reason if stop is not None else None,
+                              resizing_to=stop.target.accelerator if stop and stop.target else None)
+    if outcome is not None and outcome.kind in FAILURES:
+        return _confirm_failure(store, job_id, run, outcome)
+    if outcome is not None and outcome.kind is OutcomeKind.SUCCEEDED:
+        first = results[0]
+        assert first is not None, "every host has its result when the job succeeded"
+        store.update_job(job_id, result={"steps": first.steps, "param_sums": first.param_sums})
+    return outcome
 
 
 def _provider_says(run: Watched) -> Outcome | None:

@@ -210,8 +210,9 @@ class GcpTpuProvider:
                 log.warning("could not look at slice %s: %s", name, e)
         with self._lock:
             mine = [slices is None or e.slice_name in slices for e in self._events]
-            events = [e for e, m in zip(self._events, mine) if m]
-            self._events = [e for e, m in zip(self._events, mine) if not m]  # other slices' stay for their jobs
+            events = [e for e, m in zip(self._events, mine, strict=True) if m]
+            # Other slices' events stay for their jobs.
+            self._events = [e for e, m in zip(self._events, mine, strict=True) if not m]
         return events
 
     def adopt(self, s: Slice, zone: str) -> None:
