@@ -10,20 +10,29 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from orchestrator.providers.base import Slice
 
 if TYPE_CHECKING:
-    from orchestrator.control.group import WorkerGroup
     from orchestrator.control.waiting import Waiting
+    from workers.profiling import CaptureRequest
+
+
+class Profiled(Protocol):
+    """What a snapshot's readers ask of the launch's workers (`captures`): a `group.WorkerGroup` is one. Named
+    here, not imported, so the snapshot sits below the group in the imports."""
+
+    hosts: int
+
+    def request_profile(self, request: CaptureRequest) -> None: ...
 
 
 @dataclass
 class Attempt:
     generation: int = 0
     started: bool = False  # every host joined the runtime
-    group: WorkerGroup | None = None  # the workers of `generation`, once launched
+    group: Profiled | None = None  # the workers of `generation`, once launched
     notice: str | None = None  # why the workers were asked to stop, if they were
     resize_to: str | None = None  # where a planned relaunch goes (a resize, a move, a release, a regrow)
     slice: Slice | None = None  # the first (or only) slice

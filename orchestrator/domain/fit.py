@@ -12,16 +12,33 @@ microbatch (the program may choose otherwise).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from orchestrator import catalog
-from orchestrator.domain.workload import LmWorkload
+from orchestrator.domain.workload import EntrypointWorkload, LmWorkload
 from policies.model.memory_fit import GIB, USABLE_FRACTION, Fit, TrainingJob, advice, fit
 from policies.model.sharding import MeshError, MeshPlan, plan_mesh
 
-if TYPE_CHECKING:
-    from orchestrator.domain.spec import JobSpec
+
+class _Types(Protocol):
+    @property
+    def accelerators(self) -> Sequence[str]: ...
+
+
+class JobSpec(Protocol):
+    """What the fit reads of a job spec (`orchestrator.domain.spec.JobSpec` is one). A Protocol, not an import:
+    the spec asks the fit while it validates, so the fit sits below it."""
+
+    @property
+    def accelerator(self) -> str: ...
+
+    @property
+    def autoscaling(self) -> _Types | None: ...
+
+    @property
+    def workload(self) -> LmWorkload | EntrypointWorkload: ...
 
 
 @dataclass(frozen=True)
