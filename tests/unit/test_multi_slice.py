@@ -98,7 +98,9 @@ def test_losing_one_slice_of_several_costs_less_than_a_full_restart():
     assert slice_hazard_per_hour(four, snap) == pytest.approx(slice_hazard_per_hour(one, snap))
     assert slice_shrink_per_hour(four, snap) > 0 and slice_shrink_per_hour(one, snap) == 0
     full_s = r.overhead_s + r.lost_per_preemption_s(r.interval_s(slice_hazard_per_hour(one, snap)))
-    assert r.shrink_loss_s(4) < full_s / 2
+    # A shrink relaunches the survivors from memory and, once the lost slice is back, the group again: two
+    # relaunches and a slice short meanwhile (issue 38's honest simulator), less than a full restart.
+    assert r.shrink_loss_s(4) < full_s
     assert r.shrink_loss_s(2) < full_s
     # A slice added back to the running ones pays the added slices' startup and a pause, not a restart.
     two, three = pick("2xv4-16 spot"), pick("3xv4-16 spot")
