@@ -126,7 +126,7 @@ def start_workload(workload: dict, devices: int, tmp_path: Path, *, env: dict | 
 
 def assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:
     assert len(actual) == len(expected), f"{len(actual)} steps, expected {len(expected)}"
-    worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
+    worst = max(abs(a - e) / abs(e) for a, e in zip(actual, expected, strict=True))
     assert worst <= rtol, f"per-step losses differ by up to {worst:.2e} relative (allowed {rtol:.0e})"
 
 

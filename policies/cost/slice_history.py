@@ -76,7 +76,7 @@ def read_history(records: Iterable[SliceRecord], now_s: float) -> History:
     preemptions: dict[tuple[str, str], int] = {}
     for evs in by_name.values():
         was_ready = False
-        for r, after in zip(evs, [*evs[1:], None]):
+        for r, after in zip(evs, [*evs[1:], None], strict=True):
             end = after.at_s if after is not None else now_s
             key = (r.tier, r.zone)
             if r.state in (UP, *DOWN) and end > r.at_s:

@@ -60,8 +60,9 @@ def _launch(workload_file: Path, out: Path, **faults_of_host_1) -> list[dict]:
     except subprocess.TimeoutExpired:
         for p in procs:
             p.kill()
-        raise AssertionError(f"the hosts did not finish within {LAUNCH_TIMEOUT_S} s (a collective mismatch hangs)")
-    for rank, (p, text) in enumerate(zip(procs, outputs)):
+        raise AssertionError(f"the hosts did not finish within {LAUNCH_TIMEOUT_S} s "
+                             "(a collective mismatch hangs)") from None
+    for rank, (p, text) in enumerate(zip(procs, outputs, strict=True)):
         assert p.returncode == 0, f"host {rank} exited {p.returncode}:\n{text[-3000:]}"
         assert "enforce fail" not in text and "collective mismatch" not in text, text[-3000:]
     return [dict(json.loads((out / f"host{rank}.json").read_text()), log=outputs[rank]) for rank in range(HOSTS)]

@@ -151,7 +151,7 @@ def test_more_preemptions_than_the_budget(client, tmp_path):
         wait_step(job, job.status().step + 2)
         seen = len(kinds(job, "disruption"))
         kill_host(client.home, host_pgids(client, job)[1])
-        wait_for(lambda: len(kinds(job, "disruption")) > seen, 60, "the disruption to be seen")
+        wait_for(lambda seen=seen: len(kinds(job, "disruption")) > seen, 60, "the disruption to be seen")
     st = job.wait(timeout_s=300)
     assert st.state is JobState.FAILED
     assert st.reason.startswith("2 preemptions or host losses, more than max_preemptions=1")

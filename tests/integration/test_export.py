@@ -78,7 +78,7 @@ def assert_same_tree(got, want) -> None:
             assert_same_tree(got[k], want[k])
     elif isinstance(want, (list, tuple)):
         assert isinstance(got, list) and len(got) == len(want)
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             assert_same_tree(g, w)
     else:
         want = np.asarray(want)

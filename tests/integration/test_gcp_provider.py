@@ -168,7 +168,7 @@ def test_create_poll_to_ready_then_release(emulator, joined):
     # Every change of state was told, once each, in order (the queue's WAITING may be too brief to see).
     states = [c.state for c in changes]
     assert states[0] is SliceState.REQUESTED and states[-2:] == [SliceState.READY, SliceState.RELEASED]
-    assert SliceState.PROVISIONING in states and all(a is not b for a, b in zip(states, states[1:]))
+    assert SliceState.PROVISIONING in states and all(a is not b for a, b in zip(states, states[1:], strict=False))
     assert {(c.name, c.job_id, c.tier) for c in changes} == {("s1", "job-1", Tier.SPOT)}
 
 
@@ -294,7 +294,7 @@ def test_still_queued_at_the_callers_deadline_is_no_capacity(emulator, joined):
 def illegal_moves(changes: list[Slice]) -> list[tuple[str, str]]:
     """The reported state changes that the slice lifecycle (`SLICE_TRANSITIONS`) does not allow."""
     states = [c.state for c in changes]
-    return [(a.value, b.value) for a, b in zip(states, states[1:]) if b not in SLICE_TRANSITIONS[a]]
+    return [(a.value, b.value) for a, b in zip(states, states[1:], strict=False) if b not in SLICE_TRANSITIONS[a]]
 
 
 @pytest.mark.parametrize("mode", ["wait", "fail"])

@@ -190,7 +190,7 @@ def _exact_optimum(dp: _DualProgramme, units_per_step: list[int], target_units: 
     k = dp.k
     frontier = {(IDLE, 0): 0.0}
     best = math.inf
-    for t, usable in enumerate(dp.usable):
+    for _t, usable in enumerate(dp.usable):
         moved: dict[tuple[int, int], float] = {}
         for (state, done), cost in frontier.items():
             choices = {state, IDLE} | {c * (k + 1) + k for c in range(len(usable))}
