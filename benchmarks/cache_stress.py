@@ -131,7 +131,8 @@ def disturb(client, job, i: int) -> dict | None:
     if job.status().done:
         return None
     restores, seen = len(events(job, "restore")), len(events(job, "disruption"))
-    live = sorted(client.store.slices(job_id=job.id, live_only=True), key=lambda r: r.name)
+    live = sorted((r for r in client.store.slices(job_id=job.id, live_only=True) if r.data.get("pgids")),
+                  key=lambda r: r.name)  # with hosts: a lost slice's replacement may still be on its way
     victim = live[i % len(live)]
     host = (i // len(live)) % len(victim.data["pgids"])
     at_step = job.status().step
