@@ -84,6 +84,7 @@ def main() -> None:
     ref = reference(job_spec, tmp)
     loops = busy_loops(args.busy)
     client = fresh_client()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # again: connecting to Ray set a handler of its own
     cycles: list[dict] = []
     try:
         job = client.submit(job_spec)
