@@ -254,3 +254,12 @@ def option(name: str, count: int = 1) -> Option:
     t = catalog.lookup(name)
     return Option(name, count * t.chips, count * t.hosts, "spot", count * t.usd_per_hour(catalog.Tier.SPOT),
                   count * 1000.0, count=count)
+
+
+def lose_the_second_slice_after_step_7(world: World) -> None:
+    """Generation 1 of a two-slice job loses a host of its second slice after steps 0-7."""
+    def lose_a_slice(group, step):
+        if group.generation == 1 and step == 7:
+            world.provider.send(group.slices[1], SliceEventKind.HOST_LOST, "host 1 of the second slice vanished")
+
+    world.on_step = lose_a_slice

@@ -18,7 +18,7 @@ from orchestrator.providers.base import SliceEventKind
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import FailedBecause, JobState, SliceState
 from policies.cost.moves import Move
-from tests.unit.driver_world import ScriptedPolicy, World, choice, option, spec
+from tests.unit.driver_world import ScriptedPolicy, World, choice, lose_the_second_slice_after_step_7, option, spec
 
 
 @pytest.fixture
@@ -139,12 +139,7 @@ def test_a_job_short_of_a_slice_adds_one_back_make_before_break(world):
     """After a shrink the job asks for a slice beside the survivors; once it is READY every host stops
     at a committed step and the next generation runs on all of them, restored from storage."""
     driver = world.submit(spec(slices=2))
-
-    def lose_a_slice(group, step):
-        if group.generation == 1 and step == 7:
-            world.provider.send(group.slices[1], SliceEventKind.HOST_LOST, "host 1 of the second slice vanished")
-
-    world.on_step = lose_a_slice
+    lose_the_second_slice_after_step_7(world)
     world.run(driver)
     job = world.store.job("job")
     assert job.state is JobState.SUCCEEDED and job.preemptions == 1

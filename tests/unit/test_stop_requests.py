@@ -10,11 +10,18 @@ import pytest
 from orchestrator.control.job import watch
 from orchestrator.control.job.stop import StopKind, StopRequest, Stops
 from orchestrator.domain.shape import Shape
-from orchestrator.providers.base import SliceEventKind
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState, SliceState
 from policies.cost.moves import Move
-from tests.unit.driver_world import ScriptedGroup, ScriptedPolicy, World, choice, option, spec
+from tests.unit.driver_world import (
+    ScriptedGroup,
+    ScriptedPolicy,
+    World,
+    choice,
+    lose_the_second_slice_after_step_7,
+    option,
+    spec,
+)
 
 
 @pytest.fixture
@@ -124,12 +131,7 @@ def test_a_switch_to_slices_ready_beside_is_a_move_stop_to_the_requests_shape(wo
 
 def test_a_regrow_onto_a_slice_ready_beside_the_survivors_is_a_regrow_stop_to_the_full_count(world, asked):
     driver = world.submit(spec(slices=2))
-
-    def lose_a_slice(group, step):
-        if group.generation == 1 and step == 7:
-            world.provider.send(group.slices[1], SliceEventKind.HOST_LOST, "host 1 of the second slice vanished")
-
-    world.on_step = lose_a_slice
+    lose_the_second_slice_after_step_7(world)
     world.run(driver)
     g1, g2, g3 = world.groups
     assert 1 not in asked  # a host lost: no stop was asked of generation 1
