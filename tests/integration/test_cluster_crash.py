@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 
 from orchestrator import cluster
+from orchestrator.cluster.processes import leftover_nodes
 from orchestrator.state.store import Store
 from tests.conftest import REPO
 from tests.integration.test_local_jobs import tiny_spec
@@ -80,4 +82,8 @@ def test_status_after_a_cluster_crash_and_up_resumes_the_job(tmp_path):
         after = cli("status", job_id)
         assert "the local cluster is not running" not in " ".join(after.stdout.split())
     finally:
-        cli("down")
+        try:
+            cli("down")
+        finally:  # whatever `down` could not end (it timed out, or failed under load): no node outlives the test
+            for pid in leftover_nodes(tmp_path):
+                os.kill(pid, signal.SIGKILL)
