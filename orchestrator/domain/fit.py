@@ -27,7 +27,7 @@ class _Types(Protocol):
     def accelerators(self) -> Sequence[str]: ...
 
 
-class JobSpec(Protocol):
+class FitSpec(Protocol):
     """What the fit reads of a job spec (`orchestrator.domain.spec.JobSpec` is one). A Protocol, not an import:
     the spec asks the fit while it validates, so the fit sits below it."""
 
@@ -57,7 +57,7 @@ class SliceFit:
         return None if self.fit is None else self.fit.estimate.microbatches
 
 
-def candidate_types(spec: JobSpec) -> list[tuple[str, str]]:
+def candidate_types(spec: FitSpec) -> list[tuple[str, str]]:
     """(type name, spec field) for every slice type the job may run on, the spec's own first."""
     names = [(spec.accelerator, "accelerator")]
     for name in spec.autoscaling.accelerators if spec.autoscaling else []:
@@ -71,7 +71,7 @@ def training_job(w: LmWorkload) -> TrainingJob:
                        compute_dtype=w.precision.compute_dtype("tpu"), remat=w.remat)
 
 
-def slice_fit(spec: JobSpec, accelerator: str, field: str = "accelerator", *, slices: int = 1) -> SliceFit:
+def slice_fit(spec: FitSpec, accelerator: str, field: str = "accelerator", *, slices: int = 1) -> SliceFit:
     """The built-in trainer's memory on one slice type (`spec.workload` must be an `LmWorkload`), each of
     `slices` slices training its share of the batch."""
     w, t = spec.workload, catalog.lookup(accelerator)
@@ -90,7 +90,7 @@ def slice_fit(spec: JobSpec, accelerator: str, field: str = "accelerator", *, sl
     return SliceFit(accelerator, field, mesh, verdict, advice=tips)
 
 
-def memory_problems(spec: JobSpec, *, check_hbm: bool = True) -> list[tuple[str, str]]:
+def memory_problems(spec: FitSpec, *, check_hbm: bool = True) -> list[tuple[str, str]]:
     """(field, message) for each slice type the job may run on where it cannot run: the mesh does not
     divide it, the microbatch count does not divide its rows, or (`check_hbm`) training does not fit its
     HBM by the estimate."""
@@ -122,7 +122,7 @@ def refusal(f: SliceFit) -> str:
             f"dominate (GiB: {parts}); alternatives: " + "; ".join(f.advice))
 
 
-def microbatches_for(spec: JobSpec, accelerator: str, slices: int = 1) -> int:
+def microbatches_for(spec: FitSpec, accelerator: str, slices: int = 1) -> int:
     """How many microbatches a step is split into on `slices` x `accelerator` (``gradient_accumulation``
     resolved: the fewest that fit each slice's share of the batch)."""
     w = spec.workload
