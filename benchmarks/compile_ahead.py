@@ -46,16 +46,17 @@ SMALL = {"name": "small", "accelerator": "v4-8", "slices": 2,
 
 def jobs(model: str):
     """The running job's spec, and the shapes compiled ahead for it (with the hosts' platform)."""
-    from orchestrator.control.compile_ahead import Shape
+    from orchestrator.control.compile_ahead import NextShape
     from orchestrator.domain.spec import JobSpec
 
     if model == "small":
-        return JobSpec.from_dict(SMALL), "cpu", [Shape("v4-8", 1, "survivors")]
+        return JobSpec.from_dict(SMALL), "cpu", [NextShape("v4-8", 1, "survivors")]
     from benchmarks.tpu_compile import job_spec
 
     spec = job_spec(model)
     spec = spec.moved("v4-16", spec.tier.value, slices=2)
-    return spec, "tpu", [Shape("v4-16", 1, "survivors"), Shape("v4-32", 1, "move"), Shape("v4-32", 2, "resize")]
+    shapes = [NextShape("v4-16", 1, "survivors"), NextShape("v4-32", 1, "move"), NextShape("v4-32", 2, "resize")]
+    return spec, "tpu", shapes
 
 
 class Lag:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from workers.profiling import CaptureRequest
 
 
-class Profiled(Protocol):
+class CaptureHosts(Protocol):
     """What a snapshot's readers ask of the launch's workers (`captures`): a `group.WorkerGroup` is one. Named
     here, not imported, so the snapshot sits below the group in the imports."""
 
@@ -32,7 +32,7 @@ class Profiled(Protocol):
 class Attempt:
     generation: int = 0
     started: bool = False  # every host joined the runtime
-    group: Profiled | None = None  # the workers of `generation`, once launched
+    group: CaptureHosts | None = None  # the workers of `generation`, once launched
     notice: str | None = None  # why the workers were asked to stop, if they were
     resize_to: str | None = None  # where a planned relaunch goes (a resize, a move, a release, a regrow)
     slice: Slice | None = None  # the first (or only) slice

@@ -63,7 +63,7 @@ _ONE_AT_A_TIME = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True)
-class Shape:
+class NextShape:
     """`slices` slices of `accelerator`, which the job may go on next, and why."""
 
     accelerator: str
@@ -71,16 +71,16 @@ class Shape:
     why: str
 
 
-def next_shapes(spec: JobSpec, att: Attempt) -> list[Shape]:
+def next_shapes(spec: JobSpec, att: Attempt) -> list[NextShape]:
     """The shapes the job running as `spec` on `att`'s slices may need next, each once."""
     n = max(1, len(att.slices))
     shapes = []
     if n > 1:
-        shapes.append(Shape(spec.accelerator, n - 1, "the survivors of a lost slice"))
+        shapes.append(NextShape(spec.accelerator, n - 1, "the survivors of a lost slice"))
     if (w := att.waiting) is not None and (w.accelerator, w.count) != (spec.accelerator, n):
-        shapes.append(Shape(w.accelerator, w.count, "the request made beside the job (a move)"))
+        shapes.append(NextShape(w.accelerator, w.count, "the request made beside the job (a move)"))
     if att.resize_to is not None and att.resize_to != spec.accelerator:
-        shapes.append(Shape(att.resize_to, n, "the resize asked for"))
+        shapes.append(NextShape(att.resize_to, n, "the resize asked for"))
     first = {(s.accelerator, s.slices): s for s in reversed(shapes)}  # the first reason given for a shape
     return [s for s in shapes if first[(s.accelerator, s.slices)] is s]
 
@@ -106,7 +106,7 @@ def targets(t: catalog.TpuType, slices: int) -> dict[str, str]:
             "cpu": stored_programs.target_name("cpu", str(t.chips_per_host), t.hosts, slices)}
 
 
-def option_for(spec: JobSpec, shape: Shape, platform: str) -> Option:
+def option_for(spec: JobSpec, shape: NextShape, platform: str) -> Option:
     """What the hosts of `shape` run, resolved as their launch would (`JobDriver.on_slices`, `workload_for`)."""
     t = catalog.lookup(shape.accelerator)
     count = shape.slices if spec.autoscaling is not None else spec.slices

@@ -56,7 +56,7 @@ print(json.dumps({"used": found.used, "reason": found.reason, "target": found.ta
 def test_the_survivors_program_is_in_the_job_s_storage_before_the_loss_and_their_host_loads_it(tmp_path):
     from orchestrator import JobSpec, catalog
     from orchestrator.cluster.home import Home
-    from orchestrator.control.compile_ahead import Shape, compile_in_process, job_key, option_for, targets
+    from orchestrator.control.compile_ahead import NextShape, compile_in_process, job_key, option_for, targets
     from workers import stored_programs
     from workers.train import program_config
 
@@ -66,7 +66,7 @@ def test_the_survivors_program_is_in_the_job_s_storage_before_the_loss_and_their
     spec: JobSpec = scope["spec"]
     home = Home(tmp_path / "state")
     key = job_key(home, "job-1")
-    survivors = option_for(spec, Shape("v4-8", 1, "the survivors of a lost slice"), "cpu")
+    survivors = option_for(spec, NextShape("v4-8", 1, "the survivors of a lost slice"), "cpu")
 
     answer = compile_in_process([survivors], directory=directory, endpoint=None,
                                 key_file=home.job_dir("job-1") / "programs.key")
@@ -88,7 +88,7 @@ def test_the_survivors_program_is_in_the_job_s_storage_before_the_loss_and_their
     # A host of another shape: the same program on TPU chips, or the job's own two slices.
     on_tpu = stored_programs.select(directory, sid, targets(catalog.lookup("v4-8"), 1)["tpu"], key)
     assert not on_tpu.used and on_tpu.reason.startswith("stored only for other shapes (cpu-4-1h-1s)")
-    two = option_for(spec, Shape("v4-8", 2, "as it runs"), "cpu")
+    two = option_for(spec, NextShape("v4-8", 2, "as it runs"), "cpu")
     two_sid = stored_programs.stored_id("train_step", program_config(two.lm, two.settings))
     assert two_sid != sid
     assert not stored_programs.select(directory, two_sid, two.target, key).used

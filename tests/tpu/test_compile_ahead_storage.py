@@ -13,7 +13,7 @@ import pickle
 
 from orchestrator import JobSpec, catalog
 from orchestrator.cluster.home import Home
-from orchestrator.control.compile_ahead import Shape, compile_in_process, job_key, option_for, targets
+from orchestrator.control.compile_ahead import NextShape, compile_in_process, job_key, option_for, targets
 from workers import stored_programs
 from workers.train import program_config
 
@@ -28,7 +28,7 @@ def test_the_tpu_executable_is_serialized_stored_and_keyed_by_its_topology(tmp_p
                                            "model": {"d_model": 128, "n_layers": 1, "n_heads": 2, "d_ff": 256}}})
     home = Home(tmp_path / "state")
     key = job_key(home, "job-1")
-    survivors = option_for(spec, Shape("v4-16", 1, "the survivors of a lost slice"), "tpu")
+    survivors = option_for(spec, NextShape("v4-16", 1, "the survivors of a lost slice"), "tpu")
     assert survivors.target == "v4:2x2x2/2h/1s"
 
     answer = compile_in_process([survivors], directory=directory, endpoint=None,

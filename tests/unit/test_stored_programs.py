@@ -13,7 +13,7 @@ import pytest
 
 from orchestrator import JobSpec, catalog
 from orchestrator.control.attempt import Attempt
-from orchestrator.control.compile_ahead import Shape, job_key, launch_programs, next_shapes, option_for, targets
+from orchestrator.control.compile_ahead import NextShape, job_key, launch_programs, next_shapes, option_for, targets
 from orchestrator.control.waiting import Waiting
 from workers import stored_programs as sp
 
@@ -107,7 +107,7 @@ def _spec(slices: int = 2, **more) -> JobSpec:
 def test_the_next_shapes_are_the_survivors_the_move_requested_and_the_resize():
     att = Attempt()
     att.slice, att.others = object(), [object()]  # type: ignore[assignment]  # two slices running
-    assert next_shapes(_spec(), att) == [Shape("v4-16", 1, "the survivors of a lost slice")]
+    assert next_shapes(_spec(), att) == [NextShape("v4-16", 1, "the survivors of a lost slice")]
     att.waiting = Waiting("r", "v4-32", "spot", 0.0, None, count=2)
     att.resize_to = "v4-64"
     assert [(s.accelerator, s.slices) for s in next_shapes(_spec(), att)] == [("v4-16", 1), ("v4-32", 2),
@@ -120,9 +120,9 @@ def test_an_option_is_what_the_hosts_of_that_shape_are_launched_with():
     from orchestrator.control.launch import workload_for
 
     spec, t = _spec(), catalog.lookup("v4-16")
-    survivors = option_for(spec, Shape("v4-16", 1, "survivors"), "tpu")
+    survivors = option_for(spec, NextShape("v4-16", 1, "survivors"), "tpu")
     assert survivors.target == "v4:2x2x2/2h/1s" and survivors.settings == workload_for(spec, 8, 2, slices=1)["settings"]
-    assert option_for(spec, Shape("v4-16", 1, "survivors"), "cpu").target == "cpu:4/2h/1s"
+    assert option_for(spec, NextShape("v4-16", 1, "survivors"), "cpu").target == "cpu:4/2h/1s"
     assert targets(t, 2) == {"tpu": "v4:2x2x2/2h/2s", "cpu": "cpu:4/2h/2s"}
 
 

@@ -20,7 +20,7 @@ The pieces, and what each one owns (the only code that writes it):
 - `orchestrator.control.launched.Launch` is a frozen record of one launch: generation, slices, shape,
   memory step (beside the package: the worker group and adoption read it too).
 - `ending` names how an attempt ended (the failure cause by outcome, a finished run found at submit).
-- `policy.CostPolicy` is the injected cost policy (`StoredFactsPolicy` in production, a scripted one
+- `policy.JobPolicy` is the injected cost policy (`StoredFactsPolicy` in production, a scripted one
   in tests); `services.JobServices` is what the loop needs of the controller.
 
 The words the code uses:

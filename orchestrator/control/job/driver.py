@@ -25,7 +25,7 @@ from orchestrator.control.compile_ahead import ProgramsAhead
 from orchestrator.control.group import WorkerGroup
 from orchestrator.control.job.moves import Moves
 from orchestrator.control.job.placement import Placement
-from orchestrator.control.job.policy import CostPolicy, StoredFactsPolicy
+from orchestrator.control.job.policy import JobPolicy, StoredFactsPolicy
 from orchestrator.control.job.reports import ReportSink
 from orchestrator.control.job.requests import Requests
 from orchestrator.control.job.services import JobServices
@@ -65,7 +65,7 @@ class JobDriver:
     refuses is a bug of ours: it ends the driver's loop loudly (the job FAILED_CONTROLLER), never silently."""
 
     def __init__(self, plane: JobServices, job_id: str, adoption: Adoption | None = None, *,
-                 groups: GroupFactory = ray_group, policy: CostPolicy | None = None):
+                 groups: GroupFactory = ray_group, policy: JobPolicy | None = None):
         self.plane, self.job_id, self.groups = plane, job_id, groups
         # The store as the driver writes it: a write waits out a store fault (it reads and writes as a Store).
         self.store = cast(Store, HoldingStore(plane.store, plane.store_health, plane.held))
@@ -77,7 +77,7 @@ class JobDriver:
         self.programs = ProgramsAhead(plane.home, job_id, self.store)  # the step for the next shapes, off the hosts
         self.progress = ReportSink(plane, job_id, self.spec, placement=self.placement, stops=self.stops,
                                    captures=self.captures, limits=self.limits, programs=self.programs)
-        self.policy: CostPolicy = policy or StoredFactsPolicy(plane, job_id)
+        self.policy: JobPolicy = policy or StoredFactsPolicy(plane, job_id)
         self.moves = Moves(self.store, job_id, self.spec, self._clock, policy=self.policy, placement=self.placement,
                            stops=self.stops, progress=self.progress)
         self.launched: Launch | None = None  # what the current generation was started with

@@ -1,6 +1,6 @@
 """Moves: ask the cost policy, and apply the `Move` it names to the job's `Placement`, make-before-break.
 
-The policy (`orchestrator.control.job.policy.CostPolicy`) answers with a `policies.cost.moves.Move`
+The policy (`orchestrator.control.job.policy.JobPolicy`) answers with a `policies.cost.moves.Move`
 for the job's slices: the running ones (one, or several of one type: `autoscaling.max_slices`)
 and at most one request waiting beside them. `Moves` does it:
 
@@ -42,7 +42,7 @@ from policies.cost.snapshot import Decision
 if TYPE_CHECKING:
     from orchestrator.control.autoscaler import Choice, Key
     from orchestrator.control.job.placement import Placement
-    from orchestrator.control.job.policy import CostPolicy
+    from orchestrator.control.job.policy import JobPolicy
     from orchestrator.control.job.reports import ReportSink
     from orchestrator.providers.capacity import TraceClock
     from orchestrator.state.store import Store
@@ -52,7 +52,7 @@ FIRST_DECISION_S = 30.0  # a new launch measures its speed this long before the 
 
 class Moves:
     def __init__(self, store: Store, job_id: str, spec: Callable[[], JobSpec], clock: Callable[[JobSpec], TraceClock],
-                 *, policy: CostPolicy, placement: Placement, stops: Stops, progress: ReportSink):
+                 *, policy: JobPolicy, placement: Placement, stops: Stops, progress: ReportSink):
         self.store, self.job_id, self.spec, self.clock = store, job_id, spec, clock
         self.policy, self.placement, self.stops, self.progress = policy, placement, stops, progress
         self.choice: Choice | None = None  # the policy's last choice before provisioning (its checkpoint interval)

@@ -17,7 +17,7 @@ from orchestrator.domain.spec import JobSpec
 from policies.cost.slice_options import MAX_CHIPS
 
 
-class CostPolicy(Protocol):
+class JobPolicy(Protocol):
     def choose(self, spec: JobSpec, current: Key | None, *, waiting: Key | None, ready: bool) -> Choice: ...
 
 
