@@ -158,7 +158,11 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
     spot_now = [o for o in snap.options if o.preemptible and o.chips <= snap.spot_chips_available]
 
     def od_finish_s(d: Option) -> float:  # from now, if the job moves to (or stays on) d
-        return snap.overhead_s(d) + snap.restart.train_s(live_left, d.tokens_per_s)
+        # A grow trains on the running slices while the added ones provision: counting only its pause
+        # overstated it at the request and turned the choice around once the slices were READY.
+        lead_s = snap.trains_on_while_provisioning_s(d)
+        left = live_left - (lead_s * snap.current.tokens_per_s if lead_s and snap.current else 0.0)
+        return lead_s + snap.overhead_s(d) + snap.restart.train_s(max(left, 0.0), d.tokens_per_s)
 
     if on_demand:
         fastest = max(on_demand, key=lambda o: o.tokens_per_s)

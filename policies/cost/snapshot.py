@@ -45,6 +45,11 @@ class Snapshot:
             return self.restart.reshape_s
         return self.restart.startup_s if option == self.ready else self.restart.overhead_s
 
+    def trains_on_while_provisioning_s(self, option: Option) -> float:
+        """How long the running slices go on training before a move to `option` pauses them: slices to
+        add provision beside them (unless READY already); any other move stops them at once."""
+        return self.restart.provisioning_s if self.is_grow(option) and option != self.ready else 0.0
+
     def is_grow(self, option: Option) -> bool:
         """Whether `option` is the running slices and more of the same type (a slice added back)."""
         c = self.current

@@ -2,7 +2,10 @@
 
 A tight deadline on a replayed trace with room for two v4-16 slices: the policy starts the job
 on one v4-16 (before it has measured anything, one slice seems to finish in time), and once the
-time spent shows one slice cannot, it chooses 2 x v4-16. Only the slice to add is requested,
+time spent shows one slice cannot, it chooses 2 x v4-16. The job is long enough (300 steps) that the
+second slice pays for its provisioning and the relaunch by a wide margin: with 150 the choice was at
+the edge, and a policy that counted the grow's pause but not the provisioning before it asked for the
+slice and let it go once it was READY. Only the slice to add is requested,
 beside the running one; once it is READY the job stops at a committed step and goes on on both,
 the running slice kept. Nothing is lost, and every step's loss is the one-process reference's at
 the same global batch. (What the policy does once it has measured two slices is its own call.)
@@ -15,7 +18,7 @@ from orchestrator import JobSpec, JobState
 from tests.conftest import assert_losses_close, run_reference
 
 SCALE = 40.0  # trace seconds a wall second
-STEPS = 150
+STEPS = 300
 DEADLINE_S = 450.0  # trace seconds: once the job has run a little, one v4-16 cannot make it, the policy finds
 
 

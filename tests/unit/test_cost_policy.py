@@ -281,3 +281,30 @@ def test_plan_shows_no_cost_or_budget_verdict_for_an_option_that_never_finishes(
     row = next(line for line in plan_text(plan).splitlines() if "v4-64 spot" in line)
     assert "unfinished" in row and "$" not in row and "ok" not in row
     assert next(o for o in plan.options if o.label == "v4-32 on-demand").within_budget is True
+
+
+def test_a_grow_chosen_when_requested_is_still_chosen_once_its_slices_are_ready():
+    # A job that cannot make its deadline on one on-demand v4-16 asks for a second beside it. The
+    # added slice provisions while the first trains on; once it is READY the same choice must
+    # still stand, or the request was made for nothing (the controller let it go at READY when the
+    # choice at the request counted only the grow's pause, not the provisioning before it).
+    singles = job_options(["v4-16"], ["spot", "on-demand"])
+    od1 = next(o for o in singles if not o.preemptible)
+
+    def two(o: Option) -> Option:
+        return dataclasses.replace(o, count=2, tokens_per_s=o.tokens_per_s * 1.9, usd_per_hour=o.usd_per_hour * 2)
+
+    od2, options = two(od1), (*singles, *(two(o) for o in singles))
+    provisioning = RESTART.provisioning_s
+    grows = 0
+    for i in range(1, 60):
+        work = od1.tokens_per_s * i * 36.0  # i hundredths of an hour of work on one slice
+        hours = i * 0.007
+        asked = decide(snapshot(hours_left=hours, tokens_left=work, capacity=0, current=od1, options=options))
+        if asked.option != od2:
+            continue
+        grows += 1
+        later = dict(hours_left=hours - provisioning / HOUR, tokens_left=work - od1.tokens_per_s * provisioning)
+        ready = decide(snapshot(**later, capacity=0, current=od1, options=options, ready=od2))
+        assert ready.option == od2, (i, asked.reason, ready.reason)
+    assert grows >= 10  # the grow is chosen over a range of work, not at one edge only
