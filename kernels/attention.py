@@ -74,7 +74,7 @@ class BlockSizes:
                 raise ValueError(f"{name}={value} must be a multiple of 8")
 
     @classmethod
-    def for_generation(cls, generation: generations.Generation) -> BlockSizes:
+    def for_generation(cls, generation: generations.KernelGeneration) -> BlockSizes:
         return cls(*generation.attention)
 
     def tiling(self, q_len: int, kv_len: int, *, backward: bool = False, head_dim: int = 0,

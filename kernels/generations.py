@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
-class Generation:
+class KernelGeneration:
     """One chip generation's hardware and the kernels' default blocks on it."""
 
     chip: hardware.Chip
@@ -43,16 +43,16 @@ class Generation:
 
 GENERATIONS = {
     g.chip.name: g for g in [
-        Generation(hardware.V4, (512, 512, 256, 512), 256, 256, (256, 512), (128, 512, 512)),
-        Generation(hardware.V5E, (512, 1024, 512, 512), 512, 512, (512, 512), (256, 512, 1024)),
-        Generation(hardware.V5P, (512, 1024, 512, 512), 512, 512, (512, 512), (256, 512, 1024)),
-        Generation(hardware.V6E, (512, 1024, 512, 1024), 512, 512, (512, 512), (256, 1024, 1024)),
+        KernelGeneration(hardware.V4, (512, 512, 256, 512), 256, 256, (256, 512), (128, 512, 512)),
+        KernelGeneration(hardware.V5E, (512, 1024, 512, 512), 512, 512, (512, 512), (256, 512, 1024)),
+        KernelGeneration(hardware.V5P, (512, 1024, 512, 512), 512, 512, (512, 512), (256, 512, 1024)),
+        KernelGeneration(hardware.V6E, (512, 1024, 512, 1024), 512, 512, (512, 512), (256, 1024, 1024)),
     ]
 }
 DEFAULT = "v4"  # off TPU (interpret mode ignores the limit) and for unknown kinds: the project's slices
 
 
-def from_device_kind(device_kind: str) -> Generation:
+def from_device_kind(device_kind: str) -> KernelGeneration:
     """The generation of a ``device_kind``; the default one (logged) for kinds this table lacks."""
     chip = hardware.from_device_kind(device_kind)
     if chip is None:
@@ -62,7 +62,7 @@ def from_device_kind(device_kind: str) -> Generation:
     return GENERATIONS[chip.name]
 
 
-def current() -> Generation:
+def current() -> KernelGeneration:
     """The generation of the devices compiled for (`kernels.dispatch.target`) on TPU, else the default."""
     target = dispatch.target()
     if target.platform != "tpu":
@@ -82,14 +82,14 @@ def compiler_params(dimension_semantics: tuple[Semantics, ...]) -> pltpu.Compile
 
 
 @dataclasses.dataclass(frozen=True)
-class Fit:
+class BlockFit:
     """A block that tiles an axis, and the axis's length padded to a whole number of blocks."""
 
     block: int
     padded: int
 
 
-def fit_block(length: int, block: int, *, align: int = 8) -> Fit:
+def fit_block(length: int, block: int, *, align: int = 8) -> BlockFit:
     """The block for an axis of ``length`` when ``block`` is asked for.
 
     A length up to ``block`` is one whole block (a full axis needs no alignment on TPU).
@@ -105,10 +105,10 @@ def fit_block(length: int, block: int, *, align: int = 8) -> Fit:
     if block < 1 or block % align:
         raise ValueError(f"{block=} must be a positive multiple of {align}")
     if length <= block:
-        return Fit(length, length)
+        return BlockFit(length, length)
     low = max(align, (block // 2) // align * align)
     best = min(range(low, block + 1, align), key=lambda b: (-(-length // b) * b, -b))
-    return Fit(best, -(-length // best) * best)
+    return BlockFit(best, -(-length // best) * best)
 
 
 def lane_align(block: int) -> int:

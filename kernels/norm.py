@@ -41,7 +41,7 @@ class NormBlockSizes:
         if not isinstance(self.block_rows, int) or self.block_rows < 1 or self.block_rows % 8:
             raise ValueError(f"block_rows must be a positive multiple of 8, got {self.block_rows!r}")
 
-    def fit(self, rows: int, d: int = 0, itemsize: int = 4) -> generations.Fit:
+    def fit(self, rows: int, d: int = 0, itemsize: int = 4) -> generations.BlockFit:
         """The block for ``rows`` rows of ``d`` features, no larger than VMEM holds, and the padded row count.
 
         Raises:

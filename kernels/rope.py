@@ -41,7 +41,7 @@ class RopeBlockSizes:
         if not isinstance(self.block_seq, int) or self.block_seq < 1 or self.block_seq % 8:
             raise ValueError(f"block_seq must be a positive multiple of 8, got {self.block_seq!r}")
 
-    def fit(self, seq_len: int, heads: int = 1, head_dim: int = 0, itemsize: int = 4) -> generations.Fit:
+    def fit(self, seq_len: int, heads: int = 1, head_dim: int = 0, itemsize: int = 4) -> generations.BlockFit:
         """The block for ``seq_len`` positions of ``heads`` x ``head_dim``, within VMEM, and the padded length.
 
         Raises:

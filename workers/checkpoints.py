@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Restored:
+class RestoredCheckpoint:
     """What `Checkpoints.restore_newest` found."""
 
     state: Any
@@ -110,7 +110,7 @@ class Checkpoints:
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def restore_newest(self, abstract_state: Any) -> tuple[Restored | None, list[int]]:
+    def restore_newest(self, abstract_state: Any) -> tuple[RestoredCheckpoint | None, list[int]]:
         """The newest readable checkpoint, restored onto `abstract_state`'s shardings; and the unreadable ones.
 
         A checkpoint that cannot be read (cut short, corrupted, of another shape) is
@@ -134,7 +134,7 @@ class Checkpoints:
                 unreadable.append(int(step))
                 continue
             assert out is not None  # every host read it, this one too
-            found = Restored(out["state"], dict(out["meta"] or {}), int(step))
+            found = RestoredCheckpoint(out["state"], dict(out["meta"] or {}), int(step))
             break
         self._set_aside(unreadable)
         return found, unreadable

@@ -27,7 +27,7 @@ from orchestrator.providers.base import Host, Slice, SliceProvider
 from orchestrator.providers.local import LocalProvider
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState, SliceState
-from orchestrator.state.store import JobRecord, SliceRecord, Store
+from orchestrator.state.store import JobRecord, SliceRow, Store
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Reconciling(Protocol):
 
     def provider_for(self, spec: JobSpec) -> SliceProvider: ...
 
-    def release_record(self, rec: SliceRecord) -> None: ...
+    def release_record(self, rec: SliceRow) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class Adoption:
     last_step: int  # the newest step its worker 0 did
 
 
-def adopt(plane: Reconciling, job: JobRecord, slices: list[SliceRecord]) -> tuple[Adoption | None, list[dict]]:
+def adopt(plane: Reconciling, job: JobRecord, slices: list[SliceRow]) -> tuple[Adoption | None, list[dict]]:
     """The job's running group as an `Adoption` (with its worker 0's step history), or None
     after stopping whatever is left of it; and the history to record (empty if none)."""
     workers, pg = [], None
@@ -113,7 +113,7 @@ def _placement_group(name: str):
         return None
 
 
-def _take_over(plane: Reconciling, job: JobRecord, rec: SliceRecord, t: catalog.TpuType):
+def _take_over(plane: Reconciling, job: JobRecord, rec: SliceRow, t: catalog.TpuType):
     """Make the slice's provider follow it again; on gcp, also give back what else carries the job's
     label in the cloud (a request an earlier controller made and the store never heard of)."""
     hosts = tuple(Host(i, r) for i, r in enumerate(rec.data["hosts"]))
@@ -136,7 +136,7 @@ def _take_over(plane: Reconciling, job: JobRecord, rec: SliceRecord, t: catalog.
     return provider
 
 
-def running_slice(store, job: JobRecord, slices: list[SliceRecord]) -> tuple[SliceRecord | None, list[SliceRecord]]:
+def running_slice(store, job: JobRecord, slices: list[SliceRow]) -> tuple[SliceRow | None, list[SliceRow]]:
     """Of a job's live slices, the one its current generation was launched on (None if none
     is), and the others: a move's request waiting beside it, or a slice READY for a switch not
     made. A job holds two slices while a move is made before break."""

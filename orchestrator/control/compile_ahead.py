@@ -86,7 +86,7 @@ def next_shapes(spec: JobSpec, att: Attempt) -> list[NextShape]:
 
 
 @dataclasses.dataclass(frozen=True)
-class Option:
+class ProgramOption:
     """One program to compile ahead: the step the hosts of `target` would run."""
 
     target: str  # `workers.stored_programs.target_name`
@@ -106,14 +106,14 @@ def targets(t: catalog.TpuType, slices: int) -> dict[str, str]:
             "cpu": stored_programs.target_name("cpu", str(t.chips_per_host), t.hosts, slices)}
 
 
-def option_for(spec: JobSpec, shape: NextShape, platform: str) -> Option:
+def option_for(spec: JobSpec, shape: NextShape, platform: str) -> ProgramOption:
     """What the hosts of `shape` run, resolved as their launch would (`JobDriver.on_slices`, `workload_for`)."""
     t = catalog.lookup(shape.accelerator)
     count = shape.slices if spec.autoscaling is not None else spec.slices
     on = spec if (t.name, count) == (spec.accelerator, spec.slices) else spec.moved(t.name, spec.tier.value,
                                                                                      slices=count)
     work = workload_for(on, t.chips, t.hosts, slices=shape.slices)
-    return Option(targets(t, shape.slices)[platform], shape.why, work["lm"], work["settings"], platform, t.hosts,
+    return ProgramOption(targets(t, shape.slices)[platform], shape.why, work["lm"], work["settings"], platform, t.hosts,
                   t.chips_per_host, t.generation.chip.name, t.topology)
 
 
@@ -187,7 +187,7 @@ class ProgramsAhead:
         threading.Thread(target=self._run, args=(spec, options), daemon=True,
                          name=f"compile-ahead-{self.job_id}").start()
 
-    def _run(self, spec: JobSpec, options: list[Option]) -> None:
+    def _run(self, spec: JobSpec, options: list[ProgramOption]) -> None:
         from orchestrator.state.events import ProgramStored
 
         try:
@@ -214,11 +214,11 @@ class ProgramsAhead:
             self._busy.release()
 
 
-def _asked_key(o: Option) -> str:
+def _asked_key(o: ProgramOption) -> str:
     return f"{o.target} {o.lm!r} {o.settings!r}"
 
 
-def compile_in_process(options: list[Option], *, directory: str, endpoint: str | None, key_file: Path,
+def compile_in_process(options: list[ProgramOption], *, directory: str, endpoint: str | None, key_file: Path,
                        timeout_s: float = _TIMEOUT_S) -> dict:
     """Run `options` in a process of their own at the lowest priority; what it says (`_main`'s result.json)."""
     with tempfile.TemporaryDirectory(prefix="programs-ahead-") as folder:  # private (0700)
@@ -240,14 +240,14 @@ def compile_in_process(options: list[Option], *, directory: str, endpoint: str |
 # -- the process ---------------------------------------------------------------------------
 
 
-def _compile_tpu(o: Option) -> bytes:
+def _compile_tpu(o: ProgramOption) -> bytes:
     from workers.tpu_target import Topology, compile_train_step, serialize
 
     compiled, _ = compile_train_step(o.lm, o.settings, Topology(o.chip, o.topology, o.hosts, o.settings.slices))
     return serialize(compiled)  # (payload, in_tree, out_tree) pickled: as `runtime.keep_program` keeps it
 
 
-def _compile_cpu(o: Option) -> bytes:
+def _compile_cpu(o: ProgramOption) -> bytes:
     from workers.ahead import Rehearsal, rehearse
 
     with tempfile.TemporaryDirectory(prefix="programs-cpu-") as cache:

@@ -45,7 +45,7 @@ from orchestrator.providers.base import Slice, SliceProvider
 from orchestrator.providers.local import LocalProvider, release_recorded
 from orchestrator.state.events import Adopted, ResizeAsked, SliceChanged, StoreFaulted
 from orchestrator.state.states import JobState
-from orchestrator.state.store import SliceRecord, Store
+from orchestrator.state.store import SliceRow, Store
 from workers.protocol import Report
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ class Controller:
     SLICE_PROVIDERS: dict[str, Callable[[Controller, JobSpec], SliceProvider]] = {
         "local": _local_provider, "gcp": _gcp_provider}
 
-    def release_record(self, rec: SliceRecord) -> None:
+    def release_record(self, rec: SliceRow) -> None:
         """Release a slice known only from the store (an earlier controller's)."""
         release_recorded(self.home, self.store, rec)
         if facts(rec.provider).owns_cloud_resources:  # delete them there, not only our record of them
@@ -336,7 +336,7 @@ class Controller:
 
     def _reconcile(self) -> None:
         """After a restart: adopt each job's running worker group, or clean up and relaunch."""
-        live: dict[str, list[SliceRecord]] = {}
+        live: dict[str, list[SliceRow]] = {}
         for rec in self.store.slices(live_only=True):
             live.setdefault(rec.job_id, []).append(rec)
         for job in self.store.jobs(active_only=True):

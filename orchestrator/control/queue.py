@@ -3,7 +3,7 @@
 Local jobs share the machine's hosts and wait in one line (`policies.decisions.admission`: higher
 priority first, then the earlier submission; strict, so a large job is not passed over
 forever). A cloud job waits for the cloud: after a refusal (no capacity in its zones) it
-asks again after a jittered backoff. Waiting never spends `recovery.max_failures`; only
+asks again after a jittered backoff. WaitingJob never spends `recovery.max_failures`; only
 `queue_timeout` (from the job file) ends it, as FAILED with the reason. The line is read
 from the store, so `status` shows a job's place without asking the controller.
 """
@@ -20,7 +20,7 @@ from orchestrator.errors import IllegalTransitionError
 from orchestrator.state.events import StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import JobRecord, Store
-from policies.decisions.admission import Waiting, admit, line, retry_after
+from policies.decisions.admission import WaitingJob, admit, line, retry_after
 from policies.decisions.recovery import Outcome, OutcomeKind
 
 log = logging.getLogger(__name__)
@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 POLL_S = 0.5
 
 
-def _waiting(job: JobRecord) -> Waiting:
-    return Waiting(job.id, job.spec.priority, job.created_at, job.spec.tpu_type.hosts * job.spec.slices)
+def _waiting(job: JobRecord) -> WaitingJob:
+    return WaitingJob(job.id, job.spec.priority, job.created_at, job.spec.tpu_type.hosts * job.spec.slices)
 
 
 def queue_position(store: Store, job: JobRecord) -> int | None:
@@ -90,7 +90,7 @@ class AdmissionQueue:
     def _decide(self, job: JobRecord, spec: JobSpec):
         waiting = [_waiting(j) for j in self.store.jobs(active_only=True)
                    if j.state is JobState.QUEUED and j.spec.provider_facts.limited_by_local_hosts and j.id != job.id]
-        me = Waiting(job.id, spec.priority, job.created_at, spec.tpu_type.hosts * spec.slices)
+        me = WaitingJob(job.id, spec.priority, job.created_at, spec.tpu_type.hosts * spec.slices)
         total = self.local.max_hosts
         return admit([*waiting, me], job.id, free_hosts=total - self.local.hosts_in_use(), total_hosts=total)
 

@@ -33,7 +33,7 @@ from orchestrator.errors import StoreFaultError
 from orchestrator.state.events import EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.protocol import JobStore
 from orchestrator.state.states import JobState
-from orchestrator.state.store import Event, JobRecord, SliceRecord, StepMetric
+from orchestrator.state.store import Event, JobRecord, SliceRow, StepMetric
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,7 @@ class HoldingStore(JobStore):
     def last_step(self, job_id: str) -> StepMetric | None:
         return self._store.last_step(job_id)
 
-    def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[SliceRecord]:
+    def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[SliceRow]:
         return self._store.slices(job_id=job_id, live_only=live_only)
 
     def copy_to(self, dest: Path | str) -> None:

@@ -175,7 +175,7 @@ class AttentionBlocks(_Frozen):
     block_kv_bwd: AttentionBlock | None = None
 
 
-class KernelBlocks(_Frozen):
+class KernelBlockSizes(_Frozen):
     # Two literals, one string: the docstring is what `orchestrator schema` prints, and there it stays one line.
     ("Block sizes per op, as `kernels.blocks.KernelBlocks.from_mapping` takes them "
      "(``model_dump(exclude_none=True)``).")
@@ -200,7 +200,7 @@ class LmWorkload(_Frozen):
     precision: Precision = Precision()
     remat: Remat = "none"
     gradient_accumulation: GradientAccumulation = "auto"
-    kernel_blocks: KernelBlocks | None = None  # None: the kernels' defaults for the chip generation
+    kernel_blocks: KernelBlockSizes | None = None  # None: the kernels' defaults for the chip generation
 
 
 class EntrypointWorkload(_Frozen):
@@ -226,7 +226,7 @@ class EntrypointWorkload(_Frozen):
     precision: Precision = Precision()
     remat: Remat = "none"
     gradient_accumulation: GradientAccumulation = "auto"
-    kernel_blocks: KernelBlocks | None = None
+    kernel_blocks: KernelBlockSizes | None = None
 
     @field_validator("entrypoint")
     @classmethod

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from orchestrator.emulator.control import ControlClient, ControlError
     from orchestrator.emulator.fixture import running_emulator
-    from orchestrator.emulator.machines import Timings
+    from orchestrator.emulator.machines import MachineTimings
     from orchestrator.emulator.routes import RequestRecord
     from orchestrator.emulator.server import DEFAULT_TIME_SCALE, Emulator, EmulatorConfig, serve
     from orchestrator.emulator.world import Hooks
@@ -31,7 +31,7 @@ _WHERE = {
     "EmulatorConfig": "server",
     "Hooks": "world",
     "RequestRecord": "routes",
-    "Timings": "machines",
+    "MachineTimings": "machines",
     "running_emulator": "fixture",
     "serve": "server",
 }
@@ -44,7 +44,7 @@ __all__ = [
     "EmulatorConfig",
     "Hooks",
     "RequestRecord",
-    "Timings",
+    "MachineTimings",
     "running_emulator",
     "serve",
 ]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from orchestrator.cluster import Home, ensure_token
 from orchestrator.emulator.__main__ import _write_private
-from orchestrator.emulator.machines import Timings
+from orchestrator.emulator.machines import MachineTimings
 from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.runfile import RUN_FILE, Running
 from orchestrator.emulator.server import Emulator, serve
@@ -57,7 +57,7 @@ class LocalCloud:
             self.backing = RayBackedNodes(self.home, "", share_nothing=True, secrets={RAY_TOKEN_SECRET: token})
             # A node provisioned 12x faster than the rest of the API: its VMs boot and join Ray before the
             # provider's first look at the slice (as the share-nothing tests do).
-            timings = Timings(scale=self.time_scale, provision_s=10.0)
+            timings = MachineTimings(scale=self.time_scale, provision_s=10.0)
             self.emulator = serve(port=self.port, timings=timings, seed=self.seed, hooks=self.backing.hooks(),
                                   hosts=self.backing)
             _write_private(self.run_file, json.dumps(asdict(self.running())) + "\n")

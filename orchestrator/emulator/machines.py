@@ -88,7 +88,7 @@ MAX_TIME_SCALE = 100.0  # 100 times the real service's timings: a two-minute pro
 
 
 @dataclass(frozen=True)
-class Timings:
+class MachineTimings:
     """How long each automatic step takes, in seconds of the real service, times `scale`.
 
     The defaults are rough figures for a multi-host slice on Cloud TPU; ``scale=0.01``
@@ -105,7 +105,8 @@ class Timings:
 
     def __post_init__(self) -> None:
         if not 0 < self.scale <= MAX_TIME_SCALE:  # NaN fails this too: every timing would be NaN, waits endless
-            raise ValueError(f"Timings.scale must be a number above 0 and at most {MAX_TIME_SCALE:g}, got {self.scale}")
+            raise ValueError(f"MachineTimings.scale must be a number above 0 and at most {MAX_TIME_SCALE:g}, "
+                             f"got {self.scale}")
 
     def of(self, step: str) -> float:
         """Seconds that `step` (a field name without ``_s``) takes at this scale."""

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from orchestrator.emulator.control import ControlClient
 from orchestrator.emulator.errors import failed_precondition, no_such_host
 from orchestrator.emulator.faults import Faults
-from orchestrator.emulator.machines import Timings
+from orchestrator.emulator.machines import MachineTimings
 from orchestrator.emulator.routes import EmulatorSurface, Handler, RequestRecord
 from orchestrator.emulator.world import Hooks, World
 
@@ -59,7 +59,7 @@ class HostControl(Protocol):
 class EmulatorConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
-    timings: Timings = field(default_factory=lambda: Timings(scale=DEFAULT_TIME_SCALE))
+    timings: MachineTimings = field(default_factory=lambda: MachineTimings(scale=DEFAULT_TIME_SCALE))
     seed: int = 0  # seeds the random transient errors
     zones: tuple[str, ...] | None = None  # None: every zone exists; else others answer 404
     hooks: Hooks = field(default_factory=Hooks)
@@ -230,7 +230,7 @@ def serve(
     port: int = 0,
     *,
     time_scale: float = DEFAULT_TIME_SCALE,
-    timings: Timings | None = None,
+    timings: MachineTimings | None = None,
     seed: int = 0,
     zones: tuple[str, ...] | None = None,
     hooks: Hooks | None = None,
@@ -244,7 +244,7 @@ def serve(
     back as ``emu.control_token``. `manual_clock`: time moves only by ``emu.advance(seconds)``. `hosts`: the VMs
     behind the nodes (`ray_backing.RayBackedNodes`), for `power_off` of one host and `notice`."""
     if timings is None:
-        timings = Timings(scale=time_scale)
+        timings = MachineTimings(scale=time_scale)
     config = EmulatorConfig(host=host, port=port, timings=timings, seed=seed, zones=zones, hooks=hooks or Hooks(),
                             control_token=control_token, manual_clock=manual_clock, hosts=hosts)
     return Emulator(config).start()

@@ -57,7 +57,7 @@ class Hooks:
 
 
 class World:
-    def __init__(self, *, timings: m.Timings, faults: Faults, hooks: Hooks, zones: tuple[str, ...] | None = None,
+    def __init__(self, *, timings: m.MachineTimings, faults: Faults, hooks: Hooks, zones: tuple[str, ...] | None = None,
                  manual_clock: bool = False):
         self.timings = timings
         self.faults = faults

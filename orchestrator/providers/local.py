@@ -35,7 +35,7 @@ from orchestrator.providers.base import (
     host_resource,
 )
 from orchestrator.state.states import SliceState, check_slice
-from orchestrator.state.store import SliceRecord
+from orchestrator.state.store import SliceRow
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ class LocalProvider:
         return []
 
 
-def release_recorded(home: cluster.Home, store, rec: SliceRecord) -> list[int]:
+def release_recorded(home: cluster.Home, store, rec: SliceRow) -> list[int]:
     """Stop the hosts of a slice known only from the store (an earlier controller's), and record it released.
 
     Returns the recorded process ids left alone because they are another program's now.

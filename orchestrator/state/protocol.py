@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from orchestrator.domain.spec import JobSpec
 from orchestrator.state.events import EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.states import JobState
-from orchestrator.state.store import Event, JobRecord, SliceRecord, StepMetric, Store
+from orchestrator.state.store import Event, JobRecord, SliceRow, StepMetric, Store
 
 
 class StoreReads(Protocol):
@@ -39,7 +39,7 @@ class StoreReads(Protocol):
 
     def last_step(self, job_id: str) -> StepMetric | None: ...
 
-    def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[SliceRecord]: ...
+    def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[SliceRow]: ...
 
     def copy_to(self, dest: Path | str) -> None:
         """A consistent copy elsewhere: a read of this store."""

@@ -116,7 +116,7 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
-class SliceRecord:
+class SliceRow:
     """A slice as the store keeps it: the provider's last word on it."""
 
     name: str
@@ -482,11 +482,11 @@ class Store:
                 self._event(db, job_id, event.KIND, None, None, reason or f"slice {name} {state}",
                             event.to_data(), now)
 
-    def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[SliceRecord]:
+    def slices(self, *, job_id: str | None = None, live_only: bool = False) -> list[SliceRow]:
         q, args = "SELECT * FROM slices", []
         if job_id is not None:
             q, args = q + " WHERE job_id=?", [job_id]
-        out = [SliceRecord(r["name"], r["job_id"], r["provider"], r["accelerator"], r["tier"], SliceState(r["state"]),
+        out = [SliceRow(r["name"], r["job_id"], r["provider"], r["accelerator"], r["tier"], SliceState(r["state"]),
                            json.loads(r["data"]), r["updated_at"]) for r in self._conn().execute(q, args).fetchall()]
         return [s for s in out if not s.state.terminal] if live_only else out
 

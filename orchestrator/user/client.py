@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class Plan:
+class PlanAnswer:
     """`Client.plan`'s answer: the expected cost of each option and the policy's plan; with `compile`, the TPU
     compiler's row for each option (`refusal()` says why one cannot run), else None."""
 
@@ -167,7 +167,7 @@ class Client(ClusterLink):
         return export_job(self.store, self.home, job_id, out, step=step, latest=latest, force=force, subtree=subtree)
 
     def plan(self, spec: JobSpec, *, compile: bool = False, deadline_hours: float | None = None,
-             trace: str | Path | None = None, progress: Callable[[str], None] = lambda line: None) -> Plan:
+             trace: str | Path | None = None, progress: Callable[[str], None] = lambda line: None) -> PlanAnswer:
         """What the job would cost on each option, and what the cost policy would do (`planning.plan_spec`);
         with `compile`, first the TPU compiler's verdict and figures for every option the job may run on
         (`compiled.compile_options`, reports kept under this home's ``tpu-programs``). Needs no cluster.
@@ -184,7 +184,7 @@ class Client(ClusterLink):
         rows = compile_options(spec, cache_dir=self.home.tpu_programs, progress=progress) if compile \
             else None
         flops = model_flops_per_step(spec, rows)[0] if rows is not None else None
-        return Plan(plan_spec(spec, deadline_hours=deadline_hours, trace_path=trace,
+        return PlanAnswer(plan_spec(spec, deadline_hours=deadline_hours, trace_path=trace,
                               model_flops_per_step=None if isinstance(spec.workload, LmWorkload) else flops,
                               compiled=compiled_steps(spec, rows) if rows is not None else None), rows)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Waiting:
+class WaitingJob:
     """A job that waits for hosts (or is about to ask for them)."""
 
     job_id: str
@@ -28,12 +28,12 @@ class Admission:
     reason: str
 
 
-def line(waiting: list[Waiting]) -> list[Waiting]:
+def line(waiting: list[WaitingJob]) -> list[WaitingJob]:
     """The waiting jobs in the order they are served."""
     return sorted(waiting, key=lambda w: (-w.priority, w.submitted_at, w.job_id))
 
 
-def admit(waiting: list[Waiting], job_id: str, *, free_hosts: int, total_hosts: int) -> Admission:
+def admit(waiting: list[WaitingJob], job_id: str, *, free_hosts: int, total_hosts: int) -> Admission:
     """Whether `job_id` (one of `waiting`) may ask for its slice now, with its place in line.
 
     `free_hosts`: hosts no slice holds now; `total_hosts`: all the pool has.

@@ -290,7 +290,7 @@ RULES: dict[OutcomeKind, Rule] = {
 
 
 @dataclass(frozen=True)
-class Decision:
+class RecoveryDecision:
     next: Next
     reason: str
     preemptions: int  # the job's counts after this outcome
@@ -317,27 +317,28 @@ _OVER_BUDGET = {  # the reason when max_failures is spent: what happened n times
 
 
 def after(outcome: Outcome, *, preemptions: int, failures: int, budgets: Budgets, jitter: float,
-          aborts: int = 0) -> Decision:
+          aborts: int = 0) -> RecoveryDecision:
     """What the job does after an attempt ended with `outcome`, given its counts so far (see `RULES`)."""
     k = outcome.kind
     if k is OutcomeKind.SUCCEEDED:
-        return Decision(Next.SUCCEED, outcome.reason, preemptions, failures, aborts=aborts)
+        return RecoveryDecision(Next.SUCCEED, outcome.reason, preemptions, failures, aborts=aborts)
     if k is OutcomeKind.CANCELLED:
-        return Decision(Next.CANCEL, outcome.reason, preemptions, failures, aborts=aborts)
+        return RecoveryDecision(Next.CANCEL, outcome.reason, preemptions, failures, aborts=aborts)
     if k is OutcomeKind.RESIZED:
-        return Decision(Next.RESIZE, outcome.reason, preemptions, failures, aborts=aborts)
+        return RecoveryDecision(Next.RESIZE, outcome.reason, preemptions, failures, aborts=aborts)
     if k is OutcomeKind.BUDGET_SPENT:  # the user's cap: nothing to retry, no budget of failures spent
-        return Decision(Next.FAIL, outcome.reason, preemptions, failures, aborts=aborts)
+        return RecoveryDecision(Next.FAIL, outcome.reason, preemptions, failures, aborts=aborts)
     if k is OutcomeKind.PROVISION_FAILED and not outcome.transient:  # nothing of the job's ran: no budget spent
-        return Decision(Next.FAIL, f"could not provision: {outcome.reason}", preemptions, failures, aborts=aborts)
+        return RecoveryDecision(Next.FAIL, f"could not provision: {outcome.reason}", preemptions, failures,
+                                aborts=aborts)
     rule = RULES[k]
     counts = {Budget.PREEMPTIONS: preemptions, Budget.FAILURES: failures, Budget.ABORTS: aborts}
     n = counts[rule.spends] + 1
     counts[rule.spends] = n
     limit = getattr(budgets, rule.spends.value)
 
-    def decide(next_: Next, reason: str, wait: float = 0.0) -> Decision:
-        return Decision(next_, reason, counts[Budget.PREEMPTIONS], counts[Budget.FAILURES], wait,
+    def decide(next_: Next, reason: str, wait: float = 0.0) -> RecoveryDecision:
+        return RecoveryDecision(next_, reason, counts[Budget.PREEMPTIONS], counts[Budget.FAILURES], wait,
                         counts[Budget.ABORTS])
 
     retry = rule.retry

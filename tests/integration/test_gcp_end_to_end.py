@@ -13,7 +13,7 @@ import time
 
 from orchestrator import JobState
 from orchestrator.cluster import read_cluster
-from orchestrator.emulator.machines import Timings
+from orchestrator.emulator.machines import MachineTimings
 from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.server import serve
 from tests.conftest import assert_losses_close, start_reference
@@ -23,7 +23,7 @@ from tests.storage_fixture import unique_folder
 # Each step of the TPU API at 0.02x its real time (a 0.6 s preemption grace), but a node provisioned in
 # 0.2 s, not 2.4 s: its hosts then join Ray before the provider's first look at the slice (every 5 s), and a
 # slice is READY in 5 s, not 10 s.
-TIMINGS = Timings(scale=0.02, provision_s=10.0)
+TIMINGS = MachineTimings(scale=0.02, provision_s=10.0)
 
 
 def gcp_spec(name: str, accelerator: str, tmp_path, request, gcs_emulator, tpu_endpoint: str, *, interval: int,

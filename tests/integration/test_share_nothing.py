@@ -25,7 +25,7 @@ import ray
 
 from orchestrator import JobSpec, JobState
 from orchestrator.cluster import read_cluster
-from orchestrator.emulator.machines import Timings
+from orchestrator.emulator.machines import MachineTimings
 from orchestrator.emulator.ray_backing import RayBackedNodes
 from orchestrator.emulator.server import serve
 from orchestrator.state.states import FailedBecause
@@ -51,7 +51,7 @@ def emulated_vms(client, *, stand_in: bool = True):
     # Each step of the TPU API at 0.02x its real time (a 0.6 s preemption grace, in which a reclaimed slice's
     # last checkpoint commits), but a node provisioned in 0.2 s, not 2.4 s: its VMs then boot and join Ray
     # before the provider's first look at the slice (every 5 s), and a slice is READY in 5 s, not 10 s.
-    emu = serve(timings=Timings(scale=0.02, provision_s=10.0), hooks=backing.hooks())
+    emu = serve(timings=MachineTimings(scale=0.02, provision_s=10.0), hooks=backing.hooks())
     try:
         yield emu, {"project": "test-project", "zones": ["us-central2-b"], "endpoint": emu.url,
                     "ray_token_secret": "ray-token"}, backing

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from policies.decisions.admission import Waiting, admit, line
+from policies.decisions.admission import WaitingJob, admit, line
 
-A = Waiting("a", priority=0, submitted_at=1.0, hosts=2)
-B = Waiting("b", priority=0, submitted_at=2.0, hosts=1)
-URGENT = Waiting("urgent", priority=5, submitted_at=3.0, hosts=4)
-BIG = Waiting("big", priority=0, submitted_at=0.5, hosts=8)
+A = WaitingJob("a", priority=0, submitted_at=1.0, hosts=2)
+B = WaitingJob("b", priority=0, submitted_at=2.0, hosts=1)
+URGENT = WaitingJob("urgent", priority=5, submitted_at=3.0, hosts=4)
+BIG = WaitingJob("big", priority=0, submitted_at=0.5, hosts=8)
 
 
 @pytest.mark.parametrize("waiting, job, free, expected", [
@@ -22,7 +22,7 @@ BIG = Waiting("big", priority=0, submitted_at=0.5, hosts=8)
     ([BIG, B], "b", 4, (False, 2)),              # strict: b does not pass a big job that waits for hosts
     ([BIG, B], "big", 4, (False, 1)),
     ([BIG, B], "big", 8, (True, 1)),
-    ([A, Waiting("huge", 0, 9.0, 16)], "huge", 0, (True, 2)),  # more than the pool has: waiting cannot help
+    ([A, WaitingJob("huge", 0, 9.0, 16)], "huge", 0, (True, 2)),  # more than the pool has: waiting cannot help
 ])
 def test_admission(waiting, job, free, expected):
     d = admit(waiting, job, free_hosts=free, total_hosts=8)
@@ -38,7 +38,7 @@ def test_the_reason_says_why_and_what_is_free():
 
 
 def test_equal_keys_order_by_id_so_every_process_agrees():
-    x, y = Waiting("x", 0, 1.0, 1), Waiting("y", 0, 1.0, 1)
+    x, y = WaitingJob("x", 0, 1.0, 1), WaitingJob("y", 0, 1.0, 1)
     assert [w.job_id for w in line([y, x])] == ["x", "y"]
 
 

@@ -18,7 +18,7 @@ from orchestrator.providers.capacity import SpotCapacity, TraceClock
 from orchestrator.providers.local import LocalProvider
 from orchestrator.state.events import EventKind, Launched, SliceChanged
 from orchestrator.state.states import SliceState
-from orchestrator.state.store import SliceRecord, Store
+from orchestrator.state.store import SliceRow, Store
 
 
 def trace_file(tmp_path, counts, gap_s=60.0):
@@ -100,7 +100,7 @@ def test_two_slice_adoption_keeps_the_running_one(tmp_path):
     store.add_event("j", Launched("j-1", ["n"], [1], 1), "gen 1")
     store.add_event("j", Launched("j-2", ["n"], [1], 2), "gen 2")
     job = store.job("j")
-    recs = [SliceRecord(name, "j", "local", "v4-8", "spot", SliceState.READY, {}, 0.0) for name in ("j-3m1", "j-2")]
+    recs = [SliceRow(name, "j", "local", "v4-8", "spot", SliceState.READY, {}, 0.0) for name in ("j-3m1", "j-2")]
     running, beside = running_slice(store, job, recs)
     assert running is not None and running.name == "j-2" and [r.name for r in beside] == ["j-3m1"]
     # No launch of this generation on any live slice: nothing is adopted, both are released.

@@ -68,7 +68,7 @@ def state_of(client, name: str = QR_NAME) -> str:
 
 
 # The real service's timings, on a manual clock: time passes only when a test calls `advance`.
-STEPS = m.Timings()
+STEPS = m.MachineTimings()
 TO_ACTIVE_S = STEPS.accept_s + STEPS.queue_s + STEPS.capacity_s + STEPS.provision_s
 
 

@@ -22,7 +22,7 @@ from orchestrator.observe.goodput import Goodput, compute_goodput
 from orchestrator.observe.timeline import MARKER_TITLES, deadline_line, disruption_cause, markers, move_line
 from orchestrator.state.events import Disrupted, EventKind
 from orchestrator.state.states import JobState, SliceState
-from orchestrator.state.store import Event, JobRecord, SliceRecord, StepMetric, Store
+from orchestrator.state.store import Event, JobRecord, SliceRow, StepMetric, Store
 
 MAX_POINTS = 2000  # per curve: a long run's steps are thinned to this many (every k-th, the last kept)
 LOG_TAIL_BYTES = 64 * 1024
@@ -117,7 +117,7 @@ class DashboardData:
         left_s = max(0, total - step) * statistics.median(recent)
         return g.usd_total + per_hour * left_s / 3600.0
 
-    def _slice_row(self, rec: SliceRecord, *, jobs_by_id: dict[str, JobRecord]) -> dict:
+    def _slice_row(self, rec: SliceRow, *, jobs_by_id: dict[str, JobRecord]) -> dict:
         job = jobs_by_id.get(rec.job_id)
         try:
             t = catalog.lookup(rec.accelerator)
@@ -168,7 +168,7 @@ class DashboardData:
 # -- pieces ----------------------------------------------------------------------------
 
 
-def _zone(rec: SliceRecord, job: JobRecord | None) -> str:
+def _zone(rec: SliceRow, job: JobRecord | None) -> str:
     if rec.data.get("zone"):
         return str(rec.data["zone"])
     if (known := PROVIDERS.get(rec.provider)) is not None and known.zone is not None:  # every slice's zone
