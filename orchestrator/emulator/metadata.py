@@ -29,7 +29,7 @@ class FakeMetadataServer:
         self._changed = threading.Condition()
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
+        class MetadataHandler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
 
@@ -59,7 +59,7 @@ class FakeMetadataServer:
                 except (BrokenPipeError, ConnectionResetError):  # the host went while it waited: as on GCE
                     pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), MetadataHandler)
         self.httpd.daemon_threads = True
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()

@@ -119,7 +119,7 @@ class EmulatorSurface(Protocol):
     def notice(self, name: str, *, host: int | None = None, event: str = "preempted") -> list[int]: ...
 
 
-class Handler(BaseHTTPRequestHandler):
+class ApiHandler(BaseHTTPRequestHandler):
     # HTTP/1.0 closes each connection after its response, so no handler thread
     # outlives the server waiting on an idle keep-alive connection.
     protocol_version = "HTTP/1.0"

@@ -33,7 +33,7 @@ from orchestrator.emulator.control import ControlClient
 from orchestrator.emulator.errors import failed_precondition, no_such_host
 from orchestrator.emulator.faults import Faults
 from orchestrator.emulator.machines import MachineTimings
-from orchestrator.emulator.routes import EmulatorSurface, Handler, RequestRecord
+from orchestrator.emulator.routes import ApiHandler, EmulatorSurface, RequestRecord
 from orchestrator.emulator.world import Hooks, World
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ class _Server(ThreadingHTTPServer):
 
     def __init__(self, address: tuple[str, int], emulator: EmulatorSurface):  # the type checker holds Emulator to it
         self.emulator = emulator
-        super().__init__(address, Handler)
+        super().__init__(address, ApiHandler)
 
 
 class Emulator:

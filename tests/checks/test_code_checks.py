@@ -3,6 +3,7 @@ in pyproject.toml), the linter (ruff) and the type checker (mypy), each over the
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 import sys
@@ -44,3 +45,15 @@ def test_only_the_providers_compare_provider_names():
              if not path.is_relative_to(REPO / "orchestrator" / "providers")
              for n, line in enumerate(path.read_text().splitlines(), 1) if PROVIDER_COMPARISON.search(line)]
     assert found == []
+
+
+def test_no_public_class_name_is_defined_twice():
+    """One name, one class: a reader who meets `Decision` or `Timings` should not have to ask which.
+    Classes private to their module (a leading underscore) are left out."""
+    where: dict[str, list[str]] = {}
+    for package in ("orchestrator", "workers", "policies", "kernels"):
+        for path in sorted((REPO / package).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                    where.setdefault(node.name, []).append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}

@@ -119,16 +119,16 @@ def serve_dashboard(store: Store, home: Home, *, actions: Actions | None = None,
     data = DashboardData(store, home) if queue_position is None else DashboardData(store, home,
                                                                                   queue_position=queue_position)
 
-    class Handler(_Handler):
+    class BoundHandler(_Handler):
         pass
 
-    Handler.auth, Handler.data, Handler.actions = auth, data, actions
+    BoundHandler.auth, BoundHandler.data, BoundHandler.actions = auth, data, actions
     try:
-        httpd = _Server((host, port), Handler)
+        httpd = _Server((host, port), BoundHandler)
     except OSError:
         if port == 0:
             raise
-        httpd = _Server((host, 0), Handler)
+        httpd = _Server((host, 0), BoundHandler)
     thread = threading.Thread(target=httpd.serve_forever, name="dashboard", daemon=True)
     thread.start()
     server = DashboardServer(httpd, thread)
