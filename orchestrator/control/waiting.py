@@ -20,8 +20,9 @@ from orchestrator import catalog
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import CapacityError, Slice, SliceProvider, SliceRequest
-from orchestrator.providers.capacity import SpotCapacity, TraceClock
+from orchestrator.providers.capacity import SpotCapacity
 from orchestrator.state.states import SliceState
+from policies.cost.clock import Clock
 
 log = logging.getLogger(__name__)
 
@@ -55,12 +56,12 @@ class Look(str, enum.Enum):
     REFUSED = "refused"  # no capacity (refused, expired, reclaimed before it was up): released
 
 
-def clock_for(spec: JobSpec, created_at: float) -> TraceClock:
+def clock_for(spec: JobSpec, created_at: float) -> Clock:
     """The job's clock: trace time when it replays a capacity trace, else wall time."""
     t = spec.capacity_trace
     if t is None:
-        return TraceClock(origin=created_at)
-    return TraceClock(origin=created_at, scale=t.time_scale, start_s=t.start_s)
+        return Clock(origin=created_at)
+    return Clock(origin=created_at, scale=t.time_scale, start_s=t.start_s)
 
 
 def spot_capacity(spec: JobSpec, created_at: float) -> SpotCapacity | None:

@@ -21,9 +21,15 @@ DECISION_INTERVAL_S = 300.0
 
 @dataclass(frozen=True)
 class Clock:
-    """`scale` policy seconds pass each wall second (1: real time)."""
+    """`scale` policy seconds pass each wall second (1: real time). A replay also places policy time
+    in its trace: trace time is `start_s + (wall - origin) * scale`, where `origin` is the wall time
+    (`time.time()`) at which the replay starts and `start_s` where in the trace it starts. The one
+    conversion between wall, policy and trace time: the controller, the replayed capacity and the
+    autoscaler all use it."""
 
     scale: float = 1.0
+    origin: float = 0.0
+    start_s: float = 0.0
 
     def __post_init__(self):
         if not self.scale > 0:
@@ -36,6 +42,14 @@ class Clock:
     def wall_s(self, policy_s: float) -> float:
         """A policy duration in wall-clock seconds (what the controller sleeps)."""
         return policy_s / self.scale
+
+    def trace_s(self, wall: float) -> float:
+        """Seconds into the trace at wall time `wall`."""
+        return self.start_s + (wall - self.origin) * self.scale
+
+    def elapsed_s(self, wall: float) -> float:
+        """Trace seconds since the replay started."""
+        return self.trace_s(wall) - self.start_s
 
     @property
     def decision_interval_wall_s(self) -> float:

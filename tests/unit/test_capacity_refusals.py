@@ -14,11 +14,12 @@ from orchestrator.control.adoption import running_slice
 from orchestrator.control.waiting import Look, Waiting, look
 from orchestrator.observe.billing import billed_slices
 from orchestrator.providers.base import CapacityError, SliceEventKind, SliceRequest
-from orchestrator.providers.capacity import SpotCapacity, TraceClock
+from orchestrator.providers.capacity import SpotCapacity
 from orchestrator.providers.local import LocalProvider
 from orchestrator.state.events import EventKind, Launched, SliceChanged
 from orchestrator.state.states import SliceState
 from orchestrator.state.store import SliceRow, Store
+from policies.cost.clock import Clock
 
 
 def trace_file(tmp_path, counts, gap_s=60.0):
@@ -47,8 +48,8 @@ def spot_request(name, capacity, timeout_s=None):
 
 
 def test_trace_clock_and_capacity(tmp_path):
-    clock = TraceClock(origin=1000.0, scale=60.0, start_s=120.0)
-    assert clock.trace_s(1001.0) == 180.0 and clock.wall_seconds(300.0) == 5.0
+    clock = Clock(origin=1000.0, scale=60.0, start_s=120.0)
+    assert clock.trace_s(1001.0) == 180.0 and clock.wall_s(300.0) == 5.0
     cap = SpotCapacity(trace_file(tmp_path, [1, 0, 1]), clock)
     # Trace seconds 120, 180, 240: tick 2 (1 -> a v4-32's 16 chips), tick 0 after the wrap (1), tick 1 (0).
     assert [cap.chips(1000.0 + dt) for dt in (0.0, 1.0, 2.0)] == [16, 16, 0]
@@ -56,7 +57,7 @@ def test_trace_clock_and_capacity(tmp_path):
 
 def test_a_spot_request_above_capacity_waits_unstarted_and_expires_unbilled(tmp_path):
     p, store = provider_with_store(tmp_path)
-    cap = SpotCapacity(trace_file(tmp_path, [0] * 100), TraceClock(origin=time.time(), scale=60.0))
+    cap = SpotCapacity(trace_file(tmp_path, [0] * 100), Clock(origin=time.time(), scale=60.0))
     s = p.request(spot_request("s1", cap, timeout_s=0.3))
     assert s.state is SliceState.WAITING and p._pgids["s1"] == []  # no host started
     assert p.hosts_in_use() == 0  # a waiting request holds no host
@@ -72,7 +73,7 @@ def test_a_spot_request_above_capacity_waits_unstarted_and_expires_unbilled(tmp_
 
 def test_wait_ready_turns_a_refusal_into_a_capacity_error(tmp_path):
     p, _ = provider_with_store(tmp_path)
-    cap = SpotCapacity(trace_file(tmp_path, [0] * 100), TraceClock(origin=time.time(), scale=60.0))
+    cap = SpotCapacity(trace_file(tmp_path, [0] * 100), Clock(origin=time.time(), scale=60.0))
     p.request(spot_request("s1", cap, timeout_s=0.2))
     with pytest.raises(CapacityError, match="queue timeout"):
         p.wait_ready("s1", timeout_s=5)
@@ -81,7 +82,7 @@ def test_wait_ready_turns_a_refusal_into_a_capacity_error(tmp_path):
 
 def test_events_are_taken_per_slice(tmp_path):
     p, _ = provider_with_store(tmp_path)
-    cap = SpotCapacity(trace_file(tmp_path, [0] * 100), TraceClock(origin=time.time(), scale=60.0))
+    cap = SpotCapacity(trace_file(tmp_path, [0] * 100), Clock(origin=time.time(), scale=60.0))
     p.request(spot_request("mine", cap, timeout_s=0.1))
     p.request(spot_request("other", cap, timeout_s=0.1))
     time.sleep(0.2)  # past both 0.1 s queue timeouts: the provider reads them off the clock when polled

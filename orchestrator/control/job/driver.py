@@ -38,10 +38,10 @@ from orchestrator.control.waiting import clock_for
 from orchestrator.domain.shape import Shape
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Slice
-from orchestrator.providers.capacity import TraceClock
 from orchestrator.state.events import StateChange
 from orchestrator.state.states import FailedBecause, JobState
 from orchestrator.state.store import Store
+from policies.cost.clock import Clock
 from workers.protocol import Report
 
 if TYPE_CHECKING:
@@ -167,14 +167,14 @@ class JobDriver:
             self.group = None
         self.placement.teardown()
 
-    def clock(self, spec: JobSpec) -> TraceClock:
+    def clock(self, spec: JobSpec) -> Clock:
         return clock_for(spec, self.store.job(self.job_id).created_at)
 
     _clock = clock
 
     def user_queue_limit_s(self, spec: JobSpec) -> float | None:
         """The spec's `queue_timeout` on the job's clock (wall seconds), or None: no limit."""
-        return self.clock(spec).wall_seconds(spec.queue_timeout.total_seconds()) if spec.queue_timeout else None
+        return self.clock(spec).wall_s(spec.queue_timeout.total_seconds()) if spec.queue_timeout else None
 
     def queue_limit_s(self, spec: JobSpec) -> float | None:
         """How long (wall seconds) a request may wait for capacity before it expires: an autoscaled job's
