@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import ray
 
 from policies.decisions.recovery import FailureCause, failure_cause
-from workers import accelerator, reaper, runtime, storage
+from workers import accelerator, beats, reaper, runtime, storage
 from workers.host_errors import EntrypointError, FolderTaken, error_chain, error_line
 from workers.host_output import LineBuffer, route_logs
 from workers.notices import MetadataWatcher, install_sigterm
@@ -68,6 +68,7 @@ class HostWorker:
         self._controller_name = controller
         self._controller: ray.actor.ActorHandle | None = None
         self._notice = threading.Event()
+        self._beater: beats.Beater | None = None  # this host's sign of life to the controller (`start`)
         self._notice_reason: str | None = None
         self.multislice: dict[str, str] = {}  # this launch's multislice settings (`runtime.multislice_env`)
         self._result: WorkerResult | None = None
@@ -116,13 +117,19 @@ class HostWorker:
                 time.sleep(0.02)
         return False
 
-    def start(self, coordinator: str | None, workload: dict, share_key: bytes | None = None) -> None:
+    def start(self, coordinator: str | None, workload: dict, share_key: bytes | None = None,
+              beat: tuple[tuple[str, int], bytes, float] | None = None) -> None:
         """Begin training on a thread; poll `result()` for the end.
 
         `share_key`: this launch's key for the bytes hosts hand each other through the
         runtime's coordinator (`runtime.initialize`); it comes over Ray's authenticated
-        channel and is never logged.
+        channel and is never logged. `beat`: where this host sends its beats, the launch's
+        key that seals them (the same way, never logged) and their period (`workers.beats`).
         """
+        if beat is not None and self._beater is None:
+            address, key, period = beat
+            self._beater = beats.Beater((str(address[0]), int(address[1])), key, self.job_id, self.generation,
+                                        self.rank, period).start()
         threading.Thread(target=self._main, args=(coordinator, workload, share_key), daemon=True,
                          name="train").start()
 

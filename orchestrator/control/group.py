@@ -13,6 +13,12 @@ that it stands in for the chips. Workers are detached actors named by slice, gen
 restarted controller finds them (`orchestrator.control.adoption`). A worker whose process
 is gone is asked about where it ran: its Ray node dead, or a task that cannot run there,
 is a host loss; otherwise its stderr's end says how it aborted.
+
+A host that goes silently (powered off, no reset) is seen by the beats every worker sends the
+controller's liveness monitor (`orchestrator.control.liveness`), in about two seconds rather than
+after Ray's node health check: `silent_host` names it, marks its slice lost and ends the workers
+stuck in a collective with it (`ray.kill`: SIGTERM is taken by XLA's preemption handler). The
+hosts' keepers stay, so a multi-slice job's survivors go on from their memory.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from orchestrator import cluster
 from orchestrator.cluster.home import Home
-from orchestrator.control import memory, shipping
+from orchestrator.control import liveness, memory, shipping
 from orchestrator.control.compile_ahead import launch_programs
 from orchestrator.control.launch import workload_for
 from orchestrator.domain.provider_facts import ReportRoute
@@ -86,6 +92,10 @@ class WorkerGroup(Protocol):
     def request_stop(self, reason: str) -> None:
         """Ask every host to stop after the same step, with that step's checkpoint committed."""
 
+    def silent_host(self) -> Outcome | None:
+        """INFRA_LOST once the liveness monitor found a host lost (its beats stopped and its node answers no
+        probe: `orchestrator.control.liveness`), its slice marked lost and the stuck workers ended; else None."""
+
     def ping(self) -> tuple[WorkerGone | None, list[int]]:
         """A worker gone (as soon as one is known), else the ranks that neither answered nor died in time."""
 
@@ -126,6 +136,8 @@ class RayWorkerGroup:
         self.on_lost = on_lost  # a slice whose host is gone (`Placement.mark_lost`)
         self.workers: list[ActorHandle] = workers or []  # rank order: slice-major
         self.pg = pg
+        self.liveness: liveness.Hosts | None = None  # None: an adopted group, whose workers beat to no one here
+        self._monitor: liveness.Monitor | None = None
         self.slices = list(launch.slices)
         self.hosts = sum(s.tpu_type.hosts for s in self.slices)
 
@@ -163,6 +175,7 @@ class RayWorkerGroup:
             for rank, (s, i) in enumerate((s, i) for s in slices for i in range(s.tpu_type.hosts))
         ]
         placed: list[dict] = ray.get([w.info.remote() for w in self.workers], timeout=timeout)
+        beat = self._watch_liveness([p["node_id"] for p in placed])
         self.store.add_event(self.job_id, Launched(first.name, [p["node_id"] for p in placed],
                                                    [p["pid"] for p in placed], launch.generation, len(slices),
                                                    [s.name for s in slices]),
@@ -178,20 +191,54 @@ class RayWorkerGroup:
         workload["programs"] = launch_programs(self.home, self.job_id, spec, t, len(slices))  # compiled ahead
         share_key = secrets.token_bytes(32)  # seals what hosts hand each other through the coordinator
         given = [{**workload, "keeper": k} for k in keepers]
-        ray.get(self.workers[0].start.remote(coordinator, given[0], share_key), timeout=120)
+        ray.get(self.workers[0].start.remote(coordinator, given[0], share_key, beat), timeout=120)
         if coordinator is not None:  # the others join once host 0 listens (an early one waits out a backoff)
             ray.get(self.workers[0].coordinator_listening.remote(coordinator, 10.0), timeout=30)
         others = zip(self.workers[1:], given[1:], strict=True)
-        ray.get([w.start.remote(coordinator, g, share_key) for w, g in others], timeout=120)
+        ray.get([w.start.remote(coordinator, g, share_key, beat) for w, g in others], timeout=120)
         return None
 
+    def _watch_liveness(self, nodes: list[str]) -> tuple[tuple[str, int], bytes, float]:
+        """Register this launch's hosts with the controller's liveness monitor; what each worker beats with:
+        where to, the launch's key (over Ray's authenticated channel, never logged), and the period."""
+        period = self.spec.recovery.beat_period_s
+        raylets = {n["NodeID"]: (n["NodeManagerAddress"], int(n["NodeManagerPort"])) for n in ray.nodes()
+                   if n.get("Alive") and n.get("NodeManagerPort")}
+        key = secrets.token_bytes(32)
+        mon = self._monitor = liveness.monitor(ray.util.get_node_ip_address())
+        self.liveness = mon.watch(self.job_id, self.launched.generation, key,
+                                  {rank: raylets.get(node) for rank, node in enumerate(nodes)},
+                                  liveness.Rule.for_period(period))
+        return mon.address, key, period
+
     def results(self, timeout_s: float) -> list[WorkerResult | None] | None:
+        refs: list[Any] = [w.result.remote() for w in self.workers]
+        deadline = time.monotonic() + timeout_s
         try:
-            return ray.get([w.result.remote() for w in self.workers], timeout=timeout_s)
+            while True:  # in short waits, so a host found lost meanwhile ends the wait (`silent_host`)
+                ready, _ = ray.wait(refs, num_returns=len(refs),
+                                    timeout=max(0.0, min(0.1, deadline - time.monotonic())))
+                ray.get(ready, timeout=0)  # a worker gone raises at once, as a plain get would
+                if len(ready) == len(refs):
+                    return ray.get(refs, timeout=0)
+                if time.monotonic() >= deadline or self._host_lost():
+                    return None
         except ray.exceptions.RayActorError as e:
             raise WorkerGone(type(e).__name__, str(e)) from e
         except ray.exceptions.GetTimeoutError:
             return None
+
+    def _host_lost(self) -> bool:
+        return self.liveness is not None and self.liveness.lost is not None
+
+    def silent_host(self) -> Outcome | None:
+        lost = self.liveness.lost if self.liveness is not None else None
+        if lost is None:
+            return None
+        self._lost(lost.rank)
+        kill_workers(self.workers, None)  # the survivors wait on the lost host in a collective; keepers stay
+        return Outcome(OutcomeKind.INFRA_LOST, lost.reason(self.liveness.nodes.get(lost.rank)),  # type: ignore[union-attr]
+                       at=time.time() - (time.monotonic() - lost.at))
 
     def request_stop(self, reason: str) -> None:
         for w in self.workers:
@@ -258,6 +305,9 @@ class RayWorkerGroup:
             w.request_profile.remote(request)
 
     def stop(self) -> None:
+        if self.liveness is not None and self._monitor is not None:
+            self._monitor.forget(self.job_id, self.launched.generation)
+            self.liveness = None
         kill_workers(self.workers, self.pg)
         self.workers, self.pg = [], None
 

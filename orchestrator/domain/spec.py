@@ -90,6 +90,9 @@ class RecoveryConfig(_Frozen):
     heartbeat_timeout_s: Timeout = 120.0
     grace_period_s: Timeout = 30.0
     start_timeout_s: Timeout = 300.0  # for a slice's hosts to join and its workers to start
+    # How often each host tells the controller it lives (`orchestrator.control.liveness`); a host is
+    # probed after max(1 s, 4 periods) without one.
+    beat_period_s: Annotated[float, Field(gt=0, le=5)] = 0.25
     # A multi-slice job that lost a slice asks for one again and, once it is READY beside the survivors,
     # goes back to `slices` at a committed step; false: it finishes on the survivors.
     regrow: bool = True

@@ -111,9 +111,15 @@ class RayBackedNodes:
 
     # -- what `orchestrator emulator poweroff|notice` does to a host (share-nothing mode) ----------------------
 
-    def power_off(self, node_id: str, host: int) -> None:
-        """Power one VM of the node off, as a host that crashes: its processes and its disk go at once."""
-        self._vm(node_id, host).kill()
+    def power_off(self, node_id: str, host: int, *, silent: bool = False) -> None:
+        """Power one VM of the node off, as a host that crashes: its processes and its disk go at once (its
+        peers' connections reset), or with `silent` as a host that loses power: its processes stop
+        answering and its peers see only silence (`EmulatedVm.silence`)."""
+        vm = self._vm(node_id, host)
+        if silent:
+            vm.silence()
+        else:
+            vm.kill()
 
     def notice(self, node_id: str, host: int | None, event: str) -> list[int]:
         """Announce `event` (one of `NOTICE_EVENTS`) on the metadata server of one VM of the node, or of each;

@@ -164,11 +164,30 @@ esac
     # -- life --------------------------------------------------------------------------------
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc.poll() is None and not self.silenced
+
+    silenced = False  # powered off silently (`silence`): its processes frozen until `kill` ends them
 
     def booted(self) -> bool:
         """Its startup script ended well (and the VM still runs)."""
         return self.alive() and (self.dir / "booted").exists()
+
+    def silence(self) -> None:
+        """Power the VM off as a host that just stops: every process in it frozen (SIGSTOP), so its peers
+        see silence, not a reset. `kill` (the slice released) ends them.
+
+        A VM killed outright closes its sockets: the kernel answers every peer with a reset and new
+        connections are refused, so collectives fail at once. A real host that loses power or panics
+        sends nothing; its peers' collectives and connections just wait. Frozen processes do the same:
+        established connections stay open and get no answer, and a new connection to a port it listens
+        on is accepted by the kernel (the listen backlog) but never answered."""
+        self.silenced = True
+        for _ in range(3):  # a process forked while the others were being stopped is caught the next round
+            for pid in _in_namespace_of(_children(self.proc.pid)):
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                except ProcessLookupError:
+                    pass
 
     def kill(self) -> None:
         """Power the VM off: its first process dies, and the kernel kills every other one in it."""
@@ -190,6 +209,25 @@ def _image_sources(image: Image) -> list[Path]:
     """The installed folders the image links into: kept visible to the VM (read-only), and nothing else of
     this machine's environment."""
     return [p for p in image.sources if not any(p != q and q in p.parents for q in image.sources)]
+
+
+def _in_namespace_of(pids: list[int]) -> list[int]:
+    """Every process in the PID namespaces of `pids` (the VM's first process: every process of the VM)."""
+    spaces = set()
+    for pid in pids:
+        try:
+            spaces.add(os.readlink(f"/proc/{pid}/ns/pid"))
+        except OSError:
+            pass
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.readlink(entry / "ns" / "pid") in spaces:
+                    out.append(int(entry.name))
+            except OSError:
+                continue
+    return out
 
 
 def _children(pid: int) -> list[int]:

@@ -206,6 +206,9 @@ class ScriptedGroup:
     def ping(self):
         return None, []
 
+    def silent_host(self):
+        return None  # no host goes silently in these tests
+
     def died(self, error):
         raise AssertionError("no worker dies alone in these tests")
 

@@ -1,6 +1,7 @@
 """Watching a running attempt until it ends, and saying how it ended (`policies.decisions.recovery`).
 
-Every poll: the provider's events for the slice (a host gone, a notice, a reclaim), the
+Every poll: the provider's events for the slice (a host gone, a notice, a reclaim), a host
+the liveness monitor found silent and unreachable (`orchestrator.control.liveness`), the
 workers' results, the user's cancel, the heartbeat. A notice or a cancel asks every host to
 stop after the same step with that step's checkpoint committed, within the grace period.
 
@@ -63,6 +64,8 @@ def watch(store: Store, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Ca
     stop_sent = False
     while True:
         if (ended := _provider_says(run)) is not None:
+            return ended
+        if (ended := group.silent_host()) is not None:  # its beats stopped and its node answers no probe
             return ended
         try:
             results = group.results(timeout_s=0.5)  # None: slow to answer; the heartbeat timeout decides
