@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import tenacity
 
-from orchestrator.domain.spec import JobSpec
+from orchestrator.domain.shape import Shape
 from orchestrator.errors import StoreFaultError
 from orchestrator.state.events import EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.protocol import JobStore
@@ -242,8 +242,8 @@ class HoldingStore(JobStore):
     def update_job(self, job_id: str, **fields: Any) -> None:
         self._write(lambda: self._store.update_job(job_id, **fields))
 
-    def update_spec(self, job_id: str, spec: JobSpec) -> None:
-        self._write(lambda: self._store.update_spec(job_id, spec))
+    def place(self, job_id: str, shape: Shape) -> None:
+        self._write(lambda: self._store.place(job_id, shape))
 
     def bump_generation(self, job_id: str) -> int:
         return self._write(lambda: self._store.bump_generation(job_id))

@@ -78,7 +78,7 @@ class JobCollector(Collector):
         yield from m.all()
 
     def _add(self, m: _Families, job: JobRecord) -> None:
-        accelerator, tier = str(job.stored_spec.get("accelerator", "")), str(job.stored_spec.get("tier", ""))
+        accelerator, tier = str(job.placed_json.get("accelerator", "")), str(job.placed_json.get("tier", ""))
         m.info.add_metric([job.id], {"name": job.name, "accelerator": accelerator, "tier": tier})
         for state in JobState:
             m.state.add_metric([job.id, state.value], 1.0 if job.state is state else 0.0)

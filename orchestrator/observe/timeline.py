@@ -183,7 +183,7 @@ def move_line(store: Store, job: JobRecord) -> str | None:
              if e.kind is EventKind.STATE and e.to_state is JobState.RESIZING and e.seq > running_since]
     if not moved and not asked:
         return None
-    target = f"{job.stored_spec.get('accelerator', '?')} {job.stored_spec.get('tier', '')}".strip()
+    target = f"{job.placed_json.get('accelerator', '?')} {job.placed_json.get('tier', '')}".strip()
     phase = {JobState.RESIZING: "releasing the old slice",
              JobState.QUEUED: "waiting for capacity",
              JobState.PROVISIONING: "provisioning",

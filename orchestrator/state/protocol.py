@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from orchestrator.domain.spec import JobSpec
+from orchestrator.domain.shape import Shape
 from orchestrator.state.events import EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Event, JobRecord, SliceRow, StepMetric, Store
@@ -61,7 +61,7 @@ class StoreWrites(Protocol):
 
     def update_job(self, job_id: str, **fields: Any) -> None: ...
 
-    def update_spec(self, job_id: str, spec: JobSpec) -> None: ...
+    def place(self, job_id: str, shape: Shape) -> None: ...
 
     def bump_generation(self, job_id: str) -> int: ...
 

@@ -27,6 +27,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Iterator, TypeVar
 
+from orchestrator.domain.shape import Shape
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import FolderInUseError, IllegalTransitionError, JobNotFoundError, StoreFaultError
 from orchestrator.state.events import PAYLOADS, EventKind, Payload, SliceChanged, StateChange
@@ -35,7 +36,7 @@ from orchestrator.state.states import JOB_TRANSITIONS, FailedBecause, JobState, 
 P = TypeVar("P", bound=Payload)
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4  # 2: steps.metrics; 3: jobs.cause; 4: jobs.folder
+SCHEMA_VERSION = 5  # 2: steps.metrics; 3: jobs.cause; 4: jobs.folder; 5: jobs.shape
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -54,7 +55,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     error TEXT,
     result TEXT,
     cause TEXT,
-    folder TEXT  -- the checkpoint folder's key (`orchestrator.control.ownership.folder_key`)
+    folder TEXT,  -- the checkpoint folder's key (`orchestrator.control.ownership.folder_key`)
+    shape TEXT  -- where the job runs now, [accelerator, tier, slices]; NULL: as submitted
 );
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -108,11 +110,40 @@ class JobRecord:
     error: str | None
     result: dict | None
     cause: FailedBecause | None = None  # why a FAILED job failed
+    stored_shape: list | None = None  # where the job runs now, if not where it was submitted to run
+
+    @cached_property
+    def submitted(self) -> JobSpec:
+        """The spec as the user submitted it, typed (parsed on first read: a listing that shows names and
+        states parses none). Never rewritten: a move, resize or autoscale changes `shape` only."""
+        return JobSpec.from_stored(self.stored_spec)
+
+    @cached_property
+    def shape(self) -> Shape:
+        """Where the job runs now (or would next): the slices of its last placement, else as submitted."""
+        if self.stored_shape is not None:
+            accelerator, tier, count = self.stored_shape
+            return Shape(accelerator, tier, count)
+        s = self.submitted
+        return Shape(s.accelerator, s.tier.value, s.slices)
+
+    @property
+    def placed_json(self) -> dict:
+        """The stored spec's JSON placed where the job runs now, unparsed: what views that must never fail
+        on a row they cannot parse (status, the dashboard, metrics) show as its slices."""
+        if self.stored_shape is None:
+            return self.stored_spec
+        accelerator, tier, count = self.stored_shape
+        return {**self.stored_spec, "accelerator": accelerator, "tier": tier, "slices": count}
 
     @cached_property
     def spec(self) -> JobSpec:
-        """The job's spec, typed (parsed on first read: a listing that shows names and states parses none)."""
-        return JobSpec.from_stored(self.stored_spec)
+        """The submitted spec placed on `shape`: what the next launch runs (everything but the slices is
+        the user's)."""
+        s, shape = self.submitted, self.shape
+        if shape == Shape(s.accelerator, s.tier.value, s.slices):
+            return s
+        return s.moved(shape.accelerator, shape.tier, slices=shape.count)
 
 
 @dataclass(frozen=True)
@@ -222,6 +253,8 @@ class Store:
                     db.execute("ALTER TABLE jobs ADD COLUMN cause TEXT")
                 if "folder" not in {c[1] for c in db.execute("PRAGMA table_info(jobs)")}:
                     db.execute("ALTER TABLE jobs ADD COLUMN folder TEXT")  # older jobs: NULL, claim no folder
+                if "shape" not in {c[1] for c in db.execute("PRAGMA table_info(jobs)")}:
+                    db.execute("ALTER TABLE jobs ADD COLUMN shape TEXT")  # older jobs: their spec was rewritten
                 db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
             db.execute("CREATE INDEX IF NOT EXISTS jobs_folder ON jobs (folder)")
 
@@ -342,10 +375,11 @@ class Store:
         with self._tx() as db:
             db.execute(f"UPDATE jobs SET updated_at=?{sets} WHERE id=?", (time.time(), *args, job_id))
 
-    def update_spec(self, job_id: str, spec: JobSpec) -> None:
+    def place(self, job_id: str, shape: Shape) -> None:
+        """Record where the job runs now (a move, resize or the policy's choice); the spec stays as submitted."""
         with self._tx() as db:
-            db.execute("UPDATE jobs SET spec=?, updated_at=? WHERE id=?",
-                       (json.dumps(spec.model_dump(mode="json")), time.time(), job_id))
+            db.execute("UPDATE jobs SET shape=?, updated_at=? WHERE id=?",
+                       (json.dumps([shape.accelerator, shape.tier, shape.count]), time.time(), job_id))
 
     def bump_generation(self, job_id: str) -> int:
         with self._tx() as db:
@@ -520,4 +554,5 @@ def _job(row: sqlite3.Row) -> JobRecord:
         cancel_requested=bool(row["cancel_requested"]), error=row["error"],
         result=json.loads(row["result"]) if row["result"] else None,
         cause=FailedBecause(row["cause"]) if row["cause"] in FailedBecause._value2member_map_ else None,
+        stored_shape=json.loads(row["shape"]) if row["shape"] else None,
     )

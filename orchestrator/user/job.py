@@ -155,7 +155,7 @@ class Job:
 
 
 def _status(job: JobRecord, last: StepMetric | None) -> JobStatus:
-    spec = job.stored_spec  # shown as stored: a status never fails on a row it cannot parse
+    spec = job.placed_json  # shown as stored, where it runs now: a status never fails on a row it cannot parse
     return JobStatus(
         id=job.id, name=job.name, state=job.state, reason=job.reason, accelerator=spec.get("accelerator", "?"),
         # A job that trained no step of its own may have resumed a finished run: its result says where it stands.

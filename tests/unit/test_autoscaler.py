@@ -25,13 +25,14 @@ STEP_S = 2.0
 INTERVAL_STEPS = 300  # the spec's interval: 600 s at 2 s a step
 
 
-def _job(store: Store, preemptions: int, *, saves: list[float]) -> str:
+def _job(store: Store, preemptions: int, *, saves: list[float], max_slices: int = 1,
+         global_batch_size: int = 16) -> str:
     spec = JobSpec.from_dict({
         "name": "auto", "accelerator": "v4-16", "tier": "spot",
-        "workload": {"type": "lm", "steps": 20_000, "global_batch_size": 16, "seq_len": 32,
+        "workload": {"type": "lm", "steps": 20_000, "global_batch_size": global_batch_size, "seq_len": 32,
                      "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "vocab_size": 256}},
         "checkpoint": {"interval_steps": INTERVAL_STEPS, "directory": "/tmp/ckpt-auto"},
-        "autoscaling": {"accelerators": ["v4-16", "v4-32"], "tiers": ["spot", "on-demand"]},
+        "autoscaling": {"accelerators": ["v4-16", "v4-32"], "tiers": ["spot", "on-demand"], "max_slices": max_slices},
         "deadline": "P3D",
     })
     store.create_job("auto", "auto", spec.model_dump(mode="json"), at=T0)
@@ -178,10 +179,7 @@ def test_slice_counts_are_options_up_to_max_slices_and_a_count_the_job_ran_on_is
     it ran on 2 slices (a generation launched on both, 3 steps measured at 4 s), 2 x v4-16 is priced at
     that measured speed, not the model's."""
     store = Store(tmp_path / "db.sqlite")
-    job_id = _job(store, 0, saves=[])
-    spec = store.job(job_id).spec
-    store.update_spec(job_id, spec.model_copy(update={"autoscaling": spec.autoscaling.model_copy(
-        update={"max_slices": 2})}))
+    job_id = _job(store, 0, saves=[], max_slices=2)
     snap = snapshot(store, job_id, now=T0 + 200, current=("v4-16", "spot", 1), spot_chips_available=16)
     labels = sorted(o.label for o in snap.options)
     # Not 2 x v4-32: each slice's 8 rows of the 16 have no mesh on its 16 devices.
@@ -207,10 +205,6 @@ def test_slice_counts_are_options_up_to_max_slices_and_a_count_the_job_ran_on_is
 
 def test_counts_the_batch_does_not_split_over_are_left_out(tmp_path):
     store = Store(tmp_path / "db.sqlite")
-    job_id = _job(store, 0, saves=[])
-    spec = store.job(job_id).spec
-    store.update_spec(job_id, spec.model_copy(update={
-        "autoscaling": spec.autoscaling.model_copy(update={"max_slices": 4}),
-        "workload": spec.workload.model_copy(update={"global_batch_size": 32})}))
+    job_id = _job(store, 0, saves=[], max_slices=4, global_batch_size=32)
     counts = {o.count for o in snapshot(store, job_id, now=T0 + 200, current=None, spot_chips_available=16).options}
     assert counts == {1, 2, 4}  # 32 rows split over 2 or 4 slices, not over 3

@@ -67,6 +67,9 @@ def test_a_users_resize_is_a_resize_stop_and_the_next_launch_goes_on_the_size_as
     assert stop.target == Shape("v4-32", "spot", 1) and stop.reason == "resize to v4-32: by hand"
     job = world.store.job("job")
     assert job.state is JobState.SUCCEEDED and job.spec.accelerator == "v4-32" and job.preemptions == 0
+    # Where it runs is the job's shape; the spec stays as the user submitted it.
+    assert job.shape == Shape("v4-32", "spot", 1)
+    assert job.submitted.accelerator == job.stored_spec["accelerator"] == "v4-16"
     g1, g2 = world.groups
     assert (g1.hosts, g2.hosts) == (2, 4)
     assert "RESIZING" in states(world) and "RECOVERING" not in states(world)
@@ -126,6 +129,7 @@ def test_a_switch_to_slices_ready_beside_is_a_move_stop_to_the_requests_shape(wo
                                   f"{g1.slices[0]}")
     job = world.store.job("job")
     assert job.state is JobState.SUCCEEDED and job.spec.accelerator == "v4-32" and (g1.hosts, g2.hosts) == (2, 4)
+    assert job.shape == Shape("v4-32", "spot", 1) and job.submitted.accelerator == "v4-16"
     assert "RESIZING" in states(world) and "RECOVERING" not in states(world)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.domain.spec import JobSpec
+from orchestrator.domain.shape import Shape
 from orchestrator.observe.report import write_report
 from orchestrator.observe.report_picture import _MARKER_STYLE
 from orchestrator.observe.report_series import report_series
@@ -78,8 +78,7 @@ def test_status_says_what_a_move_is_doing(tmp_path):
     assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: waiting for capacity"
     s.add_event("j-1", ResizeAsked("v4-8", "v4-32", "spot", "ready", 5), "switching")
     assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: checkpointing (step 5), then the old slice goes"
-    moved = {"name": "j", "accelerator": "v4-32", "workload": {"type": "lm", "steps": 10}}
-    s.update_spec("j-1", JobSpec.from_dict(moved))
+    s.place("j-1", Shape("v4-32", "spot"))
     s.transition("j-1", JobState.RESIZING, "moving")
     assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: releasing the old slice"
     s.transition("j-1", JobState.QUEUED, "waiting")

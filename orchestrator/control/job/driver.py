@@ -142,12 +142,12 @@ class JobDriver:
     # -- what the loop uses --------------------------------------------------------------
 
     def on_slices(self, slices: tuple[Slice, ...]) -> JobSpec:
-        """The spec the launch on `slices` uses: the stored one, moved to their type and tier if it differs
-        (and for an autoscaled job, to the count of slices it goes on: the policy's, or the survivors')."""
+        """The spec the launch on `slices` uses: the submitted one placed on their type and tier (and for an
+        autoscaled job, on the count of slices it goes on: the policy's, or the survivors')."""
         job, s = self.store.job(self.job_id), slices[0]
         count = len(slices) if job.spec.autoscaling is not None else job.spec.slices
-        if (s.tpu_type.name, s.tier, count) != (job.spec.accelerator, job.spec.tier, job.spec.slices):
-            self.store.update_spec(self.job_id, job.spec.moved(s.tpu_type.name, s.tier.value, slices=count))
+        if (shape := Shape(s.tpu_type.name, s.tier.value, count)) != job.shape:
+            self.store.place(self.job_id, shape)
         spec = self.spec()
         choice = self.moves.choice
         return with_checkpoint_interval(spec, choice) if choice is not None else spec

@@ -26,6 +26,7 @@ from orchestrator.control.job.ending import (
 from orchestrator.control.job.placement import Held
 from orchestrator.control.job.watch import watch
 from orchestrator.control.launch import write_fence
+from orchestrator.domain.shape import Shape
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError, ProvisioningError
 from orchestrator.providers.base import CapacityError
@@ -188,7 +189,7 @@ def after_attempt(d: JobDriver, outcome: Outcome) -> None:
     elif decided.next is Next.RESIZE:
         stop = d.stops.current
         assert stop is not None and stop.target is not None, "a relaunch names its shape (the stop request)"
-        d.store.update_spec(d.job_id, job.spec.moved(stop.target.accelerator, stop.target.tier))
+        d.store.place(d.job_id, Shape(stop.target.accelerator, stop.target.tier, job.shape.count))
         d.transition(JobState.RESIZING, decided.reason, data=StateChange(to=stop.target.accelerator))
         progress.disrupted(time.time(), progress.last_step + 1)
     else:

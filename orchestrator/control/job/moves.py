@@ -109,8 +109,7 @@ class Moves:
                                                      every, shape.count),
                              f"{verb} {shape.label}{saving}: {d.reason}")
         if want != (spec.accelerator, spec.tier.value, spec.slices):
-            self.store.update_spec(self.job_id, self.store.job(self.job_id).spec.moved(
-                shape.accelerator, shape.tier, slices=shape.count))
+            self.store.place(self.job_id, shape)
             spec = self.spec()
         return spec  # its checkpoint interval applies once on the slice (`JobDriver.on_slices`)
 

@@ -64,7 +64,7 @@ class DashboardData:
 
     def job_row(self, job: JobRecord, *, now: float, queue_position: int | None = None) -> dict:
         """One job's line: state, step of total, loss, tokens/s, goodput, dollars so far and expected, wall time."""
-        spec = job.stored_spec
+        spec = job.placed_json
         last = self.store.last_step(job.id)
         g = self.goodput(job, now=now)
         total = (spec.get("workload") or {}).get("steps")
@@ -244,7 +244,7 @@ def _event_row(e: Event) -> dict:
 def _resize_choices(job: JobRecord) -> dict:
     """The slice types and tiers a RUNNING job may be resized to (its generation's sizes)."""
     try:
-        t = catalog.lookup(job.stored_spec.get("accelerator", ""))
+        t = catalog.lookup(job.placed_json.get("accelerator", ""))
         types = [x.name for x in catalog.same_generation(t)]
     except ValueError:  # a type this version does not know: any of the catalog's
         types = list(CATALOG)
