@@ -133,11 +133,8 @@ def _fits(spec: JobSpec, o: Option) -> bool:
     slice's share has a mesh on the slice."""
     from orchestrator.control.launch import training_settings
 
-    batch = spec.workload.global_batch_size
     if o.count == 1:
         return True
-    if batch is not None and batch % o.count:
-        return False
     try:
         training_settings(spec.moved(o.name, o.tier), o.slice_chips, o.slice_hosts, slices=o.count)
     except MeshError:

@@ -8,7 +8,7 @@ import logging
 from orchestrator import catalog
 from orchestrator.domain.fit import microbatches_for
 from orchestrator.domain.spec import EntrypointWorkload, JobSpec, LmWorkload
-from policies.model.sharding import MeshError, plan_mesh
+from policies.model.sharding import MeshError, plan_slices
 from workers.settings import LmSettings, TrainingSettings
 
 log = logging.getLogger(__name__)
@@ -29,8 +29,7 @@ def workload_for(spec: JobSpec, devices: int, hosts: int, *, slices: int = 1, me
 def survivors_settings(spec: JobSpec, devices: int, hosts: int, slices: int) -> TrainingSettings | None:
     """The settings of the runtime a lost slice of `slices` leaves, whose program is compiled while the
     job trains (`workers.ahead`); None for one slice, or a global batch that does not split over one fewer."""
-    batch = spec.workload.global_batch_size
-    if slices < 2 or (batch is not None and batch % (slices - 1)):
+    if slices < 2:
         return None
     try:
         return training_settings(spec, devices, hosts, slices=slices - 1)
@@ -57,8 +56,8 @@ def training_settings(spec: JobSpec, devices: int, hosts: int, *, slices: int = 
     """
     w = spec.workload
     shape = w.model.shape() if isinstance(w, LmWorkload) else None
-    plan = plan_mesh(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(), shape=shape,
-                     global_batch_size=(w.global_batch_size or devices * slices) // slices)
+    plan = plan_slices(num_devices=devices, num_hosts=hosts, wishes=w.mesh.model_dump(), shape=shape,
+                       global_batch_size=w.global_batch_size, slices=slices)
     data, fsdp, model = plan.shape
     slice_type = _slice_type(spec, devices)
     return TrainingSettings(

@@ -19,7 +19,7 @@ from typing import Protocol
 from orchestrator import catalog
 from orchestrator.domain.workload import EntrypointWorkload, LmWorkload
 from policies.model.memory_fit import GIB, USABLE_FRACTION, Fit, TrainingJob, advice, fit
-from policies.model.sharding import MeshError, MeshPlan, plan_mesh
+from policies.model.sharding import MeshError, MeshPlan, plan_slices
 
 
 class _Types(Protocol):
@@ -77,8 +77,8 @@ def slice_fit(spec: FitSpec, accelerator: str, field: str = "accelerator", *, sl
     w, t = spec.workload, catalog.lookup(accelerator)
     assert isinstance(w, LmWorkload), "the built-in trainer's memory is of the lm workload (callers check)"
     try:
-        mesh = plan_mesh(num_devices=t.chips, num_hosts=t.hosts, wishes=w.mesh.model_dump(), shape=w.model.shape(),
-                         global_batch_size=w.global_batch_size // slices)
+        mesh = plan_slices(num_devices=t.chips, num_hosts=t.hosts, wishes=w.mesh.model_dump(), shape=w.model.shape(),
+                           global_batch_size=w.global_batch_size, slices=slices)
     except MeshError as e:
         return SliceFit(accelerator, field, None, None, mesh_error=f"workload.{e.field}: {e}")
     asked = None if w.gradient_accumulation == "auto" else w.gradient_accumulation

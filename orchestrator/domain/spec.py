@@ -45,7 +45,7 @@ from orchestrator.domain.workload import (
 )
 from orchestrator.errors import SpecError, UnknownAcceleratorError
 from policies.cost.slice_options import MAX_CHIPS
-from policies.model.sharding import MeshError, plan_mesh
+from policies.model.sharding import MeshError, batch_share, plan_slices
 from workers.settings import TrainingSettings
 
 MAX_SLICES = 4  # slices of one job (v4-16 x 4 is the 32 chips a job may take)
@@ -328,9 +328,11 @@ class JobSpec(_Frozen):
             problems.append(("slices", f"{n} slices of {self.accelerator} are {n * self.tpu_type.chips} chips; a job "
                                        f"takes at most {MAX_CHIPS} chips in all"))
         batch = self.workload.global_batch_size
-        if batch is not None and batch % n:
-            problems.append(("workload.global_batch_size", f"global_batch_size={batch} is not divisible by slices={n} "
-                                                           "(each slice trains an equal share of every batch)"))
+        try:
+            if batch is not None:
+                batch_share(batch, n)
+        except MeshError as e:
+            problems.append((f"workload.{e.field}", str(e)))
         auto = self.autoscaling
         if auto is not None and n > auto.max_slices:
             problems.append(("slices", f"with autoscaling the cost policy chooses the slice count, up to "
@@ -374,13 +376,8 @@ class JobSpec(_Frozen):
         if problems:
             return problems
         try:
-            plan_mesh(
-                num_devices=self.tpu_type.chips,
-                num_hosts=self.tpu_type.hosts,
-                wishes=w.mesh.model_dump(),
-                shape=m.shape(),
-                global_batch_size=w.global_batch_size // self.slices,
-            )
+            plan_slices(num_devices=self.tpu_type.chips, num_hosts=self.tpu_type.hosts, wishes=w.mesh.model_dump(),
+                        shape=m.shape(), global_batch_size=w.global_batch_size, slices=self.slices)
         except MeshError as e:
             problems.append((f"workload.{e.field}",
                              f"{e} ({self._devices_note})"))
@@ -393,9 +390,9 @@ class JobSpec(_Frozen):
         if w.global_batch_size is None:
             return []
         try:
-            mesh = plan_mesh(num_devices=self.tpu_type.chips, num_hosts=self.tpu_type.hosts,
-                             wishes=w.mesh.model_dump(), shape=None,
-                             global_batch_size=w.global_batch_size // self.slices)
+            mesh = plan_slices(num_devices=self.tpu_type.chips, num_hosts=self.tpu_type.hosts,
+                               wishes=w.mesh.model_dump(), shape=None, global_batch_size=w.global_batch_size,
+                               slices=self.slices)
         except MeshError as e:
             return [(f"workload.{e.field}", f"{e} ({self._devices_note})")]
         if w.gradient_accumulation != "auto" and mesh.rows_per_shard % w.gradient_accumulation:

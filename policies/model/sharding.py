@@ -105,3 +105,24 @@ def plan_mesh(*, num_devices: int, num_hosts: int, wishes: dict[str, int], shape
         if dim % n:
             raise MeshError(f"mesh.{axis}", f"mesh axis {axis}={n} does not divide model.{dim_name}={dim}")
     return MeshPlan(sizes["data"], sizes["fsdp"], sizes["model"], num_hosts, global_batch_size)
+
+
+def batch_share(global_batch_size: int, slices: int) -> int:
+    """The rows of every batch each of `slices` slices trains, or MeshError if the batch does not split
+    evenly over them. The one statement of the rule: the spec's checks, the launch, the cost policy's
+    slice counts and the survivors of a lost slice all ask it (through `plan_slices`)."""
+    if global_batch_size % slices:
+        raise MeshError("global_batch_size", f"global_batch_size={global_batch_size} is not divisible by "
+                                             f"slices={slices} (each slice trains an equal share of every batch)")
+    return global_batch_size // slices
+
+
+def plan_slices(*, num_devices: int, num_hosts: int, wishes: dict[str, int], shape: ModelShape | None,
+                global_batch_size: int | None, slices: int = 1) -> MeshPlan:
+    """The mesh of each of `slices` slices (`num_devices` chips on `num_hosts` hosts each) that train
+    `global_batch_size` together, or MeshError: the batch splits evenly over the slices (`batch_share`)
+    and each slice's share has a mesh on the slice (`plan_mesh`). None: a user program that sets no
+    batch, one row a device."""
+    batch = num_devices * slices if global_batch_size is None else global_batch_size
+    return plan_mesh(num_devices=num_devices, num_hosts=num_hosts, wishes=wishes, shape=shape,
+                     global_batch_size=batch_share(batch, slices))

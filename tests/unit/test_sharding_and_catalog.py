@@ -10,7 +10,7 @@ from kernels import hardware
 from orchestrator import catalog
 from orchestrator.errors import UnknownAcceleratorError
 from policies.model.shape import ModelShape
-from policies.model.sharding import MeshError, plan_mesh
+from policies.model.sharding import MeshError, plan_mesh, plan_slices
 
 SHAPE = ModelShape(d_model=128, n_layers=2, n_heads=4, n_kv_heads=4, d_ff=512, vocab_size=256)
 
@@ -67,3 +67,17 @@ def test_what_does_not_divide_is_named(wishes, batch, field):
     with pytest.raises(MeshError) as info:
         plan_mesh(num_devices=8, num_hosts=2, wishes=wishes, shape=SHAPE, global_batch_size=batch)
     assert info.value.field == field
+
+
+def test_several_slices_split_the_batch_evenly_and_each_share_needs_a_mesh():
+    # The one rule the spec, the launch, the policy's slice counts and a lost slice's survivors use.
+    two = plan_slices(num_devices=8, num_hosts=2, wishes={"data": -1}, shape=None, global_batch_size=32, slices=2)
+    assert (two.data, two.global_batch_size) == (8, 16)  # each slice trains 16 of the 32 rows
+    with pytest.raises(MeshError, match="not divisible by slices=3") as split:
+        plan_slices(num_devices=8, num_hosts=2, wishes={"data": -1}, shape=None, global_batch_size=32, slices=3)
+    assert split.value.field == "global_batch_size"
+    with pytest.raises(MeshError, match="data\\*fsdp=8"):  # 8 rows a slice split, but not over 8 devices' data axis
+        plan_slices(num_devices=8, num_hosts=2, wishes={"data": -1}, shape=None, global_batch_size=8, slices=2)
+    # A user program that sets no batch: a row a device on every slice.
+    assert plan_slices(num_devices=8, num_hosts=2, wishes={"data": -1}, shape=None, global_batch_size=None,
+                       slices=3).global_batch_size == 8

@@ -175,16 +175,11 @@ class Placement:
         survivors = [s for s in self._held if s.name not in self._lost]
         if not survivors:
             return False
-        batch = spec.workload.global_batch_size
-        try:
+        try:  # the batch splits over the survivors and each one's share has a mesh (`plan_slices`)
             training_settings(spec, spec.tpu_type.chips, spec.tpu_type.hosts, slices=len(survivors))
         except MeshError as e:
             log.warning("job %s: cannot go on on %d slices (%s); restarting on new ones", self.job_id,
                         len(survivors), e)
-            return False
-        if batch is not None and batch % len(survivors):
-            log.warning("job %s: global_batch_size=%d does not split over %d slices; restarting on new ones",
-                        self.job_id, batch, len(survivors))
             return False
         step, why = held_step(survivors)
         if step is None:
