@@ -64,6 +64,14 @@ def test_a_host_lost_mid_run_recovers_on_a_new_slice_from_the_last_checkpoint(wo
     assert lost.data["steps"] == 3  # steps 5, 6 and 7 run again
     g1, g2 = world.groups
     assert g1.stopped and g2.stopped and (g1.generation, g2.generation) == (1, 2)
+    # "Resumed after" is the time the job trained nothing: from its last step before the loss (step 7; the
+    # controller learns of a loss later) to its first step after. Steps 5-7 are kept as generation 2 ran them,
+    # so of generation 1 the store keeps steps up to 4, which came before step 7.
+    [resumed] = events(world, EventKind.RESUMED)
+    steps = world.store.steps("job")
+    step_4 = max(m.at for m in steps if m.generation == 1)
+    first_after = min(m.at for m in steps if m.generation == 2)
+    assert first_after - disrupted.at < resumed.data["seconds"] < first_after - step_4
     assert set(slice_states(world).values()) == {SliceState.RELEASED}  # both slices given back
     assert [m.step for m in world.store.steps("job")][-1] == 19
 

@@ -168,7 +168,7 @@ def after_attempt(d: JobDriver, outcome: Outcome) -> None:
         outcome = dataclasses.replace(outcome, reason=finished)
     if k not in NOT_DISRUPTED:
         steps_done = max(progress.last_step + 1, progress.restored_step or 0)  # lost before its first step
-        progress.disrupted(outcome.at, steps_done)  # stood where it began
+        progress.disrupted(progress.stood_since(outcome.at), steps_done)  # "resumed after" counts from the loss
         d.store.add_event(d.job_id, Disrupted(k.value, steps_done - 1, outcome.reason, progress.generation,
                                               time.time() - outcome.at),
                           f"{k.value}: {outcome.reason} (after step {steps_done})", at=outcome.at)

@@ -67,6 +67,7 @@ class ReportSink:
         self.accepting = False  # whether reports of `generation` still count (not once its attempt ended)
         self.last_progress = time.monotonic()
         self.last_step = -1  # newest step reported by worker 0 in this generation
+        self.last_step_at: float | None = None  # wall time it was reported (None: no step yet this generation)
         self.restored_step: int | None = None  # the steps complete this generation restored (None: fresh, or not yet)
         self.disrupted_at: float | None = None  # wall time of the last disruption, for "resumed after"
         self.disrupted_step: int | None = None  # steps complete when it happened
@@ -79,6 +80,7 @@ class ReportSink:
         """A new launch: reports of its generation count from now on."""
         self._launch, self.generation = launch, launch.generation
         self.started, self.last_step, self.accepting, self.restored_step = False, -1, True, None
+        self.last_step_at = None
         self.last_progress = time.monotonic()
 
     def adopted(self, launch: Launch, last_step: int) -> None:
@@ -101,6 +103,11 @@ class ReportSink:
     def disrupted(self, at: float, steps_done: int) -> None:
         """The job stood at `steps_done` at wall time `at`; the next first step says how long it took to resume."""
         self.disrupted_at, self.disrupted_step, self.resumed = at, steps_done, False
+
+    def stood_since(self, known_at: float) -> float:
+        """When the job last made progress before a disruption the controller knew of at `known_at`: its last
+        step of this generation, if it stepped (a host lost mid-step is found only later), else `known_at`."""
+        return known_at if self.last_step_at is None else min(known_at, self.last_step_at)
 
     # -- what the workers say ------------------------------------------------------------
 
@@ -139,7 +146,7 @@ class ReportSink:
 
     def _step_done(self, generation: int, rank: int, report: StepDone, now: float) -> None:
         if rank == 0:
-            self.last_step = report.step
+            self.last_step, self.last_step_at = report.step, now
             self.limits.stepped(report.step)
             resumed_after = None
             if not self.resumed and self.disrupted_at is not None:
@@ -236,7 +243,8 @@ class ReportSink:
         store.record_steps(self.job_id, generation, [(r.step, r.loss, r.tokens_per_s, r.step_time_s, at, r.metrics)])
         if resumed_after is not None:
             store.add_event(self.job_id, Resumed(resumed_after, r.step + 1),
-                            f"resumed after {resumed_after:.1f} s (first step done: {r.step + 1})", at=at)
+                            f"resumed after {resumed_after:.1f} s, counted from the last step before the "
+                            f"disruption (first step done: {r.step + 1})", at=at)
 
     def _record_restore(self, t: Timings, disrupted_step: int | None, at: float) -> None:
         store = self.services.store  # written by `HeldWrites`: the store's own
