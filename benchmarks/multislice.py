@@ -2,7 +2,8 @@
 
 Two jobs of the same model through the real controller, each with host 1 of its first slice
 killed at step `--kill-at` or later (the host's whole process group, SIGKILL; with `--vms`, the
-VM powered off: no notice either way):
+VM powered off silently, as a host that loses power: its processes frozen, so its peers see no reset
+and no answer; `--reset` powers it off as before, its sockets reset: no notice either way):
 
 - `two_slices`: v4-16 x 2; the survivors go on from their memory. The program for one slice
   was never compiled on this machine before: it is compiled while the job trains
@@ -13,7 +14,8 @@ VM powered off: no notice either way):
 - `one_slice`: one v4-16 (the baseline, today's recovery): a new slice, a restore from storage.
 
 For each: the time from the kill to the first step done after it, to the disruption being
-recorded, to the new generation starting, the restore and compile times, steps recomputed
+recorded (`detect_s`; `detected_by`: the hosts' beats and a probe, or Ray), to the new generation
+starting, the restore and compile times, steps recomputed
 and where the state came from; for the two-slice job also the copy's cost per step (what
 `workers.memory` measured). The ratio is against `one_slice`, measured in the same run.
 
@@ -21,7 +23,8 @@ and where the state came from; for the two-slice job also the copy's cost per st
 
 `--vms`: the same on share-nothing hosts, as a user on GCP meets it: the GCP provider against
 the TPU API emulator, whose nodes are VMs that see none of this machine's files, with
-checkpoints in the Cloud Storage emulator's bucket (results/multislice_vms.json).
+checkpoints in the Cloud Storage emulator's bucket (results/multislice_vms.json; with `--reset`,
+results/multislice_vms_reset.json).
 """
 
 from __future__ import annotations
@@ -83,22 +86,25 @@ def share_nothing(client):
         backing.close()
 
 
-def kill(client, world: Vms | None, live) -> None:
-    """Host 1 of slice `live`, with no notice: its process group (local), or its VM powered off."""
+def kill(client, world: Vms | None, live, *, reset: bool) -> None:
+    """Host 1 of slice `live`, with no notice: its process group (local), or its VM powered off (silently, unless
+    `reset`)."""
     if world is None:
         kill_host(client.home, live.data["pgids"][1])
     else:
-        world.backing.vms(live.name)[1].kill()  # type: ignore[attr-defined]
+        world.backing.power_off(live.name, 1, silent=not reset)  # type: ignore[attr-defined]
 
 
-def disrupted(client, name: str, steps: int, slices: int, kill_at: int, world: Vms | None = None) -> dict:
+def disrupted(client, name: str, steps: int, slices: int, kill_at: int, world: Vms | None = None, *,
+              reset: bool = False) -> dict:
     job = client.submit(spec(name, steps, slices, world))
     # Compiled ahead on host 0, and kept by slice 1's first host (host 2), the survivors' first if slice 0 goes.
     ahead = lambda: slices == 1 or {e.data["host"] for e in job.events() if e.kind == "ahead"} == {0, 2}  # noqa: E731
     wait_until(lambda: job.status().state is JobState.RUNNING and job.status().step >= kill_at and ahead())
     live = sorted(client.store.slices(job_id=job.id, live_only=True), key=lambda r: r.name)
     killed, killed_step = time.time(), job.status().step
-    kill(client, world, live[0])  # slice 0: the survivors' process 0 is slice 1's host, which took the program
+    # slice 0: the survivors' process 0 is slice 1's host, which took the program
+    kill(client, world, live[0], reset=reset)
     st = job.wait(timeout_s=900)
     assert st.state is JobState.SUCCEEDED, st.reason
     ev = job.events()
@@ -113,6 +119,7 @@ def disrupted(client, name: str, steps: int, slices: int, kill_at: int, world: V
     compiled_ahead = [e for e in ev if e.kind == "ahead" and e.data["host"] == 0]
     return {
         "kill_to_next_step_s": resumed.at - killed, "detect_s": disruption.at - killed,
+        "detected_by": "beats and probes" if "no beat for" in disruption.reason else "other (Ray, the provider)",
         "kill_to_starting_s": starting.at - killed, "restore_s": restore.data["restore_s"],
         "compile_s": restore.data["compile_s"], "source": restore.data.get("source", "storage"),
         "steps_recomputed": lost.data["steps"], "restored_step": restore.data["restored_step"],
@@ -131,26 +138,36 @@ def main() -> None:
     p.add_argument("--kill-at", type=int, default=10)
     p.add_argument("--vms", action="store_true",
                    help="on share-nothing hosts: the GCP provider against the TPU API emulator's VMs, a bucket")
+    p.add_argument("--reset", action="store_true",
+                   help="with --vms: the VM powered off with its sockets reset (peers fail at once), not silently")
+    p.add_argument("--only", choices=("two_slices", "one_slice"), help="run one of the two jobs")
     args = p.parse_args()
     client = fresh_client()
     try:  # the two-slice job first: the one-slice job would leave the one-slice program in the cache
         with share_nothing(client) if args.vms else contextlib.nullcontext() as world:
-            runs = {"two_slices": disrupted(client, "two", args.steps, 2, args.kill_at, world),
-                    "one_slice": disrupted(client, "one", args.steps, 1, args.kill_at, world)}
+            jobs = {"two_slices": ("two", 2), "one_slice": ("one", 1)}
+            runs = {key: disrupted(client, name, args.steps, slices, args.kill_at, world, reset=args.reset)
+                    for key, (name, slices) in jobs.items() if args.only in (None, key)}
     finally:
         client.down()
-    result = {**runs, "ratio_to_one_slice": runs["two_slices"]["kill_to_next_step_s"] / runs["one_slice"][
-                  "kill_to_next_step_s"],
-              "steps": args.steps, "kill_at": args.kill_at, "machine": machine()}
+    result: dict = {**runs, "steps": args.steps, "kill_at": args.kill_at, "machine": machine()}
+    if len(runs) == 2:
+        result["ratio_to_one_slice"] = runs["two_slices"]["kill_to_next_step_s"] / runs["one_slice"][
+            "kill_to_next_step_s"]
     result["hosts"] = "share-nothing VMs (gcp provider, emulated TPU API and bucket)" if args.vms else \
         "local provider (Ray nodes sharing this machine's disk)"
-    save("multislice_vms" if args.vms else "multislice", result)
+    if args.vms:
+        result["power_off"] = "reset (sockets closed)" if args.reset else "silent (processes frozen, no reset)"
+    name = ("multislice_vms_reset" if args.reset else "multislice_vms") if args.vms else "multislice"
+    save(name + (f"_{args.only}" if args.only else ""), result)
     for name, r in runs.items():
-        print(f"{name:18s} kill->next step {r['kill_to_next_step_s']:5.1f} s  (detect {r['detect_s']:.1f}, "
+        print(f"{name:18s} kill->next step {r['kill_to_next_step_s']:5.1f} s  (detect {r['detect_s']:.1f} by "
+              f"{r['detected_by']}, "
               f"starting {r['kill_to_starting_s']:.1f}, restore {r['restore_s']:.2f} from {r['source']}, "
               f"compile {r['compile_s']:.2f}), {r['steps_recomputed']} steps recomputed")
-    print(f"ratio {result['ratio_to_one_slice']:.2f}; the one-slice program compiled ahead in "
-          f"{runs['two_slices']['ahead_s']:.1f} s while the job trained")
+    if len(runs) == 2:
+        print(f"ratio {result['ratio_to_one_slice']:.2f}; the one-slice program compiled ahead in "
+              f"{runs['two_slices']['ahead_s']:.1f} s while the job trained")
 
 
 if __name__ == "__main__":
