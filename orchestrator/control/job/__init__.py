@@ -40,5 +40,7 @@ The words the code uses:
   (`orchestrator.control.memory`); it goes when its slice is released.
 - regrow: a job running on fewer slices than its spec asks for requests one beside the survivors and
   switches onto all of them.
+- shape: where the job runs now (type, tier, slice count), recorded by `Store.place`; the spec stays as
+  the user submitted it (`JobRecord.submitted`), and `JobRecord.spec` is it placed on the shape.
 - stop request: why the running workers stop at a committed step; the first one asked stands.
 """
