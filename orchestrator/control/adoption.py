@@ -3,9 +3,11 @@
 Workers and their placement group are detached, so when the controller dies the job
 trains on; the new controller finds the group by name (slice, generation, rank) from the
 store's records instead of starting a second one. Whatever cannot be adopted is stopped,
-and its slices released, before the job's driver relaunches it. A job may hold two
-slices (a move's new slice requested beside the running one): the one its generation
-runs on is adopted, the other released (a request never filled was never billed).
+and its slices released, before the job's driver relaunches it. A job may hold more
+slices than it runs on (a move's new slice requested beside the running ones): those its
+generation runs on (every slice of a multi-slice job, in launch order) are adopted, the
+others released (a request never filled was never billed). The hosts' keepers are named
+actors too: the adopted group finds them by name when a slice is lost later.
 """
 
 from __future__ import annotations
@@ -60,43 +62,44 @@ class Adoption:
 def adopt(plane: Reconciling, job: JobRecord, slices: list[SliceRow]) -> tuple[Adoption | None, list[dict]]:
     """The job's running group as an `Adoption` (with its worker 0's step history), or None
     after stopping whatever is left of it; and the history to record (empty if none)."""
-    workers, pg = [], None
-    if job.spec.slices > 1:  # not adopted: relaunched from storage (its workers span slices a restart cannot rejoin)
-        log.warning("job %s: a multi-slice job's workers are not adopted after a controller restart; relaunching",
-                    job.id)
-        for rec in slices:
-            t = catalog.lookup(rec.accelerator)
-            kill_workers([w for i in range(t.hosts) if (w := _actor(worker_name(rec.name, job.generation, i)))],
-                         _placement_group(pg_name(rec.name, job.generation)))
-            plane.release_record(rec)
-        return None, []
-    running, beside = running_slice(plane.store, job, slices)
-    for rec in beside:  # a request waiting beside it (make-before-break): given back; the policy asks again
+    running, beside, whole = running_slices(plane.store, job, slices)
+    for rec in beside:  # a request waiting beside them (make-before-break): given back; the policy asks again
         plane.release_record(rec)
-    if job.state in (JobState.STARTING, JobState.RUNNING) and running is not None:
-        rec = running
-        t = catalog.lookup(rec.accelerator)
+    if job.state in (JobState.STARTING, JobState.RUNNING) and whole:
         try:
-            workers = [ray.get_actor(worker_name(rec.name, job.generation, i), namespace=cluster.NAMESPACE)
-                       for i in range(t.hosts)]
-            pg = ray.util.get_placement_group(pg_name(rec.name, job.generation))
-            # Right after a restart Ray may answer "temporarily unavailable" while it resolves the actors.
-            probe = tenacity.Retrying(
-                stop=tenacity.stop_after_delay(30), wait=tenacity.wait_fixed(1), reraise=True,
-                retry=tenacity.retry_if_exception_type(ray.exceptions.ActorUnavailableError))
-            probe(lambda: ray.get([w.info.remote() for w in workers], timeout=30))
-            history: list[dict] = probe(lambda: ray.get(workers[0].history.remote(), timeout=30))
+            workers, pg, history = _find_group(job, running)
         except Exception as e:  # noqa: BLE001 -- any part gone, however it fails, means relaunch (logged)
-            log.warning("job %s: cannot adopt generation %d (%s)", job.id, job.generation, e)
+            log.warning("job %s: cannot adopt generation %d on %d slice(s) (%s)", job.id, job.generation,
+                        len(running), e)
         else:
-            provider = _take_over(plane, job, rec, t)
-            s = provider.get(rec.name)
-            launch = Launch(job.generation, (s,), Shape(s.tpu_type.name, s.tier.value, 1))
+            keep = {rec.name for rec in running}
+            taken = [_take_over(plane, job, rec, catalog.lookup(rec.accelerator), keep=keep) for rec in running]
+            provider = taken[0]
+            held = tuple(p.get(rec.name) for p, rec in zip(taken, running, strict=True))
+            first = held[0]
+            launch = Launch(job.generation, held, Shape(first.tpu_type.name, first.tier.value, len(held)))
             return Adoption(launch, provider, workers, pg, max((h["step"] for h in history), default=-1)), history
-    kill_workers(workers, pg)
-    if running is not None:
-        plane.release_record(running)
+    for rec in running:  # whatever is left of the group: stopped, its slices released
+        t = catalog.lookup(rec.accelerator)
+        kill_workers([w for i in range(t.hosts) if (w := _actor(worker_name(rec.name, job.generation, i)))],
+                     _placement_group(pg_name(rec.name, job.generation)))
+        plane.release_record(rec)
     return None, []
+
+
+def _find_group(job: JobRecord, running: list[SliceRow]) -> tuple[list[Any], Any, list[dict]]:
+    """The generation's workers on `running` (rank order: slice-major), its placement group (named after
+    the first slice) and worker 0's step history; raises if any of them is gone."""
+    workers = [ray.get_actor(worker_name(rec.name, job.generation, i), namespace=cluster.NAMESPACE)
+               for rec in running for i in range(catalog.lookup(rec.accelerator).hosts)]
+    pg = ray.util.get_placement_group(pg_name(running[0].name, job.generation))
+    # Right after a restart Ray may answer "temporarily unavailable" while it resolves the actors.
+    probe = tenacity.Retrying(
+        stop=tenacity.stop_after_delay(30), wait=tenacity.wait_fixed(1), reraise=True,
+        retry=tenacity.retry_if_exception_type(ray.exceptions.ActorUnavailableError))
+    probe(lambda: ray.get([w.info.remote() for w in workers], timeout=30))
+    history: list[dict] = probe(lambda: ray.get(workers[0].history.remote(), timeout=30))
+    return workers, pg, history
 
 
 def _actor(name: str):
@@ -113,9 +116,10 @@ def _placement_group(name: str):
         return None
 
 
-def _take_over(plane: Reconciling, job: JobRecord, rec: SliceRow, t: catalog.TpuType):
+def _take_over(plane: Reconciling, job: JobRecord, rec: SliceRow, t: catalog.TpuType, *, keep: set[str]):
     """Make the slice's provider follow it again; on gcp, also give back what else carries the job's
-    label in the cloud (a request an earlier controller made and the store never heard of)."""
+    label in the cloud (a request an earlier controller made and the store never heard of) and is not
+    one of the slices adopted (`keep`)."""
     hosts = tuple(Host(i, r) for i, r in enumerate(rec.data["hosts"]))
     s = Slice(rec.name, job.id, t, catalog.Tier(rec.tier), rec.data.get("zone"), SliceState.READY, hosts,
               rec.provider)
@@ -129,19 +133,20 @@ def _take_over(plane: Reconciling, job: JobRecord, rec: SliceRow, t: catalog.Tpu
     assert isinstance(provider, GcpTpuProvider) and spec.gcp is not None, "a slice in a cloud is on gcp"
     provider.adopt(s, rec.data.get("zone") or spec.gcp.zones[0])
     for found in provider.list(job_id=job.id):
-        if found.name != s.name:
+        if found.name not in keep:
             log.info("job %s: releasing slice %s, found in the cloud beside the one its workers run on",
                      job.id, found.name)
             provider.release(found.name)
     return provider
 
 
-def running_slice(store, job: JobRecord, slices: list[SliceRow]) -> tuple[SliceRow | None, list[SliceRow]]:
-    """Of a job's live slices, the one its current generation was launched on (None if none
-    is), and the others: a move's request waiting beside it, or a slice READY for a switch not
-    made. A job holds two slices while a move is made before break."""
-    launched = [e.payload.slice for e in store.events(job.id, kind=EventKind.LAUNCHED)
+def running_slices(store, job: JobRecord, slices: list[SliceRow]) -> tuple[list[SliceRow], list[SliceRow], bool]:
+    """Of a job's live slices, those its current generation was launched on, in launch order; the
+    others (a move's request waiting beside them, or a slice READY for a switch not made); and whether
+    the first are all the generation was launched on (not if a slice of it is gone)."""
+    launched = [e.payload for e in store.events(job.id, kind=EventKind.LAUNCHED)
                 if e.payload.generation == job.generation]
-    name = launched[-1] if launched else None
-    running = next((r for r in slices if r.name == name), None)
-    return running, [r for r in slices if r is not running]
+    names = [n for n in (launched[-1].slice_names or [launched[-1].slice]) if n] if launched else []
+    by_name = {r.name: r for r in slices}
+    running = [by_name[n] for n in names if n in by_name]
+    return running, [r for r in slices if r.name not in set(names)], bool(names) and len(running) == len(names)

@@ -16,6 +16,7 @@ import signal
 import time
 
 import pytest
+import ray
 
 from orchestrator import JobSpec, JobState
 from orchestrator.cluster import kill_host
@@ -135,3 +136,22 @@ def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client,
     last = restores[-1].data["restored_step"]
     assert last % INTERVAL == 0 or last == stopped or last in behind, (last, stopped, behind)
     print(f"from the kill to the next step on the surviving slices: {resumed_after:.1f} s")
+
+
+def test_a_two_slice_job_outlives_its_controller_and_is_adopted_whole(client, tmp_path):
+    """The controller is killed while a job on two slices trains; Ray restarts it, and the new one adopts
+    both slices' workers (in launch order) instead of stopping them: no second launch, no restore, no step
+    computed twice, and the job finishes on the same two slices."""
+    job = client.submit(spec("ms-adopt", tmp_path, accelerator="v4-8", steps=STEPS))
+    wait_step(job, 6)
+    before = [s.name for s in live_slices(client, job)]
+    ray.kill(client.controller(), no_restart=False)  # Ray restarts it; the new one finds the running workers
+    st = job.wait(timeout_s=600)
+    assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
+    assert len(kinds(job, "launched")) == 1, [e.reason for e in job.events()]
+    adopted = [e for e in job.events() if e.kind == "adopted"]
+    assert adopted, [e.reason for e in job.events()]
+    assert len(kinds(job, "restore")) == 1  # the first start's only
+    assert [m.step for m in job.metrics()] == list(range(STEPS))
+    assert not kinds(job, "disruption")
+    assert len(before) == 2

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from orchestrator import catalog, cluster
-from orchestrator.control.adoption import running_slice
+from orchestrator.control.adoption import running_slices
 from orchestrator.control.waiting import Look, Waiting, look
 from orchestrator.observe.billing import billed_slices
 from orchestrator.providers.base import CapacityError, SliceEventKind, SliceRequest
@@ -102,11 +102,27 @@ def test_two_slice_adoption_keeps_the_running_one(tmp_path):
     store.add_event("j", Launched("j-2", ["n"], [1], 2), "gen 2")
     job = store.job("j")
     recs = [SliceRow(name, "j", "local", "v4-8", "spot", SliceState.READY, {}, 0.0) for name in ("j-3m1", "j-2")]
-    running, beside = running_slice(store, job, recs)
-    assert running is not None and running.name == "j-2" and [r.name for r in beside] == ["j-3m1"]
+    running, beside, whole = running_slices(store, job, recs)
+    assert [r.name for r in running] == ["j-2"] and whole and [r.name for r in beside] == ["j-3m1"]
     # No launch of this generation on any live slice: nothing is adopted, both are released.
-    running, beside = running_slice(store, job, [recs[0]])
-    assert running is None and [r.name for r in beside] == ["j-3m1"]
+    running, beside, whole = running_slices(store, job, [recs[0]])
+    assert running == [] and not whole and [r.name for r in beside] == ["j-3m1"]
+
+
+def test_a_multi_slice_generation_is_adopted_whole_in_launch_order_or_not_at_all(tmp_path):
+    store = Store(tmp_path / "state.db")
+    store.create_job("j", "j", {})
+    store.bump_generation("j")
+    store.add_event("j", Launched("j-1b", ["n1", "n2"], [1, 2], 1, 2, ["j-1b", "j-1a"]), "gen 1 on two slices")
+    job = store.job("j")
+    recs = [SliceRow(name, "j", "local", "v4-8", "spot", SliceState.READY, {}, 0.0)
+            for name in ("j-1a", "j-1b", "j-2m1")]
+    running, beside, whole = running_slices(store, job, recs)
+    assert [r.name for r in running] == ["j-1b", "j-1a"] and whole  # rank order is the launch's slice order
+    assert [r.name for r in beside] == ["j-2m1"]
+    # One slice of the generation gone while no controller ran: the group is not whole, its rest is stopped.
+    running, beside, whole = running_slices(store, job, recs[:1])
+    assert [r.name for r in running] == ["j-1a"] and not whole and beside == []
 
 
 def test_queue_timeout_counts_across_refusals(tmp_path):
