@@ -259,7 +259,7 @@ class Retry(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class Rule:
+class RecoveryRule:
     """How an attempt that ended one way counts: the budget it spends, whether it is tried again."""
 
     spends: Budget
@@ -267,25 +267,25 @@ class Rule:
     never_because: str = ""  # why it is not tried again, for Retry.NEVER and non-transient IF_TRANSIENT
 
 
-RULES: dict[OutcomeKind, Rule] = {
-    OutcomeKind.PREEMPTED: Rule(Budget.PREEMPTIONS, Retry.NOW),
-    OutcomeKind.INFRA_LOST: Rule(Budget.PREEMPTIONS, Retry.NOW),
-    OutcomeKind.WORKER_ABORTED: Rule(Budget.ABORTS, Retry.BACKOFF),
-    OutcomeKind.HUNG: Rule(Budget.FAILURES, Retry.BACKOFF),
-    OutcomeKind.APP_FAILED: Rule(Budget.FAILURES, Retry.BACKOFF),
-    OutcomeKind.USER_EXIT: Rule(Budget.FAILURES, Retry.IF_TRANSIENT,
+RULES: dict[OutcomeKind, RecoveryRule] = {
+    OutcomeKind.PREEMPTED: RecoveryRule(Budget.PREEMPTIONS, Retry.NOW),
+    OutcomeKind.INFRA_LOST: RecoveryRule(Budget.PREEMPTIONS, Retry.NOW),
+    OutcomeKind.WORKER_ABORTED: RecoveryRule(Budget.ABORTS, Retry.BACKOFF),
+    OutcomeKind.HUNG: RecoveryRule(Budget.FAILURES, Retry.BACKOFF),
+    OutcomeKind.APP_FAILED: RecoveryRule(Budget.FAILURES, Retry.BACKOFF),
+    OutcomeKind.USER_EXIT: RecoveryRule(Budget.FAILURES, Retry.IF_TRANSIENT,
                                 "the program ended itself with status 0; run again it would do the same"),
-    OutcomeKind.IMPORT_ERROR: Rule(Budget.FAILURES, Retry.NEVER,
+    OutcomeKind.IMPORT_ERROR: RecoveryRule(Budget.FAILURES, Retry.NEVER,
                                    "every slice would import the same code; fix it and submit again"),
-    OutcomeKind.STORAGE_FAILED: Rule(Budget.FAILURES, Retry.NEVER,
+    OutcomeKind.STORAGE_FAILED: RecoveryRule(Budget.FAILURES, Retry.NEVER,
                                      "the disk would refuse again; free space (or point checkpoint.directory "
                                      "elsewhere) and submit again: it goes on from the last committed step"),
-    OutcomeKind.PLATFORM_FAILED: Rule(Budget.FAILURES, Retry.NEVER,
+    OutcomeKind.PLATFORM_FAILED: RecoveryRule(Budget.FAILURES, Retry.NEVER,
                                       "every launch on these hosts would find the same chips"),
-    OutcomeKind.FOLDER_TAKEN: Rule(Budget.FAILURES, Retry.NEVER,
+    OutcomeKind.FOLDER_TAKEN: RecoveryRule(Budget.FAILURES, Retry.NEVER,
                                    "the folder's checkpoints are another job's now; give this job a checkpoint "
                                    "folder of its own and submit again"),
-    OutcomeKind.PROVISION_FAILED: Rule(Budget.FAILURES, Retry.IF_TRANSIENT),
+    OutcomeKind.PROVISION_FAILED: RecoveryRule(Budget.FAILURES, Retry.IF_TRANSIENT),
 }
 
 
