@@ -127,11 +127,17 @@ class HostWorker:
         key that seals them (the same way, never logged) and their period (`workers.beats`).
         """
         if beat is not None and self._beater is None:
-            address, key, period = beat
-            self._beater = beats.Beater((str(address[0]), int(address[1])), key, self.job_id, self.generation,
-                                        self.rank, period).start()
+            self.beat_to(*beat)
         threading.Thread(target=self._main, args=(coordinator, workload, share_key), daemon=True,
                          name="train").start()
+
+    def beat_to(self, address: tuple[str, int], key: bytes, period_s: float) -> None:
+        """Send this host's beats to `address` from now on, sealed with `key` (`workers.beats`): at `start`, and
+        when a restarted controller adopts this worker (its monitor is a new one)."""
+        if self._beater is not None:
+            self._beater.stop()
+        self._beater = beats.Beater((str(address[0]), int(address[1])), key, self.job_id, self.generation,
+                                    self.rank, period_s).start()
 
     def result(self) -> WorkerResult | None:
         """None while training; then how it ended."""

@@ -140,6 +140,8 @@ class RayWorkerGroup:
         self._monitor: liveness.Monitor | None = None
         self.slices = list(launch.slices)
         self.hosts = sum(s.tpu_type.hosts for s in self.slices)
+        if workers:
+            self._beats_here()
 
     def launch(self) -> Outcome | None:
         launch, spec, slices = self.launched, self.spec, self.slices
@@ -198,7 +200,25 @@ class RayWorkerGroup:
         ray.get([w.start.remote(coordinator, g, share_key, beat) for w, g in others], timeout=120)
         return None
 
-    def _watch_liveness(self, nodes: list[str]) -> tuple[tuple[str, int], bytes, float]:
+    def _beats_here(self) -> None:
+        """An adopted group's workers beat to the monitor of the controller that started them: point them at
+        this one's. Each host gets a window from now, so a host that went while no controller ran (it beats
+        no more) is found too."""
+        nodes = [node for node, _ in _placed(self.store, self.job_id, self.launched.generation)]
+        if len(nodes) != len(self.workers):
+            log.warning("job %s: no launch record names every host; its hosts are watched by Ray alone", self.job_id)
+            return
+        beat = self._watch_liveness(nodes, judged_from_now=True)
+        for w in self.workers:
+            try:
+                w.beat_to.remote(*beat)
+            except AttributeError:  # a worker of a version that does not beat: Ray's health check watches it
+                log.warning("job %s: its workers cannot beat; its hosts are watched by Ray alone", self.job_id)
+                self.stop_watching()
+                return
+
+    def _watch_liveness(self, nodes: list[str], *, judged_from_now: bool = False) -> tuple[tuple[str, int], bytes,
+                                                                                            float]:
         """Register this launch's hosts with the controller's liveness monitor; what each worker beats with:
         where to, the launch's key (over Ray's authenticated channel, never logged), and the period."""
         period = self.spec.recovery.beat_period_s
@@ -208,7 +228,7 @@ class RayWorkerGroup:
         mon = self._monitor = liveness.monitor(ray.util.get_node_ip_address())
         self.liveness = mon.watch(self.job_id, self.launched.generation, key,
                                   {rank: raylets.get(node) for rank, node in enumerate(nodes)},
-                                  liveness.Rule.for_period(period))
+                                  liveness.Rule.for_period(period), judged_from_now=judged_from_now)
         return mon.address, key, period
 
     def results(self, timeout_s: float) -> list[WorkerResult | None] | None:
@@ -304,10 +324,13 @@ class RayWorkerGroup:
         for w in self.workers:
             w.request_profile.remote(request)
 
-    def stop(self) -> None:
+    def stop_watching(self) -> None:
         if self.liveness is not None and self._monitor is not None:
             self._monitor.forget(self.job_id, self.launched.generation)
-            self.liveness = None
+        self.liveness = None
+
+    def stop(self) -> None:
+        self.stop_watching()
         kill_workers(self.workers, self.pg)
         self.workers, self.pg = [], None
 

@@ -15,7 +15,8 @@ the peer closing) counts as alive. A bare connect is not enough: a host whose pr
 its listen backlog, but nothing answers. A host that is merely slow (its beats late under load,
 its raylet answering) is not lost: it is probed again only after another `silence_s` without a
 beat. A beat that arrives while a probe runs cancels that probe's verdict. A host is judged only
-once it has sent a first beat (before that, Ray's own errors and the launch's timeouts cover it).
+once it has sent a first beat (before that, Ray's own errors and the launch's timeouts cover it); an
+adopted group's hosts are judged from their adoption (a host that went while no controller ran is found).
 So at the defaults a silent host is declared lost 1.0-2.0 s after its last beat, plus a check's tick.
 
 The verdict goes to the worker group (`orchestrator.control.group.RayWorkerGroup.silent_host`),
@@ -164,8 +165,14 @@ class Monitor:
         threading.Thread(target=self._check, daemon=True, name="liveness-check").start()
 
     def watch(self, job_id: str, generation: int, key: bytes, nodes: dict[int, Address | None],
-              rule: Rule) -> Hosts:
+              rule: Rule, *, judged_from_now: bool = False) -> Hosts:
+        """Watch a launch's hosts; `judged_from_now`: each as if it beat now (an adopted group's hosts, which beat
+        to another controller's monitor until told this one's, and one of which may have gone meanwhile)."""
         hosts = Hosts(rule, nodes)
+        if judged_from_now:
+            now = self._clock()
+            for rank in nodes:
+                hosts.beat(rank, now)
         with self._lock:
             self._watched[(job_id, generation)] = (key, hosts)
         return hosts

@@ -2,7 +2,9 @@
 hosts' beats and a probe of its node (`orchestrator.control.liveness`), not after Ray's health check.
 
 On share-nothing VMs of the TPU API emulator: a one-slice job gets a new slice and restores from the
-bucket; a two-slice job goes on on the survivors from their memory, losing no step.
+bucket; a two-slice job goes on on the survivors from their memory, losing no step; a job adopted by a
+restarted controller is watched by the new controller's monitor. Each run also checks the rule's other
+side on this loaded machine: no host is declared lost before the kill (one disruption in all).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import time
 
 import pytest
+import ray
 
 from orchestrator import JobState
 from tests.chaos.test_faults import kinds
@@ -57,6 +60,7 @@ def test_a_silent_vm_of_a_one_slice_job_is_seen_in_seconds_and_the_job_goes_on_o
     assert seen_after < DETECT_WITHIN_S
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
+    assert [d.data["kind"] for d in kinds(job, "disruption")] == ["infra_lost"]  # no false loss before it
     assert len(kinds(job, "launched")) == 2
     restored = [e.data["restored_step"] for e in kinds(job, "restore")]
     assert restored[-1] is not None and restored[-1] >= 4  # from the bucket's last committed step
@@ -80,8 +84,35 @@ def test_a_silent_vm_of_a_two_slice_job_is_seen_in_seconds_and_the_survivors_go_
     assert seen_after < DETECT_WITHIN_S
     st = job.wait(timeout_s=600)
     assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
+    assert [d.data["kind"] for d in kinds(job, "disruption")] == ["infra_lost"]  # no false loss before it
     restore = [e for e in kinds(job, "restore") if e.at >= killed]
     assert restore and restore[0].data.get("source") == "memory", [e.reason for e in kinds(job, "restore")]
     assert kinds(job, "lost_work")[-1].data["steps"] == 0
     resumed = [e for e in kinds(job, "resumed") if e.at >= killed]
     print(f"two slices: kill to next step {resumed[0].at - killed:.2f} s")
+
+
+def test_a_silent_vm_after_the_controller_restarted_is_seen_in_seconds_by_the_new_one(
+        client, tmp_path, vms, request, gcs_emulator):
+    """The new controller adopts the running workers and points their beats at its own monitor."""
+    _, gcp, backing = vms
+    spec = tiny_spec("silent-adopted", "v4-16", tmp_path, steps=24, provider="gcp", gcp=gcp,
+                     checkpoint={"interval_steps": 4, "directory": unique_folder(request)},
+                     storage={"endpoint": gcs_emulator.url}, recovery={"start_timeout_s": 180})
+    job = client.submit(spec)
+    wait_step(job, 4)
+    ray.kill(client.controller(), no_restart=False)  # Ray restarts it; the new one adopts the slice
+    wait_for(lambda: any("adopted" in e.reason for e in job.events()) or job.status().done, 120,
+             "the new controller to adopt the workers")
+    at = job.status().step
+    wait_for(lambda: job.status().step >= at + 2 or job.status().done, 120, "two steps after the adoption")
+    assert not job.status().done, job.status().reason
+    killed = silence_host_1(client, backing, job)
+    wait_for(lambda: any(e.at >= killed for e in kinds(job, "disruption")) or job.status().done, 60,
+             "the silent host to be seen lost")
+    disruption, seen_after = detection(job, killed)
+    print(f"adopted: a silent VM seen lost {seen_after:.2f} s after it went: {disruption.reason}")
+    assert "no beat for" in disruption.reason and seen_after < DETECT_WITHIN_S
+    st = job.wait(timeout_s=600)
+    assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
+    assert [d.data["kind"] for d in kinds(job, "disruption")] == ["infra_lost"]

@@ -187,6 +187,19 @@ def test_a_slow_host_whose_node_answers_is_not_lost_by_the_monitor():
         mon.close()
 
 
+def test_an_adopted_groups_host_that_never_beats_here_is_found():
+    """Hosts judged from their adoption: one that went while no controller ran sends no beat at all."""
+    mon = Monitor("127.0.0.1", probe=lambda node, timeout: "refused")
+    key = b"a" * 32
+    h = mon.watch("job-2", 4, key, {0: NODE, 1: NODE}, FAST, judged_from_now=True)
+    beater = beats.Beater(mon.address, key, "job-2", 4, 0, period_s=0.05).start()
+    try:
+        assert h.changed.wait(1.0) and h.lost is not None and h.lost.rank == 1
+    finally:
+        beater.stop()
+        mon.close()
+
+
 def test_beats_sealed_with_another_key_do_not_keep_a_host_alive():
     mon, h, beaters, _ = monitored(lambda node, timeout: "refused")
     try:
