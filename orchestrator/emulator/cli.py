@@ -5,7 +5,7 @@
                                                nodes and Cloud Storage with a bucket; prints the job-file lines
     orchestrator emulator slices               what the running one has: slices, states, hosts
     orchestrator emulator reclaim SLICE        the service takes a spot slice back (SUSPENDING, then PREEMPTED)
-    orchestrator emulator poweroff SLICE [--host N]   its VMs, or one, powered off
+    orchestrator emulator poweroff SLICE [--host N [--silent]]   its VMs, or one, powered off (silent: no reset)
     orchestrator emulator notice SLICE [--host N]     a preemption notice on its VMs' metadata servers
 
 The subcommands act on the `--vms` emulator of the same state directory ($ORCHESTRATOR_HOME), through its
@@ -145,13 +145,16 @@ def reclaim(slice_name: str = typer.Argument(..., metavar="SLICE", help="The sli
 
 @app.command()
 def poweroff(slice_name: str = typer.Argument(..., metavar="SLICE", help="The slice (its node or queued resource)."),
-             host: Optional[int] = HostOpt) -> None:
+             host: Optional[int] = HostOpt,
+             silent: bool = typer.Option(False, "--silent", help="With --host: as a host that loses power, its "
+                                         "processes frozen; its peers see silence, not a reset.")) -> None:
     """Power a slice's VMs off: every host (its node TERMINATED), or one (the API still says READY)."""
-    name = _act(lambda c: c.power_off(slice_name, host=host), slice_name)
+    name = _act(lambda c: c.power_off(slice_name, host=host, silent=silent), slice_name)
     if host is None:
         print(f"powered off every host of {name}: its node is TERMINATED")
     else:
-        print(f"powered off host {host} of {name}, as a crashed host: the API still says READY")
+        how = "silently, as a host that lost power" if silent else "as a crashed host"
+        print(f"powered off host {host} of {name}, {how}: the API still says READY")
 
 
 @app.command()

@@ -53,8 +53,8 @@ class ControlClient:
     def terminate(self, name: str) -> str:
         return self._post("terminate", {"name": name})["name"]
 
-    def power_off(self, name: str, *, host: int | None = None) -> str:
-        return self._post("poweroff", {"name": name, "host": host})["name"]
+    def power_off(self, name: str, *, host: int | None = None, silent: bool = False) -> str:
+        return self._post("poweroff", {"name": name, "host": host, "silent": silent})["name"]
 
     def notice(self, name: str, *, host: int | None = None, event: str = "preempted") -> list[int]:
         return self._post("notice", {"name": name, "host": host, "event": event})["hosts"]

@@ -27,7 +27,8 @@ browsers send and the TPU client never does, is refused with 403.
     POST /_emulator/clear-faults      {}
     POST /_emulator/reclaim           {"name"}   a queued resource or node, id or full name
     POST /_emulator/terminate         {"name"}   a node's host dies (node TERMINATED)
-    POST /_emulator/poweroff          {"name", "host"?}  VMs off: all (node TERMINATED) or host N (needs VMs)
+    POST /_emulator/poweroff          {"name", "host"?, "silent"?}  VMs off: all (node TERMINATED) or host N
+                                      (needs VMs); silent: host N's processes frozen, peers see no reset
     POST /_emulator/notice            {"name", "host"?, "event"?: "preempted"|"maintenance"}  on VMs' metadata
 
 Request headers are never logged or stored: a request's record keeps only whether
@@ -114,7 +115,7 @@ class EmulatorSurface(Protocol):
 
     def terminate(self, name: str) -> str: ...
 
-    def power_off(self, name: str, *, host: int | None = None) -> str: ...
+    def power_off(self, name: str, *, host: int | None = None, silent: bool = False) -> str: ...
 
     def notice(self, name: str, *, host: int | None = None, event: str = "preempted") -> list[int]: ...
 
@@ -256,7 +257,7 @@ _CONTROL_OPERATIONS: dict[str, Callable[[EmulatorSurface, dict[str, Any]], Any]]
     "clear-faults": lambda emu, a: emu.clear_faults(),
     "reclaim": lambda emu, a: {"name": emu.reclaim(a["name"])},
     "terminate": lambda emu, a: {"name": emu.terminate(a["name"])},
-    "poweroff": lambda emu, a: {"name": emu.power_off(a["name"], host=_host(a))},
+    "poweroff": lambda emu, a: {"name": emu.power_off(a["name"], host=_host(a), silent=_silent(a))},
     "notice": lambda emu, a: {"hosts": emu.notice(a["name"], host=_host(a), event=_event(a))},
 }
 
@@ -266,6 +267,13 @@ def _host(args: dict[str, Any]) -> int | None:
     if host is not None and (isinstance(host, bool) or not isinstance(host, int)):
         raise invalid(f"host must be a host's number (0, 1, ...), got {host!r}")
     return host
+
+
+def _silent(args: dict[str, Any]) -> bool:
+    silent = args.get("silent", False)
+    if not isinstance(silent, bool):
+        raise invalid(f"silent must be true or false, got {silent!r}")
+    return silent
 
 
 def _event(args: dict[str, Any]) -> str:

@@ -30,7 +30,7 @@ from http.server import ThreadingHTTPServer
 from typing import Any, Protocol
 
 from orchestrator.emulator.control import ControlClient
-from orchestrator.emulator.errors import failed_precondition, no_such_host
+from orchestrator.emulator.errors import failed_precondition, invalid, no_such_host
 from orchestrator.emulator.faults import Faults
 from orchestrator.emulator.machines import MachineTimings
 from orchestrator.emulator.routes import ApiHandler, EmulatorSurface, RequestRecord
@@ -48,7 +48,7 @@ class HostControl(Protocol):
     """What backs the nodes' hosts with machines that can be powered off and told of a notice (VMs):
     `ray_backing.RayBackedNodes` in share-nothing mode. Errors are `ApiError`s, answered as such."""
 
-    def power_off(self, node_id: str, host: int) -> None: ...
+    def power_off(self, node_id: str, host: int, *, silent: bool = False) -> None: ...
 
     def notice(self, node_id: str, host: int | None, event: str) -> list[int]: ...
 
@@ -183,15 +183,18 @@ class Emulator:
         """A host of the node dies: the node becomes TERMINATED at once."""
         return self.world.terminate(name)
 
-    def power_off(self, name: str, *, host: int | None = None) -> str:
+    def power_off(self, name: str, *, host: int | None = None, silent: bool = False) -> str:
         """Power a slice's VMs off: every host (the node TERMINATED, as `terminate`), or host number `host`
-        alone (a crashed host: the API still says READY, as the real one does until it notices)."""
+        alone (a crashed host: the API still says READY, as the real one does until it notices); `silent`: that
+        host's processes frozen, so its peers see silence rather than a reset (`EmulatedVm.silence`)."""
         if host is None:
+            if silent:
+                raise invalid("a silent power-off names one host (--host N)")
             return self.terminate(name)
         node = self.world.node(name)
         if not 0 <= host < node.worker_count:
             raise no_such_host(node.node_id, host, node.worker_count)
-        self._hosts().power_off(node.node_id, host)
+        self._hosts().power_off(node.node_id, host, silent=silent)
         return node.name
 
     def notice(self, name: str, *, host: int | None = None, event: str = "preempted") -> list[int]:

@@ -149,6 +149,13 @@ def test_notice_and_poweroff_act_on_one_host_and_reclaim_on_the_slice(world):
     assert [h["alive"] for h in world.hosts("s1")] == [False, True]
     assert world.node_state("s1") == NodeState.READY  # a crashed host: the API does not know yet
 
+    r = emulator(world.home, "poweroff", "s1", "--host", "1", "--silent")  # its processes frozen, no reset
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("powered off host 1 of ") and r.stdout.endswith(
+        "/s1, silently, as a host that lost power: the API still says READY\n"), r.stdout
+    assert [h["alive"] for h in world.hosts("s1")] == [False, False]
+    assert world.node_state("s1") == NodeState.READY
+
     r = emulator(world.home, "reclaim", "s1")
     assert r.returncode == 0, r.stderr
     assert world.qr_state("s1") in (QRState.SUSPENDING, QRState.SUSPENDED)

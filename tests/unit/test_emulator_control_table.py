@@ -40,7 +40,8 @@ CALLS = [  # (the client's method, its arguments, what the emulator is asked: me
     ("clear_faults", (), {}, ("clear_faults", (), {})),
     ("reclaim", ("q1",), {}, ("reclaim", ("q1",), {})),
     ("terminate", ("q1",), {}, ("terminate", ("q1",), {})),
-    ("power_off", ("q1",), {"host": 1}, ("power_off", ("q1",), {"host": 1})),
+    ("power_off", ("q1",), {"host": 1}, ("power_off", ("q1",), {"host": 1, "silent": False})),
+    ("power_off", ("q1",), {"host": 1, "silent": True}, ("power_off", ("q1",), {"host": 1, "silent": True})),
     ("notice", ("q1",), {"event": "maintenance"}, ("notice", ("q1",), {"host": None, "event": "maintenance"})),
 ]
 
