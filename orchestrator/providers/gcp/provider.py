@@ -43,6 +43,21 @@ class Polling:
     capacity_wait_s: float = 900.0  # queued longer than this in one zone counts as no capacity
     accept_grace_s: float = 30.0  # a just-created queued resource may not be readable yet
     request_timeout_s: float = 30.0  # one HTTP call
+    # Following more than `list_over` slices in a zone, the provider looks at them all through one listing of
+    # the zone's queued resources and nodes, at most every `list_s` (2 calls, however many slices), not 1-2
+    # GETs per slice per look: every running job's driver looks at its slices 4 times a second.
+    list_over: int = 8
+    list_s: float = 1.0
+
+
+@dataclass(frozen=True)
+class ZoneListing:
+    """One listing of a zone: its queued resources by short name and its nodes by full name, and when
+    (monotonic) the listing began."""
+
+    at: float
+    qrs: dict[str, Any]
+    nodes: dict[str, Any]
 
 
 class GcpTpuProvider:
@@ -90,6 +105,8 @@ class GcpTpuProvider:
         self._tracked: dict[str, Tracked] = {}
         self._events: list[SliceEvent] = []
         self._found: dict[str, set[tuple[str, str]]] = {}  # name -> {(zone, "qr"|"node")} seen by list()
+        self._listings: dict[str, ZoneListing] = {}  # zone -> its latest listing (see Polling.list_over)
+        self._listing_locks: dict[str, threading.Lock] = {}  # one listing of a zone at a time
 
     # -- the SliceProvider protocol --------------------------------------------------------
 
@@ -270,7 +287,47 @@ class GcpTpuProvider:
         except Exception:  # the record of a change must not break following the slice
             log.exception("on_change failed for slice %s (%s)", t.req.name, t.state.value)
 
+    def _listing(self, zone: str) -> ZoneListing | None:
+        """The zone's listing, no older than `Polling.list_s`, while more than `list_over` of our slices
+        are followed there; else None (each look GETs its own)."""
+        with self._lock:
+            followed = sum(1 for t in self._tracked.values() if t.zone == zone and not t.released)
+            lock = self._listing_locks.setdefault(zone, threading.Lock())
+        if followed <= self._poll.list_over:
+            return None
+        with lock:  # the callers of one moment share one listing
+            listing = self._listings.get(zone)
+            if listing is not None and time.monotonic() - listing.at <= self._poll.list_s:
+                return listing
+            at = time.monotonic()
+            try:
+                qrs, nodes = self._api.list_zone(zone)
+            except CloudApiError as e:  # the slices are looked at one by one meanwhile
+                log.warning("could not list %s/%s: %s", self.project, zone, e)
+                return None
+            listing = self._listings[zone] = ZoneListing(at, {q.name.rsplit("/", 1)[1]: q for q in qrs}, nodes)
+            return listing
+
     def _look(self, t: Tracked) -> Seen:
+        listing = self._listing(t.zone)
+        # A queued resource missing from the listing (created since, or gone) is asked for by name.
+        qr = listing.qrs.get(t.req.name) if listing is not None else None
+        if qr is None:
+            return self._look_by_name(t)
+        st = qr.state
+        error = (st.failed_data.error.code, st.failed_data.error.message) if st.state == QRS.FAILED else None
+        seen = Seen(qr=st.state.name, initiator=st.state_initiator.name, error=error)
+        if st.state in (QRS.PROVISIONING, QRS.ACTIVE, QRS.SUSPENDING, QRS.SUSPENDED):
+            assert listing is not None, "a queued resource came from the listing"
+            node = listing.nodes.get(self._api.full_name(t.zone, "node", t.req.name))
+            if node is None:  # listed before the node was made: ask for it
+                node = self._api.get(t.zone, "node", t.req.name)
+            if node is not None:
+                seen = replace(seen, node=node.state.name,
+                               addresses=tuple(e.ip_address for e in node.network_endpoints))
+        return seen
+
+    def _look_by_name(self, t: Tracked) -> Seen:
         qr = self._api.get(t.zone, "qr", t.req.name)
         if qr is None:
             return Seen(qr=None)

@@ -1,0 +1,76 @@
+"""The fleet benchmark's world at a small N (`benchmarks/fleet.py`): many real drivers over one store and
+one gcp provider on the TPU API emulator, scripted hosts. Every job must end SUCCEEDED with every step
+recorded once, a reclaimed slice's job must go on on a new slice, and no slice may be left behind; and with
+more slices than `Polling.list_over` the provider looks at them through the zone's listing, not a GET each."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+import pytest
+
+from benchmarks import fleet_world
+from benchmarks.fleet import job_spec
+from benchmarks.fleet_world import FleetWorld
+from orchestrator.control.job import loop
+from orchestrator.emulator import running_emulator
+
+N, STEPS = 12, 12
+
+
+@pytest.fixture
+def no_fence(monkeypatch):
+    """The fence goes to Cloud Storage in production; the benchmark counts it and skips it."""
+    monkeypatch.setattr(loop, "write_fence", lambda spec, generation, owner=None: None)
+
+
+def _run(tmp_path, *, list_over: int | None) -> tuple[FleetWorld, dict[str, int], list[str]]:
+    with running_emulator(time_scale=0.005, zones=(fleet_world.ZONE,)) as emu:
+        world = FleetWorld(tmp_path / "home", emu.url, step_s=0.05, notice_every=0, serve=False,
+                           list_over=list_over)
+        for i in range(N):
+            world.submit(f"fleet-{i:04d}", job_spec(i, emu.url, steps=STEPS, autoscale=i % 4 == 0))
+        reclaimed = []
+        deadline = time.monotonic() + 90
+        while world.running() and time.monotonic() < deadline:
+            if not reclaimed:  # one running spot slice taken back by the service, once
+                with emu.world._cond:
+                    active = [q.name for q in emu.world._qrs.values() if q.state == "ACTIVE" and "spot" in q.spec]
+                if active:
+                    emu.reclaim(active[0])
+                    reclaimed.append(active[0].rsplit("/", 1)[1])
+            time.sleep(0.05)
+        assert not world.running(), f"{world.running()} jobs still running after 90 s"
+        time.sleep(0.5)  # deletes settle
+        with emu.world._cond:
+            left = [q.name for q in emu.world._qrs.values() if q.state != "DELETING"]
+        counts = {m: emu.request_count(m) for m in ("queuedResources.get", "queuedResources.list", "nodes.list")}
+    assert not left, f"queued resources left in the API: {left}"
+    return world, counts, reclaimed
+
+
+def _check_store(world: FleetWorld, reclaimed: list[str]) -> None:
+    db = sqlite3.connect(world.home.db)
+    states = dict(db.execute("SELECT id, state FROM jobs").fetchall())
+    assert states == {f"fleet-{i:04d}": "SUCCEEDED" for i in range(N)}
+    for job in states:
+        steps = [r[0] for r in db.execute("SELECT step FROM steps WHERE job_id=? ORDER BY step", (job,))]
+        assert steps == list(range(STEPS)), f"{job} recorded steps {steps}"
+    live = db.execute("SELECT name, state FROM slices WHERE state NOT IN ('RELEASED', 'GONE')").fetchall()
+    assert not live, f"slices the store still counts as live: {live}"
+    if reclaimed:  # its job went on on another slice
+        (job,) = db.execute("SELECT job_id FROM slices WHERE name=?", (reclaimed[0],)).fetchone()
+        assert db.execute("SELECT COUNT(*) FROM slices WHERE job_id=?", (job,)).fetchone()[0] >= 2
+
+
+def test_a_fleet_ends_as_it_should_through_the_zone_listing(tmp_path, no_fence):
+    world, counts, reclaimed = _run(tmp_path, list_over=4)
+    _check_store(world, reclaimed)
+    assert counts["queuedResources.list"] > 0 and counts["nodes.list"] > 0
+
+
+def test_a_fleet_ends_as_it_should_looking_at_each_slice(tmp_path, no_fence):
+    world, counts, reclaimed = _run(tmp_path, list_over=1_000_000)
+    _check_store(world, reclaimed)
+    assert counts["queuedResources.list"] == 0 and counts["queuedResources.get"] > 0
