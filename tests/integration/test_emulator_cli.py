@@ -111,9 +111,13 @@ def world(tmp_path_factory):
     try:
         yield w
     finally:
-        if w.proc.poll() is None:
-            w.proc.kill()
-            w.proc.wait()
+        if w.proc.poll() is None:  # as Ctrl-C: it powers its VMs off (one it is still powering off included)
+            w.proc.terminate()
+            try:
+                w.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                w.proc.kill()
+                w.proc.wait()
 
 
 def test_it_prints_the_lines_of_a_valid_gcp_job_whose_bucket_is_writable(world):
