@@ -224,6 +224,38 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
 
 
+def _reclaim_latencies(reclaims: list[tuple[str, float]], slice_job: dict[str, str],
+                       slice_events: dict[str, list[tuple[float, str, str]]]) -> dict:
+    """From each reclaim in the API: to the job's next request, to the controller seeing it, and on."""
+    reclaim_to_request, by_view, seen_s, seen_to_request = [], {}, [], []
+    for name, at in reclaims:
+        job = slice_job.get(name)
+        evs = slice_events.get(job, [])
+        nxt = [t for t, s, st in evs if st == "REQUESTED" and t > at and s != name]
+        if nxt:
+            reclaim_to_request.append(min(nxt) - at)
+        # What the controller held the slice for when the API took it back: READY (its workers ran on it)
+        # or still a request (WAITING/PROVISIONING: a queued request the job looks at only now and then).
+        before = [st for t, s, st in evs if s == name and t <= at]
+        view = before[-1] if before else "unseen"
+        seen = [t for t, s, st in evs if s == name and st in ("PREEMPTING", "GONE") and t >= at]
+        if seen:
+            by_view.setdefault(view, []).append(min(seen) - at)
+            seen_s.append(min(seen) - at)
+            later = [t for t in nxt if t >= min(seen)]
+            if later:
+                seen_to_request.append(min(later) - min(seen))
+    return {"reclaim_to_next_request_s": {"n": len(reclaim_to_request), "p50": pct(reclaim_to_request, 0.5),
+                                          "p99": pct(reclaim_to_request, 0.99),
+                                          "max": pct(reclaim_to_request, 1.0)},
+            "reclaim_seen_s": {"n": len(seen_s), "p50": pct(seen_s, 0.5), "p99": pct(seen_s, 0.99),
+                               "by_controller_view": {v: {"n": len(x), "p50": pct(x, 0.5), "p99": pct(x, 0.99)}
+                                                      for v, x in sorted(by_view.items())}},
+            "seen_to_next_request_s": {"n": len(seen_to_request), "p50": pct(seen_to_request, 0.5),
+                                       "p99": pct(seen_to_request, 0.99)},
+            "reclaims_without_next_request": len(reclaims) - len(reclaim_to_request)}
+
+
 def from_store(db: Path, reclaims: list[tuple[str, float]]) -> dict:
     """Latencies, outcomes and leftovers read back from the store after the run."""
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
@@ -239,12 +271,7 @@ def from_store(db: Path, reclaims: list[tuple[str, float]]) -> dict:
             slice_events.setdefault(r["job_id"], []).append((r["at"], data.get("name"), data.get("state")))
         if r["to_state"] == "STARTING" and isinstance(data, dict) and data.get("slice"):
             starts.setdefault(r["job_id"], []).append((r["at"], data["slice"]))
-    reclaim_to_request = []
-    for name, at in reclaims:
-        job = slice_job.get(name)
-        nxt = [t for t, s, st in slice_events.get(job, []) if st == "REQUESTED" and t > at and s != name]
-        if nxt:
-            reclaim_to_request.append(min(nxt) - at)
+    reclaim = _reclaim_latencies(reclaims, slice_job, slice_events)
     ready_to_launch = []
     for job, evs in slice_events.items():
         for t, s, st in evs:
@@ -260,12 +287,9 @@ def from_store(db: Path, reclaims: list[tuple[str, float]]) -> dict:
     events = con.execute("SELECT COUNT(*) FROM events").fetchone()[0]
     lifetimes = [r[0] for r in con.execute("SELECT updated_at - created_at FROM jobs")]
     con.close()
-    return {"reclaim_to_next_request_s": {"n": len(reclaim_to_request), "p50": pct(reclaim_to_request, 0.5),
-                                          "p99": pct(reclaim_to_request, 0.99),
-                                          "max": pct(reclaim_to_request, 1.0)},
+    return {**reclaim,
             "ready_to_launch_s": {"n": len(ready_to_launch), "p50": pct(ready_to_launch, 0.5),
                                   "p99": pct(ready_to_launch, 0.99), "max": pct(ready_to_launch, 1.0)},
-            "reclaims_without_next_request": len(reclaims) - len(reclaim_to_request),
             "job_states": states, "live_slices_in_store": live, "step_rows": steps, "events": events,
             "event_kinds": kinds, "job_hours": sum(lifetimes) / 3600}
 
@@ -330,6 +354,8 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                   "writes_per_s": round(childj["writes"] / run_s, 1) if childj.get("writes") else None,
                   "events": store["events"], "step_rows": store["step_rows"]},
         "reclaim_to_next_request_s": store["reclaim_to_next_request_s"],
+        "reclaim_seen_s": store["reclaim_seen_s"], "seen_to_next_request_s": store["seen_to_next_request_s"],
+        "reclaimed": [(name, round(at, 3)) for name, at in weather.reclaims],
         "ready_to_launch_s": store["ready_to_launch_s"],
         "reclaims": len(weather.reclaims), "reclaims_without_next_request": store["reclaims_without_next_request"],
         "stockout_ticks": weather.stockout_ticks, "trace_ticks": weather.ticks, "notices": childj.get("notices"),
