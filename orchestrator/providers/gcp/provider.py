@@ -291,6 +291,9 @@ class GcpTpuProvider:
         """The zone's listing, no older than `Polling.list_s`, while more than `list_over` of our slices
         are followed there; else None (each look GETs its own)."""
         with self._lock:
+            listing = self._listings.get(zone)
+            if listing is not None and time.monotonic() - listing.at <= self._poll.list_s:
+                return listing  # without counting the slices: that is done once a listing, not once a look
             followed = sum(1 for t in self._tracked.values() if t.zone == zone and not t.released)
             lock = self._listing_locks.setdefault(zone, threading.Lock())
         if followed <= self._poll.list_over:
