@@ -1,6 +1,7 @@
 """The durable store: jobs, their events, per-step metrics and slices, in SQLite (WAL).
 
-The only module that writes SQL. Each state change is one transaction: a guarded
+The only module that writes SQL, with `schema` (the tables and their upgrades); the frozen records
+it returns are in `records`. Each state change is one transaction: a guarded
 UPDATE that succeeds only from an allowed previous state, plus its event row, so a
 crash never leaves a state without its event or the reverse. Readers (`status`,
 `logs` from another shell) never block the controller's writes.
@@ -22,183 +23,19 @@ import sqlite3
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator, TypeVar
+from typing import Any, Iterator
 
 from orchestrator.domain.shape import Shape
-from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import FolderInUseError, IllegalTransitionError, JobNotFoundError, StoreFaultError
-from orchestrator.state.events import PAYLOADS, EventKind, Payload, SliceChanged, StateChange
-from orchestrator.state.states import JOB_TRANSITIONS, FailedBecause, JobState, SliceState, check_slice
+from orchestrator.state.events import EventKind, Payload, SliceChanged, StateChange
+from orchestrator.state.records import Event, JobRecord, SliceRow, StepMetric, event_from_row, job_from_row
+from orchestrator.state.schema import SCHEMA, SCHEMA_VERSION, upgrade
+from orchestrator.state.states import JOB_TRANSITIONS, JobState, SliceState, check_slice
 
-P = TypeVar("P", bound=Payload)
+__all__ = ["SCHEMA_VERSION", "Event", "JobRecord", "SliceRow", "StepMetric", "Store"]  # the records: `state.records`
+
 log = logging.getLogger(__name__)
-
-SCHEMA_VERSION = 5  # 2: steps.metrics; 3: jobs.cause; 4: jobs.folder; 5: jobs.shape
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    name TEXT NOT NULL,
-    spec TEXT NOT NULL,
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '',
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    generation INTEGER NOT NULL DEFAULT 0,
-    preemptions INTEGER NOT NULL DEFAULT 0,
-    failures INTEGER NOT NULL DEFAULT 0,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    error TEXT,
-    result TEXT,
-    cause TEXT,
-    folder TEXT,  -- the checkpoint folder's key (`orchestrator.control.ownership.folder_key`)
-    shape TEXT  -- where the job runs now, [accelerator, tier, slices]; NULL: as submitted
-);
-CREATE TABLE IF NOT EXISTS events (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    job_id TEXT NOT NULL,
-    at REAL NOT NULL,
-    kind TEXT NOT NULL,
-    from_state TEXT,
-    to_state TEXT,
-    reason TEXT NOT NULL,
-    data TEXT
-);
-CREATE INDEX IF NOT EXISTS events_job ON events (job_id, seq);
-CREATE INDEX IF NOT EXISTS events_kind_at ON events (kind, at);
-CREATE TABLE IF NOT EXISTS steps (
-    job_id TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    generation INTEGER NOT NULL,
-    loss REAL NOT NULL,
-    tokens_per_s REAL,
-    step_time_s REAL,
-    at REAL NOT NULL,
-    metrics TEXT,
-    PRIMARY KEY (job_id, step)
-);
-CREATE TABLE IF NOT EXISTS slices (
-    name TEXT PRIMARY KEY,
-    job_id TEXT NOT NULL,
-    provider TEXT NOT NULL,
-    accelerator TEXT NOT NULL,
-    tier TEXT NOT NULL,
-    state TEXT NOT NULL,
-    data TEXT NOT NULL,
-    updated_at REAL NOT NULL
-);
-"""
-
-
-@dataclass(frozen=True)
-class JobRecord:
-    id: str
-    name: str
-    stored_spec: dict  # the spec's JSON as the store keeps it (`spec` is it parsed)
-    state: JobState
-    reason: str
-    created_at: float
-    updated_at: float
-    generation: int
-    preemptions: int
-    failures: int
-    cancel_requested: bool
-    error: str | None
-    result: dict | None
-    cause: FailedBecause | None = None  # why a FAILED job failed
-    stored_shape: list | None = None  # where the job runs now, if not where it was submitted to run
-
-    @cached_property
-    def submitted(self) -> JobSpec:
-        """The spec as the user submitted it, typed (parsed on first read: a listing that shows names and
-        states parses none). Never rewritten: a move, resize or autoscale changes `shape` only."""
-        return JobSpec.from_stored(self.stored_spec)
-
-    @cached_property
-    def shape(self) -> Shape:
-        """Where the job runs now (or would next): the slices of its last placement, else as submitted."""
-        if self.stored_shape is not None:
-            accelerator, tier, count = self.stored_shape
-            return Shape(accelerator, tier, count)
-        s = self.submitted
-        return Shape(s.accelerator, s.tier.value, s.slices)
-
-    @property
-    def placed_json(self) -> dict:
-        """The stored spec's JSON placed where the job runs now, unparsed: what views that must never fail
-        on a row they cannot parse (status, the dashboard, metrics) show as its slices."""
-        if self.stored_shape is None:
-            return self.stored_spec
-        accelerator, tier, count = self.stored_shape
-        return {**self.stored_spec, "accelerator": accelerator, "tier": tier, "slices": count}
-
-    @cached_property
-    def spec(self) -> JobSpec:
-        """The submitted spec placed on `shape`: what the next launch runs (everything but the slices is
-        the user's)."""
-        s, shape = self.submitted, self.shape
-        if shape == Shape(s.accelerator, s.tier.value, s.slices):
-            return s
-        return s.moved(shape.accelerator, shape.tier, slices=shape.count)
-
-
-@dataclass(frozen=True)
-class SliceRow:
-    """A slice as the store keeps it: the provider's last word on it."""
-
-    name: str
-    job_id: str
-    provider: str  # "local" or "gcp"
-    accelerator: str
-    tier: str
-    state: SliceState
-    data: dict  # the provider's: "hosts" (each host's resource, rank order), "pgids" (local), "zone"
-    updated_at: float
-
-
-@dataclass(frozen=True)
-class Event:
-    seq: int
-    job_id: str
-    at: float
-    kind: EventKind
-    from_state: JobState | None  # a STATE event's move; None for every other kind
-    to_state: JobState | None
-    reason: str
-    data: dict | None
-
-    @property
-    def payload(self) -> Payload:
-        """The event's record (`orchestrator.state.events`), as it was written."""
-        return PAYLOADS[self.kind].from_data(self.data)
-
-    def payload_as(self, cls: type[P]) -> P:
-        """The event's record as `cls`, the record class of the kind the caller checked (any other is a bug)."""
-        payload = self.payload
-        if not isinstance(payload, cls):
-            raise TypeError(f"job {self.job_id}: event {self.seq} is a {self.kind.value} event, not {cls.__name__}")
-        return payload
-
-
-@dataclass(frozen=True)
-class StepMetric:
-    step: int
-    generation: int
-    loss: float
-    tokens_per_s: float | None
-    step_time_s: float | None
-    at: float
-    # The program's own metrics and the loop's (tflops_per_chip, mfu, hbm_in_use_gib, hbm_peak_gib).
-    metrics: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_row(cls, row) -> "StepMetric":
-        step, generation, loss, tokens_per_s, step_time_s, at, metrics = tuple(row)
-        return cls(step, generation, loss, tokens_per_s, step_time_s, at, json.loads(metrics) if metrics else {})
 
 
 def _set_aside_orphans(path: Path) -> None:
@@ -238,7 +75,7 @@ class Store:
         return int(row[0]) if row else None
 
     def _create_or_upgrade(self) -> None:
-        self._conn().executescript(_SCHEMA)  # idempotent; executescript commits on its own
+        self._conn().executescript(SCHEMA)  # idempotent; executescript commits on its own
         with self._tx(check=False) as db:
             row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
             if row is None:
@@ -246,15 +83,7 @@ class Store:
             elif int(row[0]) > SCHEMA_VERSION:
                 raise RuntimeError(f"{self.path} has schema version {row[0]}; this version reads {SCHEMA_VERSION}")
             elif int(row[0]) < SCHEMA_VERSION:  # a store of an older version: add what it lacks
-                columns = {c[1] for c in db.execute("PRAGMA table_info(steps)")}
-                if "metrics" not in columns:
-                    db.execute("ALTER TABLE steps ADD COLUMN metrics TEXT")
-                if "cause" not in {c[1] for c in db.execute("PRAGMA table_info(jobs)")}:
-                    db.execute("ALTER TABLE jobs ADD COLUMN cause TEXT")
-                if "folder" not in {c[1] for c in db.execute("PRAGMA table_info(jobs)")}:
-                    db.execute("ALTER TABLE jobs ADD COLUMN folder TEXT")  # older jobs: NULL, claim no folder
-                if "shape" not in {c[1] for c in db.execute("PRAGMA table_info(jobs)")}:
-                    db.execute("ALTER TABLE jobs ADD COLUMN shape TEXT")  # older jobs: their spec was rewritten
+                upgrade(db)
                 db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
             db.execute("CREATE INDEX IF NOT EXISTS jobs_folder ON jobs (folder)")
 
@@ -347,7 +176,7 @@ class Store:
         ended = [s.value for s in JobState if s.terminal]
         row = db.execute(f"SELECT * FROM jobs WHERE folder=? AND state NOT IN ({','.join('?' * len(ended))}) "
                          "ORDER BY created_at LIMIT 1", (folder, *ended)).fetchone()
-        return _job(row) if row else None
+        return job_from_row(row) if row else None
 
     def transition(self, job_id: str, target: JobState, reason: str, *, data: StateChange | None = None,
                    at: float | None = None, **fields: Any) -> JobRecord:
@@ -399,7 +228,7 @@ class Store:
         row = self._conn().execute("SELECT * FROM jobs WHERE id=?", (job_id,)).fetchone()
         if row is None:
             raise JobNotFoundError(job_id)
-        return _job(row)
+        return job_from_row(row)
 
     def jobs(self, *, active_only: bool = False) -> list[JobRecord]:
         """Every job, oldest first; with `active_only`, those not ended (filtered in SQL: the queue asks often)."""
@@ -407,7 +236,7 @@ class Store:
         if active_only:
             ended = [s.value for s in JobState if s.terminal]
             q, args = q + f" WHERE state NOT IN ({','.join('?' * len(ended))})", ended
-        return [_job(r) for r in self._conn().execute(q + " ORDER BY created_at", args).fetchall()]
+        return [job_from_row(r) for r in self._conn().execute(q + " ORDER BY created_at", args).fetchall()]
 
     def find_job(self, prefix: str) -> JobRecord:
         """A job by id or unique id prefix or unique name (the most recent job of that name).
@@ -426,7 +255,7 @@ class Store:
             if not rows:
                 raise JobNotFoundError(prefix)
             row = rows[-1]
-        return _job(row)
+        return job_from_row(row)
 
     # -- events and metrics ----------------------------------------------------
 
@@ -453,7 +282,7 @@ class Store:
         q, args = "SELECT * FROM events WHERE job_id=? AND seq>?", [job_id, after_seq]
         if kind is not None:
             q, args = q + " AND kind=?", [*args, kind.value]
-        return [_event(r) for r in self._conn().execute(q + " ORDER BY seq", args).fetchall()]
+        return [event_from_row(r) for r in self._conn().execute(q + " ORDER BY seq", args).fetchall()]
 
     def slice_events(self, *, since: float, exclude_job: str | None = None) -> list[Event]:
         """Slice events of every job since `since` (but `exclude_job`'s), oldest first: the
@@ -461,7 +290,7 @@ class Store:
         rows = self._conn().execute(
             "SELECT * FROM events WHERE kind=? AND at>=? AND job_id!=? ORDER BY at, seq",
             (EventKind.SLICE.value, since, exclude_job or "")).fetchall()
-        return [_event(r) for r in rows]
+        return [event_from_row(r) for r in rows]
 
     def record_steps(self, job_id: str, generation: int, rows: list[tuple], *, at: float | None = None) -> None:
         """Upsert (step, loss, tokens/s, step time[, at[, metrics]]) rows; a recomputed step keeps the newest
@@ -537,22 +366,3 @@ _FAULTS = {13: "disk full", 8: "read-only", 10: "I/O error", 14: "cannot open"}
 def _fault(path: Path, e: sqlite3.Error) -> StoreFaultError | None:
     cause = _FAULTS.get((getattr(e, "sqlite_errorcode", None) or 0) & 0xFF)
     return StoreFaultError(path, cause, str(e)) if cause else None
-
-
-def _event(r: sqlite3.Row) -> Event:
-    return Event(r["seq"], r["job_id"], r["at"], EventKind(r["kind"]),
-                 JobState(r["from_state"]) if r["from_state"] else None,
-                 JobState(r["to_state"]) if r["to_state"] else None,
-                 r["reason"], json.loads(r["data"]) if r["data"] else None)
-
-
-def _job(row: sqlite3.Row) -> JobRecord:
-    return JobRecord(
-        id=row["id"], name=row["name"], stored_spec=json.loads(row["spec"]), state=JobState(row["state"]),
-        reason=row["reason"], created_at=row["created_at"], updated_at=row["updated_at"],
-        generation=row["generation"], preemptions=row["preemptions"], failures=row["failures"],
-        cancel_requested=bool(row["cancel_requested"]), error=row["error"],
-        result=json.loads(row["result"]) if row["result"] else None,
-        cause=FailedBecause(row["cause"]) if row["cause"] in FailedBecause._value2member_map_ else None,
-        stored_shape=json.loads(row["shape"]) if row["shape"] else None,
-    )
