@@ -22,9 +22,10 @@ from typing import Any
 
 from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import Slice, SliceEvent, SliceEventKind, SliceRequest
-from orchestrator.providers.gcp.api import QRS, CloudApiError, RetryPolicy, TpuApi, queued_resource
+from orchestrator.providers.gcp.api import CloudApiError, RetryPolicy, TpuApi, queued_resource
 from orchestrator.providers.gcp.gc import find_ours, label_value, labelled_ours, labels_for, made_for
 from orchestrator.providers.gcp.join import JoinCheck, ray_join_check
+from orchestrator.providers.gcp.looks import ZoneListings, seen_of
 from orchestrator.providers.gcp.states import Seen, Tracked, judge, move, no_capacity, still_queued
 from orchestrator.providers.gcp.zones import NoCapacityError, ZonePlan, tier_fields, zone_order
 from orchestrator.providers.startup import WorkerSetup, startup_script
@@ -48,16 +49,6 @@ class Polling:
     # GETs per slice per look: every running job's driver looks at its slices 4 times a second.
     list_over: int = 8
     list_s: float = 1.0
-
-
-@dataclass(frozen=True)
-class ZoneListing:
-    """One listing of a zone: its queued resources by short name and its nodes by full name, and when
-    (monotonic) the listing began."""
-
-    at: float
-    qrs: dict[str, Any]
-    nodes: dict[str, Any]
 
 
 class GcpTpuProvider:
@@ -105,8 +96,8 @@ class GcpTpuProvider:
         self._tracked: dict[str, Tracked] = {}
         self._events: list[SliceEvent] = []
         self._found: dict[str, set[tuple[str, str]]] = {}  # name -> {(zone, "qr"|"node")} seen by list()
-        self._listings: dict[str, ZoneListing] = {}  # zone -> its latest listing (see Polling.list_over)
-        self._listing_locks: dict[str, threading.Lock] = {}  # one listing of a zone at a time
+        self._listings = ZoneListings(self._api, self.project, list_over=self._poll.list_over,
+                                      list_s=self._poll.list_s)
 
     # -- the SliceProvider protocol --------------------------------------------------------
 
@@ -287,62 +278,27 @@ class GcpTpuProvider:
         except Exception:  # the record of a change must not break following the slice
             log.exception("on_change failed for slice %s (%s)", t.req.name, t.state.value)
 
-    def _listing(self, zone: str) -> ZoneListing | None:
-        """The zone's listing, no older than `Polling.list_s`, while more than `list_over` of our slices
-        are followed there; else None (each look GETs its own)."""
-        with self._lock:
-            listing = self._listings.get(zone)
-            if listing is not None and time.monotonic() - listing.at <= self._poll.list_s:
-                return listing  # without counting the slices: that is done once a listing, not once a look
-            followed = sum(1 for t in self._tracked.values() if t.zone == zone and not t.released)
-            lock = self._listing_locks.setdefault(zone, threading.Lock())
-        if followed <= self._poll.list_over:
-            return None
-        with lock:  # the callers of one moment share one listing
-            listing = self._listings.get(zone)
-            if listing is not None and time.monotonic() - listing.at <= self._poll.list_s:
-                return listing
-            at = time.monotonic()
-            try:
-                qrs, nodes = self._api.list_zone(zone)
-            except CloudApiError as e:  # the slices are looked at one by one meanwhile
-                log.warning("could not list %s/%s: %s", self.project, zone, e)
-                return None
-            listing = self._listings[zone] = ZoneListing(at, {q.name.rsplit("/", 1)[1]: q for q in qrs}, nodes)
-            return listing
-
     def _look(self, t: Tracked) -> Seen:
-        listing = self._listing(t.zone)
+        listing = self._listings.get(t.zone, followed=lambda: self._followed(t.zone))
         # A queued resource missing from the listing (created since, or gone) is asked for by name.
         qr = listing.qrs.get(t.req.name) if listing is not None else None
-        if qr is None:
+        if listing is None or qr is None:
             return self._look_by_name(t)
-        st = qr.state
-        error = (st.failed_data.error.code, st.failed_data.error.message) if st.state == QRS.FAILED else None
-        seen = Seen(qr=st.state.name, initiator=st.state_initiator.name, error=error)
-        if st.state in (QRS.PROVISIONING, QRS.ACTIVE, QRS.SUSPENDING, QRS.SUSPENDED):
-            assert listing is not None, "a queued resource came from the listing"
-            node = listing.nodes.get(self._api.full_name(t.zone, "node", t.req.name))
-            if node is None:  # listed before the node was made: ask for it
-                node = self._api.get(t.zone, "node", t.req.name)
-            if node is not None:
-                seen = replace(seen, node=node.state.name,
-                               addresses=tuple(e.ip_address for e in node.network_endpoints))
-        return seen
+        def node() -> Any:
+            listed = listing.nodes.get(self._api.full_name(t.zone, "node", t.req.name))
+            return listed if listed is not None else self._api.get(t.zone, "node", t.req.name)  # listed before made
+
+        return seen_of(qr, node)
+
+    def _followed(self, zone: str) -> int:
+        with self._lock:
+            return sum(1 for t in self._tracked.values() if t.zone == zone and not t.released)
 
     def _look_by_name(self, t: Tracked) -> Seen:
         qr = self._api.get(t.zone, "qr", t.req.name)
         if qr is None:
             return Seen(qr=None)
-        st = qr.state
-        error = (st.failed_data.error.code, st.failed_data.error.message) if st.state == QRS.FAILED else None
-        seen = Seen(qr=st.state.name, initiator=st.state_initiator.name, error=error)
-        if st.state in (QRS.PROVISIONING, QRS.ACTIVE, QRS.SUSPENDING, QRS.SUSPENDED):
-            node = self._api.get(t.zone, "node", t.req.name)
-            if node is not None:
-                seen = replace(seen, node=node.state.name,
-                               addresses=tuple(e.ip_address for e in node.network_endpoints))
-        return seen
+        return seen_of(qr, lambda: self._api.get(t.zone, "node", t.req.name))
 
     def _judge(self, t: Tracked, seen: Seen) -> Tracked:
         """The slice state that `seen` means, and the events it raises (called under the lock)."""

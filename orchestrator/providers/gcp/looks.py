@@ -1,0 +1,85 @@
+"""How the provider looks at a slice in the TPU API: what a look saw (`seen_of`), and one listing of a
+zone shared by every look at that zone's slices.
+
+Every running job's driver looks at its slices four times a second; a look used to GET the queued
+resource and its node, 8 requests a second a job. Once the provider follows more than `list_over`
+slices in a zone, `ZoneListings` lists the zone's queued resources and nodes at most every `list_s`
+(2 calls, however many slices) and every look of that moment reads the same listing. What is missing
+from the listing (made since, or gone) is asked for by name.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from orchestrator.providers.gcp.api import QRS, CloudApiError, TpuApi
+from orchestrator.providers.gcp.states import Seen
+
+log = logging.getLogger(__name__)
+
+WITH_A_NODE = (QRS.PROVISIONING, QRS.ACTIVE, QRS.SUSPENDING, QRS.SUSPENDED)  # queued resources that have one
+
+
+def seen_of(qr: Any, node: Callable[[], Any]) -> Seen:
+    """What a look saw of a queued resource `qr`, with its node (`node()`, asked only in a state that has
+    one; None if there is none yet)."""
+    st = qr.state
+    error = (st.failed_data.error.code, st.failed_data.error.message) if st.state == QRS.FAILED else None
+    seen = Seen(qr=st.state.name, initiator=st.state_initiator.name, error=error)
+    if st.state in WITH_A_NODE and (n := node()) is not None:
+        seen = replace(seen, node=n.state.name, addresses=tuple(e.ip_address for e in n.network_endpoints))
+    return seen
+
+
+@dataclass(frozen=True)
+class ZoneListing:
+    """One listing of a zone: its queued resources by short name and its nodes by full name, and when
+    (monotonic) the listing began."""
+
+    at: float
+    qrs: dict[str, Any]
+    nodes: dict[str, Any]
+
+
+class ZoneListings:
+    """The latest listing of each zone, made at most every `list_s` while more than `list_over` slices
+    are followed there (else none: each look GETs its own)."""
+
+    def __init__(self, api: TpuApi, project: str, *, list_over: int, list_s: float):
+        self._api, self._project, self.list_over, self.list_s = api, project, list_over, list_s
+        self._lock = threading.Lock()
+        self._latest: dict[str, ZoneListing] = {}
+        self._locks: dict[str, threading.Lock] = {}  # one listing of a zone at a time
+
+    def get(self, zone: str, *, followed: Callable[[], int]) -> ZoneListing | None:
+        """The zone's listing, no older than `list_s`, if `followed()` slices there are more than
+        `list_over` (counted once a listing, not once a look)."""
+        with self._lock:
+            if (listing := self._fresh(zone)) is not None:
+                return listing
+            lock = self._locks.setdefault(zone, threading.Lock())
+        if followed() <= self.list_over:
+            return None
+        with lock:  # the callers of one moment share one listing
+            with self._lock:
+                if (listing := self._fresh(zone)) is not None:
+                    return listing
+            at = time.monotonic()
+            try:
+                qrs, nodes = self._api.list_zone(zone)
+            except CloudApiError as e:  # the slices are looked at one by one meanwhile
+                log.warning("could not list %s/%s: %s", self._project, zone, e)
+                return None
+            listing = ZoneListing(at, {q.name.rsplit("/", 1)[1]: q for q in qrs}, nodes)
+            with self._lock:
+                self._latest[zone] = listing
+            return listing
+
+    def _fresh(self, zone: str) -> ZoneListing | None:
+        listing = self._latest.get(zone)
+        return listing if listing is not None and time.monotonic() - listing.at <= self.list_s else None
