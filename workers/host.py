@@ -33,6 +33,7 @@ import ray
 
 from policies.decisions.recovery import FailureCause, failure_cause
 from workers import accelerator, beats, reaper, runtime, storage
+from workers import fence as fences
 from workers.host_errors import EntrypointError, FolderTaken, error_chain, error_line
 from workers.host_output import LineBuffer, route_logs
 from workers.notices import MetadataWatcher, install_sigterm
@@ -330,13 +331,13 @@ class HostWorker:
         """Fencing: only the job's current generation may write checkpoints.
 
         The controller writes the current generation into the fence beside the checkpoints
-        (`workers.storage.write_fence`: a file, or an object in the bucket) before it launches
+        (`workers.fence.write_fence`: a file, or an object in the bucket) before it launches
         a group, so the check needs no controller (it may be restarting).
         """
         if not self._fence_dir:
             return True
         try:
-            fence = storage.read_fence(self._fence_dir, endpoint=self._storage_endpoint)
+            fence = fences.read_fence(self._fence_dir, endpoint=self._storage_endpoint)
         except Exception as e:  # noqa: BLE001 -- unreachable, unreadable: not sure it is ours, so not writing
             log.warning("cannot read the fence in %s (%s: %s); not writing", self._fence_dir, type(e).__name__, e)
             return False

@@ -17,46 +17,28 @@ the same folders (orbax lists step folders that tensorstore wrote), and a cached
 would hide their writes. The functions that a controller calls for many jobs (the fence,
 `check_writable`) also take ``endpoint=`` per call, so that they need no process-wide setting.
 
-**The fence** (`write_fence`, `read_fence`): the record, beside a job's checkpoints, of
-which generation of the job's workers may write there, and whose folder it is (`owner`,
-the job id). The controller writes it before it starts a generation; a worker reads it
-before each save and writes only while it names the worker's generation. On a bucket it is
-one object replaced with a generation precondition (``ifGenerationMatch``), so that of two
-writers racing, one wins and the other re-reads; locally it is one file replaced by an
-atomic rename under a lock on its folder. A writer never lowers the generation of its own
-owner's fence, and of two writers of the same generation only one succeeds (`FenceError`
-for the other). A fence of another owner, or a bare integer from before owners were recorded,
-is replaced: a job resubmitted on the folder of an earlier one takes it over. A second job
-on a folder whose job has not ended never gets that far: the controller refuses it at submit,
-and a folder records which run its checkpoints belong to (`orchestrator.control.ownership`).
+**The fence** (`workers.fence`) lives beside a job's checkpoints and is written through these clients.
 
 Example::
 
     storage.configure("http://127.0.0.1:8471")          # an emulator; None: Google's
     storage.write_text(storage.join("gs://b/run", "note.txt"), "hi")
-    storage.write_fence("gs://b/run", generation=3, owner="tiny-lm-3f2a1c")
-    storage.read_fence("gs://b/run")                     # Fence(generation=3, owner='tiny-lm-3f2a1c', ...)
+    storage.read_text(storage.join("gs://b/run", "note.txt"))
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import json
 import logging
 import os
-import random
 import secrets
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-FENCE = ".fence"
 PathLike = str | os.PathLike
 
 # What makes each client talk to an emulator (see orchestrator.emulator.storage for the table).
@@ -240,7 +222,7 @@ def write_bytes(path: PathLike, data: bytes, *, endpoint: str | None = None) -> 
     a bucket one object upload, which is atomic by nature.
     """
     if not is_url(path):
-        _replace_local(Path(path), data)
+        replace_local(Path(path), data)
         return
     fs, p = filesystem(path, endpoint=endpoint)
     fs.pipe_file(p, data)
@@ -250,7 +232,7 @@ def write_text(path: PathLike, text: str, *, endpoint: str | None = None) -> Non
     write_bytes(path, text.encode("utf-8"), endpoint=endpoint)
 
 
-def _replace_local(path: Path, data: bytes) -> None:
+def replace_local(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
     try:
@@ -367,7 +349,7 @@ def check_writable(directory: PathLike, *, endpoint: str | None = None) -> None:
     data = secrets.token_bytes(16)
     try:
         if is_url(directory):
-            blob = _blob(probe, endpoint)
+            blob = gcs_blob(probe, endpoint)
             blob.upload_from_string(data, if_generation_match=0)
             back = blob.download_as_bytes()
             blob.delete()
@@ -385,137 +367,6 @@ def check_writable(directory: PathLike, *, endpoint: str | None = None) -> None:
 def _reason(e: BaseException) -> str:
     text = getattr(e, "message", None) or str(e) or type(e).__name__
     return f"{type(e).__name__}: {text}"[:300]
-
-
-# -- the fence ---------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Fence:
-    """What a fence records: the generation whose workers may write, and whose folder it is."""
-
-    generation: int
-    owner: str | None = None  # the job (its id) whose folder this is; None: written before owners were
-    token: str | None = None  # this write's random id: tells a writer that a write it retried was its own
-    written_at: float | None = None  # seconds since the epoch
-
-    def to_json(self) -> str:
-        return json.dumps({"generation": self.generation, "owner": self.owner, "token": self.token,
-                           "written_at": self.written_at}) + "\n"
-
-    @classmethod
-    def parse(cls, text: str) -> "Fence":
-        """A fence's record: JSON, or the bare integer that earlier versions wrote (owner unknown)."""
-        text = text.strip()
-        if text.lstrip("-").isdigit():
-            return cls(generation=int(text))
-        data = json.loads(text)
-        if not isinstance(data, dict) or not isinstance(data.get("generation"), int):
-            raise ValueError(f"not a fence record: {text[:100]!r}")
-        return cls(generation=data["generation"], owner=data.get("owner"), token=data.get("token"),
-                   written_at=data.get("written_at"))
-
-
-class FenceError(RuntimeError):
-    """The fence holds what this writer must not replace (a generation as high or higher of the same owner)."""
-
-    def __init__(self, directory: str, wanted: int, owner: str | None, current: Fence):
-        self.directory, self.wanted, self.owner, self.current = directory, wanted, owner, current
-        super().__init__(f"{directory}: the fence is at generation {current.generation} of {current.owner}; "
-                         f"not writing generation {wanted} of {owner} over it")
-
-    def __reduce__(self):
-        return type(self), (self.directory, self.wanted, self.owner, self.current)
-
-
-def _may_replace(current: Fence | None, new: Fence) -> bool:
-    """Whether `new` may replace `current`: no fence (or an unreadable one), another owner's (a takeover,
-    including a bare integer of an earlier version), or a higher generation of the same owner."""
-    return current is None or current.owner != new.owner or new.generation > current.generation
-
-
-def _parse_or_none(text: str) -> Fence | None:
-    try:
-        return Fence.parse(text)
-    except ValueError:  # an unreadable record: the writer replaces it (a reader refuses to write under it)
-        log.warning("replacing an unreadable fence record %r", text[:100])
-        return None
-
-
-def read_fence(directory: PathLike, *, endpoint: str | None = None) -> Fence | None:
-    """The fence in `directory`, or None if there is none. ValueError for a record that cannot be read."""
-    path = join(directory, FENCE)
-    try:
-        if is_url(path):
-            text = _blob(path, endpoint).download_as_bytes().decode("utf-8")
-        else:
-            text = Path(path).read_text()
-    except FileNotFoundError:
-        return None
-    except Exception as e:
-        if _is_not_found(e):
-            return None
-        raise
-    return Fence.parse(text)
-
-
-def write_fence(directory: PathLike, generation: int, owner: str | None, *, endpoint: str | None = None) -> Fence:
-    """Record that `generation` of `owner` (a job id) is the one whose workers may write in `directory`.
-
-    Raises FenceError when the fence already holds a generation of `owner` as high or
-    higher (another writer got there first); see the module's docstring.
-    """
-    directory = os.fspath(directory)
-    new = Fence(generation=int(generation), owner=owner, token=secrets.token_hex(8), written_at=time.time())
-    if is_url(directory):
-        _write_fence_gcs(directory, new, endpoint)
-    else:
-        _write_fence_local(directory, new)
-    return new
-
-
-def _write_fence_local(directory: str, new: Fence) -> None:
-    os.makedirs(directory, exist_ok=True)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # writers of this folder one at a time: read, compare, rename
-        try:
-            current = _parse_or_none((Path(directory) / FENCE).read_text())
-        except FileNotFoundError:
-            current = None
-        if current is not None and not _may_replace(current, new):  # no fence may always be replaced
-            raise FenceError(directory, new.generation, new.owner, current)
-        _replace_local(Path(directory) / FENCE, new.to_json().encode())
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def _write_fence_gcs(directory: str, new: Fence, endpoint: str | None) -> None:
-    from google.api_core import exceptions
-
-    path = join(directory, FENCE)
-    for attempt in range(50):
-        blob = _blob(path, endpoint)
-        try:
-            blob.reload()
-            current, object_generation = _parse_or_none(blob.download_as_bytes(
-                if_generation_match=blob.generation).decode("utf-8")), blob.generation
-        except exceptions.NotFound:
-            current, object_generation = None, 0
-        except exceptions.PreconditionFailed:  # replaced between the two reads
-            continue
-        if current is not None and current.token == new.token:
-            return  # a retried upload that had got through
-        if current is not None and not _may_replace(current, new):  # no fence may always be replaced
-            raise FenceError(directory, new.generation, new.owner, current)
-        try:
-            # Only if the object is still the one just read (0: only if there is none yet).
-            _blob(path, endpoint).upload_from_string(new.to_json(), content_type="application/json",
-                                                     if_generation_match=object_generation)
-            return
-        except exceptions.PreconditionFailed:  # another writer got in between: read again
-            time.sleep(random.uniform(0, 0.05 * min(attempt + 1, 10)))
-    raise StorageError(directory, "could not write the fence: other writers kept replacing it")
 
 
 _gcs_clients: dict[str | None, Any] = {}
@@ -540,18 +391,19 @@ def _gcs_client(endpoint: str | None):
     return client
 
 
-def _blob(url: str, endpoint: str | None):
+def gcs_blob(url: str, endpoint: str | None):
+    """The google-cloud-storage object at ``gs://`` `url` (for reads and writes with preconditions)."""
     bucket, name = split_gcs(url)
     return _gcs_client(endpoint).bucket(bucket).blob(name)
 
 
-def _is_not_found(e: BaseException) -> bool:
+def is_not_found(e: BaseException) -> bool:
+    """Whether a google-cloud-storage error says the object is not there."""
     from google.api_core import exceptions
 
     return isinstance(e, exceptions.NotFound)
 
 
-__all__ = ["FENCE", "Fence", "FenceError", "StorageError", "check_writable", "configure", "endpoint_env", "exists",
-           "filesystem", "is_url", "isdir", "join", "listdir", "makedirs", "move_tree", "read_bytes", "read_fence",
-           "read_text", "remove", "remove_tree", "split_gcs", "upload_folder", "write_bytes", "write_fence",
-           "write_text"]
+__all__ = ["StorageError", "check_writable", "configure", "endpoint_env", "exists", "filesystem", "gcs_blob",
+           "is_not_found", "is_url", "isdir", "join", "listdir", "makedirs", "move_tree", "read_bytes", "read_text",
+           "remove", "remove_tree", "replace_local", "split_gcs", "upload_folder", "write_bytes", "write_text"]

@@ -86,15 +86,15 @@ def _slice_type(spec: JobSpec, devices: int) -> catalog.TpuType:
 
 def write_fence(spec: JobSpec, generation: int, owner: str | None = None) -> None:
     """Record the current generation, and whose folder it is (`owner`, the job id), beside the
-    checkpoints before a group starts (`workers.storage.write_fence`: an atomic rename on disk, a
+    checkpoints before a group starts (`workers.fence.write_fence`: an atomic rename on disk, a
     generation precondition in a bucket).
 
     A worker checks it before every save, so workers of an older generation never write.
-    Raises `workers.storage.FenceError` if the fence already holds this generation or a later
+    Raises `workers.fence.FenceError` if the fence already holds this generation or a later
     one of the same job (another controller got there first).
     """
-    from workers import storage
+    from workers import fence as fences
 
     directory = spec.checkpoint.directory
     assert directory is not None, "a submitted job's spec has its checkpoint directory (Controller.submit fills it)"
-    storage.write_fence(directory, generation, owner, endpoint=spec.storage.endpoint)
+    fences.write_fence(directory, generation, owner, endpoint=spec.storage.endpoint)

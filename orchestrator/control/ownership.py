@@ -19,7 +19,7 @@ args), the optimizer's schedule, the sequence length, global batch, seed and dat
 number of steps (training longer resumes), nor the slice, mesh, precision, remat or kernel
 blocks, which change how a step runs, not what it computes.
 
-The fence (`workers.storage.write_fence`) names the job whose workers may write; this record
+The fence (`workers.fence.write_fence`) names the job whose workers may write; this record
 names the run those checkpoints belong to. `decide` is the pure part; `look` reads a folder,
 `take` acts on the decision, and `record_job` does all of it for `Controller.submit`.
 

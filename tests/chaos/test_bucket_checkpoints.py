@@ -16,6 +16,7 @@ from tests.chaos.test_faults import INTERVAL, MODEL, STEPS, assert_same_model, h
 from tests.conftest import start_reference
 from tests.storage_fixture import unique_folder
 from tests.waiting import wait_for, wait_step
+from workers import fence as fences
 from workers import storage
 
 
@@ -38,13 +39,13 @@ def test_a_host_vanishes_and_the_job_resumes_from_the_bucket(client, gcs_emulato
     # Committed: in a bucket a step's folder is there from the save's first object, its marker comes last.
     wait_for(lambda: storage.exists(storage.join(folder, "8", "commit_success.txt"), endpoint=url), 60,
              "checkpoint 8 committed in the bucket")
-    first = storage.read_fence(folder, endpoint=url)
+    first = fences.read_fence(folder, endpoint=url)
     assert (first.generation, first.owner) == (1, job.id)
     kill_host(client.home, host_pgids(client, job)[1])  # the raylet, its agents and the worker, at once
     assert_same_model(job, reference)
     restore = kinds(job, "restore")[-1].data
     assert restore["restored_step"] >= 8 and restore["restored_step"] % INTERVAL == 0 and restore["unreadable"] == []
-    fence = storage.read_fence(folder, endpoint=url)
+    fence = fences.read_fence(folder, endpoint=url)
     assert (fence.generation, fence.owner) == (2, job.id)
     steps = [n for n in storage.listdir(folder, endpoint=url) if n.isdigit()]
-    assert sorted(map(int, steps))[-1] == STEPS and storage.FENCE in storage.listdir(folder, endpoint=url)
+    assert sorted(map(int, steps))[-1] == STEPS and fences.FENCE in storage.listdir(folder, endpoint=url)

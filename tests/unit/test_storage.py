@@ -12,6 +12,7 @@ import threading
 import pytest
 import requests
 
+from workers import fence as fences
 from workers import storage
 
 
@@ -137,9 +138,9 @@ def test_check_writable(where, gcs_emulator):
 def test_an_endpoint_per_call_needs_no_process_setting(gcs_emulator, gcs):
     folder = gcs.folder
     storage.configure(None)  # this process now points at Google's; the calls name the emulator
-    storage.write_fence(folder, 1, "job-x", endpoint=gcs_emulator.url)
-    assert storage.read_fence(folder, endpoint=gcs_emulator.url).owner == "job-x"
-    assert storage.listdir(folder, endpoint=gcs_emulator.url) == [storage.FENCE]
+    fences.write_fence(folder, 1, "job-x", endpoint=gcs_emulator.url)
+    assert fences.read_fence(folder, endpoint=gcs_emulator.url).owner == "job-x"
+    assert storage.listdir(folder, endpoint=gcs_emulator.url) == [fences.FENCE]
 
 
 def test_configure_sets_and_clears_the_endpoint_settings():
@@ -159,36 +160,36 @@ def test_configure_sets_and_clears_the_endpoint_settings():
 
 
 def test_fence_round_trip_and_owner(where):
-    assert storage.read_fence(where) is None
-    written = storage.write_fence(where, 3, "job-a")
-    got = storage.read_fence(where)
+    assert fences.read_fence(where) is None
+    written = fences.write_fence(where, 3, "job-a")
+    got = fences.read_fence(where)
     assert got == written and (got.generation, got.owner) == (3, "job-a") and got.written_at > 0
 
 
 def test_a_bare_integer_fence_of_earlier_versions_is_read_and_replaced(where):
-    storage.write_text(storage.join(where, storage.FENCE), "7\n")
-    assert storage.read_fence(where) == storage.Fence(generation=7, owner=None)
-    storage.write_fence(where, 1, "job-new")  # a job that takes over the folder starts again at 1
-    assert (storage.read_fence(where).generation, storage.read_fence(where).owner) == (1, "job-new")
+    storage.write_text(storage.join(where, fences.FENCE), "7\n")
+    assert fences.read_fence(where) == fences.Fence(generation=7, owner=None)
+    fences.write_fence(where, 1, "job-new")  # a job that takes over the folder starts again at 1
+    assert (fences.read_fence(where).generation, fences.read_fence(where).owner) == (1, "job-new")
 
 
 def test_the_generation_of_an_owner_never_goes_down(where):
-    storage.write_fence(where, 5, "job-a")
+    fences.write_fence(where, 5, "job-a")
     for lower in (5, 4, 1):
-        with pytest.raises(storage.FenceError) as e:
-            storage.write_fence(where, lower, "job-a")
+        with pytest.raises(fences.FenceError) as e:
+            fences.write_fence(where, lower, "job-a")
         assert e.value.current.generation == 5 and "generation 5 of job-a" in str(e.value)
-    storage.write_fence(where, 6, "job-a")
-    storage.write_fence(where, 2, "job-b")  # another job takes the folder over (a resubmission)
-    assert (storage.read_fence(where).generation, storage.read_fence(where).owner) == (2, "job-b")
+    fences.write_fence(where, 6, "job-a")
+    fences.write_fence(where, 2, "job-b")  # another job takes the folder over (a resubmission)
+    assert (fences.read_fence(where).generation, fences.read_fence(where).owner) == (2, "job-b")
 
 
 def test_an_unreadable_fence_is_refused_by_readers_and_replaced_by_writers(where):
-    storage.write_text(storage.join(where, storage.FENCE), "{not json")
+    storage.write_text(storage.join(where, fences.FENCE), "{not json")
     with pytest.raises(ValueError):
-        storage.read_fence(where)
-    storage.write_fence(where, 1, "job-a")
-    assert storage.read_fence(where).generation == 1
+        fences.read_fence(where)
+    fences.write_fence(where, 1, "job-a")
+    assert fences.read_fence(where).generation == 1
 
 
 def test_two_writers_of_the_same_generation_cannot_both_win(where):
@@ -196,8 +197,8 @@ def test_two_writers_of_the_same_generation_cannot_both_win(where):
 
     def writer(i: int) -> None:
         try:
-            wins.append(storage.write_fence(where, 9, "job-a"))
-        except storage.FenceError:
+            wins.append(fences.write_fence(where, 9, "job-a"))
+        except fences.FenceError:
             losses.append(i)
 
     threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
@@ -206,7 +207,7 @@ def test_two_writers_of_the_same_generation_cannot_both_win(where):
     for t in threads:
         t.join()
     assert len(wins) == 1 and len(losses) == 5
-    assert storage.read_fence(where).token == wins[0].token
+    assert fences.read_fence(where).token == wins[0].token
 
 
 def test_concurrent_writers_never_lower_the_generation(where):
@@ -217,15 +218,15 @@ def test_concurrent_writers_never_lower_the_generation(where):
 
     def watch() -> None:
         while not done.is_set():
-            f = storage.read_fence(where)
+            f = fences.read_fence(where)
             if f is not None:
                 seen.append(f.generation)
 
     def writer(g: int) -> None:
         try:
-            storage.write_fence(where, g, "job-a")
+            fences.write_fence(where, g, "job-a")
             won.append(g)
-        except storage.FenceError:
+        except fences.FenceError:
             pass
 
     watcher = threading.Thread(target=watch)
@@ -237,7 +238,7 @@ def test_concurrent_writers_never_lower_the_generation(where):
         t.join()
     done.set()
     watcher.join()
-    assert storage.read_fence(where).generation == 16 and 16 in won
+    assert fences.read_fence(where).generation == 16 and 16 in won
     assert seen == sorted(seen), "a reader saw the fence go down"
 
 
