@@ -20,6 +20,7 @@ from tests.integration.test_local_jobs import tiny_spec
 from tests.integration.test_share_nothing import emulated_vms
 from tests.storage_fixture import unique_folder
 from tests.waiting import wait_for, wait_step
+from workers import storage
 
 DETECT_WITHIN_S = 5.0  # Ray's health check took 13.6-16 s here; the beats' rule 1-2 s after the last beat
 
@@ -51,6 +52,10 @@ def test_a_silent_vm_of_a_one_slice_job_is_seen_in_seconds_and_the_job_goes_on_o
                      storage={"endpoint": gcs_emulator.url}, recovery={"start_timeout_s": 180})
     job = client.submit(spec)
     wait_step(job, 6)
+    # Step 4 committed in the bucket (its folder's commit_success.txt, written last): the "saved step 4" event
+    # comes when the save stops blocking the loop, and a bucket commits seconds later.
+    committed = storage.join(spec.checkpoint.directory, "4", "commit_success.txt")
+    wait_for(lambda: storage.exists(committed, endpoint=gcs_emulator.url), 120, "step 4 committed in the bucket")
     killed = silence_host_1(client, backing, job)
     wait_for(lambda: any(e.at >= killed for e in kinds(job, "disruption")) or job.status().done, 60,
              "the silent host to be seen lost")
