@@ -40,8 +40,18 @@ def silence_host_1(client, backing, job) -> float:
 
 
 def detection(job, killed: float):
+    """Once the silent host is seen lost: its disruption, and how long after `killed` it came."""
+    wait_for(lambda: any(e.at >= killed for e in kinds(job, "disruption")) or job.status().done, 60,
+             "the silent host to be seen lost")
     disruption = next(e for e in kinds(job, "disruption") if e.at >= killed)
     return disruption, disruption.at - killed
+
+
+def finished_after_that_loss_alone(job) -> None:
+    """The job succeeds, and the silent host was its only disruption (no false loss before it)."""
+    st = job.wait(timeout_s=600)
+    assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
+    assert [d.data["kind"] for d in kinds(job, "disruption")] == ["infra_lost"]  # no false loss before it
 
 
 def test_a_silent_vm_of_a_one_slice_job_is_seen_in_seconds_and_the_job_goes_on_on_a_new_slice(
@@ -57,15 +67,11 @@ def test_a_silent_vm_of_a_one_slice_job_is_seen_in_seconds_and_the_job_goes_on_o
     committed = storage.join(spec.checkpoint.directory, "4", "commit_success.txt")
     wait_for(lambda: storage.exists(committed, endpoint=gcs_emulator.url), 120, "step 4 committed in the bucket")
     killed = silence_host_1(client, backing, job)
-    wait_for(lambda: any(e.at >= killed for e in kinds(job, "disruption")) or job.status().done, 60,
-             "the silent host to be seen lost")
     disruption, seen_after = detection(job, killed)
     print(f"one slice: a silent VM seen lost {seen_after:.2f} s after it went: {disruption.reason}")
     assert "no beat for" in disruption.reason and disruption.data["kind"] == "infra_lost", disruption.reason
     assert seen_after < DETECT_WITHIN_S
-    st = job.wait(timeout_s=600)
-    assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
-    assert [d.data["kind"] for d in kinds(job, "disruption")] == ["infra_lost"]  # no false loss before it
+    finished_after_that_loss_alone(job)
     assert len(kinds(job, "launched")) == 2
     restored = [e.data["restored_step"] for e in kinds(job, "restore")]
     assert restored[-1] is not None and restored[-1] >= 4  # from the bucket's last committed step
@@ -81,15 +87,11 @@ def test_a_silent_vm_of_a_two_slice_job_is_seen_in_seconds_and_the_survivors_go_
     job = client.submit(spec)
     wait_step(job, 6)
     killed = silence_host_1(client, backing, job)
-    wait_for(lambda: any(e.at >= killed for e in kinds(job, "disruption")) or job.status().done, 60,
-             "the silent host to be seen lost")
     disruption, seen_after = detection(job, killed)
     print(f"two slices: a silent VM seen lost {seen_after:.2f} s after it went: {disruption.reason}")
     assert "no beat for" in disruption.reason and disruption.data["kind"] == "infra_lost", disruption.reason
     assert seen_after < DETECT_WITHIN_S
-    st = job.wait(timeout_s=600)
-    assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
-    assert [d.data["kind"] for d in kinds(job, "disruption")] == ["infra_lost"]  # no false loss before it
+    finished_after_that_loss_alone(job)
     restore = [e for e in kinds(job, "restore") if e.at >= killed]
     assert restore and restore[0].data.get("source") == "memory", [e.reason for e in kinds(job, "restore")]
     assert kinds(job, "lost_work")[-1].data["steps"] == 0
@@ -113,11 +115,7 @@ def test_a_silent_vm_after_the_controller_restarted_is_seen_in_seconds_by_the_ne
     wait_for(lambda: job.status().step >= at + 2 or job.status().done, 120, "two steps after the adoption")
     assert not job.status().done, job.status().reason
     killed = silence_host_1(client, backing, job)
-    wait_for(lambda: any(e.at >= killed for e in kinds(job, "disruption")) or job.status().done, 60,
-             "the silent host to be seen lost")
     disruption, seen_after = detection(job, killed)
     print(f"adopted: a silent VM seen lost {seen_after:.2f} s after it went: {disruption.reason}")
     assert "no beat for" in disruption.reason and seen_after < DETECT_WITHIN_S
-    st = job.wait(timeout_s=600)
-    assert st.state is JobState.SUCCEEDED, (st.reason, job.logs()[-3000:])
-    assert [d.data["kind"] for d in kinds(job, "disruption")] == ["infra_lost"]
+    finished_after_that_loss_alone(job)
