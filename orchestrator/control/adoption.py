@@ -149,4 +149,5 @@ def running_slices(store, job: JobRecord, slices: list[SliceRow]) -> tuple[list[
     names = [n for n in (launched[-1].slice_names or [launched[-1].slice]) if n] if launched else []
     by_name = {r.name: r for r in slices}
     running = [by_name[n] for n in names if n in by_name]
-    return running, [r for r in slices if r.name not in set(names)], bool(names) and len(running) == len(names)
+    launched_on = set(names)
+    return running, [r for r in slices if r.name not in launched_on], bool(names) and len(running) == len(names)
