@@ -142,7 +142,7 @@ def benchmark_job(deadline_over_ondemand: float = DEADLINE_OVER_ONDEMAND, max_sl
     singles = job_options(["v4-16", "v4-32", "v4-64"], ["spot", "on-demand"])
     multi = MultiSlice(PARAMS, BATCH_TOKENS, bytes_per_s_per_host=scaling.dcn_bytes_per_s_per_host,
                        hidden_share=scaling.hidden_share)
-    options = multi_slice_options([scaling.reprice(o, DEFAULT) for o in singles], multi, max_slices)
+    options = multi_slice_options([o.repriced(scaling, DEFAULT) for o in singles], multi, max_slices)
     default_od = next(o for o in singles if o.name == "v4-32" and o.tier == "on-demand")
     return SimJob(TOTAL_TOKENS, deadline_over_ondemand * TOTAL_TOKENS / default_od.tokens_per_s, options)
 

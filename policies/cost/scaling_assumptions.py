@@ -26,12 +26,7 @@ large slice is as efficient per chip as a small one (`efficiency_per_doubling` 1
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # (slice_options takes its defaults from here)
-    from policies.cost.slice_options import Option
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -56,14 +51,6 @@ class ScalingAssumptions:
         hidden = f"hidden behind {self.hidden_share:.2f} of the step" if self.hidden_share else "not hidden"
         return (f"{self.name}: MFU {self.mfu_one_host:.2f} on one host x{self.efficiency_per_doubling:g} a host "
                 f"doubling; DCN all-reduce at {self.dcn_bytes_per_s_per_host * 8 / 1e9:g} Gbit/s a host, {hidden}")
-
-    def reprice(self, option: Option, base: ScalingAssumptions) -> Option:
-        """A single-slice `option` priced a priori under `base`, priced under these assumptions."""
-        assert option.count == 1, f"reprice takes single slices, not {option.label}"
-        doublings = math.log2(max(option.hosts, 1))
-        ratio = (self.mfu_one_host * self.efficiency_per_doubling ** doublings) / (
-            base.mfu_one_host * base.efficiency_per_doubling ** doublings)
-        return replace(option, tokens_per_s=option.tokens_per_s * ratio)
 
 
 DEFAULT = ScalingAssumptions("default", mfu_one_host=0.50, efficiency_per_doubling=0.94,

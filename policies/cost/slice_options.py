@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from policies.cost.scaling_assumptions import DEFAULT
+from policies.cost.scaling_assumptions import DEFAULT, ScalingAssumptions
 
 SPOT = "spot"
 ON_DEMAND = "on-demand"
@@ -65,6 +65,14 @@ class Option:
     def what(self) -> str:
         """The slices without the tier: "v4-16", "2xv4-16"."""
         return self.name if self.count == 1 else f"{self.count}x{self.name}"
+
+    def repriced(self, under: ScalingAssumptions, base: ScalingAssumptions = DEFAULT) -> Option:
+        """This single-slice option, priced a priori under `base`, priced under the assumptions `under`."""
+        assert self.count == 1, f"repriced takes single slices, not {self.label}"
+        doublings = math.log2(max(self.hosts, 1))
+        ratio = (under.mfu_one_host * under.efficiency_per_doubling ** doublings) / (
+            base.mfu_one_host * base.efficiency_per_doubling ** doublings)
+        return replace(self, tokens_per_s=self.tokens_per_s * ratio)
 
     def with_count(self, count: int, options: Sequence[Option]) -> Option | None:
         """The option among `options` with this one's type, tier and zone, and `count` slices."""
