@@ -4,11 +4,17 @@ With data parallelism across slices every slice holds a whole copy of the state 
 inside the slice only), so when one slice dies the others still have all of it. A worker
 process does not outlive its runtime (when one process of a JAX runtime dies, the others
 abort within seconds), so the copy is held by a `HostMemory` actor on the same host, a
-process of its own that lives as long as the slice: every k steps each worker hands its
-addressable shards to that actor through the host's object store, and the actor copies them
-into its own memory (an object a worker put would go with the worker). The survivors' next
-workers read them back through the same host's object store: no checkpoint read, no byte
-over the network.
+process of its own that lives as long as the slice: every k steps each worker copies its
+addressable shards to host memory and hands them to that actor through the host's object
+store, where the actor keeps them as they arrived: Ray gives an actor a call's large arrays as
+read-only views of the object store (small ones as views of the call), and does not delete an
+object while a process reads it, even once its sender (its owner) is gone. That is the one
+copy in host memory (counted in the host's object store); the survivors' next workers read it
+back through the same host's object store: no checkpoint read, no byte over the network.
+
+A typed PRNG key (`jax.random.key`, dtype ``key<impl>``) has no NumPy form: its shards are
+kept as their raw key data (`jax.random.key_data`) and wrapped again with the key's
+implementation on the way back.
 
 A copy is keyed by what each shard covers (its index into the global array), not by device
 or process: a slice that survives keeps its place inside the slice (its hosts, its
@@ -45,12 +51,9 @@ class HostMemory:
         self._shapes: dict[int, str] = {}
 
     def keep(self, step: int, table: list, layout: str) -> None:
-        import numpy as np
-
-        # Arrays that arrive are views of the sender's object, which goes with the sender: copied.
-        own = [(kind, {k: np.array(a, copy=True) for k, a in held.items()} if kind == "array" else held)
-               for kind, held in table]
-        self._copies[step], self._shapes[step] = own, layout
+        # Held as they arrive: views of the object store that outlive their sender (copying them
+        # here would copy the state a second time on its way in).
+        self._copies[step], self._shapes[step] = table, layout
         for old in sorted(self._copies)[:-self._keep]:
             del self._copies[old], self._shapes[old]
 
@@ -83,20 +86,35 @@ def layout(state: Any) -> str:
 def snapshot(state: Any) -> list:
     """This host's shards of every leaf of `state`, copied to host memory (waits for the step)."""
     import jax
-    import numpy as np
 
-    table = []
+    table: list = []
     for leaf in jax.tree.leaves(state):
         if not isinstance(leaf, jax.Array):
             table.append(("value", leaf))
-            continue
-        shards: dict[tuple, Any] = {}
-        for shard in leaf.addressable_shards:
-            key = _key(shard.index, leaf.shape)
-            if key not in shards:  # replicas on this host's devices hold the same values
-                shards[key] = np.asarray(shard.data)
-        table.append(("array", shards))
+        elif _is_key(leaf):  # no NumPy form: its raw key data, and the implementation to wrap it again with
+            table.append(("key", (jax.random.key_impl(leaf), _host_shards(leaf, jax.random.key_data))))
+        else:
+            table.append(("array", _host_shards(leaf, lambda data: data)))
     return table
+
+
+def _is_key(leaf: Any) -> bool:
+    import jax
+
+    return jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key)
+
+
+def _host_shards(leaf: Any, raw) -> dict:
+    """`raw` of each of this host's shards of `leaf`, in host memory, by what the shard covers."""
+    import numpy as np
+
+    shards: dict[tuple, Any] = {}
+    for shard in leaf.addressable_shards:
+        # A typed key's shard index spans its key data's trailing dimensions too: cut to the key's own.
+        key = _key(shard.index[:leaf.ndim], leaf.shape)
+        if key not in shards:  # replicas on this host's devices hold the same values
+            shards[key] = np.asarray(raw(shard.data))
+    return shards
 
 
 class MemoryMiss(Exception):
@@ -112,9 +130,11 @@ def rebuild(table: list, target: Any) -> Any:
     leaves, treedef = jax.tree.flatten(target)
     out = []
     for leaf, (kind, held) in zip(leaves, table, strict=True):
-        made = jax.make_array_from_callback(leaf.shape, leaf.sharding, _reader(held, leaf.shape)) if kind == "array" \
-            else held
-        out.append(made)
+        if kind == "value":
+            out.append(held)
+            continue
+        read = _reader(held, leaf.shape) if kind == "array" else _key_reader(held, leaf.shape)
+        out.append(jax.make_array_from_callback(leaf.shape, leaf.sharding, read))
     return jax.tree.unflatten(treedef, out)
 
 
@@ -122,6 +142,17 @@ def _reader(held: dict, shape: tuple[int, ...]):
     """The callback `jax.make_array_from_callback` asks for each of this host's shards."""
     def read(index):
         return held[_key(index, shape)]
+    return read
+
+
+def _key_reader(held: tuple[Any, dict], shape: tuple[int, ...]):
+    """`_reader` for a typed key (`held`: its implementation and shards): each shard's key data wrapped again."""
+    import jax
+
+    impl, shards = held
+
+    def read(index):
+        return jax.random.wrap_key_data(shards[_key(index, shape)], impl=impl)
     return read
 
 
@@ -232,7 +263,8 @@ def _check(table: list, target: Any) -> None:
     if len(leaves) != len(table):
         raise MemoryMiss(f"the copy has {len(table)} leaves, the state {len(leaves)}")
     for leaf, (kind, held) in zip(leaves, table, strict=True):
-        if kind == "array":
+        if kind != "value":
+            shards = held if kind == "array" else held[1]  # a key's: (its implementation, its shards)
             for index in leaf.sharding.addressable_devices_indices_map(leaf.shape).values():
-                if _key(index, leaf.shape) not in held:
+                if _key(index, leaf.shape) not in shards:
                     raise MemoryMiss(f"no shard {_key(index, leaf.shape)} of an array of shape {leaf.shape}")
