@@ -7,7 +7,7 @@ import json
 import sqlite3
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from orchestrator.domain.shape import Shape
 from orchestrator.domain.spec import JobSpec
@@ -21,7 +21,7 @@ P = TypeVar("P", bound=Payload)
 class JobRecord:
     id: str
     name: str
-    stored_spec: dict  # the spec's JSON as the store keeps it (`spec` is it parsed)
+    stored_spec: dict[str, Any]  # the spec's JSON as the store keeps it (`spec` is it parsed)
     state: JobState
     reason: str
     created_at: float
@@ -31,9 +31,9 @@ class JobRecord:
     failures: int
     cancel_requested: bool
     error: str | None
-    result: dict | None
+    result: dict[str, Any] | None
     cause: FailedBecause | None = None  # why a FAILED job failed
-    stored_shape: list | None = None  # where the job runs now, if not where it was submitted to run
+    stored_shape: list[Any] | None = None  # where the job runs now, if not where it was submitted to run
 
     @cached_property
     def submitted(self) -> JobSpec:
@@ -51,7 +51,7 @@ class JobRecord:
         return Shape(s.accelerator, s.tier.value, s.slices)
 
     @property
-    def placed_json(self) -> dict:
+    def placed_json(self) -> dict[str, Any]:
         """The stored spec's JSON placed where the job runs now, unparsed: what views that must never fail
         on a row they cannot parse (status, the dashboard, metrics) show as its slices."""
         if self.stored_shape is None:
@@ -79,7 +79,7 @@ class SliceRow:
     accelerator: str
     tier: str
     state: SliceState
-    data: dict  # the provider's: "hosts" (each host's resource, rank order), "pgids" (local), "zone"
+    data: dict[str, Any]  # the provider's: "hosts" (each host's resource, rank order), "pgids" (local), "zone"
     updated_at: float
 
 
@@ -92,7 +92,7 @@ class Event:
     from_state: JobState | None  # a STATE event's move; None for every other kind
     to_state: JobState | None
     reason: str
-    data: dict | None
+    data: dict[str, Any] | None
 
     @property
     def payload(self) -> Payload:
@@ -116,10 +116,10 @@ class StepMetric:
     step_time_s: float | None
     at: float
     # The program's own metrics and the loop's (tflops_per_chip, mfu, hbm_in_use_gib, hbm_peak_gib).
-    metrics: dict = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_row(cls, row) -> "StepMetric":
+    def from_row(cls, row: sqlite3.Row) -> StepMetric:
         step, generation, loss, tokens_per_s, step_time_s, at, metrics = tuple(row)
         return cls(step, generation, loss, tokens_per_s, step_time_s, at, json.loads(metrics) if metrics else {})
 

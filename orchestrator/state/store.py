@@ -150,7 +150,7 @@ class Store:
 
     # -- jobs ------------------------------------------------------------------
 
-    def create_job(self, job_id: str, name: str, spec: dict, *, reason: str = "submitted",
+    def create_job(self, job_id: str, name: str, spec: dict[str, Any], *, reason: str = "submitted",
                    at: float | None = None, folder: str | None = None) -> JobRecord:
         """Record a new PENDING job. With `folder` (its checkpoint folder's key), only if no job that has
         not ended has the same: else FolderInUseError, and nothing is written (one transaction, so of two
@@ -213,7 +213,7 @@ class Store:
     def bump_generation(self, job_id: str) -> int:
         with self._tx() as db:
             db.execute("UPDATE jobs SET generation = generation + 1 WHERE id=?", (job_id,))
-            return db.execute("SELECT generation FROM jobs WHERE id=?", (job_id,)).fetchone()[0]
+            return int(db.execute("SELECT generation FROM jobs WHERE id=?", (job_id,)).fetchone()[0])
 
     @staticmethod
     def _field_sets(fields: dict[str, Any]) -> tuple[str, list[Any]]:
@@ -264,14 +264,15 @@ class Store:
         with self._tx() as db:
             self._event(db, job_id, event.KIND, None, None, reason, event.to_data(), time.time() if at is None else at)
 
-    def import_event(self, job_id: str, kind: EventKind | str, reason: str, data: dict | None = None, *,
+    def import_event(self, job_id: str, kind: EventKind | str, reason: str, data: dict[str, Any] | None = None, *,
                      at: float | None = None) -> None:
         """Record an event from its stored form (replaying a recorded history); the kind must be known."""
         with self._tx() as db:
             self._event(db, job_id, EventKind(kind), None, None, reason, data, time.time() if at is None else at)
 
     @staticmethod
-    def _event(db, job_id: str, kind: EventKind, from_state, to_state, reason, data, at) -> None:
+    def _event(db: sqlite3.Connection, job_id: str, kind: EventKind, from_state: str | None, to_state: str | None,
+               reason: str, data: dict[str, Any] | None, at: float) -> None:
         db.execute(
             "INSERT INTO events (job_id, at, kind, from_state, to_state, reason, data) VALUES (?,?,?,?,?,?,?)",
             (job_id, at, kind.value, from_state, to_state, reason, json.dumps(data) if data else None),
@@ -292,7 +293,8 @@ class Store:
             (EventKind.SLICE.value, since, exclude_job or "")).fetchall()
         return [event_from_row(r) for r in rows]
 
-    def record_steps(self, job_id: str, generation: int, rows: list[tuple], *, at: float | None = None) -> None:
+    def record_steps(self, job_id: str, generation: int, rows: list[tuple[Any, ...]], *,
+                     at: float | None = None) -> None:
         """Upsert (step, loss, tokens/s, step time[, at[, metrics]]) rows; a recomputed step keeps the newest
         generation's value.
 
@@ -324,7 +326,7 @@ class Store:
     # -- slices ----------------------------------------------------------------
 
     def put_slice(self, name: str, job_id: str, provider: str, accelerator: str, tier: str, state: str,
-                  data: dict, *, event: SliceChanged | None = None, reason: str | None = None) -> None:
+                  data: dict[str, Any], *, event: SliceChanged | None = None, reason: str | None = None) -> None:
         """Record a slice's state (and `event` about it, in the same transaction).
 
         The slice lifecycle is enforced here: a new slice starts REQUESTED (or is recorded

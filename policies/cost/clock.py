@@ -31,7 +31,7 @@ class Clock:
     origin: float = 0.0
     start_s: float = 0.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.scale > 0:
             raise ValueError(f"Clock.scale must be > 0, not {self.scale!r}")
 

@@ -15,6 +15,7 @@ time, so the average prices the risk of a long outage.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from policies.cost.restart_cost import RestartCost
@@ -168,12 +169,16 @@ def fluid_plan(view: PlanInputs, horizon_s: float, tokens: float, sigmas: float 
     return best
 
 
-def _on_demand_fill(view: PlanInputs, tokens: float, window_s: float, start_usd) -> tuple | None:
+OnDemandFill = tuple[float, Option, Option | None, float]  # cost, first size, second size or None, tokens on it
+
+
+def _on_demand_fill(view: PlanInputs, tokens: float, window_s: float,
+                    start_usd: Callable[[Option], float]) -> OnDemandFill | None:
     """Cheapest on-demand way to train `tokens` within `window_s`: one size, or a cheaper
     (slower) size for as long as the window allows and a faster one for the rest (one
     more restart). Returns (cost, first size, second size or None, tokens on the second),
     or None if even the fastest size cannot fit."""
-    best: tuple[float, Option, Option | None, float] | None = None
+    best: OnDemandFill | None = None
     for d in view.on_demand:
         if d.tokens_per_s * window_s >= tokens:
             cost = tokens * d.usd_per_token + start_usd(d)

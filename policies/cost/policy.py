@@ -83,6 +83,7 @@ prices each move in dollars, and it learns the zone's uptime and outage distribu
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from policies.cost.fluid_plan import Plan, PlanInputs, expected_plan_cost, plan_inputs
@@ -186,7 +187,7 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
     best_score = min(score(v) for v in values)
     tolerance = max(0.01, 1e-6 * abs(best_score))
 
-    def preference(v: ActionValue) -> tuple:
+    def preference(v: ActionValue) -> tuple[bool, bool, float, int]:
         # Among near-equal actions: keep the current slice, then spend nothing, then the
         # cheaper per token, then the smaller slice.
         o = v.option
@@ -272,7 +273,8 @@ def _gives_up_wanted_request(snap: Snapshot, v: ActionValue) -> bool:
     return fills_no_later(w, spot, held=snap.current) and _releases_waiting(snap, v)
 
 
-def _safety_net(snap, on_demand, od_finish_s, horizon_s, slack_s) -> Decision:
+def _safety_net(snap: Snapshot, on_demand: Sequence[Option], od_finish_s: Callable[[Option], float], horizon_s: float,
+                slack_s: float) -> Decision:
     in_time = [d for d in on_demand if od_finish_s(d) <= horizon_s]
     if not in_time:
         d = min(on_demand, key=od_finish_s)

@@ -95,7 +95,7 @@ class ScalingModel:
     efficiency_per_doubling: float = DEFAULT.efficiency_per_doubling
 
     def mfu(self, hosts: int) -> float:
-        return self.mfu_one_host * self.efficiency_per_doubling ** math.log2(max(hosts, 1))
+        return float(self.mfu_one_host * self.efficiency_per_doubling ** math.log2(max(hosts, 1)))
 
     def tokens_per_s(self, chips: int, hosts: int) -> float:
         return chips * self.peak_flops_per_chip * self.mfu(hosts) / self.flops_per_token
