@@ -68,15 +68,19 @@ def spec(name: str, shape: str, steps: int, probe_dir: Path, *, jax_cache: bool 
 
 def start_reference(job_spec: JobSpec, tmp: Path) -> tuple[subprocess.Popen, Path]:
     """The same program in one plain process with 8 CPU devices and no cache, nothing disturbing it."""
-    from orchestrator.control.launch import workload_for
+    from orchestrator.control.launch import launch_order
+    from workers.order import UserEntrypoint
 
     t = job_spec.tpu_type
-    workload = workload_for(job_spec, t.chips, t.hosts)
-    settings = dataclasses.replace(workload["settings"], checkpoint_dir=None)
-    args = {k: v for k, v in workload.get("args", {}).items() if k != "probe_dir"}
-    (tmp / "ref-workload.pkl").write_bytes(pickle.dumps({**workload, "settings": settings, "args": args}))
+    order = launch_order(job_spec, t.chips, t.hosts)
+    program = order.program
+    assert isinstance(program, UserEntrypoint), "the stress job runs its own program (`spec`)"
+    args = {k: v for k, v in program.args.items() if k != "probe_dir"}
+    order = dataclasses.replace(order, settings=dataclasses.replace(order.settings, checkpoint_dir=None),
+                                program=dataclasses.replace(program, args=args))
+    (tmp / "ref-order.pkl").write_bytes(pickle.dumps(order))
     out = tmp / "ref.json"
-    proc = subprocess.Popen([sys.executable, "-m", "workers.reference", "--workload", str(tmp / "ref-workload.pkl"),
+    proc = subprocess.Popen([sys.executable, "-m", "workers.reference", "--order", str(tmp / "ref-order.pkl"),
                              "--devices", "8", "--out", str(out)], cwd=REPO)
     return proc, out
 

@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import fresh_client, machine, save, steady_tokens_per_s  # noqa: E402
 from orchestrator import JobSpec, JobState  # noqa: E402
-from orchestrator.control.launch import workload_for  # noqa: E402
+from orchestrator.control.launch import launch_order  # noqa: E402
+from workers.order import LaunchOrder  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tiny-lm.yaml"
 USER_EXAMPLE = EXAMPLE.parent / "user-train"
@@ -59,14 +60,14 @@ def user_spec(steps: int, data: str, name: str) -> JobSpec:
     return JobSpec.from_dict({**d, "name": name, "workdir": str(USER_EXAMPLE)})
 
 
-def bare(workload: dict) -> float:
+def bare(order: LaunchOrder) -> float:
     """The built-in trainer in a plain process (`workers.reference`), saving as the orchestrated run does."""
-    settings = workload["settings"]
+    settings = order.settings
     with tempfile.TemporaryDirectory() as d:
-        wl_file, out = Path(d) / "workload.pkl", Path(d) / "out.json"
-        wl_file.write_bytes(pickle.dumps({**workload,
-                                          "settings": dataclasses.replace(settings, checkpoint_dir=f"{d}/ckpt")}))
-        subprocess.run([sys.executable, "-m", "workers.reference", "--workload", str(wl_file), "--devices", "4",
+        order_file, out = Path(d) / "order.pkl", Path(d) / "out.json"
+        order_file.write_bytes(pickle.dumps(dataclasses.replace(
+            order, settings=dataclasses.replace(settings, checkpoint_dir=f"{d}/ckpt"))))
+        subprocess.run([sys.executable, "-m", "workers.reference", "--order", str(order_file), "--devices", "4",
                         "--out", str(out)], check=True, cwd=EXAMPLE.parents[1])
         res = json.loads(out.read_text())
     return steady_tokens_per_s(res["step_times_s"], settings.tokens_per_step)
@@ -88,7 +89,7 @@ def main() -> None:
     data = spec.model_dump(mode="json")
     data["workload"]["steps"] = args.steps
     spec = JobSpec.from_dict(data)
-    workload = workload_for(spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
+    order = launch_order(spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
         update={"directory": "/unused"})}), 4, 1)
     from orchestrator.user.data_prepare import prepare
 
@@ -98,10 +99,10 @@ def main() -> None:
     bares, orchs, user_bares, user_nosave, user_apis = [], [], [], [], []
     try:
         for r in range(args.rounds):
-            bares.append(bare(workload))
+            bares.append(bare(order))
             run_spec = JobSpec.from_dict({**data, "name": f"overhead-{r}",
                                           "checkpoint": {**data["checkpoint"], "directory": None}})
-            orchs.append(orchestrated(client, run_spec, workload["settings"].tokens_per_step))
+            orchs.append(orchestrated(client, run_spec, order.settings.tokens_per_step))
             print(f"round {r}: bare {bares[-1]:,.0f} tokens/s, orchestrated {orchs[-1]:,.0f} tokens/s", flush=True)
             uspec = user_spec(args.steps, tokens, f"overhead-user-{r}")
             user_bares.append(user_bare(uspec, tokens, saves=True))

@@ -51,13 +51,13 @@ def spec(name: str, steps: int, metadata_url: str) -> JobSpec:
 
 def reference(job_spec: JobSpec, tmp: Path) -> dict:
     """The same training in one plain process with as many devices, nothing disturbing it."""
-    from orchestrator.control.launch import workload_for
+    from orchestrator.control.launch import launch_order
 
     t = job_spec.tpu_type
-    workload = workload_for(job_spec, t.chips, t.hosts)
-    workload["settings"] = dataclasses.replace(workload["settings"], checkpoint_dir=None)
-    (tmp / "workload.pkl").write_bytes(pickle.dumps(workload))
-    subprocess.run([sys.executable, "-m", "workers.reference", "--workload", str(tmp / "workload.pkl"), "--devices",
+    order = launch_order(job_spec, t.chips, t.hosts)
+    order = dataclasses.replace(order, settings=dataclasses.replace(order.settings, checkpoint_dir=None))
+    (tmp / "order.pkl").write_bytes(pickle.dumps(order))
+    subprocess.run([sys.executable, "-m", "workers.reference", "--order", str(tmp / "order.pkl"), "--devices",
                     str(t.chips), "--out", str(tmp / "ref.json")], check=True, cwd=REPO, timeout=1800)
     return json.loads((tmp / "ref.json").read_text())
 

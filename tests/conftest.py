@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.storage_fixture import gcs, gcs_emulator  # noqa: F401  (Cloud Storage on the local emulator)
+from workers.order import BuiltInTrainer, LaunchOrder
 
 REPO = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "checks", "numerics", "integration", "chaos", "kernels", "tpu")  # pyproject.toml's markers
@@ -60,15 +61,15 @@ def run_reference(spec, devices: int, tmp_path: Path, *, env: dict | None = None
 def start_reference(spec, devices: int, tmp_path: Path, *, env: dict | None = None) -> Reference:
     """`run_reference` started now and read later (`.result()`): the plain process trains while the
     test's job waits on its slices, instead of after it."""
-    from orchestrator.control.launch import workload_for
+    from orchestrator.control.launch import launch_order
 
     t = spec.tpu_type
-    return start_workload(workload_for(spec, t.chips, t.hosts), devices, tmp_path, env=env)
+    return start_workload(launch_order(spec, t.chips, t.hosts), devices, tmp_path, env=env)
 
 
-def run_workload(workload: dict, devices: int, tmp_path: Path, *, env: dict | None = None) -> dict:
-    """`workers.reference` on a host's `workload`, without its checkpoints (`env`: extra variables)."""
-    return start_workload(workload, devices, tmp_path, env=env).result()
+def run_workload(order: LaunchOrder, devices: int, tmp_path: Path, *, env: dict | None = None) -> dict:
+    """`workers.reference` on a host's launch `order`, without its checkpoints (`env`: extra variables)."""
+    return start_workload(order, devices, tmp_path, env=env).result()
 
 
 REFERENCE_TIMEOUT_S = 600
@@ -86,14 +87,14 @@ def _reference_compile_cache(tmp_path_factory):
 class Reference:
     """A `workers.reference` process running in the background; `result()` waits for what it wrote."""
 
-    def __init__(self, workload: dict, devices: int, tmp_path: Path, env: dict | None):
+    def __init__(self, order: LaunchOrder, devices: int, tmp_path: Path, env: dict | None):
         tmp_path.mkdir(parents=True, exist_ok=True)
-        wl_file, self._out = tmp_path / "ref-workload.pkl", tmp_path / "ref-out.json"
-        settings = dataclasses.replace(workload["settings"], checkpoint_dir=None)
-        wl_file.write_bytes(pickle.dumps({**workload, "settings": settings}))
+        order_file, self._out = tmp_path / "ref-order.pkl", tmp_path / "ref-out.json"
+        settings = dataclasses.replace(order.settings, checkpoint_dir=None)
+        order_file.write_bytes(pickle.dumps(dataclasses.replace(order, settings=settings)))
         self._started = time.monotonic()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "workers.reference", "--workload", str(wl_file), "--devices", str(devices),
+            [sys.executable, "-m", "workers.reference", "--order", str(order_file), "--devices", str(devices),
              "--out", str(self._out), *(["--compile-cache", str(_compile_cache[0])] if _compile_cache else [])],
             cwd=REPO, env={**os.environ, **(env or {})})
         self._value: dict | None = None
@@ -119,9 +120,15 @@ class Reference:
             _running.remove(self)
 
 
-def start_workload(workload: dict, devices: int, tmp_path: Path, *, env: dict | None = None) -> Reference:
-    """`run_workload` started now and read later (`.result()`)."""
-    return Reference(workload, devices, tmp_path, env)
+def start_workload(order: LaunchOrder | dict, devices: int, tmp_path: Path, *, env: dict | None = None) -> Reference:
+    """`run_workload` started now and read later (`.result()`).
+
+    A dict is the built-in trainer's order as tests/integration/test_model_kernels.py still writes it
+    (``{"type": "lm", "settings": ..., "lm": ...}``, the form before `LaunchOrder`), until it builds one.
+    """
+    if isinstance(order, dict):
+        order = LaunchOrder(order["settings"], BuiltInTrainer(order["lm"]))
+    return Reference(order, devices, tmp_path, env)
 
 
 def assert_losses_close(actual: list[float], expected: list[float], rtol: float) -> None:

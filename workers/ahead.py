@@ -39,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 
+from workers.order import BuiltInTrainer, LaunchOrder
 from workers.settings import LmSettings, TrainingSettings
 
 log = logging.getLogger(__name__)
@@ -69,17 +70,17 @@ class CompileAhead:
         self._made: tuple[str, bytes] | None = None  # (program id, kept bytes) once rank 0's rehearsal is done
 
     @classmethod
-    def for_host(cls, workload: dict, *, rank: int, num_hosts: int, devices_per_host: int, platform: str | None,
-                 cache: str | None, send=None) -> CompileAhead | None:
+    def for_host(cls, order: LaunchOrder, *, rank: int, num_hosts: int, devices_per_host: int,
+                 platform: str | None, cache: str | None, send=None) -> CompileAhead | None:
         """The host's part, or None: not the built-in trainer, one slice, not CPU, no executable cache
         (`cache`, the host's), or not a first host of slice 0 or 1."""
-        settings, smaller = workload["settings"], workload.get("ahead")
-        if workload.get("type") != "lm" or smaller is None or platform != "cpu" or not cache:
+        program = order.program
+        if not isinstance(program, BuiltInTrainer) or program.ahead is None or platform != "cpu" or not cache:
             return None
-        per_slice = num_hosts // settings.slices
+        smaller, per_slice = program.ahead, num_hosts // order.settings.slices
         if rank % per_slice or rank // per_slice > 1:
             return None  # the survivors' process 0 is the first host of slice 0, or of slice 1 when slice 0 is lost
-        return cls(Rehearsal(workload["lm"], smaller, per_slice * smaller.slices, devices_per_host, cache),
+        return cls(Rehearsal(program.lm, smaller, per_slice * smaller.slices, devices_per_host, cache),
                    rank=rank, send=send)
 
     @property

@@ -37,6 +37,7 @@ from workers import fence as fences
 from workers.host_errors import EntrypointError, FolderTaken, error_chain, error_line
 from workers.host_output import LineBuffer, route_logs
 from workers.notices import MetadataWatcher, install_sigterm
+from workers.order import BuiltInTrainer, LaunchOrder, UserEntrypoint
 from workers.profiling import CaptureRequest, Profiler
 from workers.protocol import Ending, Lines, Noticed, Ready, Report, StepDone, WorkerResult
 
@@ -74,6 +75,7 @@ class HostWorker:
         self.multislice: dict[str, str] = {}  # this launch's multislice settings (`runtime.multislice_env`)
         self._result: WorkerResult | None = None
         self._ctx: api.Context | None = None  # the training API's context of the running program
+        self._keeper = None  # this host's `workers.memory.HostMemory` (a multi-slice job's first tier), or None
         self._history: list[dict] = []
         self._fence_dir: str | None = None  # where the fence is: the job's checkpoint folder
         self._storage_endpoint: str | None = None
@@ -118,18 +120,20 @@ class HostWorker:
                 time.sleep(0.02)
         return False
 
-    def start(self, coordinator: str | None, workload: dict, share_key: bytes | None = None,
-              beat: tuple[tuple[str, int], bytes, float] | None = None) -> None:
-        """Begin training on a thread; poll `result()` for the end.
+    def start(self, coordinator: str | None, order: LaunchOrder, share_key: bytes | None = None,
+              beat: tuple[tuple[str, int], bytes, float] | None = None, *, keeper=None) -> None:
+        """Begin running `order` (every host of the launch gets the same) on a thread; poll `result()` for the end.
 
         `share_key`: this launch's key for the bytes hosts hand each other through the
         runtime's coordinator (`runtime.initialize`); it comes over Ray's authenticated
         channel and is never logged. `beat`: where this host sends its beats, the launch's
         key that seals them (the same way, never logged) and their period (`workers.beats`).
+        `keeper`: this host's own copy of the state in its memory (`workers.memory.HostMemory`), or None.
         """
         if beat is not None and self._beater is None:
             self.beat_to(*beat)
-        threading.Thread(target=self._main, args=(coordinator, workload, share_key), daemon=True,
+        self._keeper = keeper
+        threading.Thread(target=self._main, args=(coordinator, order, share_key), daemon=True,
                          name="train").start()
 
     def beat_to(self, address: tuple[str, int], key: bytes, period_s: float) -> None:
@@ -158,17 +162,17 @@ class HostWorker:
 
     # -- the training thread -------------------------------------------------------
 
-    def _main(self, coordinator: str | None, workload: dict, share_key: bytes | None) -> None:
+    def _main(self, coordinator: str | None, order: LaunchOrder, share_key: bytes | None) -> None:
         t0 = time.perf_counter()
         watcher = None
         try:
             # Before anything touches a bucket: tensorstore, gcsfs and epath take their endpoint once.
-            self._storage_endpoint = workload.get("storage_endpoint")
+            self._storage_endpoint = order.storage_endpoint
             storage.configure(self._storage_endpoint)
-            self._fence_dir = workload.get("fence_dir")
-            if workload.get("metadata_url"):
-                watcher = MetadataWatcher(workload["metadata_url"], self._notice, self._on_notice)
-            settings = workload["settings"]
+            self._fence_dir = order.fence_dir
+            if order.metadata_url:
+                watcher = MetadataWatcher(order.metadata_url, self._notice, self._on_notice)
+            settings = order.settings
             self.multislice = runtime.initialize(
                 coordinator_address=coordinator, num_processes=self.num_hosts, process_id=self.rank,
                 host_address=ray.util.get_node_ip_address(), share_key=share_key,
@@ -178,10 +182,10 @@ class HostWorker:
                 kind = accelerator.check_tpu(self._claim, self._devices_per_host)
                 log.info("on %d %s chips", self._devices_per_host, kind)
             self._send(Ready(time.perf_counter() - t0))
-            if workload["type"] == "lm":
-                result = self._run_lm(workload)
+            if isinstance(order.program, BuiltInTrainer):
+                result = self._run_lm(order, order.program)
             else:
-                result = self._run_entrypoint(workload)
+                result = self._run_entrypoint(order, order.program)
         except accelerator.PlatformError as e:  # not the host its slice claims: nothing of the job's ran
             log.error("%s", e)
             result = WorkerResult(Ending.FAILED, self.rank, error=str(e), cause=FailureCause.PLATFORM.value)
@@ -217,21 +221,22 @@ class HostWorker:
         """
         return self._profiler.vote(self._notice.is_set())
 
-    def _context(self, workload: dict) -> api.Context:
+    def _context(self, order: LaunchOrder) -> api.Context:
         """The training API's context of the program this worker runs (kept, for its loop after a
         sys.exit): the launch's settings and this worker's hooks."""
         import jax
 
         from workers import api
 
-        settings = workload["settings"]
+        settings = order.settings
         if jax.default_backend() != "tpu":  # MFU against the slice type's peak means something only on its chips
             settings = dataclasses.replace(settings, peak_flops_per_chip=None)  # (CPU devices stand in locally)
         self._steps_total = settings.steps
-        self._ctx = api.Context(rank=self.rank, num_hosts=self.num_hosts, args=workload.get("args", {}),
-                                settings=settings, stop_requested=self._notice.is_set, may_write=self._may_write,
+        args = order.program.args if isinstance(order.program, UserEntrypoint) else {}
+        self._ctx = api.Context(rank=self.rank, num_hosts=self.num_hosts, args=args, settings=settings,
+                                stop_requested=self._notice.is_set, may_write=self._may_write,
                                 agreed_stop=self._any_host_noticed, send=self._send, profiler=self._profiler,
-                                keeper=workload.get("keeper"))
+                                keeper=self._keeper)
         return self._ctx
 
     def _ended(self, loop) -> WorkerResult:
@@ -246,20 +251,20 @@ class HostWorker:
         params = state["params"] if isinstance(state, dict) and "params" in state else state
         return WorkerResult(Ending.SUCCEEDED, self.rank, steps=loop.step, param_sums=param_checksums(params))
 
-    def _run_lm(self, workload: dict) -> WorkerResult:
+    def _run_lm(self, order: LaunchOrder, program: BuiltInTrainer) -> WorkerResult:
         from workers.ahead import CompileAhead
         from workers.train import Trainer  # after runtime.configure
 
-        ctx = self._context(workload)
-        ahead = CompileAhead.for_host(workload, rank=self.rank, num_hosts=self.num_hosts,
+        ctx = self._context(order)
+        ahead = CompileAhead.for_host(order, rank=self.rank, num_hosts=self.num_hosts,
                                       devices_per_host=self._devices_per_host, platform=self._platform,
                                       cache=self._compile_cache_dir, send=self._send)
-        trainer = Trainer(workload["lm"], ctx)
-        self._look_for_stored_program(workload, trainer)
+        trainer = Trainer(program.lm, ctx)
+        self._look_for_stored_program(order, trainer)
         trainer.run(ahead=ahead)
         return self._ended(ctx.last_loop)
 
-    def _look_for_stored_program(self, workload: dict, trainer) -> None:
+    def _look_for_stored_program(self, order: LaunchOrder, trainer) -> None:
         """Keep the train step compiled ahead for this host's shape, if the job's storage has one it can use."""
         from workers import stored_programs
         from workers.protocol import ProgramLooked
@@ -272,8 +277,9 @@ class HostWorker:
 
         try:
             program_id = trainer.program_id("train_step")
-            found = stored_programs.take(workload, platform=self._platform, name="train_step",
-                                         config=program_config(trainer.lm, trainer.settings), program_id=program_id)
+            found = stored_programs.take(order.programs, endpoint=order.storage_endpoint, platform=self._platform,
+                                         name="train_step", config=program_config(trainer.lm, trainer.settings),
+                                         program_id=program_id)
         except Exception as e:  # never the job's failure: the host compiles as it would have
             log.warning("stored program: not looked for (%s: %s); compiling", type(e).__name__, e, exc_info=True)
             return
@@ -290,16 +296,15 @@ class HostWorker:
 
         trainer.compile = compile_and_tell
 
-    def _run_entrypoint(self, workload: dict) -> WorkerResult:
-        module_name, fn_name = workload["entrypoint"].split(":")
-        if workload.get("workdir") and workload["workdir"] not in sys.path:
-            sys.path.insert(0, workload["workdir"])
+    def _run_entrypoint(self, order: LaunchOrder, program: UserEntrypoint) -> WorkerResult:
+        if program.workdir and program.workdir not in sys.path:
+            sys.path.insert(0, program.workdir)
         try:
-            fn = getattr(importlib.import_module(module_name), fn_name)
+            fn = getattr(importlib.import_module(program.module), program.function)
         except Exception as e:  # the module, a module it imports, or the function: the same on every slice
-            raise EntrypointError(f"cannot import the entrypoint {workload['entrypoint']}: {type(e).__name__}: {e}") \
+            raise EntrypointError(f"cannot import the entrypoint {program.entrypoint}: {type(e).__name__}: {e}") \
                 from e
-        ctx = self._context(workload)
+        ctx = self._context(order)
         fn(ctx)
         if ctx.last_loop is not None:
             ctx.last_loop.close()

@@ -1,11 +1,11 @@
 """Run a job's training in one plain process, outside the orchestrator.
 
 The reference that tests compare orchestrated runs with (same global batch, any device
-count), and the "bare script" baseline of `benchmarks/overhead.py`. It runs the workload a
-job's hosts get (`orchestrator.control.launch.workload_for`: the built-in trainer or a user
+count), and the "bare script" baseline of `benchmarks/overhead.py`. It runs the launch order a
+job's hosts get (`orchestrator.control.launch.launch_order`: the built-in trainer or a user
 program on the training API, with its `workers.settings` as they are), pickled to a file:
 
-    python -m workers.reference --workload workload.pkl --devices 8 --out losses.json
+    python -m workers.reference --order order.pkl --devices 8 --out losses.json
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import time
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", required=True,
-                   help="a host's workload, pickled (a file path); its settings' checkpoint_dir is used if set")
+    p.add_argument("--order", required=True,
+                   help="a host's launch order, pickled (a file path); its settings' checkpoint_dir is used if set")
     p.add_argument("--devices", type=int, required=True, help="CPU devices in this process")
     p.add_argument("--out", required=True, help="where to write {losses, step_times_s, ...} as JSON")
     p.add_argument("--compile-cache", default=None)
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
 
     runtime.configure(platform="cpu", devices_per_host=args.devices, compile_cache_dir=args.compile_cache)
     from workers import api
+    from workers.order import BuiltInTrainer, LaunchOrder
     from workers.protocol import StepDone
 
     losses, times = [], []
@@ -42,22 +43,20 @@ def main(argv: list[str] | None = None) -> None:
             times.append(report.step_time_s)
 
     t0 = time.perf_counter()
-    with open(args.workload, "rb") as pickled:
-        workload = pickle.load(pickled)
-    settings = workload["settings"]
-    if workload["type"] == "lm":
+    with open(args.order, "rb") as pickled:
+        order: LaunchOrder = pickle.load(pickled)
+    settings, program = order.settings, order.program
+    if isinstance(program, BuiltInTrainer):
         from workers.train import Trainer
 
         ctx = api.Context(settings=settings, send=send)
-        Trainer(workload["lm"], ctx).run()
+        Trainer(program.lm, ctx).run()
     else:
-        if workload.get("workdir"):
-            sys.path.insert(0, workload["workdir"])
-        module, fn = workload["entrypoint"].split(":")
+        if program.workdir:
+            sys.path.insert(0, program.workdir)
         # This process's devices, all on `data`.
-        ctx = api.Context(args=workload.get("args", {}), settings=dataclasses.replace(settings, mesh_shape=None),
-                          send=send)
-        getattr(importlib.import_module(module), fn)(ctx)
+        ctx = api.Context(args=program.args, settings=dataclasses.replace(settings, mesh_shape=None), send=send)
+        getattr(importlib.import_module(program.module), program.function)(ctx)
     loop = ctx.last_loop
     if loop is None:
         sys.exit("the program ran no ctx.loop: there are no steps to compare")

@@ -39,6 +39,7 @@ import os
 from importlib import metadata
 
 from workers import storage
+from workers.order import StoredPrograms
 
 log = logging.getLogger(__name__)
 
@@ -174,24 +175,25 @@ def _none_for(directory: str, sid: str, target: str, endpoint: str | None) -> st
     return f"none stored for this program on {target}"
 
 
-def take(workload: dict, *, platform: str | None, name: str, config: dict, program_id: str) -> Lookup | None:
+def take(programs: StoredPrograms | None, *, endpoint: str | None, platform: str | None, name: str, config: dict,
+         program_id: str) -> Lookup | None:
     """Look for this host's program in the job's storage and keep what it can use in its executable cache
     under `program_id` (where `runtime.compile_keyed` loads it); None where the launch names no storage.
+
+    `programs` and `endpoint`: the launch order's (`workers.order.LaunchOrder`).
 
     `platform`: the host's ("cpu" for a stand-in, else "tpu"); the launch names a target for each.
     Never raises for what it finds: a failed read is a reason to compile.
     """
     from workers import runtime
 
-    programs = workload.get("programs")
-    if not programs:
+    if programs is None:
         return None
-    target = programs["targets"].get(platform or "tpu")
+    target = programs.targets.get(platform or "tpu")
     if target is None:
         return None
     try:
-        found = select(programs["directory"], stored_id(name, config), target, bytes.fromhex(programs["key"]),
-                       endpoint=workload.get("storage_endpoint"))
+        found = select(programs.directory, stored_id(name, config), target, programs.key, endpoint=endpoint)
     except Exception as e:  # noqa: BLE001 -- the job's storage failed, however: compile as before
         return Lookup(target, None, f"the job's storage could not be read ({type(e).__name__}: {e})")
     if found.kept is not None:

@@ -13,7 +13,7 @@ Vocabulary:
 
 What is compiled is what the hosts run: `compile_train_step` builds the built-in trainer
 (`workers.train.Trainer`) from the settings the controller resolves for the slice
-(`orchestrator.control.launch.workload_for`), so the jit, mesh, shardings, precision,
+(`orchestrator.control.launch.launch_order`), so the jit, mesh, shardings, precision,
 remat, microbatches and kernels are the hosts' own; only the devices differ. The kernels
 take their generation and implementation from the mesh compiled for (`kernels.dispatch.target`),
 which is why each compile runs under ``jax.set_mesh``.

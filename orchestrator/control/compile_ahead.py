@@ -41,9 +41,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from orchestrator import catalog
-from orchestrator.control.launch import workload_for
+from orchestrator.control.launch import launch_order
 from orchestrator.domain.spec import JobSpec, LmWorkload
 from workers import stored_programs
+from workers.order import BuiltInTrainer, StoredPrograms
 from workers.settings import LmSettings, TrainingSettings
 
 if TYPE_CHECKING:
@@ -107,14 +108,15 @@ def targets(t: catalog.TpuType, slices: int) -> dict[str, str]:
 
 
 def option_for(spec: JobSpec, shape: NextShape, platform: str) -> ProgramOption:
-    """What the hosts of `shape` run, resolved as their launch would (`JobDriver.on_slices`, `workload_for`)."""
+    """What the hosts of `shape` run, resolved as their launch would (`JobDriver.on_slices`, `launch_order`)."""
     t = catalog.lookup(shape.accelerator)
     count = shape.slices if spec.autoscaling is not None else spec.slices
     on = spec if (t.name, count) == (spec.accelerator, spec.slices) else spec.moved(t.name, spec.tier.value,
                                                                                      slices=count)
-    work = workload_for(on, t.chips, t.hosts, slices=shape.slices)
-    return ProgramOption(targets(t, shape.slices)[platform], shape.why, work["lm"], work["settings"], platform, t.hosts,
-                  t.chips_per_host, t.generation.chip.name, t.topology)
+    order = launch_order(on, t.chips, t.hosts, slices=shape.slices)
+    assert isinstance(order.program, BuiltInTrainer), "only the built-in trainer's step is compiled ahead"
+    return ProgramOption(targets(t, shape.slices)[platform], shape.why, order.program.lm, order.settings, platform,
+                         t.hosts, t.chips_per_host, t.generation.chip.name, t.topology)
 
 
 def job_key(home: Home, job_id: str) -> bytes:
@@ -136,13 +138,14 @@ def job_key(home: Home, job_id: str) -> bytes:
     return key
 
 
-def launch_programs(home: Home, job_id: str, spec: JobSpec, t: catalog.TpuType, slices: int) -> dict | None:
-    """What a launch's hosts need to select their program from the job's storage (the workload's
+def launch_programs(home: Home, job_id: str, spec: JobSpec, t: catalog.TpuType,
+                    slices: int) -> StoredPrograms | None:
+    """What a launch's hosts need to select their program from the job's storage (the launch order's
     ``programs``), or None: not the built-in trainer, or no checkpoint folder. Sent over Ray's
     authenticated channel, as the launch's key is; never logged."""
     if not isinstance(spec.workload, LmWorkload) or spec.checkpoint.directory is None:
         return None
-    return {"directory": spec.checkpoint.directory, "key": job_key(home, job_id).hex(), "targets": targets(t, slices)}
+    return StoredPrograms(spec.checkpoint.directory, job_key(home, job_id), targets(t, slices))
 
 
 class ProgramsAhead:

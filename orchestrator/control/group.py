@@ -23,6 +23,7 @@ hosts' keepers stay, so a multi-slice job's survivors go on from their memory.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import secrets
 import time
@@ -37,7 +38,6 @@ from orchestrator import cluster
 from orchestrator.cluster.home import Home
 from orchestrator.control import liveness, memory, shipping
 from orchestrator.control.compile_ahead import launch_programs
-from orchestrator.control.launch import workload_for
 from orchestrator.domain.provider_facts import ReportRoute
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Slice
@@ -55,6 +55,7 @@ from workers import inbox
 from workers.accelerator import CPU, TPU, HostClaim
 from workers.crash import stderr_tail
 from workers.host import HostWorker
+from workers.order import LaunchOrder, UserEntrypoint
 from workers.protocol import WorkerResult
 
 if TYPE_CHECKING:
@@ -187,18 +188,26 @@ class RayWorkerGroup:
         if len(hosts) > 1:
             # Ray types an actor handle's methods as Never.
             coordinator = ray.get(self.workers[0].coordinator_address.remote(), timeout=120)  # type: ignore[assignment]
-        workload = workload_for(spec, t.chips, t.hosts, slices=len(slices), memory_step=launch.memory_step)
-        if code is not None:
-            workload["workdir"] = None  # the shipped copy (the runtime environment's working_dir), not the folder
-        workload["programs"] = launch_programs(self.home, self.job_id, spec, t, len(slices))  # compiled ahead
+        order = self._order(shipped=code is not None)
         share_key = secrets.token_bytes(32)  # seals what hosts hand each other through the coordinator
-        given = [{**workload, "keeper": k} for k in keepers]
-        ray.get(self.workers[0].start.remote(coordinator, given[0], share_key, beat), timeout=120)
+        ray.get(self.workers[0].start.remote(coordinator, order, share_key, beat, keeper=keepers[0]), timeout=120)
         if coordinator is not None:  # the others join once host 0 listens (an early one waits out a backoff)
             ray.get(self.workers[0].coordinator_listening.remote(coordinator, 10.0), timeout=30)
-        others = zip(self.workers[1:], given[1:], strict=True)
-        ray.get([w.start.remote(coordinator, g, share_key, beat) for w, g in others], timeout=120)
+        others = zip(self.workers[1:], keepers[1:], strict=True)
+        ray.get([w.start.remote(coordinator, order, share_key, beat, keeper=k) for w, k in others], timeout=120)
         return None
+
+    def _order(self, *, shipped: bool) -> LaunchOrder:
+        """The launch plan's order as the hosts get it: a user's program imported from the shipped copy of its
+        folder (the runtime environment's working_dir) where the launch ships one, and where the job's storage
+        keeps the train step compiled ahead for them."""
+        plan, t = self.launched.plan, self.slices[0].tpu_type
+        assert plan is not None, "a group this controller launches has its plan (`JobDriver.new_launch`)"
+        order, program = plan.order, plan.order.program
+        if shipped and isinstance(program, UserEntrypoint):
+            order = dataclasses.replace(order, program=dataclasses.replace(program, workdir=None))
+        programs = launch_programs(self.home, self.job_id, self.spec, t, len(self.slices))
+        return dataclasses.replace(order, programs=programs)
 
     def _beats_here(self) -> None:
         """An adopted group's workers beat to the monitor of the controller that started them: point them at

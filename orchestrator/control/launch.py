@@ -1,29 +1,74 @@
-"""What a job's workers run, derived from the parsed spec in one place (`workload_for`), and the
-fence written before each launch (`orchestrator.control.group` launches them)."""
+"""What a job's workers run, resolved from the placed spec in one place, and the fence written before each launch.
+
+`launch_plan` resolves a generation's plan once, when it is launched (`JobDriver.new_launch`): the
+shape it runs on and the `workers.order.LaunchOrder` every host of it is handed
+(`orchestrator.control.group` launches them). The plan is recorded as a `Planned` event, which
+`orchestrator status` shows, so what the status says is what the workers were told.
+`launch_order` resolves the order alone, for a shape that is not launched (a compile ahead, a
+prior, a test's reference run).
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from orchestrator import catalog
 from orchestrator.domain.fit import microbatches_for
+from orchestrator.domain.shape import Shape
 from orchestrator.domain.spec import EntrypointWorkload, JobSpec, LmWorkload
+from orchestrator.state.events import Planned
 from policies.model.sharding import MeshError, plan_slices
+from workers.order import BuiltInTrainer, LaunchOrder, Program, UserEntrypoint
 from workers.settings import LmSettings, TrainingSettings
 
 log = logging.getLogger(__name__)
 
 
-def workload_for(spec: JobSpec, devices: int, hosts: int, *, slices: int = 1, memory_step: int | None = None) -> dict:
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One generation's launch, resolved once from its placed spec: where it runs and what every host runs."""
+
+    generation: int
+    shape: Shape  # the type, tier and count of the slices it runs on
+    order: LaunchOrder  # what every host is handed: the settings (mesh, microbatches, intervals) and the program
+
+    @property
+    def planned(self) -> Planned:
+        """The plan as the store records it (and `orchestrator status` shows it)."""
+        settings, program = self.order.settings, self.order.program
+        return Planned(generation=self.generation, accelerator=self.shape.accelerator, tier=self.shape.tier,
+                       slices=self.shape.count, mesh=list(settings.mesh_shape) if settings.mesh_shape else None,
+                       microbatches=settings.microbatches,
+                       checkpoint_interval=settings.checkpoint_interval if settings.checkpoint_dir else None,
+                       memory_interval=settings.memory_interval if self.shape.count > 1 else None,
+                       memory_step=settings.memory_step,
+                       entrypoint=program.entrypoint if isinstance(program, UserEntrypoint) else None)
+
+
+def launch_plan(spec: JobSpec, generation: int, slices: int, *, memory_step: int | None = None) -> LaunchPlan:
+    """Generation `generation` of `spec` (placed on its slices' type and tier) on `slices` slices;
+    `memory_step`: the step the survivors of a lost slice restore from their memory."""
+    t = spec.tpu_type
+    order = launch_order(spec, t.chips, t.hosts, slices=slices, memory_step=memory_step)
+    return LaunchPlan(generation, Shape(spec.accelerator, spec.tier.value, slices), order)
+
+
+def launch_order(spec: JobSpec, devices: int, hosts: int, *, slices: int = 1,
+                 memory_step: int | None = None) -> LaunchOrder:
     """What every host of `slices` slices, each with `devices` chips on `hosts` hosts, runs for `spec`;
     `memory_step`: the step the survivors of a lost slice restore from their memory."""
+    return LaunchOrder(settings=training_settings(spec, devices, hosts, slices=slices, memory_step=memory_step),
+                       program=program(spec, devices, hosts, slices), fence_dir=spec.checkpoint.directory,
+                       storage_endpoint=spec.storage.endpoint, metadata_url=metadata_url(spec))
+
+
+def program(spec: JobSpec, devices: int, hosts: int, slices: int) -> Program:
+    """The program the hosts run: a user's entrypoint, from the job's folder, or the built-in trainer."""
     w = spec.workload
-    settings = training_settings(spec, devices, hosts, slices=slices, memory_step=memory_step)
-    common = {"settings": settings, "fence_dir": spec.checkpoint.directory,
-              "storage_endpoint": spec.storage.endpoint, "metadata_url": metadata_url(spec)}
     if isinstance(w, EntrypointWorkload):
-        return {"type": "entrypoint", "entrypoint": w.entrypoint, "args": w.args, "workdir": spec.workdir, **common}
-    return {"type": "lm", "lm": lm_settings(w), "ahead": survivors_settings(spec, devices, hosts, slices), **common}
+        return UserEntrypoint(w.entrypoint, dict(w.args), spec.workdir)
+    return BuiltInTrainer(lm_settings(w), survivors_settings(spec, devices, hosts, slices))
 
 
 def survivors_settings(spec: JobSpec, devices: int, hosts: int, slices: int) -> TrainingSettings | None:

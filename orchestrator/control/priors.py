@@ -24,6 +24,7 @@ from orchestrator.domain.spec import JobSpec, LmWorkload
 from policies.cost.compiled_prior import CompiledStep, Priced, priced
 from policies.cost.slice_options import Option
 from policies.model.sharding import MeshError
+from workers.order import BuiltInTrainer
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def kept_steps(spec: JobSpec, options: Sequence[Option], *,
     if not isinstance(w, LmWorkload) or not cache.is_dir() or not any(cache.glob("*.json")):
         return {}
     # The TPU compiler's side (jax) is imported only where reports are kept to be read.
-    from orchestrator.control.launch import workload_for
+    from orchestrator.control.launch import launch_order
     from orchestrator.control.tpu_compile import topology
     from workers.tpu_target import kept_report, program_key, roofline_s
 
@@ -53,12 +54,13 @@ def kept_steps(spec: JobSpec, options: Sequence[Option], *,
     for o in {o.what: o for o in options}.values():
         t = catalog.lookup(o.name)
         try:
-            work = workload_for(spec.moved(t.name, spec.tier, slices=o.count), t.chips, t.hosts, slices=o.count)
+            order = launch_order(spec.moved(t.name, spec.tier, slices=o.count), t.chips, t.hosts, slices=o.count)
         except MeshError:  # no mesh for the job on this option: nothing was compiled for it
             continue
+        assert isinstance(order.program, BuiltInTrainer), "an LmWorkload runs the built-in trainer"
         # The key leaves out the checkpoint folder the store fills in (`JobSpec.with_checkpoint_directory`):
         # the CLI's --compile, which ran before the job had one, kept the report under this key.
-        report = kept_report(cache, program_key(work["lm"], work["settings"], topology(t, o.count)))
+        report = kept_report(cache, program_key(order.program.lm, order.settings, topology(t, o.count)))
         if report is not None:
             out[o.what] = CompiledStep(tokens_per_step, roofline_s(report, t.generation.chip))
     return out

@@ -1,7 +1,7 @@
 """A job's train step compiled by XLA's TPU compiler for a slice type and count, on this machine.
 
 The program is the one the job's hosts would run on that slice: the settings are resolved
-by `launch.workload_for`, as for a launch, and the trainer, mesh and kernels are built by
+by `launch.launch_order`, as for a launch, and the trainer, mesh and kernels are built by
 the workers' own code (`workers.tpu_target`); a user's own program is imported from its job's
 folder and traced up to the step it declares. Nothing is provisioned and nothing runs.
 """
@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.catalog import TpuType
-from orchestrator.control.launch import workload_for
-from orchestrator.domain.spec import JobSpec, LmWorkload
+from orchestrator.control.launch import launch_order
+from orchestrator.domain.spec import JobSpec
+from workers.order import BuiltInTrainer
 from workers.tpu_target import (
     ProgramReport,
     Topology,
@@ -56,21 +57,19 @@ def step_report(spec: JobSpec, t: TpuType, slices: int = 1, *,
       Whatever the compiler raises for a program it rejects, and whatever a user's program raises
       while it is traced.
     """
-    on = spec.moved(t.name, spec.tier, slices=slices)
-    work = workload_for(on, t.chips, t.hosts, slices=slices)
-    target = topology(t, slices)
-    w = spec.workload
-    if isinstance(w, LmWorkload):
-        key = program_key(work["lm"], work["settings"], target)
+    order = launch_order(spec.moved(t.name, spec.tier, slices=slices), t.chips, t.hosts, slices=slices)
+    target, program = topology(t, slices), order.program
+    if isinstance(program, BuiltInTrainer):
+        key = program_key(program.lm, order.settings, target)
     else:
-        key = user_program_key(w.entrypoint, w.args, spec.workdir, work["settings"], target)
+        key = user_program_key(program.entrypoint, program.args, program.workdir, order.settings, target)
     if (kept := kept_report(cache_dir, key)) is not None:
         return kept, True
-    if isinstance(w, LmWorkload):
-        _, report = compile_train_step(work["lm"], work["settings"], target)
+    if isinstance(program, BuiltInTrainer):
+        _, report = compile_train_step(program.lm, order.settings, target)
     else:
-        with _imported(w.entrypoint, spec.workdir) as main:
-            _, report = compile_program(main, work["settings"], target, args=w.args)
+        with _imported(program.entrypoint, program.workdir) as main:
+            _, report = compile_program(main, order.settings, target, args=program.args)
     keep_report(cache_dir, key, report)
     return report, False
 

@@ -29,6 +29,7 @@ from orchestrator.state.events import (
     Disrupted,
     EventKind,
     Launched,
+    Planned,
     ResizeAsked,
     Restored,
     StateChange,
@@ -199,3 +200,12 @@ def deadline_line(store: Store, job: JobRecord) -> str | None:
     if not forecasts or (forecasts[-1].payload_as(DeadlineForecast).late_by_s or 0.0) <= 0:
         return None
     return f"will miss its deadline: {forecasts[-1].reason}"
+
+
+def plan_line(store: Store, job: JobRecord) -> str | None:
+    """The launch plan of the job's current generation, as it was recorded when that generation was launched
+    ("gen 3 on 2 x v4-16 spot, mesh (4,2,1), 2 microbatches, checkpoint every 50 steps"); None before its first
+    launch, or for a generation launched by a version that recorded none."""
+    plans = [e.payload_as(Planned) for e in store.events(job.id, kind=EventKind.PLAN)]
+    current = [p for p in plans if p.generation == job.generation]
+    return current[-1].line if current else None

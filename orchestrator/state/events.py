@@ -35,6 +35,7 @@ class EventKind(str, enum.Enum):
     MEMORY = "memory"  # how often the hosts copy the state to their memory (a multi-slice job)
     AHEAD = "ahead"  # the program for one slice fewer was compiled while the job trained (a multi-slice job)
     PROGRAM = "program"  # a program compiled ahead for a shape was stored in the job's storage, or a host looked for it
+    PLAN = "plan"  # what a generation was launched with: its shape, mesh, microbatches and intervals
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,44 @@ class ProgramStored(Payload):
     seconds: float | None = None
     size: int | None = None  # bytes stored
     reason: str | None = None
+
+
+@dataclass(frozen=True)
+class Planned(Payload):
+    """A generation's launch plan, resolved once from the placed spec when it was launched
+    (`orchestrator.control.launch.launch_plan`): what every host of it was told to run."""
+
+    KIND: ClassVar[EventKind] = EventKind.PLAN
+    generation: int | None = None
+    accelerator: str | None = None
+    tier: str | None = None
+    slices: int | None = None
+    mesh: list[int] | None = None  # (data, fsdp, model) over all its slices; None: every device on data
+    microbatches: int | None = None
+    checkpoint_interval: int | None = None  # steps between saves; None: no checkpoints
+    memory_interval: int | None = None  # steps between copies to the hosts' memory (several slices); None: measured
+    memory_step: int | None = None  # the step restored from the survivors' memory; None: from storage, or fresh
+    entrypoint: str | None = None  # the user's program; None: the built-in trainer
+
+    @property
+    def line(self) -> str:
+        """As `orchestrator status` shows it: "gen 3 on 2 x v4-16 spot, mesh (4,2,1), 2 microbatches,
+        checkpoint every 50 steps"."""
+        on = f"{self.accelerator} {self.tier}" if (self.slices or 1) == 1 else \
+            f"{self.slices} x {self.accelerator} {self.tier}"
+        parts = [f"gen {self.generation} on {on}"]
+        if self.mesh:
+            parts.append(f"mesh ({','.join(map(str, self.mesh))})")
+        if self.microbatches is not None:
+            parts.append(f"{self.microbatches} microbatch{'' if self.microbatches == 1 else 'es'}")
+        parts.append(f"checkpoint every {self.checkpoint_interval} steps" if self.checkpoint_interval
+                     else "no checkpoints")
+        if (self.slices or 1) > 1:
+            parts.append(f"memory copy every {self.memory_interval} steps" if self.memory_interval
+                         else "memory copy interval measured")
+        if self.memory_step is not None:
+            parts.append(f"restoring step {self.memory_step} from memory")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -269,6 +308,6 @@ PAYLOADS: dict[EventKind, type[Payload]] = {
     cls.KIND: cls for cls in (StateChange, SliceChanged, Launched, Restored, LostWork, CheckpointSaved, NoticeSeen,
                               Disrupted, Resumed, Adopted, Autoscaled, ResizeAsked, Profiled, DeadlineForecast,
                               FolderClaimed,
-                              StoreFaulted, MemoryCadence, AheadCompiled, ProgramStored)
+                              StoreFaulted, MemoryCadence, AheadCompiled, ProgramStored, Planned)
 }
 assert set(PAYLOADS) == set(EventKind), "every kind has its record"

@@ -237,9 +237,10 @@ class Client(ClusterLink):
     def _status_of(self, job: JobRecord) -> JobStatus:
         """The job's status, with its place in the queue and, while not ended, whether a cluster runs it."""
         from orchestrator.control.queue import queue_position
-        from orchestrator.observe.timeline import deadline_line, move_line, wall_time
+        from orchestrator.observe.timeline import deadline_line, move_line, plan_line, wall_time
 
-        st = replace(_status(job, self.store.last_step(job.id)), wall_s=wall_time(self.store, job))
+        st = replace(_status(job, self.store.last_step(job.id)), wall_s=wall_time(self.store, job),
+                     plan=plan_line(self.store, job))
         if st.done:
             return st
         return replace(st, queue_position=queue_position(self.store, job), cluster=self.cluster_state(),

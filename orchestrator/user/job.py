@@ -44,6 +44,8 @@ class JobStatus:
     warning: str | None = None  # what the job will miss at its measured speed ("will miss its deadline by 4 min")
     # While the controller cannot write the store: "state store not writable: disk full (...) since 12:03:04; ..."
     store_fault: str | None = None
+    # The current generation's launch plan ("gen 3 on 2 x v4-16 spot, mesh (4,2,1), 2 microbatches, ...").
+    plan: str | None = None
 
     @property
     def done(self) -> bool:

@@ -8,7 +8,7 @@ hooks, as a worker's are wired:
 - ``--notice-at K``: this host gets a preemption notice at the K-th step boundary;
 - ``--fence-fails K``: this host's K-th fence read fails (an unreachable bucket, say).
 
-    python -m tests.chaos.plain_host --rank R --hosts N --port P --workload workload.pkl --out out.json [...]
+    python -m tests.chaos.plain_host --rank R --hosts N --port P --order order.pkl --out out.json [...]
 
 Writes {"restored_step", "steps", "losses": {step: loss}} (every host's own reports) to --out.
 """
@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--hosts", type=int, required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--devices", type=int, default=4)
-    p.add_argument("--workload", required=True, help="the built-in trainer's workload as a host gets it, pickled")
+    p.add_argument("--order", required=True, help="the built-in trainer's launch order as a host gets it, pickled")
     p.add_argument("--out", required=True)
     p.add_argument("--compile-cache", default=None, help="kept programs, shared by the hosts and by launches")
     p.add_argument("--notice-at", type=int, default=None)
@@ -41,12 +41,14 @@ def main() -> None:
     runtime.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.hosts,
                        process_id=args.rank, host_address="127.0.0.1", share_key=SHARE_KEY)
     from workers import api
+    from workers.order import BuiltInTrainer
     from workers.profiling import Profiler
     from workers.protocol import StepDone
     from workers.train import Trainer
 
-    with open(args.workload, "rb") as f:
-        workload = pickle.load(f)
+    with open(args.order, "rb") as f:
+        order = pickle.load(f)
+    assert isinstance(order.program, BuiltInTrainer), "these hosts run the built-in trainer"
     losses: dict[int, float] = {}
     boundaries, fence_reads = [0], [0]
 
@@ -63,9 +65,9 @@ def main() -> None:
         return fence_reads[0] != args.fence_fails
 
     profiler = Profiler(args.rank, args.hosts, send)  # the host's vote: one all-gather a step
-    ctx = api.Context(rank=args.rank, num_hosts=args.hosts, settings=workload["settings"], send=send,
+    ctx = api.Context(rank=args.rank, num_hosts=args.hosts, settings=order.settings, send=send,
                       may_write=may_write, agreed_stop=lambda: profiler.vote(noticed()), profiler=profiler)
-    Trainer(workload["lm"], ctx).run()
+    Trainer(order.program.lm, ctx).run()
     with open(args.out, "w") as f:
         json.dump({"restored_step": ctx.restored_step, "steps": ctx.last_loop.step, "losses": losses}, f)
 

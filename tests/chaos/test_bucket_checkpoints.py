@@ -3,7 +3,7 @@
 The real controller runs a 2-host v4-16 job of the built-in trainer on the local provider
 with ``checkpoint.directory: gs://...`` and ``storage.endpoint`` naming the emulator: the
 controller writes the fence there (a generation precondition), the hosts point themselves at
-the emulator from the workload they are handed (nothing in their environment says so), save
+the emulator from the launch order they are handed (nothing in their environment says so), save
 with orbax through tensorstore and restore from the bucket after a host is killed. The
 per-step losses and final parameters equal an undisturbed run's (1e-5 relative).
 """

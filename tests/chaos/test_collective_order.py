@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 
 from orchestrator import JobSpec
-from orchestrator.control.launch import workload_for
+from orchestrator.control.launch import launch_order
 from tests.conftest import REPO, assert_losses_close, start_reference
 
 HOSTS, STEPS = 4, 8
@@ -42,7 +42,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(workload_file: Path, out: Path, **faults_of_host_1) -> list[dict]:
+def _launch(order_file: Path, out: Path, **faults_of_host_1) -> list[dict]:
     """Run every host to its end; each host's report. Fails on a hang, a crash, or a gloo error."""
     port = _free_port()
     procs = []
@@ -50,7 +50,7 @@ def _launch(workload_file: Path, out: Path, **faults_of_host_1) -> list[dict]:
     for rank in range(HOSTS):
         extra = faults if rank == 1 else []
         cmd = [sys.executable, "-m", "tests.chaos.plain_host", "--rank", str(rank), "--hosts", str(HOSTS),
-               "--port", str(port), "--workload", str(workload_file), "--out", str(out / f"host{rank}.json"),
+               "--port", str(port), "--order", str(order_file), "--out", str(out / f"host{rank}.json"),
                "--compile-cache", str(out.parent / "compile-cache"), *extra]
         procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
@@ -70,16 +70,16 @@ def _launch(workload_file: Path, out: Path, **faults_of_host_1) -> list[dict]:
 
 def test_a_restored_slice_whose_host_alone_declines_a_save_stays_in_step(tmp_path):
     spec = _spec(tmp_path / "ckpt")
-    workload_file = tmp_path / "workload.pkl"
-    workload_file.write_bytes(pickle.dumps(workload_for(spec, spec.tpu_type.chips, spec.tpu_type.hosts)))
+    order_file = tmp_path / "order.pkl"
+    order_file.write_bytes(pickle.dumps(launch_order(spec, spec.tpu_type.chips, spec.tpu_type.hosts)))
     reference = start_reference(spec, devices=HOSTS * 4, tmp_path=tmp_path / "ref")  # trains beside the hosts
 
     (tmp_path / "a").mkdir()
-    first = _launch(workload_file, tmp_path / "a", notice_at=3)  # every host stops after step 3, committed
+    first = _launch(order_file, tmp_path / "a", notice_at=3)  # every host stops after step 3, committed
     assert [h["steps"] for h in first] == [3] * HOSTS
 
     (tmp_path / "b").mkdir()
-    second = _launch(workload_file, tmp_path / "b", fence_fails=1)  # host 1 alone cannot read the fence at step 4
+    second = _launch(order_file, tmp_path / "b", fence_fails=1)  # host 1 alone cannot read the fence at step 4
     assert [h["restored_step"] for h in second] == [3] * HOSTS
     assert [h["steps"] for h in second] == [STEPS] * HOSTS
     for h in second:  # no host wrote step 4; each says why

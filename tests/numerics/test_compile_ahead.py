@@ -21,7 +21,7 @@ from tests.numerics.test_executable_cache import free_port
 
 SPEC = r"""
 from orchestrator import JobSpec
-from orchestrator.control.launch import workload_for
+from orchestrator.control.launch import launch_order
 spec = JobSpec.from_dict({"name": "ahead", "accelerator": "v4-8", "slices": 2,
                           "workload": {"type": "lm", "steps": 10, "global_batch_size": 8, "seq_len": 16,
                                        "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64}}})
@@ -37,7 +37,7 @@ runtime.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, pro
 """ + SPEC + r"""
 from jax._src import distributed
 from workers.ahead import CompileAhead
-ahead = CompileAhead.for_host(workload_for(spec, 4, 1, slices=2), rank=rank, num_hosts=2, devices_per_host=4,
+ahead = CompileAhead.for_host(launch_order(spec, 4, 1, slices=2), rank=rank, num_hosts=2, devices_per_host=4,
                               platform="cpu", cache=cache)
 deadline = time.monotonic() + 180
 while not ahead.settled and time.monotonic() < deadline:  # the training loop's steps
@@ -53,8 +53,8 @@ from workers import api, runtime
 runtime.configure(platform="cpu", devices_per_host=4, compile_cache_dir=sys.argv[1])
 """ + SPEC + r"""
 from workers.train import Trainer
-w = workload_for(spec, 4, 1, slices=1, memory_step=5)
-key = Trainer(w["lm"], api.Context(settings=w["settings"])).program_id("train_step")
+order = launch_order(spec, 4, 1, slices=1, memory_step=5)
+key = Trainer(order.program.lm, api.Context(settings=order.settings)).program_id("train_step")
 print(json.dumps({"kept": runtime.kept_program_path(key).exists(), "name": runtime.kept_program_path(key).name}))
 """
 
@@ -86,23 +86,24 @@ def test_slice_1s_host_keeps_the_program_host_0_compiled_ahead_and_loads_it_as_t
 
 def test_only_a_multi_slice_lm_jobs_first_hosts_of_slices_0_and_1_take_part():
     from orchestrator import JobSpec
-    from orchestrator.control.launch import workload_for
+    from orchestrator.control.launch import launch_order
     from workers.ahead import CompileAhead
 
     def spec(slices: int, accelerator: str = "v4-16") -> JobSpec:
         return JobSpec.from_dict({"name": "a", "accelerator": accelerator, "slices": slices,
                                   "workload": {"type": "lm", "steps": 40, "global_batch_size": 48, "seq_len": 16}})
 
-    three = workload_for(spec(3), 8, 2, slices=3)
-    assert three["ahead"].slices == 2 and three["ahead"].mesh_shape[0] * 3 == three["settings"].mesh_shape[0] * 2
+    three = launch_order(spec(3), 8, 2, slices=3)
+    ahead = three.program.ahead
+    assert ahead.slices == 2 and ahead.mesh_shape[0] * 3 == three.settings.mesh_shape[0] * 2
     parts = {rank: CompileAhead.for_host(three, rank=rank, num_hosts=6, devices_per_host=4, platform="cpu",
                                          cache="/cache") for rank in range(6)}
     assert [r for r, p in parts.items() if p is not None] == [0, 2]  # the survivors' process 0 is one of them
     assert parts[0].rehearsal.processes == 4  # two slices of two hosts
     assert CompileAhead.for_host(three, rank=0, num_hosts=6, devices_per_host=4, platform="cpu", cache=None) is None
     assert CompileAhead.for_host(three, rank=0, num_hosts=6, devices_per_host=4, platform="tpu", cache="/c") is None
-    assert workload_for(spec(1), 8, 2)["ahead"] is None
+    assert launch_order(spec(1), 8, 2).program.ahead is None
     # 72 rows: 24 a slice on 3 slices, 36 on 2, which 8 chips do not split
     odd = JobSpec.from_dict({"name": "a", "accelerator": "v4-16", "slices": 3,
                              "workload": {"type": "lm", "steps": 40, "global_batch_size": 72, "seq_len": 16}})
-    assert workload_for(odd, 8, 2, slices=3)["ahead"] is None
+    assert launch_order(odd, 8, 2, slices=3).program.ahead is None

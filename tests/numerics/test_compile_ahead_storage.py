@@ -33,13 +33,15 @@ runtime.configure(platform="cpu", devices_per_host=4, compile_cache_dir=cache)
 import jax, jax.numpy as jnp
 from orchestrator import catalog
 from orchestrator.control.compile_ahead import targets
-from orchestrator.control.launch import workload_for
+from orchestrator.control.launch import launch_order
 from workers import stored_programs
+from workers.order import StoredPrograms
 from workers.train import Trainer, program_config
-w = workload_for(spec, 4, 1, slices=1, memory_step=5)  # as the survivors' launch gives it
-w["programs"] = {"directory": DIRECTORY, "key": key, "targets": targets(catalog.lookup("v4-8"), 1)}
-trainer = Trainer(w["lm"], api.Context(settings=w["settings"]))
-found = stored_programs.take(w, platform="cpu", name="train_step", config=program_config(trainer.lm, trainer.settings),
+order = launch_order(spec, 4, 1, slices=1, memory_step=5)  # as the survivors' launch gives it
+programs = StoredPrograms(DIRECTORY, bytes.fromhex(key), targets(catalog.lookup("v4-8"), 1))
+trainer = Trainer(order.program.lm, api.Context(settings=order.settings))
+found = stored_programs.take(programs, endpoint=order.storage_endpoint, platform="cpu", name="train_step",
+                             config=program_config(trainer.lm, trainer.settings),
                              program_id=trainer.program_id("train_step"))
 def no_trace():
     raise AssertionError("traced: the stored program was not loaded")
@@ -102,17 +104,19 @@ runtime.configure(platform="cpu", devices_per_host=4, compile_cache_dir=cache)
 """ + SPEC + r"""
 from orchestrator import catalog
 from orchestrator.control.compile_ahead import targets
-from orchestrator.control.launch import workload_for
+from orchestrator.control.launch import launch_order
 from workers import stored_programs
+from workers.order import StoredPrograms
 from workers.train import Trainer, program_config
-w = workload_for(spec, 4, 1, slices=1)
-w["programs"] = {"directory": DIRECTORY, "key": key, "targets": targets(catalog.lookup("v4-8"), 1)}
-trainer = Trainer(w["lm"], api.Context(settings=w["settings"]))
+order = launch_order(spec, 4, 1, slices=1)
+programs = StoredPrograms(DIRECTORY, bytes.fromhex(key), targets(catalog.lookup("v4-8"), 1))
+trainer = Trainer(order.program.lm, api.Context(settings=order.settings))
 config = program_config(trainer.lm, trainer.settings)
 stored_programs.write(DIRECTORY, stored_programs.stored_id("train_step", config), "cpu:4/1h/1s", b"garbage",
                       bytes.fromhex(key))  # sealed with the job's key, by this build: only the bytes are wrong
 program_id = trainer.program_id("train_step")
-found = stored_programs.take(w, platform="cpu", name="train_step", config=config, program_id=program_id)
+found = stored_programs.take(programs, endpoint=order.storage_endpoint, platform="cpu", name="train_step",
+                             config=config, program_id=program_id)
 trainer.compile()  # traces and compiles: the kept bytes do not load
 after = stored_programs.loaded(found, program_id)
 print(json.dumps({"taken": found.used, "used": after.used, "reason": after.reason}))

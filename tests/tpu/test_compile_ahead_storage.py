@@ -15,6 +15,7 @@ from orchestrator import JobSpec, catalog
 from orchestrator.cluster.home import Home
 from orchestrator.control.compile_ahead import NextShape, compile_in_process, job_key, option_for, targets
 from workers import stored_programs
+from workers.order import StoredPrograms
 from workers.train import program_config
 
 
@@ -45,11 +46,13 @@ def test_the_tpu_executable_is_serialized_stored_and_keyed_by_its_topology(tmp_p
     # A TPU host of that shape takes it into its executable cache; a CPU stand-in of the same shape, or a
     # TPU host of a v4-32, does not.
     monkeypatch.setattr(runtime, "kept_program_path", lambda k: tmp_path / "cache" / f"program-{k}.pkl")
-    workload = {"programs": {"directory": directory, "key": key.hex(), "targets": targets(catalog.lookup("v4-16"), 1)}}
+    programs = StoredPrograms(directory, key, targets(catalog.lookup("v4-16"), 1))
     config = program_config(survivors.lm, survivors.settings)
-    took = stored_programs.take(workload, platform="tpu", name="train_step", config=config, program_id="host")
+    took = stored_programs.take(programs, endpoint=None, platform="tpu", name="train_step", config=config,
+                                program_id="host")
     assert took is not None and took.used and (tmp_path / "cache" / "program-host.pkl").read_bytes() == found.kept
-    stand_in = stored_programs.take(workload, platform="cpu", name="train_step", config=config, program_id="cpu")
+    stand_in = stored_programs.take(programs, endpoint=None, platform="cpu", name="train_step", config=config,
+                                    program_id="cpu")
     assert stand_in is not None and not stand_in.used and "stored only for other shapes" in stand_in.reason
     v4_32 = stored_programs.select(directory, sid, targets(catalog.lookup("v4-32"), 1)["tpu"], key)
     assert not v4_32.used

@@ -1,7 +1,7 @@
 """The built-in trainer's step compiled by XLA's TPU compiler for every slice the catalog offers a v4 job.
 
 The program is the hosts' own: `orchestrator.control.tpu_compile.compile_step` resolves the
-job's settings as a launch does (`launch.workload_for`: mesh, microbatches, precision) and
+job's settings as a launch does (`launch.launch_order`: mesh, microbatches, precision) and
 the workers' trainer lowers its step over the topology's devices. A small model keeps the
 suite's time; `benchmarks/tpu_compile.py` compiles the 100M and ~1B models.
 """
@@ -14,7 +14,7 @@ import jax
 import pytest
 
 from orchestrator import catalog
-from orchestrator.control.launch import workload_for
+from orchestrator.control.launch import launch_order
 from orchestrator.control.tpu_compile import compile_step, topology
 from orchestrator.domain.spec import JobSpec
 from workers.tpu_target import Topology, compile_train_step, serialize
@@ -33,8 +33,8 @@ def small_job(**workload) -> JobSpec:
 
 def compiled_for(spec: JobSpec, accelerator: str, slices: int = 1):
     t = catalog.lookup(accelerator)
-    work = workload_for(spec.moved(accelerator, spec.tier, slices=slices), t.chips, t.hosts, slices=slices)
-    return compile_train_step(work["lm"], work["settings"], topology(t, slices))
+    order = launch_order(spec.moved(accelerator, spec.tier, slices=slices), t.chips, t.hosts, slices=slices)
+    return compile_train_step(order.program.lm, order.settings, topology(t, slices))
 
 
 @pytest.mark.parametrize("accelerator, slices", TARGETS, ids=[f"{n}x{a}" for a, n in TARGETS])

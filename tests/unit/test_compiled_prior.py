@@ -8,7 +8,7 @@ import pytest
 
 from orchestrator import catalog
 from orchestrator.control.autoscaler import snapshot
-from orchestrator.control.launch import workload_for
+from orchestrator.control.launch import launch_order
 from orchestrator.control.priors import kept_steps
 from orchestrator.control.tpu_compile import topology
 from orchestrator.domain.options import job_options
@@ -98,13 +98,13 @@ def _keep(spec, cache, name: str, roofline_s: float, *, checkpoint_dir_known: bo
     from workers.tpu_target import ProgramReport, keep_report, program_key
 
     t = catalog.lookup(name)
-    work = workload_for(spec.moved(name, spec.tier, slices=1), t.chips, t.hosts)
-    settings = work["settings"] if checkpoint_dir_known else replace(work["settings"], checkpoint_dir=None)
+    order = launch_order(spec.moved(name, spec.tier, slices=1), t.chips, t.hosts)
+    settings = order.settings if checkpoint_dir_known else replace(order.settings, checkpoint_dir=None)
     flops = roofline_s * t.generation.chip.peak_bf16_tflops * 1e12  # compute-bound: the roofline is its FLOPs
     report = ProgramReport(target=name, compile_s=1.0, argument_bytes=0, output_bytes=0, alias_bytes=0,
                            temp_bytes=0, code_bytes=0, flops_per_chip=flops, bytes_accessed_per_chip=0.0,
                            xla_flops_per_chip=flops, optimal_s=None, chips=t.chips)
-    keep_report(cache, program_key(work["lm"], settings, topology(t)), report)
+    keep_report(cache, program_key(order.program.lm, settings, topology(t)), report)
 
 
 def test_the_controller_prices_an_unmeasured_option_from_kept_reports_calibrated_on_the_measured_one(

@@ -28,6 +28,7 @@ EXAMPLES = [
     ev.MemoryCadence(2, 0.012, 0.4), ev.AheadCompiled(1, 6.2, True, 0), ev.Restored(0.2, 1.1, 40, [], "memory", None),
     ev.ProgramStored("v4:2x2x2/2h/1s", True, None, 42.5, 25_000_000),
     ev.ProgramStored("cpu:4/1h/2s", False, 0, reason="none stored for this program on cpu:4/1h/2s"),
+    ev.Planned(3, "v4-16", "spot", 2, [4, 2, 1], 2, 50, None, 8, None),
     ev.ResizeAsked("v4-16", "v4-32", "spot", "more chips", 10),
 ]
 

@@ -603,12 +603,12 @@ def test_bad_storage_settings_name_the_field(data, field, expected):
 
 
 def test_the_storage_endpoint_reaches_the_hosts():
-    from orchestrator.control.launch import workload_for
+    from orchestrator.control.launch import launch_order
 
     spec = JobSpec.from_dict({"name": "a", "checkpoint": {"directory": "gs://my-bucket/a"},
                               "storage": {"endpoint": "http://127.0.0.1:8471"}})
-    w = workload_for(spec, 4, 1)
-    assert (w["storage_endpoint"], w["fence_dir"], w["settings"].checkpoint_dir) == (
+    order = launch_order(spec, 4, 1)
+    assert (order.storage_endpoint, order.fence_dir, order.settings.checkpoint_dir) == (
         "http://127.0.0.1:8471", "gs://my-bucket/a", "gs://my-bucket/a")
 
 

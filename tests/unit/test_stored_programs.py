@@ -16,6 +16,7 @@ from orchestrator.control.attempt import Attempt
 from orchestrator.control.compile_ahead import NextShape, job_key, launch_programs, next_shapes, option_for, targets
 from orchestrator.control.waiting import Waiting
 from workers import stored_programs as sp
+from workers.order import StoredPrograms
 
 KEY = secrets.token_bytes(32)
 SID = sp.stored_id("train_step", {"d_model": 32, "slices": 1})
@@ -87,15 +88,14 @@ def test_take_keeps_it_under_the_host_s_own_program_id_where_compile_keyed_loads
     monkeypatch.setattr(runtime, "kept_program_path", lambda key: tmp_path / "cache" / f"program-{key}.pkl")
     config = {"d_model": 32}
     sp.write(str(tmp_path / "job"), sp.stored_id("train_step", config), V4_16, b"executable", KEY)
-    workload = {"programs": {"directory": str(tmp_path / "job"), "key": KEY.hex(),
-                             "targets": {"tpu": V4_16, "cpu": "cpu:4/2h/1s"}}}
+    programs = StoredPrograms(str(tmp_path / "job"), KEY, {"tpu": V4_16, "cpu": "cpu:4/2h/1s"})
 
-    found = sp.take(workload, platform="tpu", name="train_step", config=config, program_id="abc")
+    found = sp.take(programs, endpoint=None, platform="tpu", name="train_step", config=config, program_id="abc")
     assert found is not None and found.used
     assert (tmp_path / "cache" / "program-abc.pkl").read_bytes() == b"executable"
-    on_cpu = sp.take(workload, platform="cpu", name="train_step", config=config, program_id="abd")
+    on_cpu = sp.take(programs, endpoint=None, platform="cpu", name="train_step", config=config, program_id="abd")
     assert on_cpu is not None and not on_cpu.used and not (tmp_path / "cache" / "program-abd.pkl").exists()
-    assert sp.take({}, platform="tpu", name="train_step", config=config, program_id="abc") is None
+    assert sp.take(None, endpoint=None, platform="tpu", name="train_step", config=config, program_id="abc") is None
 
 
 def _spec(slices: int = 2, **more) -> JobSpec:
@@ -117,11 +117,11 @@ def test_the_next_shapes_are_the_survivors_the_move_requested_and_the_resize():
 
 
 def test_an_option_is_what_the_hosts_of_that_shape_are_launched_with():
-    from orchestrator.control.launch import workload_for
+    from orchestrator.control.launch import launch_order
 
     spec, t = _spec(), catalog.lookup("v4-16")
     survivors = option_for(spec, NextShape("v4-16", 1, "survivors"), "tpu")
-    assert survivors.target == "v4:2x2x2/2h/1s" and survivors.settings == workload_for(spec, 8, 2, slices=1)["settings"]
+    assert survivors.target == "v4:2x2x2/2h/1s" and survivors.settings == launch_order(spec, 8, 2, slices=1).settings
     assert option_for(spec, NextShape("v4-16", 1, "survivors"), "cpu").target == "cpu:4/2h/1s"
     assert targets(t, 2) == {"tpu": "v4:2x2x2/2h/2s", "cpu": "cpu:4/2h/2s"}
 
@@ -134,7 +134,8 @@ def test_the_job_s_key_is_made_once_and_reaches_its_launches(tmp_path):
     assert job_key(home, "job-1") == key and job_key(home, "job-2") != key
     assert (os.stat(home.job_dir("job-1") / "programs.key").st_mode & 0o777) == 0o600
     given = launch_programs(home, "job-1", _spec(), catalog.lookup("v4-16"), 2)
-    assert given == {"directory": "/tmp/x", "key": key.hex(), "targets": targets(catalog.lookup("v4-16"), 2)}
+    assert given == StoredPrograms("/tmp/x", key, targets(catalog.lookup("v4-16"), 2))
+    assert key.hex() not in repr(given)  # a launch order that is logged does not show the job's key
 
 
 def _service(tmp_path):

@@ -14,8 +14,9 @@ import pytest
 
 from orchestrator import JobSpec
 from orchestrator.control.autoscaler import Choice, with_checkpoint_interval
-from orchestrator.control.launch import workload_for
+from orchestrator.control.launch import launch_order
 from workers import api
+from workers.order import BuiltInTrainer, LaunchOrder
 from workers.settings import LmSettings, TrainingSettings
 
 SETTINGS = [f.name for f in dataclasses.fields(TrainingSettings)]
@@ -34,18 +35,18 @@ def spec(kind: str) -> JobSpec:
                                              "memory_interval_steps": 3}})
 
 
-def on_a_host(workload: dict) -> api.Context:
-    """The context a host's program gets: the workload as Ray carries it (pickled), then the host's context."""
-    carried = pickle.loads(pickle.dumps(workload))
-    return api.Context(rank=1, num_hosts=2, settings=carried["settings"])
+def on_a_host(order: LaunchOrder) -> api.Context:
+    """The context a host's program gets: the launch order as Ray carries it (pickled), then the host's context."""
+    carried = pickle.loads(pickle.dumps(order))
+    return api.Context(rank=1, num_hosts=2, settings=carried.settings)
 
 
 @pytest.mark.parametrize("kind", WORKLOADS)
 def test_every_setting_is_resolved_by_the_launch_and_read_typed_on_the_host(kind):
     s = spec(kind)
     launch = {"slices": s.slices, "memory_step": 8}  # the survivors of a lost slice, from their memory
-    resolved = workload_for(s, s.tpu_type.chips, s.tpu_type.hosts, **launch)["settings"]
-    ctx = on_a_host(workload_for(s, s.tpu_type.chips, s.tpu_type.hosts, **launch))
+    resolved = launch_order(s, s.tpu_type.chips, s.tpu_type.hosts, **launch).settings
+    ctx = on_a_host(launch_order(s, s.tpu_type.chips, s.tpu_type.hosts, **launch))
     assert type(ctx.settings) is TrainingSettings and ctx.settings == resolved
     for name in SETTINGS:
         default = TrainingSettings.__dataclass_fields__[name].default
@@ -56,7 +57,7 @@ def test_every_setting_is_resolved_by_the_launch_and_read_typed_on_the_host(kind
 
 def test_the_launch_resolves_what_the_spec_says():
     s = spec("entrypoint")
-    got = workload_for(s, 8, 2)["settings"]
+    got = launch_order(s, 8, 2).settings
     assert (got.steps, got.seq_len, got.global_batch_size, got.seed, got.data) == (12, 64, 32, 7, "/data/tokens")
     assert (got.mesh_shape, got.microbatches, got.precision, got.remat) == ((4, 2, 1), 2, "bfloat16", "full")
     assert (got.checkpoint_dir, got.checkpoint_interval, got.checkpoint_keep) == ("/ckpt/a", 5, 2)
@@ -66,8 +67,9 @@ def test_the_launch_resolves_what_the_spec_says():
 
 def test_the_built_in_trainer_gets_its_own_settings_beside_the_shared_ones():
     s = spec("lm")
-    workload = workload_for(s, s.tpu_type.chips, s.tpu_type.hosts)
-    lm = pickle.loads(pickle.dumps(workload))["lm"]
+    program = pickle.loads(pickle.dumps(launch_order(s, s.tpu_type.chips, s.tpu_type.hosts))).program
+    assert type(program) is BuiltInTrainer
+    lm = program.lm
     assert type(lm) is LmSettings and lm.model == s.workload.model.shape()
     assert (lm.lr_peak, lm.warmup_steps) == (s.workload.learning_rate.peak, s.workload.learning_rate.warmup_steps)
 
@@ -75,7 +77,7 @@ def test_the_built_in_trainer_gets_its_own_settings_beside_the_shared_ones():
 def test_the_policy_s_checkpoint_interval_reaches_the_loop_in_steps():
     s = spec("lm")
     launched = with_checkpoint_interval(s, Choice("v4-16", "spot", decision=None, checkpoint_interval_steps=3))
-    ctx = on_a_host(workload_for(launched, launched.tpu_type.chips, launched.tpu_type.hosts))
+    ctx = on_a_host(launch_order(launched, launched.tpu_type.chips, launched.tpu_type.hosts))
     assert ctx.settings.checkpoint_interval == 3 and s.checkpoint.interval_steps == 5
 
 

@@ -31,6 +31,7 @@ from orchestrator.control.job.requests import Requests
 from orchestrator.control.job.services import JobServices
 from orchestrator.control.job.stop import StopKind, StopRequest, Stops
 from orchestrator.control.job.watch import Watched
+from orchestrator.control.launch import launch_plan
 from orchestrator.control.launched import Launch
 from orchestrator.control.limits import Limits
 from orchestrator.control.store_faults import HoldingStore
@@ -189,9 +190,12 @@ class JobDriver:
         self.store.transition(self.job_id, target, reason, data=data, at=at, **fields)
 
     def new_launch(self, slices: tuple[Slice, ...], spec: JobSpec, memory_step: int | None) -> Launch:
-        """Generation N+1 on `slices`: its record, a clean stop, progress counted from it."""
-        launch = self.launched = Launch(self.store.bump_generation(self.job_id), slices,
-                                        Shape(spec.accelerator, spec.tier.value, len(slices)), memory_step)
+        """Generation N+1 on `slices`: its plan resolved and recorded, its record, a clean stop, progress
+        counted from it."""
+        plan = launch_plan(spec, self.store.bump_generation(self.job_id), len(slices), memory_step=memory_step)
+        planned = plan.planned
+        self.store.add_event(self.job_id, planned, f"plan: {planned.line}")
+        launch = self.launched = Launch.of(plan, slices)
         self.stops.clear()
         self.progress.begin(launch)
         self.limits.new_attempt()

@@ -43,6 +43,8 @@ def status_lines(st: JobStatus, g, *, width: int) -> list[str]:
     lines += fit_fields([f"{st.accelerator} {st.tier}", f"step {st.step}/{st.total_steps or '?'}",
                          f"loss {_fmt(st.loss, '.4f')}", f"{_fmt(st.tokens_per_s, ',.0f')} tokens/s", wall],
                         width, indent="  ", sep="   ")
+    if st.plan:
+        lines += wrap(f"plan: {st.plan}", width, indent="  ", hanging="    ")
     by = ", ".join(f"{a} {t} ${usd:,.2f}" for (a, t), usd in sorted(g.usd_by.items()))
     lines += fit_fields([f"goodput {g.goodput_fraction:.1%}", f"cost ${g.usd_total:,.2f}" + (f" ({by})" if by else "")],
                         width, indent="  ", sep="   ")
