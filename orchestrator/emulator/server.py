@@ -179,6 +179,12 @@ class Emulator:
         PREEMPTED and the queued resource SUSPENDED after the grace period."""
         return self.world.reclaim(name)
 
+    def fill(self, name: str) -> str:
+        """Capacity comes for one queued resource in WAITING_FOR_RESOURCES, whatever its zone's stockout: it
+        provisions now (the others wait on). In process only, as `advance`: a test's way to say which request
+        of several fills first."""
+        return self.world.fill(name)
+
     def terminate(self, name: str) -> str:
         """A host of the node dies: the node becomes TERMINATED at once."""
         return self.world.terminate(name)

@@ -401,6 +401,20 @@ class World:
             self._cond.notify_all()
             return node.name
 
+    def fill(self, name: str) -> str:
+        """Capacity comes for one queued resource waiting for it (an id or a full name), whatever its zone's
+        stockout: it provisions now, and the others in the zone wait on. Returns its full name."""
+        with self._cond:
+            qr = self._find(self._qrs, name)
+            if qr is None:
+                raise not_found(name)
+            if qr.state != m.WAITING_FOR_RESOURCES:
+                raise failed_precondition(
+                    f"cannot fill {qr.name} in state {qr.state}; it must be WAITING_FOR_RESOURCES")
+            self._provision(qr, self.now())
+            self._cond.notify_all()  # a new due record: the clock must recompute its sleep
+            return qr.name
+
     def terminate(self, name: str) -> str:
         """A host of the node dies (hardware, maintenance): the node becomes TERMINATED."""
         with self._cond:  # a reentrant lock: `node` takes it again

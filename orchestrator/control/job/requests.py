@@ -1,10 +1,13 @@
 """A job's slice requests: asked for (all of a multi-slice job's at once, all or none), named, waited
-on, followed beside the running slices, given back. `Requests` is the one writer of the request
-waiting beside the slices (`waiting`) and of the count that names requests.
+on (all of them together: they fill in any order), followed beside the running slices, given back.
+`Requests` is the one writer of the request waiting beside the slices (`waiting`) and of the count
+that names requests.
 
 Names say where a request comes from: `JOB-N` (and `JOB-Ns1`, ... for a multi-slice job's other
 slices; `JOB-Nq2` after two refusals) for generation N's provisioning, `JOB-Nm3` for the third
-request made beside running slices (a move, a grow), `JOB-Ng4` for a slice asked to regrow.
+request made beside running slices (a move, a grow), `JOB-Ng4` for a slice asked to regrow; a
+slice of a provisioning asked for again after its hosts did not start adds `b`, then `c`
+(`JOB-Ns1b`).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import enum
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import tenacity
@@ -37,6 +40,22 @@ class Followed(str, enum.Enum):
     WAITING = "waiting"  # for capacity, or for its hosts
     READY = "ready"  # all of it, or for a grow the part that came
     REFUSED = "refused"  # released: ask the policy again
+
+
+@dataclasses.dataclass(frozen=True)
+class _Seen:
+    """One look at each request of an attempt, by slice position."""
+
+    ready: dict[int, Slice]
+    pending: list[int]  # still waiting for capacity: nothing started for them yet
+    booting: list[int]  # capacity came; their hosts are starting
+    refused: dict[str, str]  # name -> why (released)
+
+
+def _names(base: str, kept: tuple[str, ...]) -> Iterator[str]:
+    """The names a slice of the attempt is asked for under, in turn (`base`, then again after a failed start),
+    none of them a kept request's."""
+    return (n for n in (f"{base}{suffix}" for suffix in ["", "b", "c", "d"]) if n not in kept)
 
 
 class Requests:
@@ -77,127 +96,143 @@ class Requests:
 
     def provision_all(self, spec: JobSpec, attempt: int, refusals: int, *, limit_s: float | None,
                       still_wanted: Callable[[JobSpec], bool]) -> list[Slice]:
-        """The attempt's slices, all READY, or none held (ProvisioningError).
+        """The attempt's slices, READY and in slice order (the launch's), or none held (ProvisioningError).
 
-        A multi-slice job asks for all its slices at once, then waits for each: on GCP each is a
-        queued resource that waits for capacity and boots on its own. A request the policy kept
-        waiting (the same slices) is waited on rather than asked for again. An autoscaled job's spot
-        request takes part of its slices (`policies.cost.moves.takes_part`): once the first is READY,
-        those still waiting for capacity are let go (a refusal) and the job starts on the others; the
-        policy adds slices back when capacity comes."""
-        provider = self.chosen_provider
+        A multi-slice job asks for all its slices at once, then waits on all of them together: on GCP each
+        is a queued resource that waits for capacity and boots on its own, so they fill in any order. A
+        request the policy kept waiting (the same slices) is waited on rather than asked for again. A slice
+        whose hosts do not start in time is asked for again (with backoff and jitter) while the others are
+        kept; a refusal for capacity is not retried here: the queue (and for autoscaled jobs the policy)
+        decides what to ask for next. An autoscaled job's spot request takes part of its slices
+        (`policies.cost.moves.takes_part`): once one is READY, those still waiting for capacity are let go
+        (a refusal), those whose hosts are starting are waited for, and the job starts on the READY ones;
+        the policy adds slices back when capacity comes."""
         stem = f"{self.job_id}-{attempt}" + (f"q{refusals}" if refusals else "")
         if self.waiting is not None and self.waiting.key != Shape(spec.accelerator, spec.tier.value, spec.slices).key:
             self.drop("the policy asks for other slices")
-        if spec.slices > 1 and self.waiting is None:
-            first = request(provider, self.job_id, stem, spec, spec.accelerator, spec.tier.value,
-                            created_at=self._created_at(), limit_s=limit_s)
-            self.waiting = replace(first, count=spec.slices)
-            parts: list[str] = []
-            try:
-                for part in range(1, spec.slices):
-                    parts.append(request(provider, self.job_id, f"{stem}s{part}", spec, spec.accelerator,
-                                         spec.tier.value, created_at=self._created_at(), limit_s=limit_s).name)
-            except ProvisioningError:  # all of them or none
-                for name in (first.name, *parts):
-                    release(provider, name, "the job's other slices could not all be asked for")
-                self.waiting = None
-                raise
-            self.waiting = replace(self.waiting, parts=tuple(parts))
-        others = [replace(self.waiting, name=name, parts=()) for name in self.waiting.parts] if self.waiting else []
-        if self.waiting is not None:
-            self.waiting = replace(self.waiting, parts=())  # `_provision` waits for the first
+        kept_waiting = self.waiting
+        kept = kept_waiting.names if kept_waiting is not None else ()
+        asked: dict[int, Waiting | None] = {  # by slice position; None: to be asked for
+            i: replace(kept_waiting, name=kept[i], parts=(), grow=False) if kept_waiting and i < len(kept) else None
+            for i in range(spec.slices)}
+        names = {i: _names(f"{stem}s{i}" if i else stem, kept) for i in asked}
+        booting: dict[str, float] = {}  # a slice's name -> when its hosts were first seen starting
         takes_part = spec.autoscaling is not None and spec.tier.value == "spot"
-        got: list[Slice] = []
-        try:
-            got.append(self._provision(spec, stem, limit_s=limit_s, still_wanted=still_wanted))
-            for i, w in enumerate(others):
-                if takes_part and self._waits_for_capacity(w):
-                    for rest in others[i:]:
-                        release(provider, rest.name, "the slices that came are taken; the rest wait for capacity")
-                    self.store.add_event(self.job_id, Autoscaled(spec.accelerator, spec.tier.value, None, None, None,
-                                                                 len(got)),
-                                         f"{len(got)} of {spec.slices} slices could be had now; starting on them "
-                                         "(the others were let go; the policy adds slices when capacity comes)")
-                    break
-                got.append(self.wait_for(w, spec, still_wanted))
-        except ProvisioningError:
-            for name in {s.name for s in got} | {w.name for w in others}:
-                release(provider, name, "the job's other slices could not all be had")
-            raise
-        return got
 
-    def _provision(self, spec: JobSpec, stem: str, *, limit_s: float | None,
-                   still_wanted: Callable[[JobSpec], bool]) -> Slice:
-        """A ready slice, asking again (with backoff and jitter) while the failure is transient.
-
-        A refusal for capacity is not retried here: the queue (and for autoscaled jobs the policy)
-        decides what to ask for next. A request still waiting from a move that the policy wants
-        again is waited on rather than asked for anew."""
-        asked = self.waiting.name if self.waiting is not None else None
-        names = iter(n for n in (f"{stem}{suffix}" for suffix in ["", "b", "c", "d"]) if n != asked)
-        key = Shape(spec.accelerator, spec.tier.value, spec.slices).key
-
-        def once() -> Slice:
-            if self.waiting is not None and self.waiting.key != key:
-                self.drop("the policy asks for another slice")
-            if self.waiting is None:
-                self.waiting = dataclasses.replace(
-                    request(self.chosen_provider, self.job_id, next(names), spec, spec.accelerator, spec.tier.value,
-                            created_at=self._created_at(), limit_s=limit_s), count=spec.slices)
-            try:
-                return self.wait_for(self.waiting, spec, still_wanted)
-            finally:
-                self.waiting = None  # ready (the attempt's slice now), or released
+        def once() -> list[Slice]:
+            for i in [i for i, w in asked.items() if w is None]:
+                asked[i] = request(self.chosen_provider, self.job_id, next(names[i]), spec, spec.accelerator,
+                                   spec.tier.value, created_at=self._created_at(), limit_s=limit_s)
+                self._waiting_on(asked, spec.slices)
+            return self._wait_all(spec, asked, booting, takes_part=takes_part, still_wanted=still_wanted)
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential_jitter(initial=1, max=20),
             retry=tenacity.retry_if_exception(
                 lambda e: isinstance(e, ProvisioningError) and e.transient and not isinstance(e, CapacityError)),
             reraise=True)
-        return retrying(once)
+        try:
+            got = retrying(once)
+        except ProvisioningError as e:  # all of them or none
+            self.drop(f"the job's slices could not all be had: {e}")
+            raise
+        self.waiting = None  # READY: the attempt's slices now
+        if len(got) < spec.slices:
+            self.store.add_event(self.job_id, Autoscaled(spec.accelerator, spec.tier.value, None, None, None, len(got)),
+                                 f"{len(got)} of {spec.slices} slices could be had now; starting on them "
+                                 "(the others were let go; the policy adds slices when capacity comes)")
+        return got
 
-    def wait_for(self, w: Waiting, spec: JobSpec, still_wanted: Callable[[JobSpec], bool]) -> Slice:
-        """Poll the request until READY; the job is QUEUED while it waits for capacity, and says so.
+    def _waiting_on(self, asked: dict[int, Waiting | None], count: int) -> None:
+        """`waiting` names every request of the attempt made now, so that `drop` gives them all back."""
+        made = [w for w in asked.values() if w is not None]
+        self.waiting = replace(made[0], count=count, parts=tuple(w.name for w in made[1:])) if made else None
 
-        Raises CapacityError when it is refused or expires (released, unbilled), and
-        ProvisioningError when its hosts do not all start within `start_timeout_s`."""
-        provider, poll = self.chosen_provider, spec.provider_facts.poll_interval_s
-        started = time.monotonic()
+    def _wait_all(self, spec: JobSpec, asked: dict[int, Waiting | None], booting: dict[str, float], *,
+                  takes_part: bool, still_wanted: Callable[[JobSpec], bool]) -> list[Slice]:
+        """Look at every request of the attempt each poll until all are READY (`takes_part`: once one is, those
+        still waiting for capacity are let go); the job is QUEUED while one waits for capacity, and says so.
+
+        Raises CapacityError when one is refused or expires (released, unbilled), when the policy no longer
+        wants them or the job is cancelled, and ProvisioningError when one's hosts do not all start within
+        `start_timeout_s` (that one released, to be asked for again)."""
         while True:
             if self.cancel.is_set() or self.store.job(self.job_id).cancel_requested:
-                release(provider, w.name, "cancelled")
-                raise CapacityError("cancelled while waiting for the slice", slice_name=w.name)
-            kind, s, why = look(provider, w)
-            if kind is Look.REFUSED:
-                raise CapacityError(why, slice_name=w.name)
-            assert s is not None, "a request not refused has its slice"
-            if kind is Look.READY:
-                if self.store.job(self.job_id).state is JobState.QUEUED:  # capacity came, hosts joined between looks
-                    self.transition(JobState.PROVISIONING, f"capacity came for slice {w.name}; its hosts joined")
-                return s
+                raise CapacityError("cancelled while waiting for the slices")
+            seen = self._look_all(asked)
+            if takes_part and seen.ready:
+                seen = self._let_go(asked, seen, spec.slices)
+            if seen.refused:
+                name, why = next(iter(seen.refused.items()))
+                raise CapacityError(why, slice_name=name)
+            self._tell(asked, seen)
+            if len(seen.ready) == len(asked):
+                return [seen.ready[i] for i in sorted(seen.ready)]
             if not still_wanted(spec):
-                release(provider, w.name, "the policy no longer wants it")
-                raise CapacityError(f"the policy no longer wants {w.accelerator} {w.tier}", slice_name=w.name)
-            job = self.store.job(self.job_id)
-            if s.state in (SliceState.REQUESTED, SliceState.WAITING):
-                started = time.monotonic()  # the start timeout counts from when capacity came
-                if s.state is SliceState.WAITING and job.state is JobState.PROVISIONING:
-                    limit = "while the policy wants it" if w.limit_s is None else f"up to {w.limit_s:.0f} s"
-                    self.transition(JobState.QUEUED, f"waiting for capacity: {w.accelerator} {w.tier} ({limit})",
-                                    data=StateChange(outcome="no_capacity", slice=w.name))
-            elif job.state is JobState.QUEUED:
-                self.transition(JobState.PROVISIONING, f"capacity came for slice {w.name}; starting its hosts")
-            if time.monotonic() - started > spec.recovery.start_timeout_s:
-                release(provider, w.name, "its hosts did not join in time")
+                raise CapacityError(f"the policy no longer wants {spec.accelerator} {spec.tier.value}")
+            self._time_out(spec, asked, booting, seen.booting)
+            self.cancel.wait(spec.provider_facts.poll_interval_s)
+
+    def _look_all(self, asked: dict[int, Waiting | None]) -> _Seen:
+        ready: dict[int, Slice] = {}
+        pending: list[int] = []
+        booting: list[int] = []
+        refused: dict[str, str] = {}
+        for i, w in asked.items():
+            assert w is not None, "every slice of the attempt is asked for before it is waited on"
+            kind, s, why = look(self.chosen_provider, w)
+            if kind is Look.REFUSED:
+                refused[w.name] = why
+            elif kind is Look.READY:
+                assert s is not None, "a READY look has its slice"
+                ready[i] = s
+            elif s is not None and s.state in (SliceState.REQUESTED, SliceState.WAITING):
+                pending.append(i)
+            else:
+                booting.append(i)
+        return _Seen(ready, pending, booting, refused)
+
+    def _let_go(self, asked: dict[int, Waiting | None], seen: _Seen, count: int) -> _Seen:
+        """A job that takes part of its slices, one READY: those still waiting for capacity are let go, as are
+        those refused (released already); it waits only for those whose hosts are starting."""
+        for i in seen.pending:
+            w = asked[i]
+            assert w is not None, "a slice looked at was asked for"
+            release(self.chosen_provider, w.name, "the slices that came are taken; the rest wait for capacity")
+        for i in [i for i, w in asked.items() if i in seen.pending or (w is not None and w.name in seen.refused)]:
+            del asked[i]
+        self._waiting_on(asked, count)
+        return _Seen(seen.ready, [], seen.booting, {})
+
+    def _tell(self, asked: dict[int, Waiting | None], seen: _Seen) -> None:
+        """The job is QUEUED while one of its requests waits for capacity, PROVISIONING once all have it."""
+        job = self.store.job(self.job_id)
+        if seen.pending and job.state is JobState.PROVISIONING:
+            w = asked[seen.pending[0]]
+            assert w is not None, "a slice looked at was asked for"
+            limit = "while the policy wants it" if w.limit_s is None else f"up to {w.limit_s:.0f} s"
+            self.transition(JobState.QUEUED, f"waiting for capacity: {w.accelerator} {w.tier} ({limit})",
+                            data=StateChange(outcome="no_capacity", slice=w.name))
+        elif not seen.pending and job.state is JobState.QUEUED:
+            names = [w.name for w in asked.values() if w is not None]
+            which, its = (f"slice {names[0]}", "its") if len(names) == 1 else (f"slices {', '.join(names)}", "their")
+            self.transition(JobState.PROVISIONING, f"capacity came for {which}; "
+                            + (f"starting {its} hosts" if seen.booting else f"{its} hosts joined"))
+
+    def _time_out(self, spec: JobSpec, asked: dict[int, Waiting | None], booting: dict[str, float],
+                  starting: list[int]) -> None:
+        """ProvisioningError (transient) for a slice whose hosts have not all joined `start_timeout_s` after
+        capacity came: released, to be asked for again."""
+        now = time.monotonic()
+        for i in starting:
+            w = asked[i]
+            assert w is not None, "a slice looked at was asked for"
+            if now - booting.setdefault(w.name, now) > spec.recovery.start_timeout_s:
+                release(self.chosen_provider, w.name, "its hosts did not join in time")
+                asked[i] = None
+                self._waiting_on(asked, spec.slices)
                 raise ProvisioningError(f"slice {w.name}: its hosts did not all join the cluster within "
                                         f"{spec.recovery.start_timeout_s:.0f} s", slice_name=w.name, transient=True)
-            self.cancel.wait(poll)
-
-    def _waits_for_capacity(self, w: Waiting) -> bool:
-        """Whether the request still waits for capacity (nothing started for it yet)."""
-        kind, s, _ = look(self.chosen_provider, w)
-        return kind is Look.WAITING and s is not None and s.state in (SliceState.REQUESTED, SliceState.WAITING)
 
     # -- beside the running slices -------------------------------------------------------
 
