@@ -264,7 +264,8 @@ class Profiled(Payload):
     first_step: int | None = None  # the first step traced (numbered as the job's metrics)
     steps: int | None = None  # steps traced (on every host that traced)
     steps_asked: int | None = None
-    memory: dict | None = None  # host -> {bytes_in_use, peak_bytes_in_use, bytes_limit} over its devices
+    # host -> {bytes_in_use, peak_bytes_in_use, bytes_limit} over its devices
+    memory: dict[str, dict[str, float]] | None = None
     error: str | None = None
 
 
@@ -289,7 +290,7 @@ class FolderClaimed(Payload):
     action: str | None = None  # an `ownership.Action` value: new, resume, resume-anyway, fresh
     last_step: int | None = None  # the newest step folder there was (None: none)
     previous_job: str | None = None  # the job the folder's record named, if any
-    differences: list[list] | None = None  # [field, in the record, in this job] for resume-anyway
+    differences: list[list[Any]] | None = None  # [field, in the record, in this job] for resume-anyway
     set_aside_to: str | None = None  # for fresh: where the old checkpoints went
 
 
