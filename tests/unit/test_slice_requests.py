@@ -25,14 +25,14 @@ from orchestrator.state.store import Store
 from policies.cost.moves import Move
 from tests.unit.driver_world import FakeProvider, ScriptedPolicy, World, choice, option, spec
 
-W, P, R, G = SliceState.WAITING, SliceState.PROVISIONING, SliceState.READY, SliceState.GONE
+Q, W, P, R, G = SliceState.REQUESTED, SliceState.WAITING, SliceState.PROVISIONING, SliceState.READY, SliceState.GONE
 
 
 class QueuedCloud(FakeProvider):
     """Requests that wait for capacity until their script says otherwise: `script[name]` is what each
-    look at the request finds (WAITING for capacity, PROVISIONING while its hosts start, READY, GONE
-    when refused), the last one for every look after it. A request the script does not name is READY
-    at its first look."""
+    look at the request finds (REQUESTED, not yet in the cloud's queue; WAITING for capacity;
+    PROVISIONING while its hosts start; READY; GONE when refused), the last one for every look after it.
+    A request the script does not name is READY at its first look."""
 
     def __init__(self, store: Store, script: dict[str, list[SliceState]]):
         super().__init__(store)
@@ -133,6 +133,14 @@ def test_an_all_or_none_job_waits_for_all_its_slices_in_whatever_order_they_fill
     assert [s.name for s in got] == ["job-1", "job-1s1"] and {s.state for s in got} == {R}  # slice order
     assert asking.states() == ["PENDING", "PROVISIONING", "QUEUED", "PROVISIONING"]
     assert asking.autoscaled() == []
+
+
+def test_a_job_is_queued_only_while_the_cloud_says_a_request_waits_for_capacity(tmp_path):
+    """Requests the cloud has not yet put in its queue (REQUESTED) are no news of capacity: the job stays
+    PROVISIONING, and says nothing of a wait."""
+    asking = Asking(tmp_path, all_or_none(), {"job-1": [Q, Q, R], "job-1s1": [Q, R]})
+    assert [s.name for s in asking.provision()] == ["job-1", "job-1s1"]
+    assert asking.states() == ["PENDING", "PROVISIONING"]
 
 
 def test_an_all_or_none_job_lets_every_slice_go_once_one_is_refused_whatever_its_place(tmp_path):

@@ -48,6 +48,7 @@ class _Seen:
 
     ready: dict[int, Slice]
     pending: list[int]  # still waiting for capacity: nothing started for them yet
+    queued: list[int]  # of those, the ones in the cloud's queue for lack of capacity (WAITING, not just REQUESTED)
     booting: list[int]  # capacity came; their hosts are starting
     refused: dict[str, str]  # name -> why (released)
 
@@ -176,6 +177,7 @@ class Requests:
     def _look_all(self, asked: dict[int, Waiting | None]) -> _Seen:
         ready: dict[int, Slice] = {}
         pending: list[int] = []
+        queued: list[int] = []
         booting: list[int] = []
         refused: dict[str, str] = {}
         for i, w in asked.items():
@@ -188,9 +190,11 @@ class Requests:
                 ready[i] = s
             elif s is not None and s.state in (SliceState.REQUESTED, SliceState.WAITING):
                 pending.append(i)
+                if s.state is SliceState.WAITING:
+                    queued.append(i)
             else:
                 booting.append(i)
-        return _Seen(ready, pending, booting, refused)
+        return _Seen(ready, pending, queued, booting, refused)
 
     def _let_go(self, asked: dict[int, Waiting | None], seen: _Seen, count: int) -> _Seen:
         """A job that takes part of its slices, one READY: those still waiting for capacity are let go, as are
@@ -202,13 +206,14 @@ class Requests:
         for i in [i for i, w in asked.items() if i in seen.pending or (w is not None and w.name in seen.refused)]:
             del asked[i]
         self._waiting_on(asked, count)
-        return _Seen(seen.ready, [], seen.booting, {})
+        return _Seen(seen.ready, [], [], seen.booting, {})
 
     def _tell(self, asked: dict[int, Waiting | None], seen: _Seen) -> None:
-        """The job is QUEUED while one of its requests waits for capacity, PROVISIONING once all have it."""
+        """The job is QUEUED while one of its requests waits in the cloud's queue for capacity, PROVISIONING once
+        all have it."""
         job = self.store.job(self.job_id)
-        if seen.pending and job.state is JobState.PROVISIONING:
-            w = asked[seen.pending[0]]
+        if seen.queued and job.state is JobState.PROVISIONING:
+            w = asked[seen.queued[0]]
             assert w is not None, "a slice looked at was asked for"
             limit = "while the policy wants it" if w.limit_s is None else f"up to {w.limit_s:.0f} s"
             self.transition(JobState.QUEUED, f"waiting for capacity: {w.accelerator} {w.tier} ({limit})",
