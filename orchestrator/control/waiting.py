@@ -54,6 +54,7 @@ class Look(str, enum.Enum):
     WAITING = "waiting"  # for capacity, or for its hosts to join
     READY = "ready"
     REFUSED = "refused"  # no capacity (refused, expired, reclaimed before it was up): released
+    FAILED = "failed"  # capacity came but its hosts could not start (not a capacity fact): released
 
 
 def clock_for(spec: JobSpec, created_at: float) -> Clock:
@@ -89,7 +90,8 @@ def look(provider: SliceProvider, w: Waiting) -> tuple[Look, Slice | None, str]:
     except CapacityError as e:
         return _refused(provider, w, str(e))
     except ProvisioningError as e:  # its hosts would not start: gone, but not for capacity
-        return _refused(provider, w, f"could not start: {e}")
+        release(provider, w.name, f"could not start: {e}")
+        return Look.FAILED, None, f"could not start: {e}"
     events = provider.poll_events(slices=[w.name])
     if s.state is SliceState.READY:
         return Look.READY, s, ""

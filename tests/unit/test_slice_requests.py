@@ -18,6 +18,7 @@ from orchestrator.control.job.requests import Requests
 from orchestrator.control.queue import AdmissionQueue
 from orchestrator.domain.shape import Shape
 from orchestrator.domain.spec import JobSpec
+from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import CapacityError, Host, Slice, SliceRequest
 from orchestrator.state.events import EventKind
 from orchestrator.state.states import JobState, SliceState
@@ -192,6 +193,45 @@ def test_asked_for_all_or_none_a_refusal_at_once_leaves_nothing(tmp_path):
         asking.provision()
     assert refused.value.slice_name == "job-1s1" and asking.cloud.asked == ["job-1"]
     assert asking.state_of("job-1") is SliceState.RELEASED and asking.requests.waiting is None
+
+
+class FailingStarts(QueuedCloud):
+    """A cloud where the hosts of the requests named in `failing` exit while starting (the local provider's
+    ProvisioningError after its own restarts): capacity was there, the start failed."""
+
+    def __init__(self, store: Store, failing: set[str]):
+        super().__init__(store, {})
+        self.failing = failing
+
+    def check(self, name: str) -> Slice:
+        if name in self.failing and not self.slices[name].state.terminal:
+            self.release(name)
+            raise ProvisioningError(f"host 0 of slice {name} exited while starting (3 tries)", slice_name=name,
+                                    transient=True)
+        return super().check(name)
+
+
+def test_a_slice_whose_hosts_exit_while_starting_is_a_failed_start_asked_for_again_not_a_lack_of_capacity(tmp_path):
+    asking = Asking(tmp_path, all_or_none(slices=1), {})
+    asking.cloud = FailingStarts(asking.store, {"job-1"})
+    asking.requests.use(asking.cloud)
+    got = asking.provision()
+    assert [s.name for s in got] == ["job-1b"] and asking.cloud.asked == ["job-1", "job-1b"]
+    assert JobState.QUEUED not in asking.states()  # the job never said it waited for capacity
+    assert asking.state_of("job-1") is SliceState.RELEASED
+
+
+def test_starts_that_keep_failing_end_the_attempt_as_a_failure_to_provision_not_a_refusal(tmp_path):
+    asking = Asking(tmp_path, all_or_none(slices=2), {})
+    asking.cloud = FailingStarts(asking.store, {"job-1s1", "job-1s1b", "job-1s1c"})
+    asking.requests.use(asking.cloud)
+    with pytest.raises(ProvisioningError) as e:
+        asking.provision(within_s=30)
+    assert not isinstance(e.value, CapacityError) and e.value.transient  # a failure, tried again with backoff
+    assert "job-1s1c: could not start: host 0 of slice job-1s1c exited while starting" in str(e.value)
+    assert asking.cloud.asked == ["job-1", "job-1s1", "job-1s1b", "job-1s1c"]  # the first slice was kept
+    assert asking.state_of("job-1") is SliceState.RELEASED and asking.requests.waiting is None
+    assert JobState.QUEUED not in asking.states()
 
 
 # -- the whole job -------------------------------------------------------------------------

@@ -51,6 +51,7 @@ class _Seen:
     queued: list[int]  # of those, the ones in the cloud's queue for lack of capacity (WAITING, not just REQUESTED)
     booting: list[int]  # capacity came; their hosts are starting
     refused: dict[str, str]  # name -> why (released)
+    failed: dict[int, str] = dataclasses.field(default_factory=dict)  # its hosts could not start -> why (released)
 
 
 def _names(base: str, kept: tuple[str, ...]) -> Iterator[str]:
@@ -166,6 +167,8 @@ class Requests:
             if seen.refused:
                 name, why = next(iter(seen.refused.items()))
                 raise CapacityError(why, slice_name=name)
+            if seen.failed:  # a start that failed is a failure, as a start that timed out is: asked for again
+                self._start_failed(spec, asked, seen.failed)
             self._tell(asked, seen)
             if len(seen.ready) == len(asked):
                 return [seen.ready[i] for i in sorted(seen.ready)]
@@ -180,11 +183,14 @@ class Requests:
         queued: list[int] = []
         booting: list[int] = []
         refused: dict[str, str] = {}
+        failed: dict[int, str] = {}
         for i, w in asked.items():
             assert w is not None, "every slice of the attempt is asked for before it is waited on"
             kind, s, why = look(self.chosen_provider, w)
             if kind is Look.REFUSED:
                 refused[w.name] = why
+            elif kind is Look.FAILED:
+                failed[i] = why
             elif kind is Look.READY:
                 assert s is not None, "a READY look has its slice"
                 ready[i] = s
@@ -194,16 +200,17 @@ class Requests:
                     queued.append(i)
             else:
                 booting.append(i)
-        return _Seen(ready, pending, queued, booting, refused)
+        return _Seen(ready, pending, queued, booting, refused, failed)
 
     def _let_go(self, asked: dict[int, Waiting | None], seen: _Seen, count: int) -> _Seen:
         """A job that takes part of its slices, one READY: those still waiting for capacity are let go, as are
-        those refused (released already); it waits only for those whose hosts are starting."""
+        those refused or failed (released already); it waits only for those whose hosts are starting."""
         for i in seen.pending:
             w = asked[i]
             assert w is not None, "a slice looked at was asked for"
             release(self.chosen_provider, w.name, "the slices that came are taken; the rest wait for capacity")
-        for i in [i for i, w in asked.items() if i in seen.pending or (w is not None and w.name in seen.refused)]:
+        for i in [i for i, w in asked.items()
+                  if i in seen.pending or i in seen.failed or (w is not None and w.name in seen.refused)]:
             del asked[i]
         self._waiting_on(asked, count)
         return _Seen(seen.ready, [], [], seen.booting, {})
@@ -223,6 +230,17 @@ class Requests:
             which, its = (f"slice {names[0]}", "its") if len(names) == 1 else (f"slices {', '.join(names)}", "their")
             self.transition(JobState.PROVISIONING, f"capacity came for {which}; "
                             + (f"starting {its} hosts" if seen.booting else f"{its} hosts joined"))
+
+    def _start_failed(self, spec: JobSpec, asked: dict[int, Waiting | None], failed: dict[int, str]) -> None:
+        """ProvisioningError (transient) for slices whose hosts could not start (released already): asked for
+        again, as a slice whose hosts did not join in time is. Not a refusal: capacity was there."""
+        i, why = next(iter(failed.items()))
+        w = asked[i]
+        assert w is not None, "a slice looked at was asked for"
+        for j in failed:
+            asked[j] = None
+        self._waiting_on(asked, spec.slices)
+        raise ProvisioningError(f"slice {w.name}: {why}", slice_name=w.name, transient=True)
 
     def _time_out(self, spec: JobSpec, asked: dict[int, Waiting | None], booting: dict[str, float],
                   starting: list[int]) -> None:
@@ -288,9 +306,10 @@ class Requests:
             if kind is Look.READY:
                 assert s is not None, "a READY look has its slice"
                 ready.append(s)
-            elif kind is Look.REFUSED:
+            elif kind in (Look.REFUSED, Look.FAILED):  # asked for again later, either way
                 refused.append(name)
-                log.info("job %s: slice %s (%s %s) refused: %s", self.job_id, name, w.accelerator, w.tier, why)
+                log.info("job %s: slice %s (%s %s) %s: %s", self.job_id, name, w.accelerator, w.tier,
+                         "refused" if kind is Look.REFUSED else "failed", why)
             elif s is not None and s.state in (SliceState.REQUESTED, SliceState.WAITING):
                 pending.append(name)
             else:
