@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.storage_fixture import gcs, gcs_emulator  # noqa: F401  (Cloud Storage on the local emulator)
-from workers.order import BuiltInTrainer, LaunchOrder
+from workers.order import LaunchOrder
 
 REPO = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "checks", "numerics", "integration", "chaos", "kernels", "tpu")  # pyproject.toml's markers
@@ -120,14 +120,8 @@ class Reference:
             _running.remove(self)
 
 
-def start_workload(order: LaunchOrder | dict, devices: int, tmp_path: Path, *, env: dict | None = None) -> Reference:
-    """`run_workload` started now and read later (`.result()`).
-
-    A dict is the built-in trainer's order as tests/integration/test_model_kernels.py still writes it
-    (``{"type": "lm", "settings": ..., "lm": ...}``, the form before `LaunchOrder`), until it builds one.
-    """
-    if isinstance(order, dict):
-        order = LaunchOrder(order["settings"], BuiltInTrainer(order["lm"]))
+def start_workload(order: LaunchOrder, devices: int, tmp_path: Path, *, env: dict | None = None) -> Reference:
+    """`run_workload` started now and read later (`.result()`)."""
     return Reference(order, devices, tmp_path, env)
 
 

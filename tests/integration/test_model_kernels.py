@@ -16,6 +16,7 @@ import dataclasses
 from kernels.dispatch import INTERPRET_ENV
 from tests.conftest import Reference, assert_losses_close, start_workload
 from workers.model import ModelShape
+from workers.order import BuiltInTrainer, LaunchOrder
 from workers.settings import LmSettings, TrainingSettings
 
 SETTINGS = TrainingSettings(seq_len=32, global_batch_size=2, steps=3, seed=0, mesh_shape=(1, 1, 1))
@@ -28,8 +29,8 @@ def train(settings: TrainingSettings, lm: LmSettings, implementation: str, devic
           env: dict | None = None) -> Reference:
     """The built-in trainer on `implementation`'s kernels in one process (`workers.reference`), started now:
     two such runs train side by side (the Pallas interpreter keeps one core busy), `.result()` waits."""
-    workload = {"type": "lm", "settings": settings, "lm": dataclasses.replace(lm, implementation=implementation)}
-    return start_workload(workload, devices, tmp_path, env=env)
+    order = LaunchOrder(settings, BuiltInTrainer(dataclasses.replace(lm, implementation=implementation)))
+    return start_workload(order, devices, tmp_path, env=env)
 
 
 def test_pallas_and_xla_kernels_train_alike(tmp_path):
