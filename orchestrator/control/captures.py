@@ -25,7 +25,7 @@ from workers.protocol import ProfileDone
 
 if TYPE_CHECKING:
     from orchestrator.control.attempt import Attempt
-    from orchestrator.state.store import Store
+    from orchestrator.state.protocol import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class _Pending:
 class Captures:
     """The profile captures of one job's driver."""
 
-    def __init__(self, store: "Store", job_id: str):
+    def __init__(self, store: JobStore, job_id: str):
         self.store, self.job_id = store, job_id
         self._lock = threading.Lock()
         self._pending: _Pending | None = None

@@ -50,7 +50,7 @@ from workers.settings import LmSettings, TrainingSettings
 if TYPE_CHECKING:
     from orchestrator.cluster.home import Home
     from orchestrator.control.attempt import Attempt
-    from orchestrator.state.store import Store
+    from orchestrator.state.protocol import JobStore
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def launch_programs(home: Home, job_id: str, spec: JobSpec, t: catalog.TpuType,
 class ProgramsAhead:
     """A job's compile ahead into its storage: `poll` once a poll of a running attempt."""
 
-    def __init__(self, home: Home, job_id: str, store: Store):
+    def __init__(self, home: Home, job_id: str, store: JobStore):
         self.home, self.job_id, self.store = home, job_id, store
         self.platform: str | None = None  # what the hosts are: "tpu", or "cpu" for stand-ins
         self._asked: set[str] = set()  # programs compiled (or tried): their target and settings

@@ -28,7 +28,6 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
 
 from orchestrator import cluster
 from orchestrator.control import ownership, shipping
@@ -61,7 +60,7 @@ class Controller:
         self.address = address
         self.provider = LocalProvider(self.home, address, max_hosts=max_hosts, on_change=self._save_slice)
         # The queue runs on drivers' threads: its writes wait out a store fault, as theirs do.
-        self.queue = AdmissionQueue(cast(Store, HoldingStore(self.store, self.store_health, self.held)), self.provider)
+        self.queue = AdmissionQueue(HoldingStore(self.store, self.store_health, self.held), self.provider)
         self._gcp: dict[tuple, SliceProvider] = {}  # GcpTpuProvider by (project, zones, endpoint)
         self._drivers: dict[str, JobDriver] = {}
         self._lock = threading.Lock()

@@ -20,7 +20,7 @@ from orchestrator.control.attempt import Attempt
 from orchestrator.domain.spec import JobSpec
 from orchestrator.observe.goodput import billed_slices, format_duration
 from orchestrator.state.events import DeadlineForecast
-from orchestrator.state.store import Store
+from orchestrator.state.protocol import JobStore
 from policies.decisions.limits import budget_refuses_start, budget_stop, forecast, step_seconds
 from policies.decisions.recovery import Outcome, OutcomeKind
 
@@ -32,7 +32,7 @@ MARKS = 50  # (time, step) marks the speed is measured over
 
 
 class Limits:
-    def __init__(self, store: Store, job_id: str):
+    def __init__(self, store: JobStore, job_id: str):
         self.store, self.job_id = store, job_id
         self.budget_stop: str | None = None  # why the running attempt was asked to stop for the budget
         self._next_check = 0.0

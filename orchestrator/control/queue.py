@@ -18,8 +18,9 @@ import time
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError
 from orchestrator.state.events import StateChange
+from orchestrator.state.protocol import JobStore
+from orchestrator.state.records import JobRecord
 from orchestrator.state.states import JobState
-from orchestrator.state.store import JobRecord, Store
 from policies.decisions.admission import WaitingJob, admit, line, retry_after
 from policies.decisions.recovery import Outcome, OutcomeKind
 
@@ -32,7 +33,7 @@ def _waiting(job: JobRecord) -> WaitingJob:
     return WaitingJob(job.id, job.spec.priority, job.created_at, job.spec.tpu_type.hosts * job.spec.slices)
 
 
-def queue_position(store: Store, job: JobRecord) -> int | None:
+def queue_position(store: JobStore, job: JobRecord) -> int | None:
     """The job's place in its line (1 = next), or None when it is not QUEUED (or no longer: `job` was read
     before the line, and it may have left it meanwhile, admitted or cancelled)."""
     if job.state is not JobState.QUEUED:
@@ -43,7 +44,7 @@ def queue_position(store: Store, job: JobRecord) -> int | None:
 
 
 class AdmissionQueue:
-    def __init__(self, store: Store, local_provider):
+    def __init__(self, store: JobStore, local_provider):
         self.store, self.local = store, local_provider
         self._rng = random.Random()
 

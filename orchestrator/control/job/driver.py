@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from orchestrator.control.attempt import Attempt
 from orchestrator.control.autoscaler import with_checkpoint_interval
@@ -40,8 +40,8 @@ from orchestrator.domain.shape import Shape
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Slice
 from orchestrator.state.events import StateChange
+from orchestrator.state.protocol import JobStore
 from orchestrator.state.states import FailedBecause, JobState
-from orchestrator.state.store import Store
 from policies.cost.clock import Clock
 from workers.protocol import Report
 
@@ -68,8 +68,8 @@ class JobDriver:
     def __init__(self, plane: JobServices, job_id: str, adoption: Adoption | None = None, *,
                  groups: GroupFactory = ray_group, policy: JobPolicy | None = None):
         self.plane, self.job_id, self.groups = plane, job_id, groups
-        # The store as the driver writes it: a write waits out a store fault (it reads and writes as a Store).
-        self.store = cast(Store, HoldingStore(plane.store, plane.store_health, plane.held))
+        # The store as the driver writes it: a write waits out a store fault (`HoldingStore`, a `JobStore`).
+        self.store: JobStore = HoldingStore(plane.store, plane.store_health, plane.held)
         self.cancelled = threading.Event()  # the user's cancel, seen between polls
         self.stops = Stops()
         self.placement = Placement(Requests(self.store, job_id, self.cancelled, self.transition), job_id)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from orchestrator.state.events import EventKind
+from orchestrator.state.protocol import JobStore
 from orchestrator.state.states import FailedBecause
-from orchestrator.state.store import Store
 from policies.decisions.recovery import OutcomeKind
 
 # How a job that fails after an attempt ended one way is named (FAILED_SETUP, FAILED_BUDGET, ...).
@@ -28,7 +28,7 @@ NOT_DISRUPTED = (OutcomeKind.SUCCEEDED, OutcomeKind.CANCELLED, OutcomeKind.PROVI
                  OutcomeKind.BUDGET_SPENT)
 
 
-def finished_at_submit(store: Store, job_id: str) -> tuple[int, str] | None:
+def finished_at_submit(store: JobStore, job_id: str) -> tuple[int, str] | None:
     """(its last step, why) for a new job that resumed its folder as the same run and found that run's last
     step committed there already (`ownership`'s claim at submit lists the folder's committed steps)."""
     job = store.job(job_id)
@@ -42,7 +42,7 @@ def finished_at_submit(store: Store, job_id: str) -> tuple[int, str] | None:
     return last, nothing_to_train(store, job_id, last, total)
 
 
-def finished_before(store: Store, job_id: str) -> str | None:
+def finished_before(store: JobStore, job_id: str) -> str | None:
     """Why a job that succeeded trained no step of its own: its folder held a run that had already finished."""
     job = store.job(job_id)
     committed, total = (job.result or {}).get("steps"), job.spec.workload.steps
@@ -51,7 +51,7 @@ def finished_before(store: Store, job_id: str) -> str | None:
     return nothing_to_train(store, job_id, committed, total)
 
 
-def nothing_to_train(store: Store, job_id: str, committed: int, total: int) -> str:
+def nothing_to_train(store: JobStore, job_id: str, committed: int, total: int) -> str:
     where = store.job(job_id).spec.checkpoint.directory
     if committed == total:
         return (f"resumed a finished run: step {total} of {total} was already committed in {where}; nothing to "
@@ -60,7 +60,7 @@ def nothing_to_train(store: Store, job_id: str, committed: int, total: int) -> s
             "steps; nothing to train (to train again from step 0, submit with --fresh)")
 
 
-def worker_aborts(store: Store, job_id: str) -> int:
+def worker_aborts(store: JobStore, job_id: str) -> int:
     """Worker aborts so far (they spend `max_aborts`; counted from the job's disruption events)."""
     return sum(1 for e in store.events(job_id)
                if e.kind is EventKind.DISRUPTION and (e.data or {}).get("kind") == OutcomeKind.WORKER_ABORTED.value)

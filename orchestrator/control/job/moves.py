@@ -44,14 +44,14 @@ if TYPE_CHECKING:
     from orchestrator.control.job.placement import Placement
     from orchestrator.control.job.policy import JobPolicy
     from orchestrator.control.job.reports import ReportSink
-    from orchestrator.state.store import Store
+    from orchestrator.state.protocol import JobStore
     from policies.cost.clock import Clock
 
 FIRST_DECISION_S = 30.0  # a new launch measures its speed this long before the policy is asked
 
 
 class Moves:
-    def __init__(self, store: Store, job_id: str, spec: Callable[[], JobSpec], clock: Callable[[JobSpec], Clock],
+    def __init__(self, store: JobStore, job_id: str, spec: Callable[[], JobSpec], clock: Callable[[JobSpec], Clock],
                  *, policy: JobPolicy, placement: Placement, stops: Stops, progress: ReportSink):
         self.store, self.job_id, self.spec, self.clock = store, job_id, spec, clock
         self.policy, self.placement, self.stops, self.progress = policy, placement, stops, progress

@@ -28,8 +28,8 @@ from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import CapacityError, Slice, SliceProvider
 from orchestrator.state.events import Autoscaled, StateChange
+from orchestrator.state.protocol import JobStore
 from orchestrator.state.states import JobState, SliceState
-from orchestrator.state.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _names(base: str, kept: tuple[str, ...]) -> Iterator[str]:
 
 
 class Requests:
-    def __init__(self, store: Store, job_id: str, cancel: threading.Event, transition: Transition):
+    def __init__(self, store: JobStore, job_id: str, cancel: threading.Event, transition: Transition):
         self.store, self.job_id, self.cancel, self.transition = store, job_id, cancel, transition
         self.provider: SliceProvider | None = None  # chosen before the first request
         self.waiting: Waiting | None = None  # the request not READY yet, or READY for a switch not made

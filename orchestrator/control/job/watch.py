@@ -25,7 +25,7 @@ from orchestrator.control.group import PING_S, WorkerGone, WorkerGroup
 from orchestrator.control.job.stop import StopRequest, Stops
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import SliceEventKind
-from orchestrator.state.store import Store
+from orchestrator.state.protocol import JobStore
 from policies.decisions.recovery import (
     HUNG,
     WORKER_UNREACHABLE,
@@ -57,7 +57,7 @@ class Watched:
     progress: ReportSink
 
 
-def watch(store: Store, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Callable[[], None]) -> Outcome:
+def watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Callable[[], None]) -> Outcome:
     """Block until the attempt's group ends; `on_poll` runs once a poll (the autoscaler's chance to move the job)."""
     group = run.group
     hang_limit, grace = spec.recovery.heartbeat_timeout_s, spec.recovery.grace_period_s
@@ -89,7 +89,7 @@ def watch(store: Store, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Ca
         time.sleep(POLL_S)
 
 
-def _results_say(store: Store, job_id: str, run: Watched, results: list) -> Outcome | None:
+def _results_say(store: JobStore, job_id: str, run: Watched, results: list) -> Outcome | None:
     """What the hosts' results (some may still be running: None) end the attempt with, if anything yet."""
     stop = run.stops.current
     outcome = results_outcome(results, notice=stop.reason if stop is not None else None,
@@ -134,7 +134,7 @@ def _host_lost(run: Watched) -> str | None:
         time.sleep(0.1)
 
 
-def _no_progress(store: Store, job_id: str, run: Watched, hang_limit: float) -> Outcome:
+def _no_progress(store: JobStore, job_id: str, run: Watched, hang_limit: float) -> Outcome:
     """No step for the heartbeat timeout: a host or worker gone if one is, else a hang."""
     at = time.time()
     died, silent = run.group.ping()
@@ -146,7 +146,7 @@ def _no_progress(store: Store, job_id: str, run: Watched, hang_limit: float) -> 
     return Outcome(OutcomeKind.HUNG, f"no step for {hang_limit:.0f} s while every worker answers {HUNG}", at=at)
 
 
-def worker_died(store: Store, job_id: str, run: Watched, error: WorkerGone) -> Outcome:
+def worker_died(store: JobStore, job_id: str, run: Watched, error: WorkerGone) -> Outcome:
     """A worker's process is gone: its host went (INFRA_LOST), or it died on a host still up (WORKER_ABORTED).
 
     The host went if the provider says so; then nothing more is asked of it. Otherwise the group
@@ -158,7 +158,7 @@ def worker_died(store: Store, job_id: str, run: Watched, error: WorkerGone) -> O
     return run.group.died(error)
 
 
-def _confirm_failure(store: Store, job_id: str, run: Watched, failure: Outcome) -> Outcome:
+def _confirm_failure(store: JobStore, job_id: str, run: Watched, failure: Outcome) -> Outcome:
     """Gather what `classify_failure` needs: did a host die (waiting up to SETTLE_S for the word), does
     every worker answer. A worker whose process died meanwhile is asked about as `worker_died` does."""
     host_lost = _host_lost(run)
