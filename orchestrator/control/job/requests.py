@@ -156,8 +156,8 @@ class Requests:
         still waiting for capacity are let go); the job is QUEUED while one waits for capacity, and says so.
 
         Raises CapacityError when one is refused or expires (released, unbilled), when the policy no longer
-        wants them or the job is cancelled, and ProvisioningError when one's hosts do not all start within
-        `start_timeout_s` (that one released, to be asked for again)."""
+        wants them or the job is cancelled, and ProvisioningError when one's hosts could not start or did not
+        all start within `start_timeout_s` (that one released, to be asked for again)."""
         while True:
             if self.cancel.is_set() or self.store.job(self.job_id).cancel_requested:
                 raise CapacityError("cancelled while waiting for the slices")
