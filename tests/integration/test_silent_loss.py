@@ -81,8 +81,11 @@ def test_a_silent_vm_of_a_one_slice_job_is_seen_in_seconds_and_the_job_goes_on_o
 def test_a_silent_vm_of_a_two_slice_job_is_seen_in_seconds_and_the_survivors_go_on_from_memory(
         client, tmp_path, vms, request, gcs_emulator):
     _, gcp, backing = vms
+    # A copy in memory every step, whatever it costs: the cadence measured from the first copies depends on
+    # the machine's load (a CI run measured 6.7% of a step, so every 4 steps, and lost 2), and this test is
+    # about the loss being seen and the survivors going on from what they hold, not about the cadence.
     spec = tiny_spec("silent-two", "v4-16", tmp_path, steps=16, provider="gcp", gcp=gcp, slices=2,
-                     checkpoint={"interval_steps": 4, "directory": unique_folder(request)},
+                     checkpoint={"interval_steps": 4, "memory_interval_steps": 1, "directory": unique_folder(request)},
                      storage={"endpoint": gcs_emulator.url}, recovery={"start_timeout_s": 180, "regrow": False})
     job = client.submit(spec)
     wait_step(job, 6)
