@@ -17,6 +17,8 @@ the same folders (orbax lists step folders that tensorstore wrote), and a cached
 would hide their writes. The functions that a controller calls for many jobs (the fence,
 `check_writable`) also take ``endpoint=`` per call, so that they need no process-wide setting.
 
+Where the clients go (an emulator or Google's) is set in `workers.storage_clients`; `configure` is here too.
+
 **The fence** (`workers.fence`) lives beside a job's checkpoints and is written through these clients.
 
 Example::
@@ -32,18 +34,14 @@ import contextlib
 import logging
 import os
 import secrets
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+
+from workers.storage_clients import configure, configure_from_environment, endpoint_env, gcs_client, normal_endpoint
 
 log = logging.getLogger(__name__)
 
 PathLike = str | os.PathLike
-
-# What makes each client talk to an emulator (see orchestrator.emulator.storage for the table).
-_ENDPOINT_VARS = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_AUTH_TOKEN_FOR_TESTING",
-                  "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT")
 
 
 class StorageError(OSError):
@@ -89,86 +87,6 @@ def split_gcs(url: PathLike) -> tuple[str, str]:
     return bucket, name.strip("/")
 
 
-# -- where the clients go --------------------------------------------------------------------
-
-
-def _normal(endpoint: str) -> str:
-    """``http://host:port`` without a trailing slash (``host:port`` alone, as STORAGE_EMULATOR_HOST allows, is http)."""
-    endpoint = endpoint.strip().rstrip("/")
-    return endpoint if "://" in endpoint else f"http://{endpoint}"
-
-
-def endpoint_env(endpoint: str) -> dict[str, str]:
-    """The environment that points gcsfs, google-cloud-storage and tensorstore at `endpoint` (an emulator)."""
-    endpoint = _normal(endpoint)
-    return {
-        "STORAGE_EMULATOR_HOST": endpoint,  # gcsfs, google-cloud-storage
-        "TENSORSTORE_GCS_HTTP_URL": endpoint,  # tensorstore (orbax's arrays)
-        "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",  # tensorstore: a bearer token instead of looking for credentials
-        "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",  # gcsfs: no Storage Control gRPC probe (no emulator has it)
-    }
-
-
-_emulated: list[str] = []  # the endpoint `configure` set in fsspec's defaults, if any
-
-
-def configure(endpoint: str | None) -> None:
-    """Point this process's storage clients at `endpoint` (an emulator's URL), or at Google's (None).
-
-    Call before the process first touches a bucket: tensorstore reads its settings when it
-    opens a gs:// store (one opened before keeps the endpoint it had), gcsfs and etils.epath
-    cache their file systems (dropped here, so the next use gets the new setting).
-    """
-    import fsspec
-
-    endpoint = _normal(endpoint) if endpoint else None
-    if endpoint:
-        os.environ.update(endpoint_env(endpoint))
-    else:
-        for name in _ENDPOINT_VARS:
-            os.environ.pop(name, None)
-    for protocol in ("gs", "gcs"):  # fsspec's defaults for gcsfs, merged into what the user may have set
-        conf = fsspec.config.conf.setdefault(protocol, {})
-        conf["use_listings_cache"] = False  # others write where this process lists
-        if endpoint:
-            conf.update(token="anon", endpoint_url=endpoint)
-        elif _emulated:
-            for key in ("token", "endpoint_url"):
-                conf.pop(key, None)
-    _emulated[:] = [endpoint] if endpoint else []
-    if endpoint:  # the plain GCSFileSystem, also when gcsfs was imported before the variable was set
-        from gcsfs.core import GCSFileSystem
-
-        for protocol in ("gs", "gcs"):
-            fsspec.register_implementation(protocol, GCSFileSystem, clobber=True)
-    _forget_clients()
-
-
-def configure_from_environment() -> None:
-    """`configure` for the emulator ``STORAGE_EMULATOR_HOST`` names, unless this process already is: that one
-    variable is all gcsfs and google-cloud-storage need, but tensorstore (orbax's reads and writes) reads its own
-    and without it goes to Google's servers, waiting on credentials this machine does not have."""
-    host = os.environ.get("STORAGE_EMULATOR_HOST")
-    if host and _emulated != [_normal(host)]:
-        configure(host)
-
-
-def _forget_clients() -> None:
-    """Drop cached clients made with the old settings (gcsfs instances, etils.epath's, our own)."""
-    _gcs_clients.clear()
-    if "gcsfs" in sys.modules:
-        from gcsfs.core import GCSFileSystem
-
-        GCSFileSystem.clear_instance_cache()
-        for cls in type.__subclasses__(GCSFileSystem):
-            cls.clear_instance_cache()
-    if "etils.epath" in sys.modules:
-        from etils.epath import backend
-
-        with contextlib.suppress(AttributeError):
-            backend.fsspec_backend._get_filesystem.cache_clear()
-
-
 def filesystem(path: PathLike, *, endpoint: str | None = None):
     """``(fsspec file system, path inside it)`` for `path`; `endpoint` overrides `configure`'s for a URL."""
     import fsspec
@@ -179,7 +97,7 @@ def filesystem(path: PathLike, *, endpoint: str | None = None):
     if endpoint and path.startswith("gs://"):
         from gcsfs.core import GCSFileSystem
 
-        fs = GCSFileSystem(token="anon", endpoint_url=_normal(endpoint), use_listings_cache=False)
+        fs = GCSFileSystem(token="anon", endpoint_url=normal_endpoint(endpoint), use_listings_cache=False)
         return fs, fs._strip_protocol(path)
     return fsspec.core.url_to_fs(path)
 
@@ -369,32 +287,10 @@ def _reason(e: BaseException) -> str:
     return f"{type(e).__name__}: {text}"[:300]
 
 
-_gcs_clients: dict[str | None, Any] = {}
-
-
-def _gcs_client(endpoint: str | None):
-    """A google-cloud-storage client: for `endpoint` (an emulator, anonymous), else this process's setting."""
-    endpoint = endpoint or os.environ.get("STORAGE_EMULATOR_HOST") or None
-    endpoint = _normal(endpoint) if endpoint else None
-    client = _gcs_clients.get(endpoint)
-    if client is None:
-        from google.cloud import storage as gcs
-
-        if endpoint:
-            from google.auth.credentials import AnonymousCredentials
-
-            client = gcs.Client(project="emulator", credentials=AnonymousCredentials(),
-                                client_options={"api_endpoint": endpoint})
-        else:
-            client = gcs.Client()  # application default credentials: on a TPU VM its service account
-        _gcs_clients[endpoint] = client
-    return client
-
-
 def gcs_blob(url: str, endpoint: str | None):
     """The google-cloud-storage object at ``gs://`` `url` (for reads and writes with preconditions)."""
     bucket, name = split_gcs(url)
-    return _gcs_client(endpoint).bucket(bucket).blob(name)
+    return gcs_client(endpoint).bucket(bucket).blob(name)
 
 
 def is_not_found(e: BaseException) -> bool:
@@ -404,6 +300,7 @@ def is_not_found(e: BaseException) -> bool:
     return isinstance(e, exceptions.NotFound)
 
 
-__all__ = ["StorageError", "check_writable", "configure", "endpoint_env", "exists", "filesystem", "gcs_blob",
-           "is_not_found", "is_url", "isdir", "join", "listdir", "makedirs", "move_tree", "read_bytes", "read_text",
-           "remove", "remove_tree", "replace_local", "split_gcs", "upload_folder", "write_bytes", "write_text"]
+__all__ = ["StorageError", "check_writable", "configure", "configure_from_environment", "endpoint_env", "exists",
+           "filesystem", "gcs_blob", "is_not_found", "is_url", "isdir", "join", "listdir", "makedirs", "move_tree",
+           "read_bytes", "read_text", "remove", "remove_tree", "replace_local", "split_gcs", "upload_folder",
+           "write_bytes", "write_text"]
