@@ -228,6 +228,7 @@ def _reclaim_latencies(reclaims: list[tuple[str, float]], slice_job: dict[str, s
                        slice_events: dict[str, list[tuple[float, str, str]]]) -> dict:
     """From each reclaim in the API: to the job's next request, to the controller seeing it, and on."""
     reclaim_to_request, by_view, seen_s, seen_to_request = [], {}, [], []
+    to_request_by_view: dict[str, list[float]] = {}
     for name, at in reclaims:
         job = slice_job.get(name)
         evs = slice_events.get(job, [])
@@ -245,14 +246,19 @@ def _reclaim_latencies(reclaims: list[tuple[str, float]], slice_job: dict[str, s
             later = [t for t in nxt if t >= min(seen)]
             if later:
                 seen_to_request.append(min(later) - min(seen))
+                to_request_by_view.setdefault(view, []).append(min(later) - min(seen))
     return {"reclaim_to_next_request_s": {"n": len(reclaim_to_request), "p50": pct(reclaim_to_request, 0.5),
                                           "p99": pct(reclaim_to_request, 0.99),
                                           "max": pct(reclaim_to_request, 1.0)},
             "reclaim_seen_s": {"n": len(seen_s), "p50": pct(seen_s, 0.5), "p99": pct(seen_s, 0.99),
                                "by_controller_view": {v: {"n": len(x), "p50": pct(x, 0.5), "p99": pct(x, 0.99)}
                                                       for v, x in sorted(by_view.items())}},
+            # By what the controller held: a READY slice's job asks again at once (the reaction); a request
+            # refused while it waited asks again after the queue's backoff (`retry_after`, 7.5-15 s and up).
             "seen_to_next_request_s": {"n": len(seen_to_request), "p50": pct(seen_to_request, 0.5),
-                                       "p99": pct(seen_to_request, 0.99)},
+                                       "p99": pct(seen_to_request, 0.99),
+                                       "by_controller_view": {v: {"n": len(x), "p50": pct(x, 0.5), "p99": pct(x, 0.99)}
+                                                              for v, x in sorted(to_request_by_view.items())}},
             "reclaims_without_next_request": len(reclaims) - len(reclaim_to_request)}
 
 

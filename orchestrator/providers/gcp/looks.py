@@ -22,6 +22,7 @@ from orchestrator.providers.gcp.states import Seen
 
 log = logging.getLogger(__name__)
 
+PARSE_SHARE = 0.25  # at most this share of the time goes to listing a zone (the client parses each object)
 WITH_A_NODE = (QRS.PROVISIONING, QRS.ACTIVE, QRS.SUSPENDING, QRS.SUSPENDED)  # queued resources that have one
 
 
@@ -38,12 +39,13 @@ def seen_of(qr: Any, node: Callable[[], Any]) -> Seen:
 
 @dataclass(frozen=True)
 class ZoneListing:
-    """One listing of a zone: its queued resources by short name and its nodes by full name, and when
-    (monotonic) the listing began."""
+    """One listing of a zone: its queued resources by short name and its nodes by full name, when
+    (monotonic) the listing began, and for how long it is fresh."""
 
     at: float
     qrs: dict[str, Any]
     nodes: dict[str, Any]
+    fresh_for: float  # seconds: `list_s`, or longer when listing took long (`PARSE_SHARE`)
 
 
 class ZoneListings:
@@ -58,14 +60,23 @@ class ZoneListings:
 
     def get(self, zone: str, *, followed: Callable[[], int]) -> ZoneListing | None:
         """The zone's listing, no older than `list_s`, if `followed()` slices there are more than
-        `list_over` (counted once a listing, not once a look)."""
+        `list_over` (counted once a listing, not once a look).
+
+        One caller lists; while it does, the others read the listing before it rather than wait (a
+        listing of a thousand slices takes a while to parse, and every driver's look would queue behind
+        it). The next listing starts no sooner than `PARSE_SHARE` of the time between two listings
+        is spent making them, so listing never takes more than that share of a core, however many
+        slices the zone holds."""
         with self._lock:
             if (listing := self._fresh(zone)) is not None:
                 return listing
             lock = self._locks.setdefault(zone, threading.Lock())
+            latest = self._latest.get(zone)
         if followed() <= self.list_over:
             return None
-        with lock:  # the callers of one moment share one listing
+        if not lock.acquire(blocking=latest is None):  # being listed: the one before it will do meanwhile
+            return latest
+        try:
             with self._lock:
                 if (listing := self._fresh(zone)) is not None:
                     return listing
@@ -75,11 +86,15 @@ class ZoneListings:
             except CloudApiError as e:  # the slices are looked at one by one meanwhile
                 log.warning("could not list %s/%s: %s", self._project, zone, e)
                 return None
-            listing = ZoneListing(at, {q.name.rsplit("/", 1)[1]: q for q in qrs}, nodes)
+            took = time.monotonic() - at
+            listing = ZoneListing(at, {q.name.rsplit("/", 1)[1]: q for q in qrs}, nodes,
+                                  fresh_for=max(self.list_s, took / PARSE_SHARE))
             with self._lock:
                 self._latest[zone] = listing
             return listing
+        finally:
+            lock.release()
 
     def _fresh(self, zone: str) -> ZoneListing | None:
         listing = self._latest.get(zone)
-        return listing if listing is not None and time.monotonic() - listing.at <= self.list_s else None
+        return listing if listing is not None and time.monotonic() - listing.at <= listing.fresh_for else None

@@ -208,15 +208,18 @@ class GcpTpuProvider:
         return [s for s in out.values() if wanted is None or s.job_id in wanted]
 
     def poll_events(self, *, slices: Collection[str] | None = None) -> builtins.list[SliceEvent]:
-        with self._lock:
-            names = [n for n, t in self._tracked.items() if not t.released and t.state is not SliceState.GONE
-                     and (slices is None or n in slices)]
+        with self._lock:  # a driver asks about its own few slices: looked up, not found among every one followed
+            pairs = (self._tracked.items() if slices is None
+                     else ((n, t) for n in slices if (t := self._tracked.get(n)) is not None))
+            names = [n for n, t in pairs if not t.released and t.state is not SliceState.GONE]
         for name in names:
             try:
                 self._refresh(name)
             except CloudApiError as e:  # one slice's failed look must not hide the others' events
                 log.warning("could not look at slice %s: %s", name, e)
         with self._lock:
+            if not self._events:
+                return []
             mine = [slices is None or e.slice_name in slices for e in self._events]
             events = [e for e, m in zip(self._events, mine, strict=True) if m]
             # Other slices' events stay for their jobs.
