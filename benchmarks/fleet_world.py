@@ -25,7 +25,7 @@ from pathlib import Path
 from orchestrator.cluster.home import Home
 from orchestrator.control.job import loop
 from orchestrator.control.job.driver import JobDriver
-from orchestrator.control.queue import AdmissionQueue, queue_position
+from orchestrator.control.queue import AdmissionQueue, queue_positions
 from orchestrator.control.store_faults import HeldWrites, StoreHealth
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Host, Slice, host_resource
@@ -116,7 +116,7 @@ class FleetWorld:
         if not self.home.token_file.exists():  # the cluster's token (`orchestrator up` writes it)
             self.home.token_file.write_text(secrets.token_urlsafe(32) + "\n")
             self.home.token_file.chmod(0o600)
-        self._dashboard = serve_dashboard(self.store, self.home, actions=None, port=0, queue_position=queue_position)
+        self._dashboard = serve_dashboard(self.store, self.home, actions=None, port=0, queue_positions=queue_positions)
         self.dashboard_url = self._dashboard.url
 
     # -- JobServices -----------------------------------------------------------------------

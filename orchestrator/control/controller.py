@@ -84,7 +84,7 @@ class Controller:
         A restarted controller serves it on the port the last one used, if that port is free,
         so an open page goes on updating.
         """
-        from orchestrator.control.queue import queue_position
+        from orchestrator.control.queue import queue_positions
         from orchestrator.observe.dashboard import serve_dashboard
 
         try:
@@ -93,7 +93,7 @@ class Controller:
         except (OSError, ValueError, IndexError, AttributeError):
             port = 0
         try:
-            server = serve_dashboard(self.store, self.home, actions=self, port=port, queue_position=queue_position)
+            server = serve_dashboard(self.store, self.home, actions=self, port=port, queue_positions=queue_positions)
         except Exception:  # the jobs matter more than their page: run without it, and say so
             log.exception("could not serve the dashboard")
             return None

@@ -38,9 +38,17 @@ def queue_position(store: JobStore, job: JobRecord) -> int | None:
     before the line, and it may have left it meanwhile, admitted or cancelled)."""
     if job.state is not JobState.QUEUED:
         return None
-    same = [_waiting(j) for j in store.jobs(active_only=True)
-            if j.state is JobState.QUEUED and j.spec.provider_facts is job.spec.provider_facts]
-    return next((i for i, w in enumerate(line(same), 1) if w.job_id == job.id), None)
+    return queue_positions(store.jobs(active_only=True)).get(job.id)
+
+
+def queue_positions(jobs: list[JobRecord]) -> dict[str, int]:
+    """Every QUEUED job's place in its line (1 = next), by job id, from one read of the jobs (the dashboard
+    shows a page of them: a read of every job for each would make the page quadratic in the jobs)."""
+    lines: dict[int, list[WaitingJob]] = {}  # one line per provider (its facts are one object each)
+    for j in jobs:
+        if j.state is JobState.QUEUED:
+            lines.setdefault(id(j.spec.provider_facts), []).append(_waiting(j))
+    return {w.job_id: i for same in lines.values() for i, w in enumerate(line(same), 1)}
 
 
 class AdmissionQueue:

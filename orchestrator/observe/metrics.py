@@ -1,4 +1,5 @@
-"""Prometheus metrics of every job, read from the store on each scrape.
+"""Prometheus metrics of the jobs, read from the store on each scrape: a series per job for every job not
+ended and the last `ENDED_KEPT` to end, and counts by state of all of them.
 
 Nothing is kept in memory between scrapes (except the goodput of jobs that have
 ended, which cannot change), so the numbers are those `orchestrator status` shows and
@@ -8,6 +9,7 @@ unless the scrape config sets `honor_labels: true`.
 
 Exported (all gauges unless marked as counters):
 
+- orchestrator_jobs{state}: how many jobs of the store are in each state
 - orchestrator_job_info{job,name,accelerator,tier} 1
 - orchestrator_job_state{job,state} 1 for the job's state, 0 for every other state
 - orchestrator_job_completed_steps{job}: steps done (the last reported step + 1)
@@ -48,6 +50,8 @@ from orchestrator.state.store import JobRecord, Store
 
 log = logging.getLogger(__name__)
 
+ENDED_KEPT = 100  # ended jobs whose series a scrape still exports, the last to end (`_with_series`)
+
 
 class RemoteMetricsRefused(OrchestratorError, ValueError):
     """Serving metrics on a non-loopback address was asked for without `allow_remote=True`."""
@@ -70,11 +74,16 @@ class JobCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m = _Families()
-        for job in self.store.jobs():
+        jobs = self.store.jobs()
+        for state in JobState:
+            m.count.add_metric([state.value], sum(1 for j in jobs if j.state is state))
+        for job in _with_series(jobs):
             try:
                 self._add(m, job)
             except Exception:  # one unreadable job must not take every other job's metrics down
                 log.exception("job %s: could not compute its metrics", job.id)
+        kept = {j.id for j in jobs if j.state.terminal}
+        self._ended = {k: v for k, v in self._ended.items() if k in kept}
         yield from m.all()
 
     def _add(self, m: _Families, job: JobRecord) -> None:
@@ -118,6 +127,14 @@ class JobCollector(Collector):
         if job.state.terminal:
             self._ended[job.id] = (job.updated_at, g)
         return g
+
+
+def _with_series(jobs: list[JobRecord]) -> list[JobRecord]:
+    """The jobs a scrape exports series of: every job not ended, and the `ENDED_KEPT` that ended last (so a
+    scrape after a job's end still sees its final values). A series per job ever run would grow each scrape
+    with the store's history; Prometheus keeps what it scraped of the others."""
+    ended = sorted((j for j in jobs if j.state.terminal), key=lambda j: j.updated_at)[-ENDED_KEPT:]
+    return [j for j in jobs if not j.state.terminal] + ended
 
 
 class StoreCollector(Collector):
@@ -172,6 +189,8 @@ class _Families:
 
     def __init__(self):
         p = "orchestrator_job"
+        self.count = GaugeMetricFamily("orchestrator_jobs", "Jobs in the store, by state (every job, ended or not).",
+                                       labels=["state"])
         self.info = InfoMetricFamily(p, "The job's name, accelerator type and tier.", labels=["job_id"])
         self.state = GaugeMetricFamily(f"{p}_state", "1 for the job's current state, 0 for the others.",
                                        labels=["job_id", "state"])

@@ -90,6 +90,9 @@ def test_dashboard_in_a_browser_while_a_job_runs(client, tmp_path, evil_site):
                            f" return parseInt(t) > {_step_of(first)} ? t : null }})()", timeout_s=120)
         assert _step_of(later) > _step_of(first)
         assert b.evaluate(f"{row}.querySelector('.state').textContent").startswith("RUNNING")
+        # One page of jobs, and what the store holds counted by state under it.
+        assert b.evaluate("document.querySelector('#page-of').textContent") == "page 1 of 1 (1 job: 1 RUNNING)"
+        assert b.evaluate("document.querySelector('#next').disabled")
         b.screenshot(shots / "dashboard-jobs.png", full_page=False)
 
         b.goto(f"{url}job/{job.id}")

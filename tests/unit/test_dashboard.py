@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.cluster import Home
-from orchestrator.control.queue import queue_position
+from orchestrator.control.queue import queue_positions
 from orchestrator.observe.dashboard import Auth, serve_dashboard
 from orchestrator.state.states import JobState
 from orchestrator.state.store import Store
@@ -55,7 +55,7 @@ def served(tmp_path):
     (home.job_dir("run-0a0b0c")).mkdir(parents=True)
     (home.job_dir("run-0a0b0c") / "job.log").write_text("[host-0] hello\n[host-1] world\n")
     actions = Recorder()
-    server = serve_dashboard(store, home, actions=actions, token=TOKEN, queue_position=queue_position)
+    server = serve_dashboard(store, home, actions=actions, token=TOKEN, queue_positions=queue_positions)
     yield server, actions, store
     server.stop()
 

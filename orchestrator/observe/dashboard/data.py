@@ -28,39 +28,68 @@ MAX_POINTS = 2000  # per curve: a long run's steps are thinned to this many (eve
 LOG_TAIL_BYTES = 64 * 1024
 
 
-QueuePosition = Callable[[Store, JobRecord], "int | None"]  # a job's place in the admission queue, or None
+# Every QUEUED job's place in its line (1 = next) among the jobs given, by id: the controller's
+# (`orchestrator.control.queue.queue_positions`), which knows the lines.
+QueuePositions = Callable[[list[JobRecord]], dict[str, int]]
+PAGE_SIZE = 50  # jobs a page of the overview shows in full (the others are counted)
+LIST_MAX = 100  # slices and queued jobs the overview lists (all of them are counted)
 
 
 class DashboardData:
     """The dashboard's reads of one store (thread-safe: the store keeps a connection per thread)."""
 
-    def __init__(self, store: Store, home: Home, *, queue_position: QueuePosition = lambda store, job: None):
+    def __init__(self, store: Store, home: Home, *, queue_positions: QueuePositions = lambda jobs: {}):
         self.store, self.home = store, home
-        self.queue_position = queue_position  # the controller's (`orchestrator.control.queue`), which knows the queue
+        self.queue_positions = queue_positions
         self._ended: dict[str, tuple[float, Goodput]] = {}
         self._lock = threading.Lock()
 
     # -- every job ------------------------------------------------------------------
 
-    def overview(self, *, now: float | None = None) -> dict:
-        """All jobs (newest first), the slices in use and requested across them, and the queue."""
+    def overview(self, *, now: float | None = None, page: int = 1) -> dict:
+        """A page of the jobs (those not ended first, then the ended; newest first in each), the slices in
+        use and requested across them, the queue, and counts of all of them.
+
+        What a page costs grows with the page, not with the store: each job shown reads its steps and
+        events (its goodput), so a thousand jobs are shown `PAGE_SIZE` at a time, and the slices and the
+        queue are listed up to `LIST_MAX` (their chips and lengths count every one)."""
         now = time.time() if now is None else now
         jobs = self.store.jobs()
-        rows = []
-        for job in reversed(jobs):
-            rows.append(self.job_row(job, now=now, queue_position=self.queue_position(self.store, job)))
-        queue = sorted((r for r in rows if r["queue_position"]), key=lambda r: (r["pool"], r["queue_position"]))
-        slices = [self._slice_row(rec, jobs_by_id={j.id: j for j in jobs}) for rec in self.store.slices(live_only=True)]
-        slices.sort(key=lambda s: (s["job_id"], s["name"]))
-        in_use = sum(s["chips"] for s in slices if s["in_use"])
-        requested = sum(s["chips"] for s in slices if not s["in_use"])
-        return {"now": now, "jobs": rows, "slices": slices,
-                "queue": [{"position": r["queue_position"], "pool": r["pool"], "id": r["id"], "name": r["name"],
-                           "accelerator": r["accelerator"], "tier": r["tier"], "hosts": r["hosts"],
-                           "since": r["state_since"], "reason": r["reason"]} for r in queue],
-                "totals": {"chips_in_use": in_use, "chips_requested": requested,
-                           "usd": sum(r["usd"] for r in rows),
-                           "active": sum(1 for r in rows if not r["done"])}}
+        ordered = [j for j in reversed(jobs) if not j.state.terminal] + [j for j in reversed(jobs) if j.state.terminal]
+        pages = max(1, -(-len(ordered) // PAGE_SIZE))
+        page = min(max(1, page), pages)
+        positions = self.queue_positions([j for j in jobs if j.state is JobState.QUEUED])
+        rows = [self.job_row(job, now=now, queue_position=positions.get(job.id))
+                for job in ordered[(page - 1) * PAGE_SIZE:page * PAGE_SIZE]]
+        by_id = {j.id: j for j in jobs}
+        queued = sorted((j for j in jobs if j.id in positions),
+                        key=lambda j: (j.placed_json.get("provider", "local"), positions[j.id]))
+        slices = sorted(self.store.slices(live_only=True), key=lambda r: (r.job_id, r.name))
+        in_use = {SliceState.READY, SliceState.PREEMPTING}
+        chips = {True: 0, False: 0}
+        for rec in slices:
+            chips[rec.state in in_use] += _chips_of(rec.accelerator)
+        states: dict[str, int] = {}
+        for j in jobs:
+            states[j.state.value] = states.get(j.state.value, 0) + 1
+        return {"now": now, "jobs": rows, "page": page, "pages": pages, "page_size": PAGE_SIZE,
+                "slices": [self._slice_row(rec, jobs_by_id=by_id) for rec in slices[:LIST_MAX]],
+                "queue": [self._queue_row(j, positions[j.id]) for j in queued[:LIST_MAX]],
+                "totals": {"chips_in_use": chips[True], "chips_requested": chips[False],
+                           "usd_page": sum(r["usd"] for r in rows), "jobs": len(jobs),
+                           "active": sum(1 for j in jobs if not j.state.terminal), "by_state": states,
+                           "slices": len(slices), "queued": len(queued)}}
+
+    @staticmethod
+    def _queue_row(job: JobRecord, position: int) -> dict:
+        spec = job.placed_json
+        try:
+            hosts: int | None = catalog.lookup(spec.get("accelerator", "")).hosts
+        except ValueError:  # a type not in this version's catalog, or none
+            hosts = None
+        return {"position": position, "pool": spec.get("provider", "local"), "id": job.id, "name": job.name,
+                "accelerator": spec.get("accelerator", "?"), "tier": spec.get("tier", "?"), "hosts": hosts,
+                "since": job.updated_at, "reason": job.reason}
 
     def job_row(self, job: JobRecord, *, now: float, queue_position: int | None = None) -> dict:
         """One job's line: state, step of total, loss, tokens/s, goodput, dollars so far and expected, wall time."""
@@ -137,7 +166,10 @@ class DashboardData:
         now = time.time() if now is None else now
         job = self.store.job(job_id)
         events, steps = self.store.events(job.id), self.store.steps(job.id)
-        row = self.job_row(job, now=now, queue_position=self.queue_position(self.store, job))
+        position = None
+        if job.state is JobState.QUEUED:
+            position = self.queue_positions(self.store.jobs(active_only=True)).get(job.id)
+        row = self.job_row(job, now=now, queue_position=position)
         g = self.goodput(job, now=now)
         wall = g.wall_s or 1.0
         row.update({
@@ -166,6 +198,13 @@ class DashboardData:
 
 
 # -- pieces ----------------------------------------------------------------------------
+
+
+def _chips_of(accelerator: str) -> int:
+    try:
+        return catalog.lookup(accelerator).chips
+    except ValueError:  # a type this version does not know: counted as none
+        return 0
 
 
 def _zone(rec: SliceRow, job: JobRecord | None) -> str:

@@ -24,7 +24,7 @@ Who may see what:
   which keeps out DNS-rebinding pages; every answer forbids framing, caching and sniffing,
   and the pages run only their own scripts (Content-Security-Policy).
 
-Routes: ``/`` (all jobs), ``/job/ID`` (one job), ``/static/NAME``, ``/api/overview``,
+Routes: ``/`` (all jobs), ``/job/ID`` (one job), ``/static/NAME``, ``/api/overview`` (``?page=N``),
 ``/api/jobs/ID``, ``/api/jobs/ID/logs``, POST ``/api/jobs/ID/cancel``,
 ``/api/jobs/ID/resize`` (JSON or form body: ``accelerator``, ``tier``, ``reason``) and
 ``/api/jobs/ID/profile`` (``steps``, ``host``: a number or ``all``; `orchestrator profile`).
@@ -48,7 +48,7 @@ from typing import Protocol
 from orchestrator.cluster import Home
 from orchestrator.errors import JobNotFoundError, OrchestratorError
 from orchestrator.observe.dashboard.auth import SESSION_S, Auth
-from orchestrator.observe.dashboard.data import DashboardData, QueuePosition
+from orchestrator.observe.dashboard.data import DashboardData, QueuePositions
 from orchestrator.observe.metrics import RemoteMetricsRefused, _is_loopback
 from orchestrator.state.store import Store
 
@@ -106,7 +106,7 @@ class DashboardServer:
 
 def serve_dashboard(store: Store, home: Home, *, actions: Actions | None = None, token: str | None = None,
                     host: str = "127.0.0.1", port: int = 0, allow_remote: bool = False,
-                    queue_position: QueuePosition | None = None) -> DashboardServer:
+                    queue_positions: QueuePositions | None = None) -> DashboardServer:
     """Serve the dashboard of `store`'s jobs on a daemon thread; returns the running server.
 
     `token` defaults to the cluster's (`home.token_file`); `actions` (the controller) carries
@@ -116,8 +116,8 @@ def serve_dashboard(store: Store, home: Home, *, actions: Actions | None = None,
     if not allow_remote and not _is_loopback(host):
         raise RemoteMetricsRefused(host)
     auth = Auth(token if token is not None else home.token_file.read_text().strip())
-    data = DashboardData(store, home) if queue_position is None else DashboardData(store, home,
-                                                                                  queue_position=queue_position)
+    data = (DashboardData(store, home) if queue_positions is None
+            else DashboardData(store, home, queue_positions=queue_positions))
 
     class BoundHandler(_Handler):
         pass
@@ -258,8 +258,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._error(HTTPStatus.NOT_FOUND, "no such file")
             body = resources.files("orchestrator.observe.dashboard").joinpath("static", name).read_bytes()
             return self._send(HTTPStatus.OK, body, _STATIC[name])
-        if path == "/api/overview":
-            return self._json(self.data.overview())
+        if path == "/api/overview":  # ?page=N: the jobs are shown a page at a time
+            page = query.get("page", ["1"])[0]
+            return self._json(self.data.overview(page=int(page) if page.isdigit() else 1))
         m = re.fullmatch(r"/api/jobs/([^/]+)(/logs)?", path)
         if m:
             job_id = self._job_id(m.group(1))

@@ -99,26 +99,43 @@ function tile(label, value, title) {
 // -- all jobs --------------------------------------------------------------------------------
 
 function jobsPage() {
+  // A page of the jobs at a time (those not ended first, newest first): a thousand jobs in full would
+  // take the server seconds to read and the browser seconds to draw, every 2 s.
+  let page = 1;
+  document.getElementById("prev").addEventListener("click", () => { page = Math.max(1, page - 1); });
+  document.getElementById("next").addEventListener("click", () => { page += 1; });
   poll(async () => {
-    const d = await getJSON("/api/overview");
+    const d = await getJSON(`/api/overview?page=${page}`);
     const t = d.totals;
+    page = d.page;
     document.getElementById("totals").replaceChildren(
       tile("jobs not ended", String(t.active)), tile("chips in use", String(t.chips_in_use)),
       tile("chips requested", String(t.chips_requested), "asked for, not yet ready (never billed while queued)"),
-      tile("spent, all jobs", usd(t.usd)));
+      tile("spent, jobs on this page", usd(t.usd_page)));
     replaceBody(document.getElementById("jobs"), d.jobs.map(jobRow), "no jobs yet: orchestrator submit job.yaml");
+    const states = Object.entries(t.by_state).map(([s, n]) => `${n} ${s}`).join(", ");
+    document.getElementById("page-of").textContent =
+      `page ${d.page} of ${d.pages} (${t.jobs} job${t.jobs === 1 ? "" : "s"}${states ? ": " + states : ""})`;
+    document.getElementById("prev").disabled = d.page <= 1;
+    document.getElementById("next").disabled = d.page >= d.pages;
     replaceBody(document.getElementById("slices"), d.slices.map(s => el("tr", {},
       el("td", {class: "mono", text: s.name}), el("td", {}, el("a", {href: `/job/${s.job_id}`, text: s.job_name})),
       el("td", {text: s.accelerator}), el("td", {class: "num", text: String(s.chips)}),
       el("td", {}, el("span", {class: `tier t-${s.tier}`, text: s.tier})), el("td", {text: s.zone}),
       el("td", {text: s.in_use ? `in use (${s.state})` : `requested (${s.state})`}),
       el("td", {class: "num", text: usd(s.usd_per_hour)}))), "no slices held or requested");
+    moreRow(document.getElementById("slices"), t.slices - d.slices.length, "slices");
     replaceBody(document.getElementById("queue"), d.queue.map(q => el("tr", {},
       el("td", {class: "num", text: String(q.position)}), el("td", {}, el("a", {href: `/job/${q.id}`, text: q.id})),
       el("td", {text: `${q.accelerator} ${q.tier}` + (q.hosts ? ` (${q.hosts} host${q.hosts > 1 ? "s" : ""})` : "")}),
       el("td", {class: "num", text: duration(d.now - q.since)}), el("td", {class: "reason", text: q.reason}))),
       "nothing waits");
+    moreRow(document.getElementById("queue"), t.queued - d.queue.length, "jobs waiting");
   });
+}
+
+function moreRow(table, more, what) {  // the lists are cut at the server's LIST_MAX: say how many more
+  if (more > 0) table.tBodies[0].append(el("tr", {}, el("td", {colspan: "8", class: "muted", text: `and ${more} more ${what}`})));
 }
 
 function jobRow(j) {
