@@ -34,6 +34,8 @@ trace). Only jobs with an `autoscaling` section are autoscaled.
 from __future__ import annotations
 
 import statistics
+import threading
+import weakref
 from dataclasses import dataclass, replace
 
 from orchestrator import catalog
@@ -98,15 +100,57 @@ def slice_records(events: list[Event], *, origin: float = 0.0, clock: Clock = Cl
                   zone: str | None = None) -> list[SliceRecord]:
     """The slice events among `events` as the policy's records: times in policy seconds from
     `origin` on `clock`; `zone` (if given) for every record, else the event's own."""
+    return [_record(at, p, origin=origin, clock=clock, zone=zone) for at, _, p in _slice_changes(events)]
+
+
+def _slice_changes(events: list[Event]) -> list[tuple[float, str, SliceChanged]]:
+    """(when, whose job, what) of the slice events among `events` that the policy can use."""
     out = []
     for e in events:
         p = e.payload_as(SliceChanged) if e.kind is EventKind.SLICE else None
-        if p is None or not p.name or not p.state or not p.chips:
-            continue
-        where = zone or getattr(p, "zone", None) or "default"
-        out.append(SliceRecord(clock.policy_s(e.at - origin), str(p.name), str(p.state), str(p.tier or "?"),
-                               int(p.chips), _hosts(p.accelerator, int(p.chips)), where))
+        if p is not None and p.name and p.state and p.chips:
+            out.append((e.at, e.job_id, p))
     return out
+
+
+def _record(at: float, p: SliceChanged, *, origin: float, clock: Clock, zone: str | None) -> SliceRecord:
+    where = zone or getattr(p, "zone", None) or "default"
+    return SliceRecord(clock.policy_s(at - origin), str(p.name), str(p.state), str(p.tier or "?"),
+                       int(p.chips or 0), _hosts(p.accelerator, int(p.chips or 0)), where)
+
+
+class _PooledSlices:
+    """Every job's slice events, read from the store once each (by seq) and kept parsed: each autoscaled
+    job's decision pools the others' since the pool's horizon, and reading and parsing them all again for
+    each decision made the policy's cost grow with the square of the jobs (the fleet benchmark at N=300:
+    a fifth of the controller's time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seq = 0
+        self._changes: list[tuple[float, int, str, SliceChanged]] = []  # (at, seq, job, what), by seq
+
+    def others(self, store: Store, *, since: float, exclude_job: str) -> list[tuple[float, str, SliceChanged]]:
+        """The slice changes of every job but `exclude_job` at or after `since`, oldest first (as
+        `Store.slice_events` orders them)."""
+        with self._lock:
+            for e in store.slice_events(since=float("-inf"), after_seq=self._seq):
+                self._seq = max(self._seq, e.seq)
+                self._changes += [(at, e.seq, job, p) for at, job, p in _slice_changes([e])]
+            changes = self._changes
+        return [(at, job, p) for at, _, job, p in sorted(c for c in changes if c[0] >= since and c[2] != exclude_job)]
+
+
+_POOLED: weakref.WeakKeyDictionary[Store, _PooledSlices] = weakref.WeakKeyDictionary()
+_POOLED_LOCK = threading.Lock()
+
+
+def _pooled(store: Store) -> _PooledSlices:
+    with _POOLED_LOCK:
+        pooled = _POOLED.get(store)
+        if pooled is None:
+            pooled = _POOLED[store] = _PooledSlices()
+        return pooled
 
 
 def _flops_per_token(spec: JobSpec) -> float:
@@ -223,7 +267,8 @@ def _snapshot(store: Store, job_id: str, *, now: float, current: Key | None,
     now_s = clock.policy_s(now - job.created_at)
     own = slice_records(events, origin=job.created_at, clock=clock, zone=zone)
     since = job.created_at - clock.wall_s(POOL_HORIZON_S)
-    others = slice_records(store.slice_events(since=since, exclude_job=job_id), origin=job.created_at, clock=clock)
+    others = [_record(at, p, origin=job.created_at, clock=clock, zone=None)
+              for at, _, p in _pooled(store).others(store, since=since, exclude_job=job_id)]
     done_steps = (steps[-1].step + 1) if steps else 0
     committed = max([e.payload_as(CheckpointSaved).step or 0 for e in events if e.kind is EventKind.CHECKPOINT] + [0])
     deadline_s = spec.deadline.total_seconds() if spec.deadline else NO_DEADLINE_S
