@@ -1,6 +1,7 @@
-"""The fleet benchmark's world at a small N (`benchmarks/fleet.py`): many real drivers over one store and
-one gcp provider on the TPU API emulator, scripted hosts. Every job must end SUCCEEDED with every step
-recorded once, a reclaimed slice's job must go on on a new slice, and no slice may be left behind; and with
+"""The fleet benchmark's world at N=50 (`benchmarks/fleet.py`): many real drivers over one store and one gcp
+provider on the TPU API emulator, scripted hosts. Every job must end SUCCEEDED (that end recorded once) with
+every step recorded once, every slice's history must run from its request to the state the store holds, a
+reclaimed slice's job must go on on a new slice, and no slice may be left behind; and with
 more slices than `Polling.list_over` the provider looks at them through the zone's listing, not a GET each."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from benchmarks.fleet_world import FleetWorld
 from orchestrator.control.job import loop
 from orchestrator.emulator import running_emulator
 
-N, STEPS = 12, 12
+N, STEPS = 50, 12
 
 
 @pytest.fixture
@@ -57,6 +58,13 @@ def _check_store(world: FleetWorld, reclaimed: list[str]) -> None:
     for job in states:
         steps = [r[0] for r in db.execute("SELECT step FROM steps WHERE job_id=? ORDER BY step", (job,))]
         assert steps == list(range(STEPS)), f"{job} recorded steps {steps}"
+    ended = dict(db.execute("SELECT job_id, COUNT(*) FROM events WHERE to_state='SUCCEEDED' GROUP BY job_id"))
+    assert ended == {job: 1 for job in states}, "each job's end recorded once"
+    for name, job, state in db.execute("SELECT name, job_id, state FROM slices").fetchall():
+        # No lost event: a slice's history starts with its request and ends in the state the store holds.
+        seen = [s for (s,) in db.execute("SELECT json_extract(data, '$.state') FROM events WHERE kind='slice' AND "
+                                         "job_id=? AND json_extract(data, '$.name')=? ORDER BY seq", (job, name))]
+        assert seen and seen[0] == "REQUESTED" and seen[-1] == state, f"slice {name}: {seen}, now {state}"
     live = db.execute("SELECT name, state FROM slices WHERE state NOT IN ('RELEASED', 'GONE')").fetchall()
     assert not live, f"slices the store still counts as live: {live}"
     if reclaimed:  # its job went on on another slice
