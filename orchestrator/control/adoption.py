@@ -7,20 +7,21 @@ and its slices released, before the job's driver relaunches it. A job may hold m
 slices than it runs on (a move's new slice requested beside the running ones): those its
 generation runs on (every slice of a multi-slice job, in launch order) are adopted, the
 others released (a request never filled was never billed). The hosts' keepers are named
-actors too: the adopted group finds them by name when a slice is lost later.
+actors too: the adopted group finds them by name when a slice is lost later, or at once: a slice
+whose host went while no controller ran is adopted as lost, and the others go on from memory.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import ray
-import tenacity
 
 from orchestrator import catalog, cluster
-from orchestrator.control.group import kill_workers, pg_name, worker_name
+from orchestrator.control.generation import kill_workers, pg_name, where_placed, worker_name
 from orchestrator.control.launched import Launch
 from orchestrator.domain.provider_facts import facts
 from orchestrator.domain.shape import Shape
@@ -32,6 +33,9 @@ from orchestrator.state.states import JobState, SliceState
 from orchestrator.state.store import JobRecord, SliceRow, Store
 
 log = logging.getLogger(__name__)
+
+ANSWER_S = 30.0  # how long the workers have to answer after a restart (Ray may call them unavailable meanwhile)
+SETTLE_S = 5.0  # how long the rest have once a whole slice answered
 
 
 class Reconciling(Protocol):
@@ -54,7 +58,7 @@ class Adoption:
 
     launch: Launch
     provider: SliceProvider
-    workers: list[Any]  # its `HostWorker` actors, rank order
+    workers: list[Any]  # its `HostWorker` actors, rank order (None: one whose host went meanwhile)
     pg: Any  # their placement group
     last_step: int  # the newest step its worker 0 did
 
@@ -67,7 +71,7 @@ def adopt(plane: Reconciling, job: JobRecord, slices: list[SliceRow]) -> tuple[A
         plane.release_record(rec)
     if job.state in (JobState.STARTING, JobState.RUNNING) and whole:
         try:
-            workers, pg, history = _find_group(job, running)
+            workers, pg, history = _find_group(plane.store, job, running)
         except Exception as e:  # noqa: BLE001 -- any part gone, however it fails, means relaunch (logged)
             log.warning("job %s: cannot adopt generation %d on %d slice(s) (%s)", job.id, job.generation,
                         len(running), e)
@@ -87,19 +91,54 @@ def adopt(plane: Reconciling, job: JobRecord, slices: list[SliceRow]) -> tuple[A
     return None, []
 
 
-def _find_group(job: JobRecord, running: list[SliceRow]) -> tuple[list[Any], Any, list[dict]]:
+def _find_group(store: Store, job: JobRecord, running: list[SliceRow]) -> tuple[list[Any], Any, list[dict]]:
     """The generation's workers on `running` (rank order: slice-major), its placement group (named after
-    the first slice) and worker 0's step history; raises if any of them is gone."""
-    workers = [ray.get_actor(worker_name(rec.name, job.generation, i), namespace=cluster.NAMESPACE)
-               for rec in running for i in range(catalog.lookup(rec.accelerator).hosts)]
+    the first slice) and the step history of its first worker that answers. A worker that answers no
+    call (its host went while no controller ran) is None, and ended: the group is adopted without it only
+    where several slices run, another slice answers whole and the launch record names every host (the
+    adopted group then finds the host lost at once, and the others go on from memory); else this raises."""
+    ranks = [(rec.name, i) for rec in running for i in range(catalog.lookup(rec.accelerator).hosts)]
+    workers = [_actor(worker_name(name, job.generation, i)) for name, i in ranks]
     pg = ray.util.get_placement_group(pg_name(running[0].name, job.generation))
-    # Right after a restart Ray may answer "temporarily unavailable" while it resolves the actors.
-    probe = tenacity.Retrying(
-        stop=tenacity.stop_after_delay(30), wait=tenacity.wait_fixed(1), reraise=True,
-        retry=tenacity.retry_if_exception_type(ray.exceptions.ActorUnavailableError))
-    probe(lambda: ray.get([w.info.remote() for w in workers], timeout=30))
-    history: list[dict] = probe(lambda: ray.get(workers[0].history.remote(), timeout=30))
+    answered = _answering(workers, [name for name, _ in ranks])
+    if not answered:
+        raise RuntimeError(f"none of the {len(workers)} workers answered")
+    if len(answered) < len(workers):
+        broken = {ranks[r][0] for r in range(len(workers)) if r not in answered}
+        if len(running) < 2 or len(broken) == len(running) or \
+                len(where_placed(store, job.id, job.generation)) != len(workers):
+            raise RuntimeError(f"{len(workers) - len(answered)} of {len(workers)} workers answered no call")
+        gone = [r for r in range(len(workers)) if r not in answered]
+        log.warning("job %s: host(s) %s of generation %d answered no call (gone while no controller ran); "
+                    "adopting the others", job.id, gone, job.generation)
+        kill_workers([workers[r] for r in gone], None)
+        workers = [w if r in answered else None for r, w in enumerate(workers)]
+    history: list[dict] = ray.get(workers[min(answered)].history.remote(), timeout=30)
     return workers, pg, history
+
+
+def _answering(workers: list[Any], slice_of: list[str]) -> set[int]:
+    """The ranks whose worker answers a call, waiting up to ANSWER_S for every one, or SETTLE_S once every
+    host of some slice answered (the others' hosts may be gone: a frozen one never answers)."""
+    deadline = time.monotonic() + ANSWER_S
+    calls = {w.info.remote(): r for r, w in enumerate(workers) if w is not None}
+    answered: set[int] = set()
+    while calls and time.monotonic() < deadline:
+        ready, _ = ray.wait(list(calls), num_returns=1, timeout=0.2)
+        for ref in ready:
+            r = calls.pop(ref)
+            try:
+                ray.get(ref)
+                answered.add(r)
+            except ray.exceptions.ActorUnavailableError:  # right after a restart Ray may say so of any: ask again
+                time.sleep(0.2)
+                calls[workers[r].info.remote()] = r
+            except ray.exceptions.RayActorError:  # dead
+                pass
+        whole = [n for n in set(slice_of) if all(r in answered for r, s in enumerate(slice_of) if s == n)]
+        if whole and deadline - time.monotonic() > SETTLE_S:
+            deadline = time.monotonic() + SETTLE_S
+    return answered
 
 
 def _actor(name: str):

@@ -31,17 +31,18 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from orchestrator import cluster
 from orchestrator.cluster.home import Home
 from orchestrator.control import liveness, memory, shipping
 from orchestrator.control.compile_ahead import launch_programs
+from orchestrator.control.generation import kill_workers, pg_name, where_placed, worker_name
 from orchestrator.domain.provider_facts import ReportRoute
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Slice
-from orchestrator.state.events import EventKind, Launched
+from orchestrator.state.events import Launched
 from orchestrator.state.store import Store
 from policies.decisions.recovery import (
     WORKER_DIED,
@@ -115,16 +116,6 @@ class WorkerGroup(Protocol):
 
     def stop(self) -> None:
         """End every worker and free their places; idempotent."""
-
-
-def worker_name(slice_name: str, generation: int, rank: int) -> str:
-    """The name a restarted controller finds a worker by (`orchestrator.control.adoption`)."""
-    return f"{slice_name}-g{generation}-w{rank}"
-
-
-def pg_name(slice_name: str, generation: int) -> str:
-    """The name of a generation's placement group (after its first slice)."""
-    return f"{slice_name}-g{generation}"
 
 
 class RayWorkerGroup:
@@ -212,13 +203,16 @@ class RayWorkerGroup:
     def _beats_here(self) -> None:
         """An adopted group's workers beat to the monitor of the controller that started them: point them at
         this one's. Each host gets a window from now, so a host that went while no controller ran (it beats
-        no more) is found too."""
-        nodes = [node for node, _ in _placed(self.store, self.job_id, self.launched.generation)]
+        no more) is found too; a worker the adoption found gone (None) is its host lost at once."""
+        nodes = [node for node, _ in where_placed(self.store, self.job_id, self.launched.generation)]
         if len(nodes) != len(self.workers):
             log.warning("job %s: no launch record names every host; its hosts are watched by Ray alone", self.job_id)
             return
         beat = self._watch_liveness(nodes, judged_from_now=True)
-        for w in self.workers:
+        for rank, w in enumerate(self.workers):
+            if w is None:
+                self.liveness.gone(rank, "its worker answered no call at adoption", time.monotonic())
+                continue
             try:
                 w.beat_to.remote(*beat)
             except AttributeError:  # a worker of a version that does not beat: Ray's health check watches it
@@ -292,7 +286,7 @@ class RayWorkerGroup:
 
     def died(self, error: WorkerGone) -> Outcome:
         at = time.time()
-        placed = _placed(self.store, self.job_id, self.launched.generation)
+        placed = where_placed(self.store, self.job_id, self.launched.generation)
         dead = [rank for rank, w in enumerate(self.workers) if not _answers(w)]
         alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         dead = [rank for rank in dead if rank < len(placed)]
@@ -374,19 +368,6 @@ def _report_to(spec: JobSpec):
     return inbox.start(cluster.NAMESPACE, cluster.CONTROLLER_NAME, ray.get_runtime_context().get_node_id())
 
 
-def kill_workers(workers: list, pg) -> None:
-    for w in workers:
-        try:
-            ray.kill(w, no_restart=True)
-        except Exception as e:  # noqa: BLE001 -- already gone with its host: nothing left to end
-            log.debug("worker already gone: %s", e)
-    if pg is not None:
-        try:
-            remove_placement_group(pg)
-        except Exception as e:  # noqa: BLE001 -- gone with the cluster or removed already: nothing left to free
-            log.debug("placement group already gone: %s", e)
-
-
 def _answers(worker) -> bool:
     try:
         ray.get(worker.info.remote(), timeout=10)
@@ -395,14 +376,3 @@ def _answers(worker) -> bool:
         return False
     except ray.exceptions.GetTimeoutError:
         return True  # slow, not dead: the heartbeat decides
-
-
-def _placed(store: Store, job_id: str, generation: int) -> list[tuple[str, int]]:
-    """(Ray node id, process id) of each rank's worker of `generation`, from its launch event."""
-    for e in reversed(store.events(job_id)):
-        data = e.data or {}
-        if e.kind is EventKind.LAUNCHED and data.get("generation") == generation:
-            # strict=False: a launch event of an older version may name nodes and no pids
-            return list(zip(data.get("nodes") or [], data.get("pids") or [], strict=False))
-    return []
-

@@ -68,8 +68,11 @@ class Lost:
     at: float
     silent_s: float
     probes: tuple[str, ...]
+    why: str | None = None  # found otherwise than by its beats (`Hosts.gone`)
 
     def reason(self, node: Address | None) -> str:
+        if self.why is not None:
+            return f"host {self.rank} is gone: {self.why}"
         where = f"{node[0]}:{node[1]}" if node else "its node"
         return (f"host {self.rank} is gone: no beat for {self.silent_s:.1f} s, and its Ray node {where} answered "
                 f"none of {len(self.probes)} probes ({'; '.join(self.probes)})")
@@ -100,6 +103,13 @@ class Hosts:
     def beat(self, rank: int, now: float) -> None:
         if (h := self._hosts.get(rank)) is not None:
             h.last_beat = now
+
+    def gone(self, rank: int, why: str, now: float) -> Lost:
+        """A host found gone otherwise (an adopted group's worker that answered no call): lost now, unprobed."""
+        if self.lost is None:
+            self.lost = Lost(rank, now, 0.0, (), why)
+            self.changed.set()
+        return self.lost
 
     def due(self, now: float) -> list[int]:
         """The hosts silent for the rule's window and not already probed in it: each is now being probed."""

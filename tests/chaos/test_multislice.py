@@ -155,3 +155,37 @@ def test_a_two_slice_job_outlives_its_controller_and_is_adopted_whole(client, tm
     assert [m.step for m in job.metrics()] == list(range(STEPS))
     assert not kinds(job, "disruption")
     assert len(before) == 2
+
+
+ADOPT_LOSE_STEPS = 14
+
+
+@pytest.fixture(scope="module")
+def two_slice_reference(tmp_path_factory):
+    """The two-slice job below trained undisturbed in one plain process (started now, read at the end)."""
+    tmp = tmp_path_factory.mktemp("ref-two")
+    return start_reference(spec("ms-ref-two", tmp, accelerator="v4-8", steps=ADOPT_LOSE_STEPS), devices=4,
+                           tmp_path=tmp)
+
+
+def test_a_slice_lost_while_the_controller_is_down_is_a_shrink_from_memory(client, tmp_path, two_slice_reference):
+    """The controller is killed while a job on two slices trains, and while no controller runs a host of the
+    second slice vanishes (no notice). The new controller adopts the generation, finds the host gone (its beats
+    judged from the adoption) and shrinks to the first slice from its memory, as any lost slice: no checkpoint
+    read, 0 steps recomputed, and the losses and parameters of the undisturbed run (1e-5)."""
+    job = client.submit(spec("ms-adopt-lose", tmp_path, accelerator="v4-8", steps=ADOPT_LOSE_STEPS, regrow=False))
+    wait_step(job, 4)
+    first, second = live_slices(client, job)
+    ray.kill(client.controller(), no_restart=False)  # Ray restarts it; the host goes before the new one is up
+    kill_host(client.home, second.data["pgids"][0])
+    out = two_slice_reference.result()
+    assert_same_model(outcome(job), {"losses": out["losses"], "params": out["param_sums"]})
+    events = "\n".join(f"{e.kind}: {e.reason}" for e in job.events())
+    assert kinds(job, "adopted"), events
+    assert [e.data.get("source") for e in kinds(job, "restore")] == ["storage", "memory"], events
+    (lost,) = [e.data for e in kinds(job, "lost_work")]
+    assert lost["steps"] == 0, (lost, events)
+    launched = kinds(job, "launched")
+    assert len(launched) == 2 and launched[-1].data["slice_names"] == [first.name], events  # on the survivor
+    (d,) = kinds(job, "disruption")
+    assert d.data["kind"] == "infra_lost", events

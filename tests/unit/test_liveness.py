@@ -59,6 +59,16 @@ def test_silent_and_every_probe_failing_is_lost():
     assert h.due(20.0) == []  # one verdict per launch
 
 
+def test_a_host_found_gone_at_adoption_is_lost_at_once_with_why_and_is_the_only_verdict():
+    h = hosts()
+    lost = h.gone(1, "its worker answered no call at adoption", 3.0)
+    assert h.lost is lost and h.changed.is_set() and lost.rank == 1 and lost.at == 3.0
+    assert lost.reason(NODE) == "host 1 is gone: its worker answered no call at adoption"
+    assert h.gone(0, "another", 4.0) is lost  # one verdict per launch
+    beating(h, 5.0)
+    assert h.due(20.0) == []
+
+
 def test_a_slow_host_whose_node_answers_is_not_lost_and_is_probed_again_only_after_another_window():
     """The false-positive rule: late beats (a host under load) with a probe that answers are not a loss."""
     h = hosts(1)

@@ -58,7 +58,16 @@ class Watched:
 
 
 def watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Callable[[], None]) -> Outcome:
-    """Block until the attempt's group ends; `on_poll` runs once a poll (the autoscaler's chance to move the job)."""
+    """Block until the attempt's group ends; `on_poll` runs once a poll (the autoscaler's chance to move the job).
+    A multi-slice group that lost slices leaves the others ready to go on (`Placement.keep_survivors`), whether
+    this controller launched it or adopted it."""
+    outcome = _watch(store, job_id, spec, run, on_poll=on_poll)
+    if outcome.kind in (OutcomeKind.INFRA_LOST, OutcomeKind.PREEMPTED):
+        run.placement.keep_survivors(spec, run.group.held_step)
+    return outcome
+
+
+def _watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Callable[[], None]) -> Outcome:
     group = run.group
     hang_limit, grace = spec.recovery.heartbeat_timeout_s, spec.recovery.grace_period_s
     stop_sent = False
