@@ -8,6 +8,7 @@ suite's time; `benchmarks/tpu_compile.py` compiles the 100M and ~1B models.
 
 from __future__ import annotations
 
+import functools
 import pickle
 
 import jax
@@ -37,10 +38,16 @@ def compiled_for(spec: JobSpec, accelerator: str, slices: int = 1):
     return compile_train_step(order.program.lm, order.settings, topology(t, slices))
 
 
+@functools.cache
+def small_compiled(accelerator: str, slices: int = 1):
+    """`compiled_for(small_job(), ...)` once a session: the tests that read the same program share its compile."""
+    return compiled_for(small_job(), accelerator, slices)
+
+
 @pytest.mark.parametrize("accelerator, slices", TARGETS, ids=[f"{n}x{a}" for a, n in TARGETS])
 def test_the_train_step_compiles_for_each_slice(accelerator, slices):
     spec, t = small_job(), catalog.lookup(accelerator)
-    _, report = compiled_for(spec, accelerator, slices)
+    _, report = small_compiled(accelerator, slices)
 
     assert report.chips == t.chips * slices and report.target == topology(t, slices).label
     # Every chip holds the whole state (the mesh is data-parallel at this size): float32 parameters and
@@ -64,7 +71,7 @@ def test_the_compiler_s_flops_are_the_mfu_formula_s_and_a_little_more(microbatch
 
 
 def test_the_step_is_the_hosts_program_bfloat16_with_mosaic_kernels_and_serializable():
-    compiled, _ = compiled_for(small_job(), "v4-16", 2)
+    compiled, _ = small_compiled("v4-16", 2)
     text = compiled.as_text()
     assert "bf16" in text, "precision auto computes in bfloat16 on TPU"
     assert text.count("tpu_custom_call") >= 6, "attention, norms and RoPE as Mosaic kernels, forward and backward"
