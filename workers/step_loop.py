@@ -129,12 +129,14 @@ class Loop:
         ctx = self.ctx
         self._flush()  # the previous step, before a save can wait for this one
         stop = bool(ctx.agreed_stop()) if ctx.agreed_stop else bool(ctx.stop_requested())  # all hosts ask
+        self._pending = _Pending(self.step - 1, loss, metrics)
         if self.step % ctx.settings.checkpoint_interval == 0 or self.step == self.total or stop or self._behind_memory:
+            if self._behind_memory:  # the first step after a restore from memory is reported before the save that
+                self._flush()  # puts storage level with memory: the job is seen going on (one wait on the device)
             self._behind_memory = False
             self._save()
         if ctx.keeping is not None:  # the first tier: this host's shards, in its memory
             ctx.keeping.after_step(self.step, state, self._step_s)
-        self._pending = _Pending(self.step - 1, loss, metrics)
         if stop:
             self.stopped = True
 
