@@ -75,7 +75,8 @@ def child(args: argparse.Namespace) -> int:
     out = Path(args.home)
     with Writes().installed() as writes:
         world = FleetWorld(out / "home", args.endpoint, step_s=args.step_s, notice_every=args.notice_every,
-                           seed=args.seed, list_over=args.list_over)
+                           seed=args.seed, list_over=args.list_over,
+                           creates_per_minute=args.creates_per_minute or None)
         token = world.home.token_file.read_text().strip() if world.home.token_file.exists() else ""
         (out / "serving.json").write_text(json.dumps({"metrics": f"http://127.0.0.1:{world.metrics_port}/metrics",
                                                       "dashboard": world.dashboard_url, "token": token}))
@@ -98,7 +99,9 @@ def child(args: argparse.Namespace) -> int:
             "fences_skipped": fleet_world.FENCES[0], "notices": world.notices, "still_running": world.running(),
             "cancelled_after_s": None if cancelled_at is None else round(cancelled_at - t0, 1),
             "cancel_s": None if cancelled_at is None else round(time.time() - cancelled_at, 1),
-            "started_at": t0, "ended_at": time.time()}))
+            "started_at": t0, "ended_at": time.time(),
+            "create_pace": {"per_minute": world.gcp._api.pace.per_minute, "waits": world.gcp._api.pace.waits,
+                            "waited_s": round(world.gcp._api.pace.waited_s, 1)}}))
         world.stop()
     return 0
 
@@ -318,6 +321,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                "--endpoint", emu.url, "--n", str(n), "--steps", str(args.steps), "--step-s", str(args.step_s),
                "--max-s", str(args.max_s), "--notice-every", str(args.notice_every),
                "--autoscale-every", str(args.autoscale_every), "--seed", str(args.seed),
+               "--creates-per-minute", str(args.creates_per_minute),
                *(["--list-over", str(args.list_over)] if args.list_over is not None else [])]
         weather, queries = Weather(emu, n, args.tick_s), Queries(out, args.query_every_s)
         log = open(out / "child.log", "wb")
@@ -367,7 +371,9 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         "stockout_ticks": weather.stockout_ticks, "trace_ticks": weather.ticks, "notices": childj.get("notices"),
         "tpu_api": {"requests": api_total, "by_method": counts, "job_hours": round(store["job_hours"], 3),
                     "per_job_hour": round(api_total / store["job_hours"]) if store["job_hours"] else None,
-                    "per_minute": round(api_total / (wall / 60), 1)},
+                    "per_minute": round(api_total / (wall / 60), 1),
+                    "creates_per_minute": round(counts.get("queuedResources.create", 0) / (wall / 60), 1),
+                    "create_pace": childj.get("create_pace")},
         "queries": q, "query_errors": queries.errors[:10],
         "job_states": store["job_states"], "live_slices_in_store": store["live_slices_in_store"],
         "left_in_api": len(left_in_api), "event_kinds": store["event_kinds"],
@@ -388,6 +394,8 @@ def main() -> int:
     p.add_argument("--autoscale-every", type=int, default=5, help="every k-th job autoscales")
     p.add_argument("--query-every-s", type=float, default=15.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--creates-per-minute", type=float, default=60.0,
+                   help="the project's create pace (the provider's default); 0: none")
     p.add_argument("--list-over", type=int, default=None,
                    help="the gcp provider's Polling.list_over (default: its own); 1000000: a GET per slice per look, "
                         "as before the zone listing")

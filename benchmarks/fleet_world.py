@@ -79,7 +79,7 @@ class FleetWorld:
 
     def __init__(self, root: Path, endpoint: str, *, step_s: float = 3.0, notice_every: int = 400,
                  poll_s: float = 0.5, seed: int = 0, serve: bool = True,
-                 list_over: int | None = None):
+                 list_over: int | None = None, creates_per_minute: float | None = 60.0):
         from orchestrator.providers.gcp import GcpTpuProvider
         from orchestrator.providers.gcp.provider import Polling
         from orchestrator.providers.startup import WorkerSetup
@@ -93,7 +93,10 @@ class FleetWorld:
         self.endpoint, self.step_s, self.notice_every = endpoint, step_s, notice_every
         self.rng = random.Random(seed)
         # list_over: None keeps the provider's default; a large number makes every look a GET per slice
-        polling = Polling(poll_s=poll_s) if list_over is None else Polling(poll_s=poll_s, list_over=list_over)
+        # creates_per_minute: the project's create pace (the provider's default, 60); None: none
+        polling = Polling(poll_s=poll_s, creates_per_minute=creates_per_minute)
+        if list_over is not None:
+            polling = Polling(poll_s=poll_s, creates_per_minute=creates_per_minute, list_over=list_over)
         self.gcp = GcpTpuProvider(PROJECT, [ZONE], endpoint=endpoint, polling=polling,
                                   worker_setup=WorkerSetup("127.0.0.1:6379"), join_check=api_hosts,
                                   on_change=self._save_slice)

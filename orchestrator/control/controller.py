@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from orchestrator import cluster
 from orchestrator.control import ownership, shipping
@@ -47,6 +48,9 @@ from orchestrator.state.states import JobState
 from orchestrator.state.store import SliceRow, Store
 from workers.protocol import Report
 
+if TYPE_CHECKING:
+    from orchestrator.providers.gcp.pace import CreatePace
+
 log = logging.getLogger(__name__)
 
 
@@ -62,6 +66,7 @@ class Controller:
         # The queue runs on drivers' threads: its writes wait out a store fault, as theirs do.
         self.queue = AdmissionQueue(HoldingStore(self.store, self.store_health, self.held), self.provider)
         self._gcp: dict[tuple, SliceProvider] = {}  # GcpTpuProvider by (project, zones, endpoint)
+        self._create_paces: dict[tuple, CreatePace] = {}  # the project's `CreatePace` by (project, endpoint)
         self._drivers: dict[str, JobDriver] = {}
         self._lock = threading.Lock()
         self._metrics = self._serve_metrics()
@@ -243,6 +248,7 @@ class Controller:
     def _gcp_provider(self, spec: JobSpec) -> SliceProvider:
         """One GcpTpuProvider for each project, zones and endpoint the jobs name."""
         from orchestrator.providers.gcp import GcpTpuProvider
+        from orchestrator.providers.gcp.pace import CreatePace
         from orchestrator.providers.gcp.provider import Polling
         from orchestrator.providers.startup import WorkerSetup
 
@@ -253,9 +259,13 @@ class Controller:
         local_api = (g.endpoint or "").startswith(("http://127.", "http://localhost", "http://[::1]"))
         with self._lock:
             if key not in self._gcp:
+                polling = Polling(poll_s=0.5) if local_api else Polling()
+                # The create quota is the project's: the providers of one project (other zones) share its pace.
+                pace = self._create_paces.setdefault(
+                    (g.project, g.endpoint), CreatePace(polling.creates_per_minute, burst=polling.create_burst))
                 self._gcp[key] = GcpTpuProvider(
                     g.project, g.zones, endpoint=g.endpoint, node_service_account=g.service_account,
-                    reservation=g.reservation, polling=Polling(poll_s=0.5) if local_api else Polling(),
+                    reservation=g.reservation, polling=polling, create_pace=pace,
                     worker_setup=WorkerSetup(g.head_address or self.address, ray_token_secret=g.ray_token_secret),
                     on_change=lambda s: self._save_slice(s, []))
             return self._gcp[key]

@@ -28,8 +28,10 @@ def no_fence(monkeypatch):
 
 def _run(tmp_path, *, list_over: int | None) -> tuple[FleetWorld, dict[str, int], list[str]]:
     with running_emulator(time_scale=0.005, zones=(fleet_world.ZONE,)) as emu:
+        # No create pace: 50 jobs starting at once would wait 40 s at the default 60 a minute (a burst of 10);
+        # the pace has tests of its own (tests/unit/test_create_pace.py).
         world = FleetWorld(tmp_path / "home", emu.url, step_s=0.05, notice_every=0, serve=False,
-                           list_over=list_over)
+                           list_over=list_over, creates_per_minute=None)
         for i in range(N):
             world.submit(f"fleet-{i:04d}", job_spec(i, emu.url, steps=STEPS, autoscale=i % 4 == 0))
         reclaimed = []

@@ -22,6 +22,7 @@ from google.api_core.client_options import ClientOptions
 from google.cloud import tpu_v2
 
 from orchestrator.errors import ProvisioningError
+from orchestrator.providers.gcp.pace import CreatePace
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,11 @@ class TpuApi:
     """
 
     def __init__(self, project: str, *, endpoint: str | None, credentials: Any, impersonate: str | None,
-                 retry: RetryPolicy, request_timeout_s: float, sleep: Callable[[float], None]):
+                 retry: RetryPolicy, request_timeout_s: float, sleep: Callable[[float], None],
+                 pace: CreatePace | None = None):
         self.project = project
         self._retry, self._timeout_s, self._sleep = retry, request_timeout_s, sleep
+        self.pace = pace or CreatePace(None)  # the project's creates a minute, shared by the providers of one
         self.client = tpu_v2.TpuClient(
             credentials=_credentials(credentials, impersonate, endpoint), transport="rest",
             client_options=ClientOptions(api_endpoint=endpoint) if endpoint else None,
@@ -120,6 +123,10 @@ class TpuApi:
             raise
 
     def create_queued_resource(self, zone: str, name: str, qr: tpu_v2.QueuedResource) -> None:
+        waited = self.pace.wait()  # the project's create quota, before the call rather than a 429 after it
+        if waited > 1.0:
+            log.info("create queued resource %s waited %.1fs for the project's create pace (%g a minute)", name,
+                     waited, self.pace.per_minute)
         self.call(f"create queued resource {name}", zone, self.client.create_queued_resource,
                   parent=self.parent(zone), queued_resource_id=name, queued_resource=qr, slice_name=name)
 

@@ -26,6 +26,7 @@ from orchestrator.providers.gcp.api import CloudApiError, RetryPolicy, TpuApi, q
 from orchestrator.providers.gcp.gc import find_ours, label_value, labelled_ours, labels_for, made_for
 from orchestrator.providers.gcp.join import JoinCheck, ray_join_check
 from orchestrator.providers.gcp.looks import ZoneListings, seen_of
+from orchestrator.providers.gcp.pace import CreatePace
 from orchestrator.providers.gcp.states import Seen, Tracked, judge, move, no_capacity, still_queued
 from orchestrator.providers.gcp.zones import NoCapacityError, ZonePlan, tier_fields, zone_order
 from orchestrator.providers.startup import WorkerSetup, startup_script
@@ -49,6 +50,10 @@ class Polling:
     # GETs per slice per look: every running job's driver looks at its slices 4 times a second.
     list_over: int = 8
     list_s: float = 1.0
+    # Queued resources created a minute in the project, by every job of this controller (`pace.CreatePace`:
+    # 60, under the 91 a minute one team reports as the project's create quota); None: no limit.
+    creates_per_minute: float | None = 60.0
+    create_burst: int = 10
 
 
 class GcpTpuProvider:
@@ -63,6 +68,8 @@ class GcpTpuProvider:
     worker_setup: how hosts join the Ray cluster (the head's address...); needed by `request`.
     reservation: for Tier.RESERVED, a reservation name, or zone -> name.
     join_check: whether hosts have joined; default `ray_join_check`.
+    create_pace: the project's create quota, shared by the providers of one project (`pace.CreatePace`);
+        default: one of this provider's own, at `polling.creates_per_minute`.
     on_change: called with the slice each time one of ours changes state (requested,
         waiting in the queue for capacity, provisioning, ready, preempting, gone,
         released), as the local provider does; the controller records it, which is how a
@@ -79,7 +86,7 @@ class GcpTpuProvider:
                  runtime_versions: Mapping[str, str] | None = None, zone_fallthrough: bool = True,
                  retry: RetryPolicy = RetryPolicy(), polling: Polling = Polling(),
                  join_check: JoinCheck | None = None, sleep: Callable[[float], None] = time.sleep,
-                 on_change: Callable[[Slice], None] | None = None):
+                 on_change: Callable[[Slice], None] | None = None, create_pace: CreatePace | None = None):
         if not zones:
             raise ValueError("GcpTpuProvider needs at least one zone")
         self.project, self.zones = project, tuple(zones)
@@ -91,7 +98,8 @@ class GcpTpuProvider:
         self._sleep = sleep
         self._on_change = on_change
         self._api = TpuApi(project, endpoint=endpoint, credentials=credentials, impersonate=impersonate,
-                           retry=retry, request_timeout_s=polling.request_timeout_s, sleep=sleep)
+                           retry=retry, request_timeout_s=polling.request_timeout_s, sleep=sleep,
+                           pace=create_pace or CreatePace(polling.creates_per_minute, burst=polling.create_burst))
         self._lock = threading.Lock()
         self._tracked: dict[str, Tracked] = {}
         self._events: list[SliceEvent] = []
