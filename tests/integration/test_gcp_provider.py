@@ -14,6 +14,7 @@ import os
 import stat
 import subprocess
 import threading
+import time
 
 import pytest
 from google.auth.credentials import Credentials
@@ -442,6 +443,27 @@ def test_a_second_request_for_the_same_slice_adopts_it(emulator, joined, provide
     assert again.wait_ready("s1", timeout_s=10).state is SliceState.READY
     assert emulator.request_count("queuedResources.create") == 2
     again.release("s1")
+
+
+def test_a_released_slice_is_forgotten_after_a_while_and_a_live_one_never(emulator, joined):
+    """A controller that runs for weeks follows what is live: a slice released `forget_after_s` ago leaves the
+    provider's records (and its events no one took), so each look no longer walks every slice ever asked for."""
+    p = make_provider(emulator, joined, polling=Polling(poll_s=0.02, capacity_wait_s=60, request_timeout_s=5,
+                                                        forget_after_s=0.3))
+    for name in ("s1", "s2"):
+        p.request(req(name=name))
+        p.wait_ready(name, timeout_s=10)
+    p.release("s1")
+    assert p.get("s1").state is SliceState.RELEASED  # still known just after its release
+    waiting.wait_for(lambda: p.poll_events() is not None and "s1" not in p._tracked, 10, "s1 forgotten")
+    with pytest.raises(KeyError):
+        p.get("s1")
+    time.sleep(0.4)
+    p.poll_events()
+    assert p.get("s2").state is SliceState.READY  # live: never forgotten
+    assert p.request(req(name="s1")).state is not SliceState.RELEASED  # asked for again: a new slice
+    for name in ("s1", "s2"):
+        p.release(name)
 
 
 # -- credentials ------------------------------------------------------------------------

@@ -15,7 +15,8 @@ cluster. The package, by subject:
 from orchestrator.providers.gcp.api import CloudApiError, RetryPolicy
 from orchestrator.providers.gcp.gc import JOB_KEY, MANAGED_BY, MANAGED_BY_KEY, SLICE_KEY, collect_leaked, label_value
 from orchestrator.providers.gcp.join import JoinCheck, ray_join_check
-from orchestrator.providers.gcp.provider import DEFAULT_RUNTIMES, GcpTpuProvider, Polling
+from orchestrator.providers.gcp.pace import Polling
+from orchestrator.providers.gcp.provider import DEFAULT_RUNTIMES, GcpTpuProvider
 from orchestrator.providers.gcp.zones import NoCapacityError
 
 __all__ = ["DEFAULT_RUNTIMES", "JOB_KEY", "MANAGED_BY", "MANAGED_BY_KEY", "SLICE_KEY", "CloudApiError",

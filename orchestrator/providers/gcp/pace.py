@@ -1,4 +1,5 @@
-"""How fast one project may create queued resources: a token bucket shared by every job of a controller.
+"""How often the gcp provider talks to the TPU API: its looks and listings (`Polling`), and how fast one project
+may create queued resources (`CreatePace`, a token bucket shared by every job of a controller).
 
 The TPU API counts create calls per project and minute (`tpu.googleapis.com/qps/create`). Google's quota page
 lists chips only; one team reports 91 a minute in their project and throttles itself to 60 across all its
@@ -16,6 +17,27 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Polling:
+    poll_s: float = 5.0  # between two looks at a slice in wait_ready
+    capacity_wait_s: float = 900.0  # queued longer than this in one zone counts as no capacity
+    accept_grace_s: float = 30.0  # a just-created queued resource may not be readable yet
+    request_timeout_s: float = 30.0  # one HTTP call
+    # Following more than `list_over` slices in a zone, the provider looks at them all through one listing of
+    # the zone's queued resources and nodes, at most every `list_s` (2 calls, however many slices), not 1-2
+    # GETs per slice per look: every running job's driver looks at its slices 4 times a second.
+    list_over: int = 8
+    list_s: float = 1.0
+    # Queued resources created a minute in the project, by every job of this controller (`pace.CreatePace`:
+    # 60, under the 91 a minute one team reports as the project's create quota); None: no limit.
+    creates_per_minute: float | None = 60.0
+    create_burst: int = 10
+    # A released slice is forgotten this long after (its record, its events not taken): a controller that
+    # runs for weeks follows what is live, not every slice it ever asked for.
+    forget_after_s: float = 600.0
 
 
 class CreatePace:

@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from orchestrator.errors import ProvisioningError
@@ -26,7 +26,7 @@ from orchestrator.providers.gcp.api import CloudApiError, RetryPolicy, TpuApi, q
 from orchestrator.providers.gcp.gc import find_ours, label_value, labelled_ours, labels_for, made_for
 from orchestrator.providers.gcp.join import JoinCheck, ray_join_check
 from orchestrator.providers.gcp.looks import ZoneListings, seen_of
-from orchestrator.providers.gcp.pace import CreatePace
+from orchestrator.providers.gcp.pace import CreatePace, Polling
 from orchestrator.providers.gcp.states import Seen, Tracked, judge, move, no_capacity, still_queued
 from orchestrator.providers.gcp.zones import NoCapacityError, ZonePlan, tier_fields, zone_order
 from orchestrator.providers.startup import WorkerSetup, startup_script
@@ -37,23 +37,6 @@ log = logging.getLogger(__name__)
 # Runtime (VM image) per generation, from Google's TPU software versions page.
 DEFAULT_RUNTIMES = {"v4": "tpu-ubuntu2204-base", "v5e": "v2-alpha-tpuv5-lite", "v5p": "v2-alpha-tpuv5",
                     "v6e": "v2-alpha-tpuv6e"}
-
-
-@dataclass(frozen=True)
-class Polling:
-    poll_s: float = 5.0  # between two looks at a slice in wait_ready
-    capacity_wait_s: float = 900.0  # queued longer than this in one zone counts as no capacity
-    accept_grace_s: float = 30.0  # a just-created queued resource may not be readable yet
-    request_timeout_s: float = 30.0  # one HTTP call
-    # Following more than `list_over` slices in a zone, the provider looks at them all through one listing of
-    # the zone's queued resources and nodes, at most every `list_s` (2 calls, however many slices), not 1-2
-    # GETs per slice per look: every running job's driver looks at its slices 4 times a second.
-    list_over: int = 8
-    list_s: float = 1.0
-    # Queued resources created a minute in the project, by every job of this controller (`pace.CreatePace`:
-    # 60, under the 91 a minute one team reports as the project's create quota); None: no limit.
-    creates_per_minute: float | None = 60.0
-    create_burst: int = 10
 
 
 class GcpTpuProvider:
@@ -103,6 +86,7 @@ class GcpTpuProvider:
         self._lock = threading.Lock()
         self._tracked: dict[str, Tracked] = {}
         self._events: list[SliceEvent] = []
+        self._released_at: dict[str, float] = {}  # name -> when released, oldest first (`_forget_released`)
         self._found: dict[str, set[tuple[str, str]]] = {}  # name -> {(zone, "qr"|"node")} seen by list()
         self._listings = ZoneListings(self._api, self.project, list_over=self._poll.list_over,
                                       list_s=self._poll.list_s)
@@ -119,6 +103,7 @@ class GcpTpuProvider:
         self._create(t)
         with self._lock:
             self._tracked[req.name] = t
+            self._released_at.pop(req.name, None)
         log.info("job %s: requested %s %s slice %s in %s/%s", req.job_id, req.tier.value, req.tpu_type.name,
                  req.name, self.project, t.zone)
         self._changed(None, t)
@@ -226,6 +211,7 @@ class GcpTpuProvider:
             except CloudApiError as e:  # one slice's failed look must not hide the others' events
                 log.warning("could not look at slice %s: %s", name, e)
         with self._lock:
+            self._forget_released()
             if not self._events:
                 return []
             mine = [slices is None or e.slice_name in slices for e in self._events]
@@ -390,9 +376,24 @@ class GcpTpuProvider:
                 return
             gone = move(cur, SliceState.GONE) if cur.state is SliceState.PREEMPTING else None
             cur = self._tracked[name] = move(gone or cur, SliceState.RELEASED)
+            self._released_at.pop(name, None)  # to the end: the dict stays oldest first
+            self._released_at[name] = time.monotonic()
         if gone is not None:  # reclaimed: deleted early, under its notice
             self._changed(SliceState.PREEMPTING, gone)
         self._changed(t.state, cur)
+
+    def _forget_released(self) -> None:
+        """Drop the slices released more than `forget_after_s` ago, and their events not taken (under the lock;
+        the oldest first, so each poll looks only at what it drops)."""
+        cutoff, gone = time.monotonic() - self._poll.forget_after_s, set()
+        while self._released_at and next(iter(self._released_at.values())) <= cutoff:
+            name = next(iter(self._released_at))
+            del self._released_at[name]
+            if (t := self._tracked.get(name)) is not None and t.state is SliceState.RELEASED:
+                del self._tracked[name]
+                gone.add(name)
+        if gone and self._events:
+            self._events = [e for e in self._events if e.slice_name not in gone]
 
     def _teardown_quietly(self, name: str, why: str) -> None:
         try:
