@@ -198,7 +198,11 @@ class Client(ClusterLink):
             raise ClusterError(f"no job {job_id!r} in {self.home.db}, and {fault}") from None
 
     def jobs(self) -> list[JobStatus]:
-        return [self._status_of(j) for j in self.store.jobs()]
+        from orchestrator.control.queue import queue_positions
+
+        records = self.store.jobs()
+        places = queue_positions(records)  # one read of the line for all (a read of it per job was quadratic)
+        return [self._status_of(j, places) for j in records]
 
     def cluster_state(self) -> str:
         """"up" while the embedded cluster runs, "gone" when it does not, "remote" for a cluster at `address`.
@@ -234,8 +238,9 @@ class Client(ClusterLink):
         self._fault_seen = (now, line)
         return line
 
-    def _status_of(self, job: JobRecord) -> JobStatus:
-        """The job's status, with its place in the queue and, while not ended, whether a cluster runs it."""
+    def _status_of(self, job: JobRecord, places: dict[str, int] | None = None) -> JobStatus:
+        """The job's status, with its place in the queue (`places`: every queued job's, read once for many)
+        and, while not ended, whether a cluster runs it."""
         from orchestrator.control.queue import queue_position
         from orchestrator.observe.timeline import deadline_line, move_line, plan_line, wall_time
 
@@ -243,7 +248,8 @@ class Client(ClusterLink):
                      plan=plan_line(self.store, job))
         if st.done:
             return st
-        return replace(st, queue_position=queue_position(self.store, job), cluster=self.cluster_state(),
+        place = queue_position(self.store, job) if places is None else places.get(job.id)
+        return replace(st, queue_position=place, cluster=self.cluster_state(),
                        moving=move_line(self.store, job), warning=deadline_line(self.store, job),
                        store_fault=self.store_fault())
 

@@ -67,3 +67,24 @@ def test_a_job_that_left_the_line_since_it_was_read_has_no_place(tmp_path):
     assert queue_position(store, read) == 2
     store.transition("b", JobState.CANCELLED, "cancelled by the user")
     assert queue_position(store, read) is None
+
+
+def test_list_reads_the_line_once_and_gives_every_queued_job_its_place(tmp_path, monkeypatch):
+    """`orchestrator list` (`Client.jobs`) places every queued job from one read of the line, the same places
+    `status` gives one job at a time; a read of the whole line per job made the list quadratic in the jobs."""
+    from orchestrator.control import queue
+    from orchestrator.state.states import JobState
+    from orchestrator.user.client import Client
+
+    client = Client(home=tmp_path / "home")
+    for job_id in ("a", "b", "c", "d"):
+        client.store.create_job(job_id, job_id, {"name": job_id, "accelerator": "v4-16", "workload": {"type": "lm"}})
+        if job_id != "d":  # d stays PENDING: no place
+            client.store.transition(job_id, JobState.QUEUED, "waiting for hosts")
+    one_by_one = {j.id: queue.queue_position(client.store, j) for j in client.store.jobs()}
+    reads = []
+    whole_line = client.store.jobs
+    monkeypatch.setattr(client.store, "jobs", lambda **kw: reads.append(kw) or whole_line(**kw))
+    listed = {s.id: s.queue_position for s in client.jobs()}
+    assert listed == one_by_one == {"a": 1, "b": 2, "c": 3, "d": None}
+    assert len(reads) == 1, reads
