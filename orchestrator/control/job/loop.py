@@ -150,9 +150,7 @@ def _launch_and_watch(d: JobDriver, held: Held, spec: JobSpec, provision_s: floa
             return failed
         d.progress.launched()
         outcome = watch(d.store, job_id, spec, d.watched(), on_poll=d.on_poll)
-        d.progress.catch_up(outcome, group)
-        if outcome.kind in (OutcomeKind.INFRA_LOST, OutcomeKind.PREEMPTED):
-            d.placement.keep_survivors(spec, group.held_step)
+        d.progress.catch_up(outcome, group)  # the survivors of a lost slice were kept by `watch`
         return outcome
     finally:
         d.teardown()

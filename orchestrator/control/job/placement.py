@@ -169,10 +169,8 @@ class Placement:
     def keep_survivors(self, spec: JobSpec, held_step: Callable[[list[Slice]], tuple[int | None, str]]) -> bool:
         """A multi-slice launch that lost some of its slices: the next one goes on the others at once, from
         the newest step all their hosts hold in memory (`held_step`; from storage if none), at the same
-        global batch. False when they cannot go on (none left, the batch or the mesh does not fit). Once kept,
-        asking again changes nothing."""
-        if self._survived_from is not None:
-            return True
+        global batch. False when they cannot go on (none left, the batch or the mesh does not fit). Asked once an
+        attempt, by `watch`, for a launched or an adopted group alike."""
         if len(self._held) < 2 or not self._lost:
             return False
         survivors = [s for s in self._held if s.name not in self._lost]
