@@ -28,6 +28,7 @@ from typing import Any, Iterator
 
 from orchestrator.domain.shape import Shape
 from orchestrator.errors import FolderInUseError, IllegalTransitionError, JobNotFoundError, StoreFaultError
+from orchestrator.state import store_file
 from orchestrator.state.events import EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.records import Event, JobRecord, SliceRow, StepMetric, event_from_row, job_from_row
 from orchestrator.state.schema import SCHEMA, SCHEMA_VERSION, upgrade
@@ -38,32 +39,6 @@ __all__ = ["SCHEMA_VERSION", "Event", "JobRecord", "SliceRow", "StepMetric", "St
 log = logging.getLogger(__name__)
 
 
-_WRITERS: dict[Path, threading.RLock] = {}
-_WRITERS_LOCK = threading.Lock()
-
-
-def _writers(path: Path) -> threading.RLock:
-    """The lock this process's writers of the store at `path` take turns on (every `Store` of it shares one)."""
-    with _WRITERS_LOCK:
-        return _WRITERS.setdefault(path.resolve(), threading.RLock())
-
-
-def _set_aside_orphans(path: Path) -> None:
-    """A write-ahead log (``-wal``) and its index (``-shm``) with no database beside them are what a
-    store deleted under a running controller leaves (it holds them open). SQLite would take them
-    for the new store's and fail every open with "disk I/O error", `down` included; they hold
-    nothing a store can use (the controller wrote what it had to ``.rescued``), so they go aside."""
-    if path.exists():
-        return
-    stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-    for suffix in ("-wal", "-shm"):
-        orphan = path.with_name(path.name + suffix)
-        if orphan.exists():
-            aside = orphan.with_name(f"{orphan.name}.orphaned-{stamp}")
-            os.replace(orphan, aside)
-            log.warning("%s has no database beside it (the store was deleted): moved to %s", orphan, aside)
-
-
 class Store:
     def __init__(self, path: Path | str, *, create: bool = True):
         """The store at `path`, made there if it is not (unless `create` is False: StoreFaultError, "deleted")."""
@@ -71,13 +46,13 @@ class Store:
         if not create and not self.path.exists():
             raise StoreFaultError(self.path, "deleted", "the running cluster's store is gone from its path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        _set_aside_orphans(self.path)
+        store_file.set_aside_orphans(self.path)
         self._local = threading.local()
-        self._writer_turn = _writers(self.path)
+        self._writer_turn = store_file.writers(self.path)
         self._last_read: dict[str, tuple[tuple[str, str | None], JobRecord]] = {}  # `_parsed_once`
         if self._schema_version() != SCHEMA_VERSION:  # a store that is current is only read: it may be read-only
             self._create_or_upgrade()
-        self._identity = _identity(self.path)
+        self._identity = store_file.identity(self.path)
 
     def _schema_version(self) -> int | None:
         try:
@@ -127,7 +102,7 @@ class Store:
                 db.execute("COMMIT")  # inside: a commit refused for want of space is rolled back like the rest
             except BaseException as e:
                 self._roll_back(db)
-                fault = _fault(self.path, e) if isinstance(e, sqlite3.Error) else None
+                fault = store_file.fault(self.path, e) if isinstance(e, sqlite3.Error) else None
                 if fault is not None:
                     raise fault from e
                 raise
@@ -155,7 +130,7 @@ class Store:
     def check_writable(self) -> None:
         """StoreFaultError unless the path still names the file this store opened and it may be written."""
         try:
-            now = _identity(self.path)
+            now = store_file.identity(self.path)
         except FileNotFoundError:
             raise StoreFaultError(self.path, "deleted", "the file was removed while the cluster had it open; "
                                                         "writes to it would reach no reader") from None
@@ -385,17 +360,3 @@ class Store:
         out = [SliceRow(r["name"], r["job_id"], r["provider"], r["accelerator"], r["tier"], SliceState(r["state"]),
                            json.loads(r["data"]), r["updated_at"]) for r in self._conn().execute(q, args).fetchall()]
         return [s for s in out if not s.state.terminal] if live_only else out
-
-
-def _identity(path: Path) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
-
-
-# SQLite's primary result codes (an extended code's low byte) that mean the file system refused a write.
-_FAULTS = {13: "disk full", 8: "read-only", 10: "I/O error", 14: "cannot open"}
-
-
-def _fault(path: Path, e: sqlite3.Error) -> StoreFaultError | None:
-    cause = _FAULTS.get((getattr(e, "sqlite_errorcode", None) or 0) & 0xFF)
-    return StoreFaultError(path, cause, str(e)) if cause else None
