@@ -73,7 +73,7 @@ def run(preset: str, precision: str, remat: str, steps: int, skip: int) -> dict:
     t0 = time.perf_counter()
     trainer = Trainer(lm, ctx)
     trainer.run()
-    memory = compiled_memory(trainer.compile())  # the program just run (kept by runtime.compile_keyed)
+    memory = compiled_memory(trainer.compile())  # the program just run (kept by programs.compile_keyed)
     steady = reports[skip:]
     seconds = sum(r.step_time_s for r in steady)
     tokens_per_s = settings.tokens_per_step * len(steady) / seconds

@@ -3,7 +3,7 @@
 When a slice of an N-slice job is lost, the survivors form a runtime of N - 1 slices and
 restore from their memory (`workers.memory`) in about a second; what is left is compiling
 the step for N - 1 slices (3 s for the small model on these hosts, minutes for a real one).
-The built-in trainer's program is known before it is traced (`runtime.program_id`), so it
+The built-in trainer's program is known before it is traced (`programs.program_id`), so it
 can be compiled ahead, once the job has measured what its copy in memory costs (its first
 steps):
 
@@ -11,11 +11,11 @@ steps):
   processes as the survivors would have hosts (`rehearse`, below), on its own address, each
   with the host's devices, and process 0 of them traces and compiles the step exactly as the
   survivors' process 0 would, and keeps it in this host's executable cache
-  (`runtime.compile_ahead`). The processes run at a lower priority than training.
+  (`programs.compile_ahead`). The processes run at a lower priority than training.
 - The executable goes to the first host of slice 1 through the live runtime's key-value
   store, sealed with the launch's key: when slice 0 is the one lost, that host becomes the
   survivors' process 0. Every other host gets it from their process 0 at the restore, as
-  after any restart (`runtime.compile_keyed`).
+  after any restart (`programs.compile_keyed`).
 
 Only on CPU hosts: a TPU VM cannot split its chips between the rehearsal's processes. For TPU
 hosts the controller compiles the step for the survivors' topology off the hosts and keeps it in
@@ -111,13 +111,13 @@ class CompileAhead:
     # -- host 0 ------------------------------------------------------------------------
 
     def _rehearse(self) -> None:
-        from workers import runtime
+        from workers import programs
         from workers.protocol import CompiledAhead
 
         t0 = time.perf_counter()
         try:
             key, made = rehearse(self.rehearsal)
-            path = runtime.kept_program_path(key)
+            path = programs.kept_program_path(key)
             if path is None or not path.exists():
                 raise RuntimeError("it kept no program")
         except Exception as e:
@@ -149,7 +149,7 @@ class CompileAhead:
         import jax
         from jax._src import distributed
 
-        from workers import runtime
+        from workers import programs, runtime
 
         client = distributed.global_state.client
         if client is None:
@@ -162,7 +162,7 @@ class CompileAhead:
         if not payload:  # not authentic, or host 0's rehearsal failed
             return True
         key, blob = payload[:_KEY_CHARS].decode(), payload[_KEY_CHARS:]
-        runtime.keep_program(key, blob)
+        programs.keep_program(key, blob)
         slices = self.rehearsal.settings.slices
         log.info("compile ahead: kept the program for %d slice(s) from host 0", slices)
         if self._send is not None:
@@ -208,7 +208,7 @@ def rehearse(rehearsal: Rehearsal, *, timeout_s: float = _TIMEOUT_S) -> tuple[st
 
 def _rehearsal_process(folder: Path, coordinator: str, process_id: int) -> None:
     """One process of the rehearsal: join its runtime; process 0 compiles the step and keeps it."""
-    from workers import runtime
+    from workers import programs, runtime
 
     r: Rehearsal = pickle.loads((folder / "rehearsal.pkl").read_bytes())
     s = r.settings
@@ -231,7 +231,7 @@ def _rehearsal_process(folder: Path, coordinator: str, process_id: int) -> None:
 
     trainer = Trainer(r.lm, api.Context(rank=0, num_hosts=r.processes, settings=s))
     key = trainer.program_id("train_step")
-    compiled = runtime.compile_ahead(key, trainer.lower_step)
+    compiled = programs.compile_ahead(key, trainer.lower_step)
     (folder / "result.json").write_text(json.dumps({"key": key, "compiled": compiled}))
     if client is not None:
         client.key_value_set("ahead/done", "1")

@@ -10,11 +10,11 @@ checkpoint folder: a local folder, or the bucket on gcp) as one object:
 
 - *stored id* (`stored_id`): what the program is, known on any machine without tracing it:
   its name and config (`workers.train.program_config`), the code that builds it, and the
-  compiler flags in the environment. `runtime.program_id` adds the runtime's own devices and
+  compiler flags in the environment. `programs.program_id` adds the runtime's own devices and
   JAX flags, which only a host has; here the target and the versions in the header stand for them.
 - *target* (`target_name`): the shape the program was compiled for, ``v4:2x2x2/2h/1s`` (a TPU
   topology, hosts a slice, slices) or ``cpu:4/2h/1s`` (CPU devices a host stands in with).
-- the object is a header (JSON: target, versions) and the executable as `runtime.keep_program`
+- the object is a header (JSON: target, versions) and the executable as `programs.keep_program`
   keeps it, sealed with an HMAC under the job's program key over its place and bytes. The key
   is the controller's, one per job, handed to each launch over Ray's authenticated channel as
   the launch's key is (`runtime.initialize`): a blob that does not open was not written by the
@@ -22,7 +22,7 @@ checkpoint folder: a local folder, or the bucket on gcp) as one object:
 
 A host selects the object of its own stored id and target (`select`), checks that it was made
 by its JAX, jaxlib and libtpu, and keeps it in its executable cache under its own program id
-(`take`), where `runtime.compile_keyed` finds it as any kept program: process 0 decides for
+(`take`), where `programs.compile_keyed` finds it as any kept program: process 0 decides for
 the runtime, so every process loads the same executable or all compile. Anything else (none
 stored for its shape, another version, a bad seal, an executable its runtime does not load:
 `loaded`) leaves it to compile, and `Lookup` says why.
@@ -88,11 +88,11 @@ class Versions:
 
 def stored_id(name: str, config: dict) -> str:
     """What program `name` of `config` is, the same on the controller's machine and on every host."""
-    from workers import runtime
+    from workers import programs as executables
 
     env = sorted((k, v) for k, v in os.environ.items() if k in _COMPILER_ENV or k.startswith("KERNELS_"))
     h = hashlib.sha256(json.dumps([name, config], sort_keys=True, default=repr).encode())
-    h.update(repr((runtime._code_digest(), env)).encode())
+    h.update(repr((executables._code_digest(), env)).encode())
     return h.hexdigest()
 
 
@@ -117,7 +117,7 @@ def open_seal(key: bytes, sid: str, target: str, sealed: bytes) -> bytes | None:
 
 def write(directory: str, sid: str, target: str, kept: bytes, key: bytes, *, versions: Versions | None = None,
           endpoint: str | None = None) -> str:
-    """Store `kept` (an executable as `runtime.keep_program` keeps it) for `target`, sealed; its path."""
+    """Store `kept` (an executable as `programs.keep_program` keeps it) for `target`, sealed; its path."""
     header = {"target": target, "versions": dataclasses.asdict(versions or Versions.here())}
     path = path_of(directory, sid, target)
     storage.write_bytes(path, seal(key, sid, target, json.dumps(header).encode() + b"\n" + kept), endpoint=endpoint)
@@ -178,14 +178,14 @@ def _none_for(directory: str, sid: str, target: str, endpoint: str | None) -> st
 def take(programs: StoredPrograms | None, *, endpoint: str | None, platform: str | None, name: str, config: dict,
          program_id: str) -> Lookup | None:
     """Look for this host's program in the job's storage and keep what it can use in its executable cache
-    under `program_id` (where `runtime.compile_keyed` loads it); None where the launch names no storage.
+    under `program_id` (where `programs.compile_keyed` loads it); None where the launch names no storage.
 
     `programs` and `endpoint`: the launch order's (`workers.order.LaunchOrder`).
 
     `platform`: the host's ("cpu" for a stand-in, else "tpu"); the launch names a target for each.
     Never raises for what it finds: a failed read is a reason to compile.
     """
-    from workers import runtime
+    from workers import programs as executables
 
     if programs is None:
         return None
@@ -197,9 +197,9 @@ def take(programs: StoredPrograms | None, *, endpoint: str | None, platform: str
     except Exception as e:  # noqa: BLE001 -- the job's storage failed, however: compile as before
         return Lookup(target, None, f"the job's storage could not be read ({type(e).__name__}: {e})")
     if found.kept is not None:
-        if (path := runtime.kept_program_path(program_id)) is None:
+        if (path := executables.kept_program_path(program_id)) is None:
             return Lookup(target, None, "this host keeps no executables (no cache directory)")
-        runtime.keep_program(program_id, found.kept)
+        executables.keep_program(program_id, found.kept)
         return dataclasses.replace(found, stamp=_stamp(path))
     return found
 
@@ -215,13 +215,13 @@ def _stamp(path) -> tuple[int, int] | None:
 def loaded(found: Lookup, program_id: str) -> Lookup:
     """`found` once the trainer compiled: a stored executable its runtime could not load is a compile.
 
-    `runtime.compile_keyed` drops a kept program that does not load (another device
+    `programs.compile_keyed` drops a kept program that does not load (another device
     assignment, a truncated file), traces, and keeps what it compiled in its place: the file
     `take` wrote is then gone. Process 0 decides for every process.
     """
-    from workers import runtime
+    from workers import programs as executables
 
-    path = runtime.kept_program_path(program_id)
+    path = executables.kept_program_path(program_id)
     if found.used and (path is None or found.stamp is None or _stamp(path) != found.stamp):
         return Lookup(found.target, None, "the stored executable did not load here (this host's log says why)")
     return found

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 from kernels.blocks import KernelBlocks
 from policies.model.sharding import BATCH_AXES, PARAM_RULES
-from workers import api, runtime
+from workers import api, programs
 from workers.model import Numerics, init_params, loss_fn, param_roles
 from workers.settings import LmSettings, TrainingSettings
 
@@ -70,10 +70,10 @@ class Trainer:
         return {"params": params, "opt_state": self.optimizer.init(params), "step": jnp.int32(0)}
 
     def init_state(self) -> dict:
-        """A fresh state, compiled once per program and kept (`runtime.compile_keyed`)."""
+        """A fresh state, compiled once per program and kept (`programs.compile_keyed`)."""
         key = jax.random.key(self.settings.seed)
         lower = lambda: jax.jit(self._init, out_shardings=self.state_shardings).lower(key)  # noqa: E731
-        return runtime.compile_keyed(self.program_id("init_state"), lower)(key)
+        return programs.compile_keyed(self.program_id("init_state"), lower)(key)
 
     def restore_or_init(self) -> dict:
         """The newest readable committed checkpoint, falling back step by step; else a fresh state."""
@@ -127,16 +127,16 @@ class Trainer:
         return step.lower(self.abstract_state, batch)
 
     def compile(self):
-        """The train step, compiled; after a restart, loaded without tracing it (`runtime.compile_keyed`)."""
+        """The train step, compiled; after a restart, loaded without tracing it (`programs.compile_keyed`)."""
         key = self.program_id("train_step")
-        if jax.process_index() == 0 and (path := runtime.kept_program_path(key)) is not None and path.exists():
+        if jax.process_index() == 0 and (path := programs.kept_program_path(key)) is not None and path.exists():
             log.info("the train step for %d slice(s) was kept (compiled ahead, or by an earlier run): loading it",
                      self.settings.slices)
-        return runtime.compile_keyed(key, self.lower_step)
+        return programs.compile_keyed(key, self.lower_step)
 
     def program_id(self, name: str) -> str:
-        """The program's key on this runtime (`runtime.program_id` of `program_config`)."""
-        return runtime.program_id(name, program_config(self.lm, self.settings))
+        """The program's key on this runtime (`programs.program_id` of `program_config`)."""
+        return programs.program_id(name, program_config(self.lm, self.settings))
 
     def run(self, ahead=None) -> tuple[dict, int]:
         """Train from the latest checkpoint to the settings' `steps`; returns (state, completed steps).

@@ -247,7 +247,7 @@ def _compile_tpu(o: ProgramOption) -> bytes:
     from workers.tpu_target import Topology, compile_train_step, serialize
 
     compiled, _ = compile_train_step(o.lm, o.settings, Topology(o.chip, o.topology, o.hosts, o.settings.slices))
-    return serialize(compiled)  # (payload, in_tree, out_tree) pickled: as `runtime.keep_program` keeps it
+    return serialize(compiled)  # (payload, in_tree, out_tree) pickled: as `programs.keep_program` keeps it
 
 
 def _compile_cpu(o: ProgramOption) -> bytes:

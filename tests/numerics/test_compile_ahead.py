@@ -49,13 +49,13 @@ print(json.dumps({"rank": rank, "settled": ahead.settled, "kept": sorted(os.list
 
 SURVIVOR = r"""
 import json, sys
-from workers import api, runtime
+from workers import api, programs, runtime
 runtime.configure(platform="cpu", devices_per_host=4, compile_cache_dir=sys.argv[1])
 """ + SPEC + r"""
 from workers.train import Trainer
 order = launch_order(spec, 4, 1, slices=1, memory_step=5)
 key = Trainer(order.program.lm, api.Context(settings=order.settings)).program_id("train_step")
-print(json.dumps({"kept": runtime.kept_program_path(key).exists(), "name": runtime.kept_program_path(key).name}))
+print(json.dumps({"kept": programs.kept_program_path(key).exists(), "name": programs.kept_program_path(key).name}))
 """
 
 

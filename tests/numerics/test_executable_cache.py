@@ -20,7 +20,7 @@ from tests.conftest import REPO
 # with this launch's share key (SHARE_KEY), and a 4-device data mesh.
 PREAMBLE = r"""
 import hashlib, hmac, json, os, pickle, sys
-from workers import runtime
+from workers import programs, runtime
 rank, port, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 runtime.configure(platform="cpu", devices_per_host=2, compile_cache_dir=cache)
 runtime.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=rank, timeout_s=60,
@@ -34,9 +34,9 @@ row = NamedSharding(mesh, P("data"))
 CHILD = PREAMBLE + r"""
 fn = jax.jit(lambda x: (x * 2.0).sum(), in_shardings=row, out_shardings=NamedSharding(mesh, P()))
 lowered = fn.lower(jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=row))
-path = runtime.executable_path(lowered)
+path = programs.executable_path(lowered)
 hit = path.exists()
-compiled = runtime.compile_cached(lowered)
+compiled = programs.compile_cached(lowered)
 x = jax.make_array_from_callback((8, 3), row, lambda idx: np.arange(24, dtype=np.float32).reshape(8, 3)[idx])
 print(json.dumps({"rank": rank, "hit": hit, "cached": path.exists(), "value": float(compiled(x))}))
 """
@@ -101,8 +101,8 @@ def lower():
     fn = jax.jit(lambda x: {"sum": (x * scale).sum(), "rows": x.sum(1)}, in_shardings=row)
     return fn.lower(jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=row))
 
-key = runtime.program_id("test", {"scale": scale})
-compiled = runtime.compile_keyed(key, lower)
+key = programs.program_id("test", {"scale": scale})
+compiled = programs.compile_keyed(key, lower)
 x = jax.make_array_from_callback((8, 3), row, lambda idx: np.arange(24, dtype=np.float32).reshape(8, 3)[idx])
 out = compiled(x)
 rows = np.asarray(multihost_utils.process_allgather(out["rows"], tiled=True)).tolist()
@@ -168,24 +168,24 @@ def test_hosts_with_their_own_disks_get_the_kept_executable_from_process_0(tmp_p
 def test_the_program_key_changes_with_what_shapes_the_program_and_nothing_else(monkeypatch):
     import jax
 
-    from workers import runtime
+    from workers import programs
 
-    base = runtime.program_id("step", {"d_model": 128})
-    assert runtime.program_id("step", {"d_model": 128}) == base
-    assert runtime.program_id("step", {"d_model": 256}) != base
-    assert runtime.program_id("init", {"d_model": 128}) != base
+    base = programs.program_id("step", {"d_model": 128})
+    assert programs.program_id("step", {"d_model": 128}) == base
+    assert programs.program_id("step", {"d_model": 256}) != base
+    assert programs.program_id("init", {"d_model": 128}) != base
     monkeypatch.setenv("KERNELS_PALLAS_INTERPRET", "generic")
-    assert runtime.program_id("step", {"d_model": 128}) != base
+    assert programs.program_id("step", {"d_model": 128}) != base
     monkeypatch.delenv("KERNELS_PALLAS_INTERPRET")
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
-    assert runtime.program_id("step", {"d_model": 128}) != base
+    assert programs.program_id("step", {"d_model": 128}) != base
     monkeypatch.delenv("XLA_FLAGS")
     with jax.default_matmul_precision("highest"):
-        assert runtime.program_id("step", {"d_model": 128}) != base
+        assert programs.program_id("step", {"d_model": 128}) != base
     dir_before = jax.config.jax_compilation_cache_dir
     try:  # where executables are kept is not part of the program
         jax.config.update("jax_compilation_cache_dir", "/elsewhere")
-        assert runtime.program_id("step", {"d_model": 128}) == base
+        assert programs.program_id("step", {"d_model": 128}) == base
     finally:
         jax.config.update("jax_compilation_cache_dir", dir_before)
 
@@ -203,13 +203,13 @@ class Payload:  # what an intruder would put in the store: unpickling it creates
 
 
 if rank == 0:  # stands in for anyone who can reach the coordinator's port but lacks this launch's key
-    name = f"executable/{runtime.program_key(lowered)}"
+    name = f"executable/{programs.program_key(lowered)}"
     evil = pickle.dumps(Payload())
     guessed = hmac.new(b"a guessed key", name.encode() + b"\0" + evil, hashlib.sha256).digest()
     distributed.global_state.client.key_value_set_bytes(name, guessed + evil, allow_overwrite=True)
     compiled = lowered.compile()
 else:
-    compiled = runtime.compile_cached(lowered, share_timeout_s=60)
+    compiled = programs.compile_cached(lowered, share_timeout_s=60)
 x = jax.make_array_from_callback((8, 3), row, lambda idx: np.arange(24, dtype=np.float32).reshape(8, 3)[idx])
 print(json.dumps({"rank": rank, "value": float(compiled(x))}))
 """

@@ -20,7 +20,7 @@ from workers.train import program_config
 
 
 def test_the_tpu_executable_is_serialized_stored_and_keyed_by_its_topology(tmp_path, monkeypatch):
-    from workers import runtime
+    from workers import programs as executables
 
     directory = str(tmp_path / "checkpoints")
     spec = JobSpec.from_dict({"name": "ahead", "accelerator": "v4-16", "slices": 2,
@@ -40,12 +40,12 @@ def test_the_tpu_executable_is_serialized_stored_and_keyed_by_its_topology(tmp_p
     sid = stored_programs.stored_id("train_step", program_config(survivors.lm, survivors.settings))
     found = stored_programs.select(directory, sid, survivors.target, key)
     assert found.used and found.kept is not None
-    payload, in_tree, out_tree = pickle.loads(found.kept)  # as `runtime.keep_program` keeps an executable
+    payload, in_tree, out_tree = pickle.loads(found.kept)  # as `programs.keep_program` keeps an executable
     assert len(payload) > 10_000 and in_tree.num_leaves > 0 and out_tree.num_leaves > 0
 
     # A TPU host of that shape takes it into its executable cache; a CPU stand-in of the same shape, or a
     # TPU host of a v4-32, does not.
-    monkeypatch.setattr(runtime, "kept_program_path", lambda k: tmp_path / "cache" / f"program-{k}.pkl")
+    monkeypatch.setattr(executables, "kept_program_path", lambda k: tmp_path / "cache" / f"program-{k}.pkl")
     programs = StoredPrograms(directory, key, targets(catalog.lookup("v4-16"), 1))
     config = program_config(survivors.lm, survivors.settings)
     took = stored_programs.take(programs, endpoint=None, platform="tpu", name="train_step", config=config,

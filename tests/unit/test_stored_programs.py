@@ -83,9 +83,9 @@ def test_a_program_of_another_jax_or_libtpu_is_compiled_again_and_says_why(tmp_p
 
 
 def test_take_keeps_it_under_the_host_s_own_program_id_where_compile_keyed_loads_it(tmp_path, monkeypatch):
-    from workers import runtime
+    from workers import programs as executables
 
-    monkeypatch.setattr(runtime, "kept_program_path", lambda key: tmp_path / "cache" / f"program-{key}.pkl")
+    monkeypatch.setattr(executables, "kept_program_path", lambda key: tmp_path / "cache" / f"program-{key}.pkl")
     config = {"d_model": 32}
     sp.write(str(tmp_path / "job"), sp.stored_id("train_step", config), V4_16, b"executable", KEY)
     programs = StoredPrograms(str(tmp_path / "job"), KEY, {"tpu": V4_16, "cpu": "cpu:4/2h/1s"})
