@@ -13,9 +13,13 @@ strictly:
 - a spot slice trains only while the zone has its chips, as in the simulator, but it is given
   up for free just before capacity drops (the clairvoyant job loses no work), and saves cost
   nothing;
-- between options of several slices of one type, fewer slices are had for nothing and more
-  for the added slices' startup alone, at any step, where the simulator relaunches the whole
-  group (`RestartCost.reshape_s`, billed without progress) and loses time;
+- between options of several slices of one type, a resize (a grow the job chooses, a shrink
+  the zone forces) enters the new count with `RestartCost.reshape_s` of overhead left, billed
+  at the new count's price, from any state of the old count (the simulator relaunches the
+  whole group for at least that long, billed, no progress, and provisions the added slices
+  while the group trains: `sim_slices.switch`, `sim_slices.shrink`); where the relaunch is no
+  shorter than a startup, a resize is priced as a stop and a start (the programme's own
+  move, provisioning 0);
 - a run that ends mid-step pays the whole step here; the bound takes one step of the
   dearest option off for it.
 
@@ -78,7 +82,8 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
     prov, startup = round(quantized.provisioning_s / dt), round(quantized.startup_s / dt)
     steps = math.ceil(job.deadline_s / dt - 1e-9)
     capacity = trace.capacity_chips(start_s, dt, steps)
-    relaxed = _DualProgramme(job.options, capacity, dt, 0, startup)
+    reshape = round(quantized.reshape_s / dt)
+    relaxed = _DualProgramme(job.options, capacity, dt, 0, startup, reshape)
     total = job.total_tokens
     per_token = np.array([o.usd_per_token for o in job.options])
     grid = np.geomspace(0.5 * per_token.min(), 200 * per_token.max(), 24)
@@ -188,7 +193,7 @@ class _DualProgramme:
     steps are billed and add tokens.
     """
 
-    def __init__(self, options, capacity, dt, prov, startup):
+    def __init__(self, options, capacity, dt, prov, startup, reshape=None):
         self.dt, self.k, self.startup = dt, prov + startup, startup
         self.price = np.array([o.usd_per_hour / 3600 * dt for o in options])  # $ per step
         self.tokens = np.array([o.tokens_per_s * dt for o in options])  # tokens per training step
@@ -198,11 +203,14 @@ class _DualProgramme:
         self.blocked = np.where(self.usable, 0.0, np.inf)[:, None, :, None]  # [step, 1, option, 1]
         j = np.arange(self.k + 1)
         self.step_cost = self.price[:, None] * ((j >= 1) & (j <= startup))[None, :]  # [option, j]
-        # Between options of one type, tier and zone (counts of slices): fewer for nothing, more
-        # for the added slices' startup, at any step. (from, to, $): only the bound (`dual`) uses them.
-        self.resizes = [(a, b, max(self.price[b] - self.price[a], 0.0) * startup)
-                        for a, oa in enumerate(options) for b, ob in enumerate(options)
-                        if a != b and (oa.name, oa.tier, oa.zone) == (ob.name, ob.tier, ob.zone)]
+        # Between options of one type, tier and zone (counts of slices), at any step: the new count
+        # entered with the relaunch's overhead left (`reshape` steps, billed at its price). Only
+        # the bound (`dual`) uses them, and only where a relaunch is shorter than a stop and a
+        # start (a release is free and a start enters at k): (from, to) pairs.
+        self.reshape = self.k if reshape is None else min(int(reshape), self.k)
+        self.resizes = [(a, b) for a, oa in enumerate(options) for b, ob in enumerate(options)
+                        if a != b and (oa.name, oa.tier, oa.zone) == (ob.name, ob.tier, ob.zone)
+                        ] if self.reshape < self.k else []
 
     def _step_value(self, mu: np.ndarray) -> np.ndarray:
         value = np.broadcast_to(self.step_cost, (len(mu), *self.step_cost.shape)).copy()
@@ -216,11 +224,13 @@ class _DualProgramme:
         idle = np.zeros(len(mu))
         for blocked in self.blocked:
             idle = np.minimum(idle, value.reshape(len(mu), -1).min(axis=1))
+            # A resize from any state held through the last step (not one entered now: the
+            # simulator switches onto the added slices at a later decision): the simulator
+            # relaunches a resized group.
+            held = value.min(axis=2)  # [mu, option]
             value[:, :, k] = np.minimum(value[:, :, k], idle[:, None])
-            if self.resizes:  # at any overhead level: the simulator relaunches a resized group
-                before = value.copy()
-                for a, b, usd in self.resizes:
-                    value[:, b, :] = np.minimum(value[:, b, :], before[:, a, :] + usd)
+            for a, b in self.resizes:
+                value[:, b, self.reshape] = np.minimum(value[:, b, self.reshape], held[:, a])
             value += blocked
             new = np.full_like(value, np.inf)  # nobody is at j = k until a slice is requested
             new[:, :, :k] = value[:, :, 1:] + step_value[:, :, 1:]

@@ -90,6 +90,8 @@ def test_no_run_on_a_random_small_trace_is_below_the_bounds(seed):
     trace = SpotTrace(f"random-{seed}", float(rng.choice([60.0, 300.0])), tuple(int(c) for c in counts), nodes)
     restart = RestartCost(provisioning_s=float(rng.choice([0.0, 60.0, 120.0])),
                           startup_s=float(rng.choice([60.0, 240.0])), checkpoint_interval_s=600.0)
+    if seed % 2:  # a relaunch shorter than a startup: the bound's resizes are then its own move
+        restart = replace(restart, reshape_s=float(rng.choice([0.0, 30.0])))
     hours = min(2.0, trace.duration_s / 3600 / 3)
     assert assert_no_run_below(job(hours, float(rng.choice([1.3, 2.0]))), trace, 0.0, restart) > 0
 
@@ -143,3 +145,28 @@ def test_the_bound_does_not_depend_on_the_schedules_priced():
     priced, alone = hindsight_optimum(j, trace), hindsight_optimum(j, trace, schedules=0)
     assert alone.lower_bound_usd == priced.lower_bound_usd and math.isnan(alone.schedule_cost_usd)
     assert priced.schedule_cost_usd >= priced.lower_bound_usd
+
+
+def test_the_bound_over_counts_prices_a_resize_as_the_simulator_does():
+    """On a zone that gives two v4-16 slices, then four, then two again, the bound over counts charges
+    each change of count the relaunch the simulator charges (`RestartCost.reshape_s` of the new count,
+    billed): with the default (a startup) a resize is no cheaper than a stop and a start, a shorter
+    relaunch lowers the bound, and no run that resizes costs less than its bound either way."""
+    trace = SpotTrace("choppy", 300.0, ((2,) * 6 + (4,) * 6) * 30, 4)
+    j = job(3.0, 2.0)
+    restart = RestartCost(provisioning_s=120.0, startup_s=240.0)
+    quick = replace(restart, reshape_s=0.0)
+    relaunch = hindsight_optimum(j, trace, restart=restart, schedules=0).lower_bound_usd
+    free = hindsight_optimum(j, trace, restart=quick, schedules=0).lower_bound_usd
+    assert free < relaunch  # a resize costs the new count's relaunch, billed
+
+    class Follow:  # every v4-16 slice the zone has, on spot
+        name = "follow"
+
+        def decide(self, snap):
+            want = pick("4xv4-16 spot") if snap.spot_chips_available >= 32 else pick("2xv4-16 spot")
+            return FixedPolicy(want).decide(snap)
+
+    for r, bound in ((restart, relaunch), (quick, free)):
+        run = simulate(Follow(), j, trace, restart=r, knowledge="trace")
+        assert run.deadline_met and run.shrinks > 0 and run.cost_usd >= bound - 1e-9, (r, run.cost_usd, bound)
