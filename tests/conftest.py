@@ -25,13 +25,24 @@ REPO = Path(__file__).resolve().parents[1]
 TIERS = ("unit", "checks", "numerics", "integration", "chaos", "kernels", "tpu")  # pyproject.toml's markers
 
 
+# The tiers whose tests start clusters, jobs and emulators, and the fixtures that share them. Under
+# pytest-xdist (`-n 2 --dist loadgroup`, pyproject.toml) they are one group, run in order by one worker,
+# which alone starts the session's cluster; the other worker takes the in-process tiers meanwhile.
+CLUSTER_TIERS = ("integration", "chaos")
+CLUSTER_FIXTURES = frozenset({"client", "session_home"})
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the test's id
 def pytest_collection_modifyitems(items):
-    """Each test carries its tier's marker, the name of its folder under tests/ (`-m unit`, `-m "not numerics"`)."""
+    """Each test carries its tier's marker, the name of its folder under tests/ (`-m unit`, `-m "not numerics"`),
+    and the tests of real clusters one group (`xdist_group("cluster")`)."""
     tests = REPO / "tests"
     for item in items:
         parts = item.path.relative_to(tests).parts if item.path.is_relative_to(tests) else ()
         if len(parts) > 1 and parts[0] in TIERS:
             item.add_marker(parts[0])
+        if (parts and parts[0] in CLUSTER_TIERS) or CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
 @pytest.fixture(scope="session")
