@@ -33,9 +33,20 @@ def estimates(history: History, *, sizes: Sequence[int], availability: SpotAvail
     """The availability and hazard estimates after what `history` shows, on top of the given ones.
 
     A stretch up says its size and every smaller one could be had; a stretch down, its
-    size and every larger one could not (`sizes`: the spot sizes the job may run).
+    size and every larger one could not (`sizes`: the spot sizes the job may run). A moment
+    one could not be had (a reclaim, a refusal: `History.seen`) ends an up period of its
+    size and every larger one: without it, the up stretches of a size the job held again and
+    again, with reclaims between and no wait for that size, read as one long up period
+    (one slice of several after each reclaim of the group: 6-8 h learned for 0.5 h stretches).
     """
-    for s in history.stretches:
+    events = [(s.start_s, 1, s) for s in history.stretches]
+    events += [(at, 0, (zone, chips)) for at, zone, chips, up in history.seen if not up]
+    for _, kind, what in sorted(events, key=lambda e: (e[0], e[1])):
+        if kind == 0:
+            zone, chips = what  # type: ignore[misc]
+            availability = availability.end_up(zone, [c for c in sizes if c >= chips])
+            continue
+        s = what  # type: ignore[assignment]
         which = [c for c in sizes if (c <= s.chips if s.up else c >= s.chips)]
         availability = availability.observe(s.zone, which, s.chips if s.up else 0, s.end_s - s.start_s)
     for (tier, zone) in sorted({*history.host_hours, *history.preemptions}):

@@ -148,6 +148,17 @@ class SpotAvailability:
         c = self._counts(zone, chips)
         return c.downs.moments(self.prior_outage_h, c.current_h if c.up_now is False else 0.0)
 
+    def end_up(self, zone: str, sizes: Sequence[int]) -> SpotAvailability:
+        """The estimate after a moment at which each of `sizes` could not be had (a reclaim, a refusal):
+        an up period under way ends there, however the next observation comes."""
+        counts = dict(self.counts)
+        for chips in sizes:
+            c = self._counts(zone, chips)
+            if c.up_now:
+                ups = c.ups.add(c.current_h) if c.current_h > 0 else c.ups
+                counts[(zone, chips)] = replace(c, ups=ups, up_now=False, current_h=0.0)
+        return replace(self, counts=counts)
+
     def spread_h(self, zone: str, chips: int) -> float:
         """Standard deviation of the hours a slice can be had in a horizon of H hours, / sqrt(H).
 
@@ -168,7 +179,8 @@ class SpotAvailability:
             up = capacity_chips >= chips
             ups, downs, current = c.ups, c.downs, c.current_h + hours
             if c.up_now is not None and up != c.up_now:  # the period under way ended
-                ups, downs = (ups.add(c.current_h), downs) if c.up_now else (ups, downs.add(c.current_h))
+                if c.current_h > 0:  # (an up period cut by `end_up` starts an outage of unseen length)
+                    ups, downs = (ups.add(c.current_h), downs) if c.up_now else (ups, downs.add(c.current_h))
                 current = hours
             counts[(zone, chips)] = AvailabilityCounts(
                 c.available_h + (hours if up else 0.0), c.observed_h + hours, ups, downs, up, current)
