@@ -63,7 +63,9 @@ token) subject to meeting the deadline. The decision rule, in `decide`:
    costs the group.
 5. No chasing of short bursts (issue 38). Leaving a running slice for a spot one is a
    candidate only while the spot size's expected stretch outlasts the two startups of going
-   there and coming back, and the work a reclaim loses (`_stretch_pays`).
+   there and coming back, and the work a reclaim loses (`_stretch_pays`). Adding slices to the
+   running ones is a candidate only while the added slices' expected stretch, times their count,
+   outlasts the two relaunches of the group (when they join, and when they are taken back).
 
 Neither rule has a constant of its own: both compare a learned stretch with restart figures.
 
@@ -215,11 +217,19 @@ def _stretch_pays(snap: Snapshot, o: Option) -> bool:
     to outlast what the move costs: the startup on the spot slice and, when the stretch ends, the
     startup back on another, plus the work a reclaim loses. The expected stretch is the mean up
     period learned for the size in the zone (one slice's size: the job trains while one is left).
-    Starting spot from no slice, or keeping or adding to the running one, is left to the values."""
+    Starting spot from no slice, or keeping the running one, is left to the values.
+
+    Adding slices to the running ones (a grow) pays only if the added slices train, over the
+    expected stretch of the larger size, more than the two relaunches it costs: the whole larger
+    group's when they join, and the survivors' when the zone takes them back (`RestartCost.
+    reshape_s` each, as `sim_slices` and the controller pay them)."""
     c = snap.current
-    if c is None or o == c or snap.is_grow(o):
+    if c is None or o == c:
         return True
     r = snap.restart
+    if snap.is_grow(o):
+        grow_stretch_s = 3600 * snap.availability.uptime_h(o.zone, o.chips)[0]
+        return (o.count - c.count) * grow_stretch_s > (o.count + c.count) * r.reshape_s
     stretch_s = 3600 * snap.availability.uptime_h(o.zone, o.slice_chips)[0]
     hazard = slice_hazard_per_hour(o, snap)
     return stretch_s > 2 * r.startup_s + r.lost_per_preemption_s(r.interval_s(hazard))
