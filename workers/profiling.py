@@ -12,8 +12,12 @@ How a capture goes:
 - At that step boundary (`Profiler.boundary`, which the training API's loop calls between
   two steps) the chosen hosts wait for the previous step's device work, start
   `jax.profiler`, trace N steps (each marked with a `StepTraceAnnotation`), wait for the
-  last traced step's device work, and stop. A trace thus holds exactly the N steps'
-  executions. If training stops or ends first, the capture ends there, with fewer steps.
+  last traced step's device work, and stop collecting. A trace thus holds exactly the N
+  steps' executions. If training stops or ends first, the capture ends there, with fewer steps.
+- Only the collecting stops on the training loop (`stop_collecting`): writing the trace's
+  files (the XSpace, the trace viewer's JSON, Perfetto's copy of it), which grows with the
+  steps traced and took most of the stop (on a loaded machine, seconds of the step after a
+  capture), runs on the publishing thread.
 - `jax.profiler` writes to a local folder; `publish` copies it to
   ``<destination>/host-<rank>/`` (beside the job's checkpoints, on disk or in a bucket:
   `workers.storage`) on a thread, off the training loop, with ``capture.json`` (what was
@@ -68,6 +72,44 @@ def publish(local_dir: str, destination: str) -> None:
     """Copy the folder `local_dir` with everything below it to `destination`, a path or a URL (gs://...),
     ``capture.json`` last: a reader that finds it finds the trace whole."""
     storage.upload_folder(local_dir, destination, last=(CAPTURE_FILE,))
+
+
+def _nothing() -> None:
+    """No files left to write."""
+
+
+def stop_collecting() -> Callable[[], None]:
+    """Stop the running `jax.profiler` trace (nothing after this is traced) and return what writes its files.
+
+    `jax.profiler.stop_trace` does both at once: it stops the session, exports its XSpace to
+    ``plugins/profile/<run>/`` (``.xplane.pb``, ``.trace.json.gz``) and rewrites the trace JSON
+    for Perfetto, all on the caller's thread. The files are the same when the export runs
+    later, on another thread. That split goes through JAX's own profiler state (its public API
+    has no split); where a JAX version lays it out otherwise, this stops and writes at once.
+    """
+    import jax
+    from jax._src import profiler as jax_profiler
+
+    state = getattr(jax_profiler, "_profile_state", None)
+    session = getattr(state, "profile_session", None)
+    if state is None or not all(hasattr(x, n) for x, n in ((session, "stop"), (session, "export"),
+                                                          (jax_profiler, "_write_perfetto_trace_file"))):
+        jax.profiler.stop_trace()  # raises as JAX does when no trace runs
+        return _nothing
+    with state.lock:
+        session, log_dir, perfetto = state.profile_session, str(state.log_dir), state.create_perfetto_trace
+        if session is None:
+            raise RuntimeError("No profile started")
+        xspace = session.stop()  # bytes: the trace as collected
+        state.reset()
+        jax_profiler.clear_metadata()
+
+    def write() -> None:
+        session.export(xspace, log_dir)
+        if perfetto:
+            jax_profiler._write_perfetto_trace_file(log_dir)
+
+    return write
 
 
 def memory_stats() -> tuple[dict, ...]:
@@ -215,6 +257,7 @@ class Profiler:
         assert a is not None, "finished only while a capture is under way (the callers check)"
         error: str | None = None
         memory: tuple[dict, ...] = ()
+        write: Callable[[], None] = _nothing
         try:
             jax.block_until_ready(loop.state)  # the last traced step's device work is in the trace
             memory = memory_stats()
@@ -225,12 +268,12 @@ class Profiler:
         finally:
             self._active = None
             try:
-                jax.profiler.stop_trace()
+                write = stop_collecting()  # the files are written by the publishing thread, off the loop
             except Exception as e:  # noqa: BLE001 -- any failure here is the capture's, told to who asked for it
                 error = f"stopping jax.profiler failed: {type(e).__name__}: {e}"
         steps = loop.step - a.first
         log.info("profiled %d steps from step %d (capture %s)", steps, a.first, a.req.capture_id)
-        t = threading.Thread(target=self._publish, args=(a, steps, memory, error), daemon=True,
+        t = threading.Thread(target=self._publish, args=(a, steps, memory, error, write), daemon=True,
                              name=f"profile-{a.req.capture_id}")
         t.start()
         self._publishing.append(t)
@@ -247,17 +290,21 @@ class Profiler:
         shutil.rmtree(a.local, ignore_errors=True)
         self._fail(a.req, f"the capture failed: {why}")
 
-    def _publish(self, a: _Active, steps: int, memory: tuple[dict, ...], error: str | None) -> None:
+    def _publish(self, a: _Active, steps: int, memory: tuple[dict, ...], error: str | None,
+                 write: Callable[[], None]) -> None:
         dest = a.req.host_dir(self.rank)
+        doing = "writing the trace"
         try:
             if error is None:
+                write()  # the trace's files, from what the loop collected
+                doing = f"copying the trace to {dest}"
                 meta = {"capture_id": a.req.capture_id, "host": self.rank, "first_step": a.first, "steps": steps,
                         "steps_asked": a.req.steps, "started_at": a.started_at, "memory": list(memory),
                         "memory_profile": MEMORY_PROFILE_FILE if a.req.memory_profile else None}
                 Path(a.local, CAPTURE_FILE).write_text(json.dumps(meta, indent=1))
                 publish(a.local, dest)
         except Exception as e:  # noqa: BLE001 -- any failure here is the capture's, told to who asked for it
-            error = f"copying the trace to {dest} failed: {type(e).__name__}: {e}"
+            error = f"{doing} failed: {type(e).__name__}: {e}"
         finally:
             shutil.rmtree(a.local, ignore_errors=True)
         self._send(ProfileDone(a.req.capture_id, dest if error is None else None, a.first, steps, memory, error))
