@@ -223,6 +223,10 @@ class TimedGroup:
             self.ended = [WorkerResult(Ending.SUCCEEDED, r, steps=done) for r in range(self.hosts)]
         return self.ended
 
+    def quiet_s(self) -> float:
+        """Until its next step (the driver need not look sooner: `watch._wait_s`); 0 once ended."""
+        return 0.0 if self.ended is not None else max(0.0, self.next_at - time.monotonic())
+
     def request_stop(self, reason: str) -> None:
         self.stop_reason = reason
 

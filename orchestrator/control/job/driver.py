@@ -71,6 +71,7 @@ class JobDriver:
         # The store as the driver writes it: a write waits out a store fault (`HoldingStore`, a `JobStore`).
         self.store: JobStore = HoldingStore(plane.store, plane.store_health, plane.held)
         self.cancelled = threading.Event()  # the user's cancel, seen between polls
+        self.wake = threading.Event()  # a report, a stop or a cancel: the watch loop looks at once (`watch._wait_s`)
         self.stops = Stops()
         self.placement = Placement(Requests(self.store, job_id, self.cancelled, self.transition), job_id)
         self.captures = Captures(self.store, job_id)  # `orchestrator profile`
@@ -105,16 +106,20 @@ class JobDriver:
 
     def report(self, generation: int, rank: int, report: Report, lines: list[str]) -> None:
         self.progress.report(generation, rank, report, lines)
+        self.wake.set()
 
     def cancel(self) -> None:
         self.cancelled.set()
+        self.wake.set()
 
     def resize(self, accelerator: str, tier: str, reason: str) -> StopRequest | None:
         """Stop at the current step (checkpointed) and go on on `accelerator` `tier` (a user's resize).
         None if taken; else the stop that stands already (a notice, a move, ...): the resize is not made."""
         count = max(1, len(self.placement.slices))
         asked = StopRequest(StopKind.RESIZE, f"resize to {accelerator}: {reason}", Shape(accelerator, tier, count))
-        return None if self.stops.ask(asked) else self.stops.current
+        taken = self.stops.ask(asked)
+        self.wake.set()
+        return None if taken else self.stops.current
 
     def view(self) -> Attempt:
         """The launch as the budget, profile captures and compile-ahead read it (a snapshot), with its one
@@ -130,6 +135,7 @@ class JobDriver:
     def _stop_for(self, reason: str) -> None:
         """A stop asked from outside the loop (the budget): the workers stop at a committed step."""
         self.stops.ask(StopRequest.notice(reason))
+        self.wake.set()
 
     def start_group(self, spec: JobSpec) -> WorkerGroup:
         """The workers of the current launch (`groups`: Ray actors, or a test's scripted ones)."""
@@ -138,7 +144,7 @@ class JobDriver:
 
     def watched(self) -> Watched:
         assert self.group is not None, "watched once launched"
-        return Watched(self.group, self.placement, self.stops, self.cancelled, self.progress)
+        return Watched(self.group, self.placement, self.stops, self.cancelled, self.progress, self.wake)
 
     # -- what the loop uses --------------------------------------------------------------
 

@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 POLL_S = 0.25
+# The longest a driver waits between two looks when its group says it can wait (`_wait_s`): its provider's
+# events, the stop request's grace, the hang check and `on_poll`'s timers are looked at least this often. The gcp
+# provider's zone listing is refreshed at most every `Polling.list_s` (1 s) anyway.
+LOOK_S = 1.0
 SETTLE_S = 1.0  # how long a failure waits for word that a host died (the others fail within seconds of it)
 
 
@@ -55,6 +59,7 @@ class Watched:
     stops: Stops
     cancelled: threading.Event
     progress: ReportSink
+    wake: threading.Event  # set when there is something to look at: a report, a stop asked, the user's cancel
 
 
 def watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Callable[[], None]) -> Outcome:
@@ -72,6 +77,7 @@ def _watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll
     hang_limit, grace = spec.recovery.heartbeat_timeout_s, spec.recovery.grace_period_s
     stop_sent = False
     while True:
+        run.wake.clear()  # what sets it from here on wakes the wait below
         if (ended := _provider_says(run)) is not None:
             return ended
         if (ended := group.silent_host()) is not None:  # its beats stopped and its node answers no probe
@@ -95,7 +101,16 @@ def _watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll
         if run.progress.started and time.monotonic() - run.progress.last_progress > hang_limit:
             return _no_progress(store, job_id, run, hang_limit)
         on_poll()
-        time.sleep(POLL_S)
+        run.wake.wait(_wait_s(group))
+
+
+def _wait_s(group: WorkerGroup) -> float:
+    """How long the loop may wait for a wake before it looks again: POLL_S, unless the group tells when it next
+    has something to say (`quiet_s`, seconds): a group that only speaks by reporting (each report wakes the
+    driver) waits that long, at most LOOK_S. A group that does not say (the Ray group: a lost host is found by
+    polling `silent_host`) is looked at every POLL_S, as before."""
+    quiet_s = getattr(group, "quiet_s", None)
+    return POLL_S if quiet_s is None else min(LOOK_S, max(POLL_S, quiet_s()))
 
 
 def _results_say(store: JobStore, job_id: str, run: Watched, results: list) -> Outcome | None:
