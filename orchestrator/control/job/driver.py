@@ -105,8 +105,10 @@ class JobDriver:
     # -- what the controller asks --------------------------------------------------------
 
     def report(self, generation: int, rank: int, report: Report, lines: list[str]) -> None:
+        before = self.stops.current
         self.progress.report(generation, rank, report, lines)
-        self.wake.set()
+        if self.stops.current is not before:  # a host's notice asked a stop: the loop sends it to every host now
+            self.wake.set()
 
     def cancel(self) -> None:
         self.cancelled.set()

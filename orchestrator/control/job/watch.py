@@ -59,7 +59,7 @@ class Watched:
     stops: Stops
     cancelled: threading.Event
     progress: ReportSink
-    wake: threading.Event  # set when there is something to look at: a report, a stop asked, the user's cancel
+    wake: threading.Event  # set when there is something to look at: a stop asked (a notice, ...), the user's cancel
 
 
 def watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll: Callable[[], None]) -> Outcome:
@@ -106,8 +106,8 @@ def _watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll
 
 def _wait_s(group: WorkerGroup) -> float:
     """How long the loop may wait for a wake before it looks again: POLL_S, unless the group tells when it next
-    has something to say (`quiet_s`, seconds): a group that only speaks by reporting (each report wakes the
-    driver) waits that long, at most LOOK_S. A group that does not say (the Ray group: a lost host is found by
+    has something to say (`quiet_s`, seconds) waits that long, at most LOOK_S; a stop asked or a cancel wakes
+    the wait at once (`JobDriver.wake`). A group that does not say (the Ray group: a lost host is found by
     polling `silent_host`) is looked at every POLL_S, as before."""
     quiet_s = getattr(group, "quiet_s", None)
     return POLL_S if quiet_s is None else min(LOOK_S, max(POLL_S, quiet_s()))
