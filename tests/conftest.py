@@ -45,6 +45,21 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
+_worker_role: str | None = None  # under xdist: "cluster" or "in-process", by the first test this worker runs
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """An xdist worker whose first test is not of the cluster group runs the in-process tiers: it yields the
+    CPU (nice 10, with the processes it starts) to the cluster tests' jobs, whose timing is theirs to keep,
+    and takes what they leave idle."""
+    global _worker_role
+    if _worker_role is None and os.environ.get("PYTEST_XDIST_WORKER"):
+        _worker_role = "cluster" if item.get_closest_marker("xdist_group") else "in-process"
+        if _worker_role == "in-process":
+            os.nice(10)
+
+
 @pytest.fixture(scope="session")
 def session_home(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("orchestrator-home")
