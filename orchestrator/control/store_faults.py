@@ -211,6 +211,9 @@ class HoldingStore(JobStore):
     def events(self, job_id: str, *, after_seq: int = 0, kind: EventKind | None = None) -> list[Event]:
         return self._store.events(job_id, after_seq=after_seq, kind=kind)
 
+    def last_event(self, job_id: str, kind: EventKind, *, to_state: JobState | None = None) -> Event | None:
+        return self._store.last_event(job_id, kind, to_state=to_state)
+
     def slice_events(self, *, since: float, exclude_job: str | None = None) -> list[Event]:
         return self._store.slice_events(since=since, exclude_job=exclude_job)
 

@@ -137,8 +137,8 @@ _CAUSE_LABEL = {"preemption": "preempted", "host_lost": "host lost", "worker_cra
 def wall_time(store: Store, job: JobRecord, *, now: float | None = None) -> float:
     """Seconds from the job's submission to its end (its last state change), or to `now` while it runs."""
     if job.state.terminal:
-        changes = store.events(job.id, kind=EventKind.STATE)
-        end = changes[-1].at if changes else job.updated_at
+        change = store.last_event(job.id, EventKind.STATE)
+        end = change.at if change is not None else job.updated_at
     else:
         end = time.time() if now is None else now
     return max(0.0, end - job.created_at)
@@ -160,15 +160,14 @@ def move_line(store: Store, job: JobRecord) -> str | None:
     """
     if job.state.terminal or job.state in (JobState.PENDING, JobState.RECOVERING):
         return None
-    events = store.events(job.id)
-    running_since = max((e.seq for e in events if e.kind is EventKind.STATE and e.to_state is JobState.RUNNING),
-                        default=0)
-    asked = [e for e in events if e.kind is EventKind.RESIZE and e.seq > running_since]
+    ran = store.last_event(job.id, EventKind.STATE, to_state=JobState.RUNNING)
+    running_since = ran.seq if ran is not None else 0
+    since = store.events(job.id, after_seq=running_since)  # what happened since the job last ran: a few events
+    asked = [e for e in since if e.kind is EventKind.RESIZE]
     live = store.slices(job_id=job.id, live_only=True)
     if job.state is JobState.RUNNING:
-        launched = [e.payload_as(Launched) for e in events if e.kind is EventKind.LAUNCHED
-                    and e.payload_as(Launched).generation == job.generation]
-        running = set(launched[-1].slice_names or [launched[-1].slice or ""]) if launched else set()
+        launch = _launch_of(store, job)
+        running = set(launch.slice_names or [launch.slice or ""]) if launch is not None else set()
         beside = [r for r in live if r.name not in running]  # a multi-slice job's other slices are not a move
         if asked:
             r = asked[-1].payload_as(ResizeAsked)
@@ -180,8 +179,7 @@ def move_line(store: Store, job: JobRecord) -> str | None:
             return f"moving to {b.accelerator} {b.tier}: {_WAITING_PHASE.get(b.state, b.state.value.lower())}"
         return None
     # RESIZING, QUEUED, PROVISIONING, STARTING: only after a resize since the job last ran
-    moved = [e for e in events
-             if e.kind is EventKind.STATE and e.to_state is JobState.RESIZING and e.seq > running_since]
+    moved = [e for e in since if e.kind is EventKind.STATE and e.to_state is JobState.RESIZING]
     if not moved and not asked:
         return None
     target = f"{job.placed_json.get('accelerator', '?')} {job.placed_json.get('tier', '')}".strip()
@@ -194,18 +192,31 @@ def move_line(store: Store, job: JobRecord) -> str | None:
     return f"moving to {target}: {phase}"
 
 
+def _launch_of(store: Store, job: JobRecord) -> Launched | None:
+    """The launch of the job's current generation (the newest launch is, but for a job launching its next)."""
+    newest = store.last_event(job.id, EventKind.LAUNCHED)
+    if newest is None or newest.payload_as(Launched).generation == job.generation:
+        return newest.payload_as(Launched) if newest is not None else None
+    launched = [p for e in store.events(job.id, kind=EventKind.LAUNCHED)
+                if (p := e.payload_as(Launched)).generation == job.generation]
+    return launched[-1] if launched else None
+
+
 def deadline_line(store: Store, job: JobRecord) -> str | None:
     """While the job's last deadline forecast says it is late: "will miss its deadline: ..."; else None."""
-    forecasts = store.events(job.id, kind=EventKind.DEADLINE)
-    if not forecasts or (forecasts[-1].payload_as(DeadlineForecast).late_by_s or 0.0) <= 0:
+    forecast = store.last_event(job.id, EventKind.DEADLINE)
+    if forecast is None or (forecast.payload_as(DeadlineForecast).late_by_s or 0.0) <= 0:
         return None
-    return f"will miss its deadline: {forecasts[-1].reason}"
+    return f"will miss its deadline: {forecast.reason}"
 
 
 def plan_line(store: Store, job: JobRecord) -> str | None:
     """The launch plan of the job's current generation, as it was recorded when that generation was launched
     ("gen 3 on 2 x v4-16 spot, mesh (4,2,1), 2 microbatches, checkpoint every 50 steps"); None before its first
     launch, or for a generation launched by a version that recorded none."""
-    plans = [e.payload_as(Planned) for e in store.events(job.id, kind=EventKind.PLAN)]
+    newest = store.last_event(job.id, EventKind.PLAN)
+    if newest is not None and newest.payload_as(Planned).generation == job.generation:
+        return newest.payload_as(Planned).line
+    plans = [e.payload_as(Planned) for e in store.events(job.id, kind=EventKind.PLAN)] if newest else []
     current = [p for p in plans if p.generation == job.generation]
     return current[-1].line if current else None

@@ -291,6 +291,15 @@ class Store:
             q, args = q + " AND kind=?", [*args, kind.value]
         return [event_from_row(r) for r in self._conn().execute(q + " ORDER BY seq", args).fetchall()]
 
+    def last_event(self, job_id: str, kind: EventKind, *, to_state: JobState | None = None) -> Event | None:
+        """The job's newest event of `kind` (for state changes, into `to_state` if given), or None: one row read,
+        where `events` reads them all (`orchestrator list` reads a few of these for every job)."""
+        q, args = "SELECT * FROM events WHERE job_id=? AND kind=?", [job_id, kind.value]
+        if to_state is not None:
+            q, args = q + " AND to_state=?", [*args, to_state.value]
+        row = self._conn().execute(q + " ORDER BY seq DESC LIMIT 1", args).fetchone()
+        return event_from_row(row) if row is not None else None
+
     def slice_events(self, *, since: float, exclude_job: str | None = None, after_seq: int = 0) -> list[Event]:
         """Slice events of every job since `since` (but `exclude_job`'s; only those after `after_seq`), oldest
         first: the capacity memory pooled across jobs (slice events outlive their job)."""
