@@ -266,14 +266,14 @@ class HostWorker:
 
     def _look_for_stored_program(self, order: LaunchOrder, trainer) -> None:
         """Keep the train step compiled ahead for this host's shape, if the job's storage has one it can use."""
-        from workers import stored_programs
+        from workers import programs, stored_programs
         from workers.protocol import ProgramLooked
         from workers.train import program_config
 
-        def tell(found: stored_programs.Lookup) -> None:
+        def tell(found: stored_programs.Lookup, *, kept: bool = False) -> None:
             log.info("stored program for %s: %s", found.target, found.reason if found.used else
-                     f"compiling ({found.reason})")
-            self._send(ProgramLooked(found.target, found.used, found.reason))
+                     f"{'loading the one this host keeps' if kept else 'compiling'} ({found.reason})")
+            self._send(ProgramLooked(found.target, found.used, found.reason, kept=kept))
 
         try:
             program_id = trainer.program_id("train_step")
@@ -285,7 +285,8 @@ class HostWorker:
             return
         if found is None or not found.used:
             if found is not None:
-                tell(found)
+                path = programs.kept_program_path(program_id)
+                tell(found, kept=path is not None and path.exists())
             return
         compile_step = trainer.compile
 

@@ -75,11 +75,14 @@ class CompiledAhead:
 @dataclass(frozen=True)
 class ProgramLooked:
     """What this host found in the job's storage for its train step (`workers.stored_programs`): the executable
-    compiled ahead for its shape, which it loads (`used`), or why it compiles."""
+    compiled ahead for its shape, which it loads (`used`), or why not. `kept`: it keeps the step compiled
+    already in its own cache (compiled ahead on the hosts, or by an earlier generation on this host), which it
+    loads instead of compiling."""
 
     target: str
     used: bool
     reason: str
+    kept: bool = False
 
 
 @dataclass(frozen=True)

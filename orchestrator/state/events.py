@@ -132,7 +132,7 @@ class AheadCompiled(Payload):
 class ProgramStored(Payload):
     """The train step compiled ahead for `target` off the hosts (`orchestrator.control.compile_ahead`): stored in
     the job's storage by the controller (`host` None), or looked for by host `host` at its launch (`ok`: it loads
-    it; else `reason` says why it compiles)."""
+    it; else `reason` says why not, and `kept` whether it loads the step it keeps itself instead of compiling)."""
 
     KIND: ClassVar[EventKind] = EventKind.PROGRAM
     target: str = ""
@@ -141,6 +141,7 @@ class ProgramStored(Payload):
     seconds: float | None = None
     size: int | None = None  # bytes stored
     reason: str | None = None
+    kept: bool = False  # not in the storage, but the host keeps the step compiled already: it loads that
 
 
 @dataclass(frozen=True)
