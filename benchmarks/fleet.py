@@ -123,6 +123,8 @@ class Sampler(threading.Thread):
                 stat = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 return
+            if "VmRSS" not in status:  # it exited: a zombie's status has no memory lines
+                return
             rss = int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) * 1024
             threads = int(next(line for line in status.splitlines() if line.startswith("Threads")).split()[1])
             cpu = (int(stat[11]) + int(stat[12])) / CLK_TCK
