@@ -9,6 +9,7 @@ import time
 import pytest
 
 from orchestrator.control.job import loop, watch
+from orchestrator.control.job.driver import JobDriver
 from orchestrator.state.states import JobState
 from tests.unit.driver_world import ScriptedGroup, World, spec
 
@@ -47,7 +48,7 @@ def world(tmp_path, monkeypatch):
     return w
 
 
-def _start(world: World) -> tuple[object, threading.Event]:
+def _start(world: World) -> tuple[JobDriver, threading.Event]:
     driver = world.submit(spec(workload={"type": "lm", "steps": 50}))
     done = threading.Event()
     loop.start(driver, lambda job_id: done.set())
