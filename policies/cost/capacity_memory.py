@@ -39,14 +39,16 @@ def estimates(history: History, *, sizes: Sequence[int], availability: SpotAvail
     again, with reclaims between and no wait for that size, read as one long up period
     (one slice of several after each reclaim of the group: 6-8 h learned for 0.5 h stretches).
     """
-    events = [(s.start_s, 1, s) for s in history.stretches]
-    events += [(at, 0, (zone, chips)) for at, zone, chips, up in history.seen if not up]
-    for _, kind, what in sorted(events, key=lambda e: (e[0], e[1])):
-        if kind == 0:
-            zone, chips = what  # type: ignore[misc]
+    missing = [(at, zone, chips) for at, zone, chips, up in history.seen if not up]
+    # In time order, a moment missing before a stretch that starts then: (time, 0, moment) or (time, 1, stretch)
+    order = sorted([(m[0], 0, i) for i, m in enumerate(missing)]
+                   + [(s.start_s, 1, i) for i, s in enumerate(history.stretches)])
+    for _, is_stretch, i in order:
+        if not is_stretch:
+            _, zone, chips = missing[i]
             availability = availability.end_up(zone, [c for c in sizes if c >= chips])
             continue
-        s = what  # type: ignore[assignment]
+        s = history.stretches[i]
         which = [c for c in sizes if (c <= s.chips if s.up else c >= s.chips)]
         availability = availability.observe(s.zone, which, s.chips if s.up else 0, s.end_s - s.start_s)
     for (tier, zone) in sorted({*history.host_hours, *history.preemptions}):
