@@ -16,6 +16,7 @@ from __future__ import annotations
 import builtins
 import enum
 import re
+import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -29,12 +30,30 @@ from orchestrator.state.states import SliceState
 SLICE_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,61}[a-z0-9]$")
 
 
+_calls = threading.local()
+
+
+def give_up_on(event: threading.Event) -> None:
+    """A provider call made on this thread that has to wait its turn (the gcp create pace) gives up once `event` is
+    set, with `Abandoned`: a job's driver sets its cancel here, so a job cancelled while it waits ends at once."""
+    _calls.give_up = event
+
+
+def giving_up() -> threading.Event | None:
+    """The event this thread's waiting provider calls give up on (`give_up_on`), if any."""
+    return getattr(_calls, "give_up", None)
+
+
 class CapacityError(ProvisioningError):
     """The provider has no room for the slice now (its hosts are busy, a zone is out of
     capacity): a fact about capacity, not a failure. The job waits in the queue and asks again."""
 
     def __init__(self, message: str, *, slice_name: str | None = None):
         super().__init__(message, slice_name=slice_name, transient=True)
+
+
+class Abandoned(CapacityError):
+    """A request given up before it reached the cloud: its job was cancelled while it waited its turn."""
 
 
 @dataclass(frozen=True)

@@ -99,3 +99,33 @@ def test_every_create_through_the_api_client_takes_its_turn():
         assert sorted(q.name.rsplit("/", 1)[-1] for q in api.client.list_queued_resources(parent=api.parent(zone))) \
             == ["paced-0", "paced-1", "paced-2"]
     assert t.slept == pytest.approx([1.0, 2.0])  # the first at once, then its turns (the fake clock stood still)
+
+
+def test_a_cancelled_job_stops_waiting_its_turn_and_gives_the_turn_back():
+    """A driver's thread gives up on its cancel (`providers.base.give_up_on`): a create waiting in the pace ends
+    with `Abandoned` (nothing created) as soon as the job is cancelled, not after the turns before it."""
+    from orchestrator.providers.base import Abandoned, CapacityError, give_up_on
+
+    pace = CreatePace(60, burst=1)
+    pace.wait()  # the burst: the next caller waits a second
+    cancelled, ended = threading.Event(), {}
+
+    def driver() -> None:
+        give_up_on(cancelled)
+        t0 = time.monotonic()
+        try:
+            pace.wait()
+            ended["how"] = "created"
+        except Abandoned as e:
+            ended["how"], ended["error"] = "abandoned", e
+        ended["after_s"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=driver)
+    pace._tokens -= 30  # 30 turns reserved before it: it would wait about half a minute
+    thread.start()
+    time.sleep(0.2)
+    cancelled.set()
+    thread.join(timeout=5)
+    assert ended["how"] == "abandoned" and ended["after_s"] < 3
+    assert isinstance(ended["error"], CapacityError) and "nothing was created" in str(ended["error"])
+    assert pace._tokens == pytest.approx(-30, abs=0.5)  # its turn went back: the next caller is no later for it

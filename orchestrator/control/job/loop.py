@@ -29,7 +29,7 @@ from orchestrator.control.launch import write_fence
 from orchestrator.domain.shape import Shape
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError, ProvisioningError
-from orchestrator.providers.base import CapacityError
+from orchestrator.providers.base import CapacityError, give_up_on
 from orchestrator.state.events import Disrupted, StateChange
 from orchestrator.state.states import FailedBecause, JobState
 from policies.decisions.recovery import Budgets, Next, Outcome, OutcomeKind, after
@@ -43,6 +43,7 @@ def start(d: JobDriver, on_exit: Callable[[str], None]) -> None:
 
 
 def main(d: JobDriver, on_exit: Callable[[str], None]) -> None:
+    give_up_on(d.cancelled)  # a request waiting its turn in the provider (a create pace) ends with a cancel
     try:
         if d.adopted:  # a group started by the previous controller: watch it to its end first
             try:

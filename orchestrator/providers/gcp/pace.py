@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from orchestrator.providers.base import Abandoned, giving_up
+
 
 @dataclass(frozen=True)
 class Polling:
@@ -59,7 +61,10 @@ class CreatePace:
 
     def wait(self) -> float:
         """Take a turn to create: at once while the bucket holds one, else after the turns before it.
-        Returns the seconds this caller waited."""
+        Returns the seconds this caller waited.
+
+        A caller whose thread gives up (`providers.base.give_up_on`: its job was cancelled) while it waits
+        gets `Abandoned`, and its turn goes back to the bucket for the next caller."""
         if self.per_minute is None:
             return 0.0
         rate = self.per_minute / 60.0
@@ -73,5 +78,11 @@ class CreatePace:
                 self.waited_s += delay
                 self.waits += 1
         if delay > 0:
-            self._sleep(delay)
+            give_up = giving_up()
+            if give_up is None:
+                self._sleep(delay)
+            elif give_up.wait(delay):
+                with self._lock:
+                    self._tokens += 1.0  # the turn it reserved, for whoever asks next
+                raise Abandoned(f"cancelled after {delay:.0f} s in the project's create pace; nothing was created")
         return delay
