@@ -177,8 +177,10 @@ class ReportSink:
             return
         self.programs.hosts_look_for(report.target)
         self.services.held.add(lambda: self.services.store.add_event(
-            self.job_id, ProgramStored(report.target, report.used, rank, reason=report.reason),
+            self.job_id, ProgramStored(report.target, report.used, rank, reason=report.reason, kept=report.kept),
             f"host {rank} loads the step compiled ahead: {report.reason}" if report.used else
+            f"host {rank} loads the step it keeps for {report.target} (compiled ahead on the hosts, or before); "
+            f"the job's storage: {report.reason}" if report.kept else
             f"host {rank} compiles the step for {report.target}: {report.reason}", at=now))
 
     def _saved(self, generation: int, rank: int, report: Saved, now: float) -> None:
