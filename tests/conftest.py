@@ -45,6 +45,11 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("cluster"))
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # xdist gives its workers COLUMNS=80; the commands' consoles, made when first imported, would keep that width,
+    # and the tests that read a table at a width of their own (COLUMNS) would get 80. A run without xdist has none.
+    os.environ.pop("COLUMNS", None)
+
 _worker_role: str | None = None  # under xdist: "cluster" or "in-process", by the first test this worker runs
 
 
