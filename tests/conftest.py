@@ -26,23 +26,41 @@ TIERS = ("unit", "checks", "numerics", "integration", "chaos", "kernels", "tpu")
 
 
 # The tiers whose tests start clusters, jobs and emulators, and the fixtures that share them. Under
-# pytest-xdist (`-n 2 --dist loadgroup`, pyproject.toml) they are one group, run in order by one worker,
-# which alone starts the session's cluster; the other worker takes the in-process tiers meanwhile.
+# pytest-xdist (`-n 2`, pyproject.toml) their tests are one unit of work (`pytest_xdist_make_scheduler`), run in
+# order by one worker, which alone starts the session's cluster; the other worker takes the in-process tiers.
 CLUSTER_TIERS = ("integration", "chaos")
 CLUSTER_FIXTURES = frozenset({"client", "session_home"})
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the group into the test's id
+def in_cluster_tier(nodeid: str) -> bool:
+    return nodeid.startswith(tuple(f"tests/{tier}/" for tier in CLUSTER_TIERS))
+
+
 def pytest_collection_modifyitems(items):
-    """Each test carries its tier's marker, the name of its folder under tests/ (`-m unit`, `-m "not numerics"`),
-    and the tests of real clusters one group (`xdist_group("cluster")`)."""
+    """Each test carries its tier's marker, the name of its folder under tests/ (`-m unit`, `-m "not numerics"`).
+    A test of the session's cluster outside the cluster tiers would start a second cluster beside the first under
+    xdist: refused."""
     tests = REPO / "tests"
     for item in items:
         parts = item.path.relative_to(tests).parts if item.path.is_relative_to(tests) else ()
         if len(parts) > 1 and parts[0] in TIERS:
             item.add_marker(parts[0])
-        if (parts and parts[0] in CLUSTER_TIERS) or CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.xdist_group("cluster"))
+        if parts and parts[0] not in CLUSTER_TIERS and CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            raise pytest.UsageError(f"{item.nodeid} uses the session's cluster: move it to tests/integration or "
+                                    "tests/chaos, whose tests run in order on one xdist worker")
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Work to the xdist workers as `--dist load` gives it, but the cluster tiers are one unit: one worker runs
+    them in order (collection order puts tests/chaos first, so that worker starts with them), the other worker
+    everything else. (xdist's own `xdist_group` does not group under pytest 9: the id it rewrites is not used.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClusterTiersTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "cluster" if in_cluster_tier(nodeid) else nodeid
+
+    return ClusterTiersTogether(config, log)
 
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
@@ -60,7 +78,7 @@ def pytest_runtest_setup(item):
     and takes what they leave idle."""
     global _worker_role
     if _worker_role is None and os.environ.get("PYTEST_XDIST_WORKER"):
-        _worker_role = "cluster" if item.get_closest_marker("xdist_group") else "in-process"
+        _worker_role = "cluster" if in_cluster_tier(item.nodeid) else "in-process"
         if _worker_role == "in-process":
             os.nice(10)
 
