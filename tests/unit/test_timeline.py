@@ -85,7 +85,8 @@ def test_status_says_what_a_move_is_doing(tmp_path):
     assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: waiting for capacity"
 
 
-def test_a_job_on_two_slices_is_not_moving(tmp_path):
+def two_slice_job_running(tmp_path) -> Store:
+    """A store with job j-1 running generation 1 on two v4-16 slices (j-1-1, j-1-1s2)."""
     s = Store(tmp_path / "state.db")
     s.create_job("j-1", "j", {"name": "j", "accelerator": "v4-16", "slices": 2, "workload": {"type": "lm"}})
     for state in (JobState.PROVISIONING, JobState.STARTING):
@@ -93,8 +94,13 @@ def test_a_job_on_two_slices_is_not_moving(tmp_path):
     for name in ("j-1-1", "j-1-1s2"):
         s.put_slice(name, "j-1", "local", "v4-16", "spot", "REQUESTED", {})
         s.put_slice(name, "j-1", "local", "v4-16", "spot", "READY", {})
-    s.add_event("j-1", Launched("j-1-1", ["n1", "n2"], [1, 2], 1, 2, ["j-1-1", "j-1-1s2"]), "launched")
+    s.add_event("j-1", Launched("j-1-1", ["n1", "n2"], [1, 2], 1, 2, ["j-1-1", "j-1-1s2"]), "launched 1")
     s.transition("j-1", JobState.RUNNING, "x", data=StateChange(generation=1), generation=1)
+    return s
+
+
+def test_a_job_on_two_slices_is_not_moving(tmp_path):
+    s = two_slice_job_running(tmp_path)
     assert move_line(s, s.job("j-1")) is None  # it said "moving to v4-16 spot: slice ready, switching ..."
     s.put_slice("j-1-2m1", "j-1", "local", "v4-32", "spot", "REQUESTED", {})  # a third, beside both: a move
     assert move_line(s, s.job("j-1")) == "moving to v4-32 spot: requesting the slice"
@@ -103,16 +109,10 @@ def test_a_job_on_two_slices_is_not_moving(tmp_path):
 def test_the_status_lines_read_the_newest_events_and_find_an_older_launch_of_the_current_generation(tmp_path):
     from orchestrator.state.events import EventKind
 
-    s = Store(tmp_path / "state.db")
-    s.create_job("j-1", "j", {"name": "j", "accelerator": "v4-16", "slices": 2, "workload": {"type": "lm"}})
-    assert s.last_event("j-1", EventKind.LAUNCHED) is None
-    for state in (JobState.PROVISIONING, JobState.STARTING):
-        s.transition("j-1", state, "x")
-    for name in ("j-1-1", "j-1-1s2"):
-        s.put_slice(name, "j-1", "local", "v4-16", "spot", "REQUESTED", {})
-        s.put_slice(name, "j-1", "local", "v4-16", "spot", "READY", {})
-    s.add_event("j-1", Launched("j-1-1", ["n1", "n2"], [1, 2], 1, 2, ["j-1-1", "j-1-1s2"]), "launched 1")
-    s.transition("j-1", JobState.RUNNING, "x", data=StateChange(generation=1), generation=1)
+    empty = Store(tmp_path / "empty.db")
+    empty.create_job("j-0", "j", {"name": "j", "accelerator": "v4-16", "workload": {"type": "lm"}})
+    assert empty.last_event("j-0", EventKind.LAUNCHED) is None
+    s = two_slice_job_running(tmp_path)
     s.add_event("j-1", Launched("j-1-1", ["n1"], [1], 2, 1, ["j-1-1"]), "launched 2")  # generation 2 starting
     assert s.last_event("j-1", EventKind.LAUNCHED).reason == "launched 2"
     assert s.last_event("j-1", EventKind.STATE).to_state is JobState.RUNNING
