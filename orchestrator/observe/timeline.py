@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass
+from typing import TypeVar
 
 from orchestrator.state.events import (
     CheckpointSaved,
@@ -37,6 +38,8 @@ from orchestrator.state.events import (
 from orchestrator.state.states import JobState, SliceState
 from orchestrator.state.store import Event, JobRecord, StepMetric, Store
 from policies.decisions.recovery import HUNG, WORKER_DIED, WORKER_UNREACHABLE
+
+G = TypeVar("G", Launched, Planned)  # an event's record that names its generation
 
 MARKER_KINDS = ("preemption", "host_lost", "worker_crash", "hung", "failure", "restore", "checkpoint", "move",
                 "adoption")
@@ -166,7 +169,7 @@ def move_line(store: Store, job: JobRecord) -> str | None:
     asked = [e for e in since if e.kind is EventKind.RESIZE]
     live = store.slices(job_id=job.id, live_only=True)
     if job.state is JobState.RUNNING:
-        launch = _launch_of(store, job)
+        launch = _of_generation(store, job, EventKind.LAUNCHED, Launched)
         running = set(launch.slice_names or [launch.slice or ""]) if launch is not None else set()
         beside = [r for r in live if r.name not in running]  # a multi-slice job's other slices are not a move
         if asked:
@@ -192,14 +195,14 @@ def move_line(store: Store, job: JobRecord) -> str | None:
     return f"moving to {target}: {phase}"
 
 
-def _launch_of(store: Store, job: JobRecord) -> Launched | None:
-    """The launch of the job's current generation (the newest launch is, but for a job launching its next)."""
-    newest = store.last_event(job.id, EventKind.LAUNCHED)
-    if newest is None or newest.payload_as(Launched).generation == job.generation:
-        return newest.payload_as(Launched) if newest is not None else None
-    launched = [p for e in store.events(job.id, kind=EventKind.LAUNCHED)
-                if (p := e.payload_as(Launched)).generation == job.generation]
-    return launched[-1] if launched else None
+def _of_generation(store: Store, job: JobRecord, kind: EventKind, record: type[G]) -> G | None:
+    """The newest `kind` event of the job's current generation, as `record`: the newest of its kind is (one row
+    read), but for a job already launching its next generation, whose events are then looked through."""
+    newest = store.last_event(job.id, kind)
+    if newest is None or (got := newest.payload_as(record)).generation == job.generation:
+        return None if newest is None else got
+    found = [p for e in store.events(job.id, kind=kind) if (p := e.payload_as(record)).generation == job.generation]
+    return found[-1] if found else None
 
 
 def deadline_line(store: Store, job: JobRecord) -> str | None:
@@ -214,9 +217,5 @@ def plan_line(store: Store, job: JobRecord) -> str | None:
     """The launch plan of the job's current generation, as it was recorded when that generation was launched
     ("gen 3 on 2 x v4-16 spot, mesh (4,2,1), 2 microbatches, checkpoint every 50 steps"); None before its first
     launch, or for a generation launched by a version that recorded none."""
-    newest = store.last_event(job.id, EventKind.PLAN)
-    if newest is not None and newest.payload_as(Planned).generation == job.generation:
-        return newest.payload_as(Planned).line
-    plans = [e.payload_as(Planned) for e in store.events(job.id, kind=EventKind.PLAN)] if newest else []
-    current = [p for p in plans if p.generation == job.generation]
-    return current[-1].line if current else None
+    plan = _of_generation(store, job, EventKind.PLAN, Planned)
+    return plan.line if plan is not None else None
