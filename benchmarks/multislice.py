@@ -44,7 +44,7 @@ from orchestrator import JobSpec, JobState  # noqa: E402
 from orchestrator.cluster import kill_host  # noqa: E402
 
 
-def spec(name: str, steps: int, slices: int, world: "Vms | None" = None) -> JobSpec:
+def spec(name: str, steps: int, slices: int, world: "Vms | None" = None, spares: bool | None = None) -> JobSpec:
     where = {} if world is None else {
         "provider": "gcp", "gcp": world.gcp, "storage": {"endpoint": world.storage.url},
         "checkpoint": {"interval_steps": 5, "directory": f"gs://bench/{name}-{secrets.token_hex(3)}"}}
@@ -52,7 +52,7 @@ def spec(name: str, steps: int, slices: int, world: "Vms | None" = None) -> JobS
         "name": name, "accelerator": "v4-16", "slices": slices,
         "workload": {"type": "lm", "steps": steps, "global_batch_size": 16, "seq_len": 64,
                      "model": {"d_model": 128, "n_layers": 2, "n_heads": 4, "d_ff": 512}},
-        "checkpoint": {"interval_steps": 5}, "recovery": {"max_preemptions": 10}, **where})
+        "checkpoint": {"interval_steps": 5}, "recovery": {"max_preemptions": 10, "spare_workers": spares}, **where})
 
 
 @dataclass
@@ -96,8 +96,8 @@ def kill(client, world: Vms | None, live, *, reset: bool) -> None:
 
 
 def disrupted(client, name: str, steps: int, slices: int, kill_at: int, world: Vms | None = None, *,
-              reset: bool = False) -> dict:
-    job = client.submit(spec(name, steps, slices, world))
+              reset: bool = False, spares: bool | None = None) -> dict:
+    job = client.submit(spec(name, steps, slices, world, spares))
     # Compiled ahead on host 0, and kept by slice 1's first host (host 2), the survivors' first if slice 0 goes.
     ahead = lambda: slices == 1 or {e.data["host"] for e in job.events() if e.kind == "ahead"} == {0, 2}  # noqa: E731
     wait_until(lambda: job.status().state is JobState.RUNNING and job.status().step >= kill_at and ahead())
@@ -115,6 +115,7 @@ def disrupted(client, name: str, steps: int, slices: int, kill_at: int, world: V
     restore = first(lambda e: e.kind == "restore")
     resumed = first(lambda e: e.kind == "resumed")
     lost = first(lambda e: e.kind == "lost_work")
+    launched = first(lambda e: e.kind == "launched")
     memory = [e for e in ev if e.kind == "memory"]
     compiled_ahead = [e for e in ev if e.kind == "ahead" and e.data["host"] == 0]
     return {
@@ -125,6 +126,7 @@ def disrupted(client, name: str, steps: int, slices: int, kill_at: int, world: V
         "steps_recomputed": lost.data["steps"], "restored_step": restore.data["restored_step"],
         "ahead_s": compiled_ahead[0].data["seconds"] if compiled_ahead else None,
         "killed_at_step": killed_step,
+        "kill_to_launched_s": launched.at - killed, "spares_taken": "the spares that waited" in launched.reason,
         "copy_every": memory[0].data["every"] if memory else None,
         "copy_s": memory[0].data["copy_s"] if memory else None,
         "copy_share_of_step": memory[0].data["copy_s"] / memory[0].data["step_s"] if memory else None,
@@ -141,16 +143,22 @@ def main() -> None:
     p.add_argument("--reset", action="store_true",
                    help="with --vms: the VM powered off with its sockets reset (peers fail at once), not silently")
     p.add_argument("--only", choices=("two_slices", "one_slice"), help="run one of the two jobs")
+    p.add_argument("--spares", choices=("default", "on", "off"), default="default",
+                   help="recovery.spare_workers: the next generation's workers started ahead on each host "
+                        "(default: the provider's: on for --vms, off locally)")
     args = p.parse_args()
     client = fresh_client()
     try:  # the two-slice job first: the one-slice job would leave the one-slice program in the cache
         with share_nothing(client) if args.vms else contextlib.nullcontext() as world:
             jobs = {"two_slices": ("two", 2), "one_slice": ("one", 1)}
-            runs = {key: disrupted(client, name, args.steps, slices, args.kill_at, world, reset=args.reset)
+            spares = {"default": None, "on": True, "off": False}[args.spares]
+            runs = {key: disrupted(client, name, args.steps, slices, args.kill_at, world, reset=args.reset,
+                                   spares=spares)
                     for key, (name, slices) in jobs.items() if args.only in (None, key)}
     finally:
         client.down()
-    result: dict = {**runs, "steps": args.steps, "kill_at": args.kill_at, "machine": machine()}
+    result: dict = {**runs, "steps": args.steps, "kill_at": args.kill_at, "spares": args.spares,
+                    "machine": machine()}
     if len(runs) == 2:
         result["ratio_to_one_slice"] = runs["two_slices"]["kill_to_next_step_s"] / runs["one_slice"][
             "kill_to_next_step_s"]
@@ -159,7 +167,8 @@ def main() -> None:
     if args.vms:
         result["power_off"] = "reset (sockets closed)" if args.reset else "silent (processes frozen, no reset)"
     name = ("multislice_vms_reset" if args.reset else "multislice_vms") if args.vms else "multislice"
-    save(name + (f"_{args.only}" if args.only else ""), result)
+    save(name + (f"_{args.only}" if args.only else "") + (f"_spares_{args.spares}" if args.spares != "default" else ""),
+         result)
     for name, r in runs.items():
         print(f"{name:18s} kill->next step {r['kill_to_next_step_s']:5.1f} s  (detect {r['detect_s']:.1f} by "
               f"{r['detected_by']}, "

@@ -59,11 +59,13 @@ def _preload_lm() -> None:
 
 
 class HostWorker:
-    def __init__(self, *, job_id: str, generation: int, rank: int, num_hosts: int, devices_per_host: int,
+    def __init__(self, *, job_id: str, generation: int, rank: int | None, num_hosts: int, devices_per_host: int,
                  compile_cache_dir: str | None,
                  controller: "tuple[str, str] | ray.actor.ActorHandle | None",  # a name, or the inbox
                  workload_type: str | None = None, claim: accelerator.HostClaim | None = None):
-        self.job_id, self.generation, self.rank, self.num_hosts = job_id, generation, rank, num_hosts
+        """`rank` None: a spare, started while `generation - 1` trains, that waits imported on its host until
+        `take` gives it its rank (`orchestrator.control.spares`)."""
+        self.job_id, self.generation, self.rank, self.num_hosts = job_id, generation, rank or 0, num_hosts
         self._devices_per_host, self._compile_cache_dir = devices_per_host, compile_cache_dir
         self._claim = claim  # what the slice says this host is (`start` checks a TPU host against it)
         self._platform = accelerator.host_platform()  # what this host is, as its Ray node's environment says
@@ -81,13 +83,14 @@ class HostWorker:
         self._storage_endpoint: str | None = None
         self._steps_total: int | None = None  # for the progress lines in the log
         self._out = LineBuffer(sys.stdout)
-        self._profiler = Profiler(rank, num_hosts, self._send)  # captures `orchestrator profile` asks for
+        self._profiler = Profiler(self.rank, num_hosts, self._send)  # captures `orchestrator profile` asks for
         sys.stdout = self._out  # what the job's code prints reaches `orchestrator logs` (and still Ray's log file)
         runtime.configure(platform=self._platform, devices_per_host=devices_per_host,
                           compile_cache_dir=compile_cache_dir)
         route_logs(self._out)
         install_sigterm(self._on_notice)
-        reaper.guard(f"{job_id}-g{generation}-w{rank}")  # what the job's code starts ends with this worker
+        # What the job's code starts ends with this worker.
+        reaper.guard(f"{job_id}-g{generation}-" + ("spare" if rank is None else f"w{rank}"))
         if workload_type == "lm":
             threading.Thread(target=_preload_lm, daemon=True, name="preload").start()
 
@@ -97,6 +100,15 @@ class HostWorker:
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "rank": self.rank,
                 "pid": os.getpid(), "multislice": self.multislice, "platform": self._platform}
+
+    def take(self, rank: int, num_hosts: int,
+             controller: "tuple[str, str] | ray.actor.ActorHandle | None") -> dict:
+        """A spare becomes rank `rank` of its generation's `num_hosts` (only then known: which slices the
+        launch has); `controller`: where it reports, which may have restarted since the spare was made."""
+        self.rank, self.num_hosts = rank, num_hosts
+        self._controller_name, self._controller = controller, None
+        self._profiler = Profiler(rank, num_hosts, self._send)
+        return self.info()
 
     def coordinator_address(self) -> str:
         ip = ray.util.get_node_ip_address()

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -36,7 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 
 from orchestrator import cluster
 from orchestrator.cluster.home import Home
-from orchestrator.control import liveness, memory, shipping
+from orchestrator.control import liveness, memory, shipping, spares
 from orchestrator.control.compile_ahead import launch_programs
 from orchestrator.control.generation import kill_workers, pg_name, where_placed, worker_name
 from orchestrator.domain.provider_facts import ReportRoute
@@ -123,15 +124,18 @@ class RayWorkerGroup:
 
     def __init__(self, store: Store, home: Home, job_id: str, spec: JobSpec, launch: Launch, *,
                  on_lost: Callable[[str], None], workers: list[ActorHandle] | None = None,
-                 pg: PlacementGroup | None = None):
+                 pg: PlacementGroup | None = None, wake: threading.Event | None = None):
         self.store, self.home, self.job_id, self.spec, self.launched = store, home, job_id, spec, launch
         self.on_lost = on_lost  # a slice whose host is gone (`Placement.mark_lost`)
+        self.wake = wake  # set when the liveness monitor finds a host lost: the driver looks at once (`silent_host`)
         self.workers: list[ActorHandle] = workers or []  # rank order: slice-major
         self.pg = pg
         self.liveness: liveness.Hosts | None = None  # None: an adopted group, whose workers beat to no one here
         self._monitor: liveness.Monitor | None = None
         self.slices = list(launch.slices)
         self.hosts = sum(s.tpu_type.hosts for s in self.slices)
+        self._nodes: list[str] | None = None  # each rank's Ray node, once launched
+        self._spares_started = False
         if workers:
             self._beats_here()
 
@@ -151,30 +155,31 @@ class RayWorkerGroup:
             return Outcome(OutcomeKind.PROVISION_FAILED,
                            f"the {len(hosts)} workers of {where} could not all be placed within {timeout:.0f} s "
                            f"(each needs {t.chips_per_host} TPU chips on its own host)", transient=True)
-        code = shipping.kept(self.home.job_dir(self.job_id))
-        env = shipping.runtime_env(code, ship_project=spec.provider_facts.ships_code)  # what the hosts cannot have
+        code, env = self._shipped()
         # A multi-slice job's first tier: each host's copy of the state outlives its worker (`workers.memory`).
         keeps = len(slices) > 1 or launch.memory_step is not None  # or the survivors of one restore from it
         keepers = [k for s in slices for k in memory.keepers(s, env)] if keeps else [None] * len(hosts)
-        actor = ray.remote(HostWorker)
+        actor, controller = ray.remote(HostWorker), _report_to(spec)
+        on_hosts = [(s, i) for s in slices for i in range(s.tpu_type.hosts)]  # rank order
+        named = [worker_name(s.name, launch.generation, i) for s, i in on_hosts]
+        waiting = spares.take(named, len(hosts), controller) if spares.wanted(spec) else [None] * len(hosts)
         self.workers = [
-            actor.options(  # type: ignore[misc]  # ray types .remote() of an actor class as the handle or the class
+            spare or actor.options(  # type: ignore[misc]  # ray types .remote() of an actor class as the handle
                 num_cpus=0, resources={"TPU": float(t.chips_per_host)}, max_concurrency=8, runtime_env=env,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
-                name=worker_name(s.name, launch.generation, i), namespace=cluster.NAMESPACE, lifetime="detached")
-            .remote(job_id=self.job_id, generation=launch.generation, rank=rank, num_hosts=len(hosts),
-                    devices_per_host=t.chips_per_host, compile_cache_dir=str(self.home.compile_cache),
-                    controller=_report_to(spec), workload_type=spec.workload.type,
-                    claim=HostClaim(s.name, t.name, i, t.generation.chip.name))
-            for rank, (s, i) in enumerate((s, i) for s in slices for i in range(s.tpu_type.hosts))
+                name=name, namespace=cluster.NAMESPACE, lifetime="detached")
+            .remote(rank=rank, num_hosts=len(hosts), **self._worker_args(controller, s.name, i))
+            for rank, ((s, i), name, spare) in enumerate(zip(on_hosts, named, waiting, strict=True))
         ]
         placed: list[dict] = ray.get([w.info.remote() for w in self.workers], timeout=timeout)
-        beat = self._watch_liveness([p["node_id"] for p in placed])
-        self.store.add_event(self.job_id, Launched(first.name, [p["node_id"] for p in placed],
-                                                   [p["pid"] for p in placed], launch.generation, len(slices),
-                                                   [s.name for s in slices]),
+        self._nodes = [p["node_id"] for p in placed]
+        beat = self._watch_liveness(self._nodes)
+        took = sum(w is not None for w in waiting)
+        self.store.add_event(self.job_id, Launched(first.name, self._nodes, [p["pid"] for p in placed],
+                                                   launch.generation, len(slices), [s.name for s in slices]),
                              f"{len(hosts)} workers of generation {launch.generation} on {where}, "
-                             f"{_platforms([p.get('platform') for p in placed])}")
+                             f"{_platforms([p.get('platform') for p in placed])}"
+                             + (f"; {took} of them the spares that waited on their hosts" if took else ""))
         coordinator: str | None = None
         if len(hosts) > 1:
             # Ray types an actor handle's methods as Never.
@@ -187,6 +192,36 @@ class RayWorkerGroup:
         others = zip(self.workers[1:], keepers[1:], strict=True)
         ray.get([w.start.remote(coordinator, order, share_key, beat, keeper=k) for w, k in others], timeout=120)
         return None
+
+    def _worker_args(self, controller: Any, slice_name: str, host: int) -> dict:
+        """What every `HostWorker` of this launch is made with but its rank (a spare learns it when taken)."""
+        t = self.slices[0].tpu_type
+        return {"job_id": self.job_id, "generation": self.launched.generation, "devices_per_host": t.chips_per_host,
+                "compile_cache_dir": str(self.home.compile_cache), "controller": controller,
+                "workload_type": self.spec.workload.type,
+                "claim": HostClaim(slice_name, t.name, host, t.generation.chip.name)}
+
+    def prepare_next(self) -> None:
+        """Once this generation has stepped: start the next one's spare worker on each host
+        (`orchestrator.control.spares`), once, where the job has spares."""
+        if self._spares_started or not self.workers or not spares.wanted(self.spec):
+            return
+        self._spares_started = True
+        nodes = self._nodes or [node for node, _ in where_placed(self.store, self.job_id, self.launched.generation)]
+        on_hosts = [(s.name, i) for s in self.slices for i in range(s.tpu_type.hosts)]
+        if len(nodes) != len(on_hosts):  # an adopted group of an older version, whose launch named no nodes
+            return
+        following, controller = self.launched.generation + 1, _report_to(self.spec)
+        spares.start(ray.remote(HostWorker), self._shipped()[1], [
+            (node, worker_name(name, following, host),
+             self._worker_args(controller, name, host) | {"generation": following, "num_hosts": self.hosts})
+            for node, (name, host) in zip(nodes, on_hosts, strict=True)])
+
+    def _shipped(self) -> tuple[shipping.Package | None, dict | None]:
+        """The job's kept code folder (None: nothing shipped), and the runtime environment its workers run in:
+        what the hosts cannot have."""
+        code = shipping.kept(self.home.job_dir(self.job_id))
+        return code, shipping.runtime_env(code, ship_project=self.spec.provider_facts.ships_code)
 
     def _order(self, *, shipped: bool) -> LaunchOrder:
         """The launch plan's order as the hosts get it: a user's program imported from the shipped copy of its
@@ -231,7 +266,8 @@ class RayWorkerGroup:
         mon = self._monitor = liveness.monitor(ray.util.get_node_ip_address())
         self.liveness = mon.watch(self.job_id, self.launched.generation, key,
                                   {rank: raylets.get(node) for rank, node in enumerate(nodes)},
-                                  liveness.Rule.for_period(period), judged_from_now=judged_from_now)
+                                  liveness.Rule.for_period(period), judged_from_now=judged_from_now,
+                                  changed=self.wake)
         return mon.address, key, period
 
     def results(self, timeout_s: float) -> list[WorkerResult | None] | None:

@@ -175,10 +175,11 @@ class Monitor:
         threading.Thread(target=self._check, daemon=True, name="liveness-check").start()
 
     def watch(self, job_id: str, generation: int, key: bytes, nodes: dict[int, Address | None],
-              rule: Rule, *, judged_from_now: bool = False) -> Hosts:
+              rule: Rule, *, judged_from_now: bool = False, changed: threading.Event | None = None) -> Hosts:
         """Watch a launch's hosts; `judged_from_now`: each as if it beat now (an adopted group's hosts, which beat
-        to another controller's monitor until told this one's, and one of which may have gone meanwhile)."""
-        hosts = Hosts(rule, nodes)
+        to another controller's monitor until told this one's, and one of which may have gone meanwhile).
+        `changed`: set when a host is found lost (the job's driver wakes on it rather than at its next poll)."""
+        hosts = Hosts(rule, nodes) if changed is None else Hosts(rule, nodes, changed=changed)
         if judged_from_now:
             now = self._clock()
             for rank in nodes:

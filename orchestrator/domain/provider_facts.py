@@ -44,16 +44,21 @@ class ProviderFacts:
     hosts_share_disk: bool
     replays_capacity_trace: bool  # `capacity_trace` may stand in for the spot capacity
     zone: str | None  # the zone every slice is in, when there is one (else the spec's zones say)
+    # A generation that has stepped starts the next one's worker process on each of its hosts, so a shrink from
+    # memory or a relaunch on the same slices does not wait for processes to start (`orchestrator.control.spares`).
+    # Off where the hosts are this machine's own processes: a spare doubles them, and its CPU is the jobs'.
+    spare_workers: bool
 
 
 PROVIDERS: dict[str, ProviderFacts] = {f.name: f for f in (
     ProviderFacts(name="local", poll_interval_s=0.2, limited_by_local_hosts=True, queues_capacity_locally=True,
                   ships_code=False, report_route=ReportRoute.DIRECT, metadata_url=None, owns_cloud_resources=False,
-                  needs_gcp_config=False, hosts_share_disk=True, replays_capacity_trace=True, zone="local"),
+                  needs_gcp_config=False, hosts_share_disk=True, replays_capacity_trace=True, zone="local",
+                  spare_workers=False),
     ProviderFacts(name="gcp", poll_interval_s=5.0, limited_by_local_hosts=False, queues_capacity_locally=False,
                   ships_code=True, report_route=ReportRoute.INBOX, metadata_url=GCE_METADATA_URL,
                   owns_cloud_resources=True, needs_gcp_config=True, hosts_share_disk=False,
-                  replays_capacity_trace=False, zone=None),
+                  replays_capacity_trace=False, zone=None, spare_workers=True),
 )}
 
 

@@ -65,6 +65,10 @@ class RecoveryConfig(_Frozen):
     regrow: bool = True
     # Where hosts long-poll for preemption notices; None: the GCE metadata server on gcp, none locally.
     metadata_url: str | None = None
+    # Once a generation steps, each of its hosts starts the next generation's worker process, which a shrink
+    # from memory or a relaunch on the same slices takes instead of starting one (`orchestrator.control.spares`).
+    # None: the provider's default (on for gcp, off for local hosts, which are this machine's processes).
+    spare_workers: bool | None = None
 
 
 class GcpConfig(_Frozen):

@@ -3,7 +3,8 @@
 A job on two 2-host slices (v4-16 x 2) trains with the per-step losses of the same job on one
 4-host slice (v4-32) through the controller, at the same global batch (1e-5). A job on three
 slices (one host each) loses them one by one: a host of one vanishes with no notice, and the job goes on on the
-other two from their own memory (0 steps recomputed, no checkpoint read); another gets a notice,
+other two from their own memory (0 steps recomputed, no checkpoint read), in the worker processes that
+waited on their hosts (`orchestrator.control.spares`); another gets a notice,
 every host stops at the same step, and the last one goes on from its memory; then the last slice
 goes, and the job falls back to storage. Its losses and final parameters equal an undisturbed
 run's (1e-5).
@@ -93,7 +94,8 @@ def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client,
     the two-slice test above covers): the third vanishes (no notice), then the second gets a notice,
     then the last one goes. The first two losses are survived from memory, the last from storage."""
     job = client.submit(spec("ms-lose", tmp_path, accelerator="v4-8", slices=3, batch=48, steps=LOSE_STEPS,
-                             regrow=False))  # adding one back: tests/unit/test_driver.py
+                             regrow=False,  # adding one back: tests/unit/test_driver.py
+                             spare_workers=True))  # the survivors take the workers waiting on their hosts
     wait_step(job, 6)
     # The survivors' program is compiled while the job trains (`workers.ahead`): they load it, not compile it.
     wait_for(lambda: kinds(job, "ahead"), timeout_s=300, what="the program for two slices compiled ahead")
@@ -109,6 +111,7 @@ def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client,
     assert lost["steps"] == 0 and lost["to_step"] == memory[0].data["restored_step"] >= 6, lost
     assert [s.name for s in live_slices(client, job)] == [first.name, second.name]  # the lost one released
     assert "the train step for 2 slice(s) was kept (compiled ahead" in job.logs(), job.logs()[-3000:]
+    assert "; 2 of them the spares that waited on their hosts" in kinds(job, "launched")[1].reason
 
     wait_step(job, lost["to_step"] + 4)  # a notice to the second slice: it stops at a step, the first goes on
     launched = kinds(job, "launched")[-1].data
@@ -120,6 +123,7 @@ def test_lost_slices_cost_no_step_and_the_last_one_falls_back_to_storage(client,
     assert [e.data.get("source") for e in kinds(job, "restore")] == ["storage", "memory", "memory"]
     assert kinds(job, "lost_work")[1].data["steps"] == 0
     assert [s.name for s in live_slices(client, job)] == [first.name]
+    assert "; 1 of them the spares that waited on their hosts" in kinds(job, "launched")[2].reason
 
     wait_step(job, kinds(job, "restore")[-1].data["restored_step"] + 4)  # the last slice goes
     kill_host(client.home, live_slices(client, job)[0].data["pgids"][0])

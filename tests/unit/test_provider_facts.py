@@ -8,6 +8,7 @@ import typing
 import pytest
 
 from orchestrator import cluster
+from orchestrator.control import spares
 from orchestrator.control.controller import Controller
 from orchestrator.domain.provider_facts import PROVIDERS, ReportRoute, facts
 from orchestrator.domain.spec import JobSpec
@@ -28,10 +29,12 @@ def test_every_provider_the_spec_accepts_has_facts_and_a_slice_provider():
 @pytest.mark.parametrize("name, expected", [
     ("local", dict(poll_interval_s=0.2, limited_by_local_hosts=True, queues_capacity_locally=True, ships_code=False,
                    report_route=ReportRoute.DIRECT, metadata_url=None, owns_cloud_resources=False,
-                   needs_gcp_config=False, hosts_share_disk=True, replays_capacity_trace=True, zone="local")),
+                   needs_gcp_config=False, hosts_share_disk=True, replays_capacity_trace=True, zone="local",
+                   spare_workers=False)),
     ("gcp", dict(poll_interval_s=5.0, limited_by_local_hosts=False, queues_capacity_locally=False, ships_code=True,
                  report_route=ReportRoute.INBOX, metadata_url=GCE_METADATA_URL, owns_cloud_resources=True,
-                 needs_gcp_config=True, hosts_share_disk=False, replays_capacity_trace=False, zone=None)),
+                 needs_gcp_config=True, hosts_share_disk=False, replays_capacity_trace=False, zone=None,
+                 spare_workers=True)),
 ])
 def test_the_facts_of_each_provider(name, expected):
     f = facts(name)
@@ -49,6 +52,14 @@ def test_a_spec_reads_its_providers_facts():
     assert JobSpec(name="a").provider_facts is facts("local")
     spec = JobSpec(name="a", provider="gcp", gcp={"project": "p", "zones": ["us-central2-b"], "bucket": "bkt"})
     assert spec.provider_facts is facts("gcp")
+
+
+@pytest.mark.parametrize("provider, chosen, wanted", [
+    ("local", None, False), ("gcp", None, True), ("local", True, True), ("gcp", False, False)])
+def test_spare_workers_are_the_providers_unless_the_spec_says(provider, chosen, wanted):
+    where = {"local": {}, "gcp": {"gcp": {"project": "p", "zones": ["us-central2-b"], "bucket": "bkt"}}}[provider]
+    spec = JobSpec.from_dict({"name": "a", "provider": provider, "recovery": {"spare_workers": chosen}, **where})
+    assert spares.wanted(spec) is wanted
 
 
 def test_fault_injection_is_the_local_providers(tmp_path):

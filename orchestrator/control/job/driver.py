@@ -57,7 +57,7 @@ def ray_group(driver: JobDriver, spec: JobSpec) -> WorkerGroup:
 
     assert driver.launched is not None, "a group is made for a launch"
     return RayWorkerGroup(driver.plane.store, driver.plane.home, driver.job_id, spec, driver.launched,
-                          on_lost=driver.placement.mark_lost)
+                          on_lost=driver.placement.mark_lost, wake=driver.wake)
 
 
 class JobDriver:
@@ -97,7 +97,8 @@ class JobDriver:
         self.launched = adoption.launch
         self.progress.adopted(adoption.launch, adoption.last_step)
         self.group = RayWorkerGroup(self.plane.store, self.plane.home, self.job_id, self.spec(), adoption.launch,
-                                    on_lost=self.placement.mark_lost, workers=adoption.workers, pg=adoption.pg)
+                                    on_lost=self.placement.mark_lost, workers=adoption.workers, pg=adoption.pg,
+                                    wake=self.wake)
 
     def spec(self) -> JobSpec:
         return self.store.job(self.job_id).spec

@@ -101,6 +101,8 @@ def _watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll
         if run.progress.started and time.monotonic() - run.progress.last_progress > hang_limit:
             return _no_progress(store, job_id, run, hang_limit)
         on_poll()
+        if run.progress.last_step_at is not None and (prepare := getattr(group, "prepare_next", None)) is not None:
+            prepare()  # the next generation's spare workers (`orchestrator.control.spares`), once it has stepped
         run.wake.wait(_wait_s(group))
 
 
