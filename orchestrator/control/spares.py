@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # How long a spare has to answer `take` before it is ended and replaced: one still starting (importing) is
 # waited for, as it is ahead of a fresh process; one on a lost host fails at once.
 TAKE_S = 60.0
-FREED_S = 5.0  # how long an ended spare's name may take to be free for the fresh worker
+FREED_S = 30.0  # how long an ended spare's name may take to be free for the fresh worker
 
 
 def wanted(spec: JobSpec) -> bool:
