@@ -21,6 +21,16 @@ Measured at each N, from outside the controller's process (this one serves the e
 - `orchestrator list` and `orchestrator status JOB` (the CLI, a process each) and the dashboard's
   jobs JSON and the metrics endpoint: latency and bytes, sampled during the run;
 - every job's end state, events, and slices left behind (in the API and in the store).
+
+    python benchmarks/fleet.py --jobs 1000 --kill-controller [--steps 120] [--tick-s 0]
+
+With `--kill-controller` the groups run in this process (`fleet_world.ScriptedHosts`), not the
+controller's. Once every job runs, the controller's process is killed (SIGKILL) and, `--down-s` later,
+a new one starts on the same store; it adopts the jobs through the controller's own pass
+(`adoption.reconcile`) while their groups train on. Measured (`kill`): from the new process's start to
+each job's driver running again on its group (p50/p99/max, and to the last), the jobs relaunched
+instead, the steps lost (done by the hosts but never recorded, or done twice), the events lost, the
+slices left behind, every job's end state. `--tick-s 0`: no spot trace (reclaims) in the run.
 """
 
 from __future__ import annotations
@@ -43,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import machine, save  # noqa: E402
 
+PROCESS_T0 = time.time()  # a controller's process started (about: before its imports)
 TRACE = ROOT / "policies/evaluation/traces/preemption/4-node"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -66,24 +77,37 @@ def job_spec(i: int, endpoint: str, *, steps: int, autoscale: bool) -> dict:
 
 
 def child(args: argparse.Namespace) -> int:
-    """The controller: start N drivers, run until every job ended, write what only it knows."""
+    """The controller: start N drivers (or, `--adopt`, adopt those an earlier one ran), run until every job
+    ended, write what only it knows."""
+    import logging
+
     from benchmarks import fleet_world
     from benchmarks.fleet_world import FleetWorld, Writes
     from orchestrator.control.job import loop
 
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    imported = time.time()
     loop.write_fence = lambda spec, generation, owner=None: fleet_world.FENCES.__setitem__(0, fleet_world.FENCES[0] + 1)
     out = Path(args.home)
+    part = "adopter" if args.adopt else "child"
     with Writes().installed() as writes:
         world = FleetWorld(out / "home", args.endpoint, step_s=args.step_s, notice_every=args.notice_every,
                            seed=args.seed, list_over=args.list_over,
-                           creates_per_minute=args.creates_per_minute or None)
+                           creates_per_minute=args.creates_per_minute or None, hosts=args.hosts)
+        built = time.time()
         token = world.home.token_file.read_text().strip() if world.home.token_file.exists() else ""
         (out / "serving.json").write_text(json.dumps({"metrics": f"http://127.0.0.1:{world.metrics_port}/metrics",
                                                       "dashboard": world.dashboard_url, "token": token}))
         t0 = time.time()
-        for i in range(args.n):
-            world.submit(f"fleet-{i:04d}", job_spec(i, args.endpoint, steps=args.steps,
-                                                    autoscale=i % args.autoscale_every == 0))
+        if args.adopt:
+            reconciled = _reconcile(world, out, profile=args.profile_adoption)
+            (out / "reconcile.json").write_text(json.dumps({**reconciled, "process_started": PROCESS_T0,
+                                                            "imported": imported, "world_built": built,
+                                                            "reconcile_started": t0, "reconcile_ended": time.time()}))
+        else:
+            for i in range(args.n):
+                world.submit(f"fleet-{i:04d}", job_spec(i, args.endpoint, steps=args.steps,
+                                                        autoscale=i % args.autoscale_every == 0))
         submit_s = time.time() - t0
         cancelled_at = None
         while world.running() and time.time() - t0 < args.max_s:
@@ -94,7 +118,7 @@ def child(args: argparse.Namespace) -> int:
                 driver.cancel()
             while world.running() and time.time() - cancelled_at < 120:
                 time.sleep(0.2)
-        (out / "child.json").write_text(json.dumps({
+        (out / f"{part}.json").write_text(json.dumps({
             "submit_s": round(submit_s, 2), "run_s": round(time.time() - t0, 1), "writes": writes.count,
             "fences_skipped": fleet_world.FENCES[0], "notices": world.notices, "still_running": world.running(),
             "cancelled_after_s": None if cancelled_at is None else round(cancelled_at - t0, 1),
@@ -104,6 +128,40 @@ def child(args: argparse.Namespace) -> int:
                             "waited_s": round(world.gcp._api.pace.waited_s, 1)}}))
         world.stop()
     return 0
+
+
+def _reconcile(world, out: Path, *, profile: bool) -> dict:
+    """The restarted controller's adoption pass; with `profile`, its thread's stack sampled every 20 ms (a
+    sampling profiler: cProfile would slow the pass it measures), the functions most often on it to a file."""
+    if not profile:
+        return world.reconcile()
+    main, samples, done = threading.get_ident(), [], threading.Event()
+
+    def sample() -> None:
+        while not done.wait(0.02):
+            frame = sys._current_frames().get(main)
+            stack = []
+            while frame is not None:
+                stack.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
+                frame = frame.f_back
+            samples.append(stack)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        return world.reconcile()
+    finally:
+        done.set()
+        sampler.join()
+        inclusive: dict[str, int] = {}
+        for stack in samples:
+            for name in set(stack):
+                inclusive[name] = inclusive.get(name, 0) + 1
+        top = sorted(inclusive.items(), key=lambda kv: -kv[1])[:60]
+        (out / "reconcile_profile.txt").write_text(f"{len(samples)} samples of the pass's thread, every 20 ms; "
+                                                   "share of them with the function on the stack:\n" +
+                                                   "\n".join(f"{n / max(1, len(samples)):6.1%}  {name}"
+                                                              for name, n in top) + "\n")
 
 
 # -- around it ---------------------------------------------------------------------------------
@@ -204,9 +262,9 @@ class Queries(threading.Thread):
             pass
         if self.done.is_set():
             return
-        urls = json.loads(serving.read_text())
         home = self.out / "home"
         while not self.done.wait(self.every_s):
+            urls = json.loads(serving.read_text())  # a restarted controller serves them anew
             for name, fn in (("list", lambda: timed_cli(["list"], home)),
                              ("status", lambda: timed_cli(["status", "fleet-0000"], home)),
                              ("dashboard_jobs", lambda: timed_get(urls["dashboard"].rstrip("/") + "/api/overview",
@@ -305,8 +363,124 @@ def from_store(db: Path, reclaims: list[tuple[str, float]]) -> dict:
             "event_kinds": kinds, "job_hours": sum(lifetimes) / 3600}
 
 
+def _store_now(db: Path) -> tuple[dict[str, str], dict[str, int]]:
+    """Each job's state and newest recorded step, read while a controller writes the store."""
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        states = dict(con.execute("SELECT id, state FROM jobs").fetchall())
+        steps = dict(con.execute("SELECT job_id, MAX(step) FROM steps GROUP BY job_id").fetchall())
+    finally:
+        con.close()
+    return states, steps
+
+
+def _have_run(db: Path) -> int:
+    """How many jobs have been RUNNING (a notice's or a move's relaunch keeps a few between two launches at
+    any time: all N RUNNING at once may not come)."""
+    con = sqlite3.connect(db, timeout=30)
+    try:
+        return con.execute("SELECT COUNT(DISTINCT job_id) FROM events WHERE to_state='RUNNING'").fetchone()[0]
+    finally:
+        con.close()
+
+
+def kill_and_restart(proc: subprocess.Popen, cmd: list[str], out: Path, n: int, hosts,
+                     args: argparse.Namespace) -> tuple[dict, subprocess.Popen]:
+    """Once all N jobs have run (or `--kill-wait-s` passed) and `--kill-after-s` more: SIGKILL the controller, and
+    `--down-s` later start a new one on the same store (`--adopt`). What the store and hosts held at the kill."""
+    db = out / "home" / "state.db"
+    t0 = time.time()
+    while time.time() - t0 < args.kill_wait_s and proc.poll() is None:
+        if db.exists() and _have_run(db) >= n:
+            break
+        time.sleep(1.0)
+    time.sleep(args.kill_after_s)
+    states, steps = _store_now(db)
+    with hosts._cond:
+        hosts_steps = {job: s.step for (job, _), s in hosts.scripts.items() if s.ended is None}
+    load, killed_at = os.getloadavg(), time.time()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(args.down_s)
+    restarted_at = time.time()
+    proc = subprocess.Popen([*cmd, "--adopt"], stdout=open(out / "adopter.log", "wb"), stderr=subprocess.STDOUT)
+    running = sum(st == "RUNNING" for st in states.values())
+    print(f"killed the controller {killed_at - t0:.0f} s into the run ({running} of {n} RUNNING); "
+          f"restarted {restarted_at - killed_at:.1f} s later", flush=True)
+    return {"waited_for_running_s": round(killed_at - t0, 1), "states_at_kill": states, "steps_at_kill": steps,
+            "host_steps_at_kill": hosts_steps, "load_at_kill": [round(x, 1) for x in load],
+            "killed_at": killed_at, "restarted_at": restarted_at}, proc
+
+
+def kill_figures(db: Path, out: Path, kill: dict, hosts, steps: int) -> dict:
+    """What the restart cost: when each job was adopted again, which were relaunched, and what was lost."""
+    rec = json.loads((out / "reconcile.json").read_text()) if (out / "reconcile.json").exists() else {}
+    spawn = kill["restarted_at"]
+    active = sorted(j for j, st in kill["states_at_kill"].items() if st not in ("SUCCEEDED", "FAILED", "CANCELLED"))
+    adopted, started = set(rec.get("adopted", [])), rec.get("started", {})
+    running = [j for j in active if kill["states_at_kill"][j] in ("RUNNING", "STARTING")]
+    to_adopt = [started[j] - spawn for j in adopted if j in started]
+    to_find = [t - spawn for t in rec.get("found", {}).values()]  # each group found by the pass
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    lost: dict[str, dict] = {}
+    doubled = unrecorded = redone = lost_before = 0
+    for job in active:
+        counts = dict(con.execute("SELECT step, COUNT(*) FROM steps WHERE job_id=? GROUP BY step", (job,)).fetchall())
+        high = max(counts, default=-1)
+        gaps = [s for s in range(high + 1) if s not in counts]  # done (a later step was) but never recorded
+        before = kill["steps_at_kill"].get(job)
+        gone = [s for s in range(before + 1) if s not in counts] if before is not None else []
+        twice = sum(c - 1 for c in counts.values())
+        again = hosts.steps_done.get(job, 0) - (high + 1)  # steps the hosts did more than once (a relaunch's)
+        doubled, unrecorded, redone, lost_before = doubled + twice, unrecorded + len(gaps), redone + again, \
+            lost_before + len(gone)
+        if gaps or twice or again or gone:
+            lost[job] = {"unrecorded": gaps[:20], "recorded_twice": twice, "done_again": again,
+                         "recorded_before_kill_gone": len(gone)}
+    adopted_events = dict(con.execute("SELECT job_id, COUNT(*) FROM events WHERE kind='adopted' GROUP BY job_id"))
+    saves_recorded = dict(con.execute("SELECT job_id, COUNT(*) FROM events WHERE kind='checkpoint' GROUP BY job_id"))
+    ends = dict(con.execute("SELECT job_id, COUNT(*) FROM events WHERE to_state IN ('SUCCEEDED', 'FAILED', "
+                            "'CANCELLED') GROUP BY job_id"))
+    bad_slices = []
+    for name, job, state in con.execute("SELECT name, job_id, state FROM slices").fetchall():
+        seen = [s for (s,) in con.execute("SELECT json_extract(data, '$.state') FROM events WHERE kind='slice' AND "
+                                          "job_id=? AND json_extract(data, '$.name')=? ORDER BY seq", (job, name))]
+        if not (seen and seen[0] == "REQUESTED" and seen[-1] == state):
+            bad_slices.append((name, seen, state))
+    con.close()
+    unsaved = {j: hosts.saves.get(j, 0) - saves_recorded.get(j, 0) for j in active
+               if hosts.saves.get(j, 0) != saves_recorded.get(j, 0)}
+    return {
+        "jobs_active_at_kill": len(active), "running_at_kill": len(running), "adopted": len(adopted & set(active)),
+        # a job RUNNING (or STARTING) at the kill whose group was not adopted: relaunched, its steps since its
+        # last checkpoint done again
+        "relaunched": sorted(set(running) - adopted),
+        # the others (between two launches: a notice's, a move's) start their next launch as they would have
+        "not_running_at_kill": {st: sum(kill["states_at_kill"][j] == st for j in active if j not in running)
+                                for st in sorted({kill["states_at_kill"][j] for j in active}) if st not in
+                                ("RUNNING", "STARTING")},
+        "process_start_to_reconcile_s": round(rec["reconcile_started"] - spawn, 2) if rec else None,
+        "reconcile_s": round(rec["reconcile_ended"] - rec["reconcile_started"], 2) if rec else None,
+        "to_adopt_s": {"n": len(to_adopt), "p50": pct(to_adopt, 0.5), "p99": pct(to_adopt, 0.99),
+                       "max": pct(to_adopt, 1.0)},
+        "to_find_s": {"n": len(to_find), "p50": pct(to_find, 0.5), "p99": pct(to_find, 0.99), "max": pct(to_find, 1.0)},
+        "down_s": round(spawn - kill["killed_at"], 2), "waited_for_running_s": kill["waited_for_running_s"],
+        "load_at_kill": kill["load_at_kill"],
+        "steps": {"recorded_twice": doubled, "unrecorded": unrecorded, "done_again": redone,
+                  "recorded_before_kill_gone": lost_before, "by_job": dict(list(lost.items())[:20])},
+        "events": {"adopted_recorded": sum(adopted_events.values()),
+                   "jobs_adopted_twice": sorted(j for j, c in adopted_events.items() if c > 1),
+                   "ends_not_once": sorted(j for j in active if ends.get(j, 0) != 1),
+                   "slices_with_broken_history": bad_slices[:10],
+                   "checkpoints_unrecorded": sum(max(0, d) for d in unsaved.values()),
+                   "checkpoints_unrecorded_jobs": len(unsaved)},
+        "hosts": {"steps_done": sum(hosts.steps_done.values()), "dropped_messages": hosts.dropped,
+                  "notices": hosts.notices, "still_training": hosts.running()},
+    }
+
+
 def run_one(n: int, args: argparse.Namespace) -> dict:
-    from benchmarks.fleet_world import ZONE
+    from benchmarks.fleet_world import ZONE, ScriptedHosts
     from orchestrator.emulator import running_emulator
 
     out = Path(tempfile.mkdtemp(prefix=f"fleet-{n}-"))
@@ -324,14 +498,27 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                "--max-s", str(args.max_s), "--notice-every", str(args.notice_every),
                "--autoscale-every", str(args.autoscale_every), "--seed", str(args.seed),
                "--creates-per-minute", str(args.creates_per_minute),
-               *(["--list-over", str(args.list_over)] if args.list_over is not None else [])]
+               *(["--list-over", str(args.list_over)] if args.list_over is not None else []),
+               *(["--profile-adoption"] if args.profile_adoption else [])]
+        hosts = None
+        if args.kill_controller:  # the groups here, where they outlive the controller's process
+            hosts = ScriptedHosts(step_s=args.step_s, notice_every=args.notice_every, seed=args.seed)
+            cmd += ["--hosts", hosts.address]
         weather, queries = Weather(emu, n, args.tick_s), Queries(out, args.query_every_s)
         log = open(out / "child.log", "wb")
         t0 = time.time()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         sampler = Sampler(proc.pid)
-        for t in (sampler, weather, queries):
+        threads = [sampler, queries, *([weather] if args.tick_s > 0 else [])]
+        for t in threads:
             t.start()
+        kill, first = None, None
+        if hosts is not None:
+            kill, proc = kill_and_restart(proc, cmd, out, n, hosts, args)
+            sampler.done.set()
+            first, sampler = sampler, Sampler(proc.pid)
+            sampler.start()
+            threads.append(sampler)
         try:
             proc.wait(timeout=args.max_s + 240)
         except subprocess.TimeoutExpired:
@@ -340,16 +527,21 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         wall = time.time() - t0
         if proc.returncode != 0:
             print(f"the controller's process ended with {proc.returncode}; its log's end:\n"
-                  + (out / "child.log").read_text()[-3000:], flush=True)
-        for t in (sampler, weather, queries):
+                  + (out / ("adopter.log" if kill else "child.log")).read_text()[-3000:], flush=True)
+        for t in threads:
             t.done.set()
         queries.join(timeout=150)
         with emu.world._cond:
             left_in_api = [q.name for q in emu.world._qrs.values() if q.state != "DELETING"]
         api_total = sum(counts.values())
-    childj = json.loads((out / "child.json").read_text()) if (out / "child.json").exists() else {}
+    part = out / ("adopter.json" if kill else "child.json")
+    childj = json.loads(part.read_text()) if part.exists() else {}
     db = out / "home" / "state.db"
     store = from_store(db, weather.reclaims)
+    if kill is not None:
+        kill = kill_figures(db, out, kill, hosts, args.steps)
+        if first is not None and first.samples:
+            kill["first_controller_rss_peak_mib"] = round(max(x[1] for x in first.samples) / 2**20, 1)
     size = sum(p.stat().st_size for p in db.parent.glob("state.db*"))
     samples = sampler.samples
     run_s = childj.get("run_s") or wall
@@ -379,7 +571,7 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
         "queries": q, "query_errors": queries.errors[:10],
         "job_states": store["job_states"], "live_slices_in_store": store["live_slices_in_store"],
         "left_in_api": len(left_in_api), "event_kinds": store["event_kinds"],
-        "child": childj, "dir": str(out),
+        "child": childj, "dir": str(out), **({"kill": kill} if kill is not None else {}),
     }
 
 
@@ -401,8 +593,17 @@ def main() -> int:
     p.add_argument("--list-over", type=int, default=None,
                    help="the gcp provider's Polling.list_over (default: its own); 1000000: a GET per slice per look, "
                         "as before the zone listing")
+    p.add_argument("--kill-controller", action="store_true",
+                   help="groups outside the controller; once all jobs run, SIGKILL it and start another (adoption)")
+    p.add_argument("--kill-wait-s", type=float, default=900.0, help="the longest to wait for every job to run")
+    p.add_argument("--kill-after-s", type=float, default=10.0, help="then this long before the kill")
+    p.add_argument("--down-s", type=float, default=5.0, help="no controller runs for this long")
+    p.add_argument("--profile-adoption", action="store_true",
+                   help="sample the restarted controller's adoption pass (its stack every 20 ms)")
     p.add_argument("--out", default="fleet", help="results/<out>.json")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--adopt", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--hosts", help=argparse.SUPPRESS)
     p.add_argument("--home", help=argparse.SUPPRESS)
     p.add_argument("--endpoint", help=argparse.SUPPRESS)
     p.add_argument("--n", type=int, help=argparse.SUPPRESS)
@@ -416,13 +617,16 @@ def main() -> int:
     for n in ns:
         print(f"N={n} ...", flush=True)
         runs.append(run_one(n, args))
-        print(json.dumps({k: runs[-1][k] for k in ("jobs", "controller", "reclaim_to_next_request_s", "tpu_api")}),
-              flush=True)
+        print(json.dumps({k: runs[-1][k] for k in ("jobs", "controller", "reclaim_to_next_request_s", "tpu_api",
+                                                   "job_states", "left_in_api", "live_slices_in_store", "kill")
+                          if k in runs[-1]})[:4000], flush=True)
     load = os.getloadavg()
     save(args.out if not args.quick else args.out + "_quick", {
         "benchmark": "fleet", "machine": machine(), "load_average_at_end": [round(x, 1) for x in load],
         "settings": {k: getattr(args, k) for k in ("steps", "step_s", "tick_s", "time_scale", "max_s",
-                                                    "notice_every", "autoscale_every", "seed", "list_over")},
+                                                    "notice_every", "autoscale_every", "seed", "list_over",
+                                                    "creates_per_minute", "kill_controller", "kill_after_s",
+                                                    "down_s", "profile_adoption")},
         "runs": runs})
     return 0
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 from orchestrator import cluster
 from orchestrator.control import ownership, shipping
-from orchestrator.control.adoption import adopt
+from orchestrator.control.adoption import reconcile
 from orchestrator.control.job import loop
 from orchestrator.control.job.driver import JobDriver
 from orchestrator.control.ownership import OnExisting
@@ -43,7 +43,7 @@ from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import IllegalTransitionError, JobStateError, StoreFaultError
 from orchestrator.providers.base import Slice, SliceProvider
 from orchestrator.providers.local import LocalProvider, release_recorded
-from orchestrator.state.events import Adopted, ResizeAsked, SliceChanged, StoreFaulted
+from orchestrator.state.events import ResizeAsked, SliceChanged, StoreFaulted
 from orchestrator.state.states import JobState
 from orchestrator.state.store import SliceRow, Store
 from workers.protocol import Report
@@ -345,24 +345,7 @@ class Controller:
 
     def _reconcile(self) -> None:
         """After a restart: adopt each job's running worker group, or clean up and relaunch."""
-        live: dict[str, list[SliceRow]] = {}
-        for rec in self.store.slices(live_only=True):
-            live.setdefault(rec.job_id, []).append(rec)
-        for job in self.store.jobs(active_only=True):
-            adoption, history = adopt(self, job, live.pop(job.id, []))
-            driver = JobDriver(self, job.id, adoption)
-            if adoption is not None:
-                missed = driver.progress.record_missed(job.generation, history)
-                self.store.add_event(job.id, Adopted(), f"the controller restarted and adopted the running "
-                                     f"generation {job.generation} ({missed} missed steps recorded)")
-            elif job.state in (JobState.STARTING, JobState.RUNNING):  # its workers went with the cluster
-                loop.lost_with_the_cluster(driver, job.generation)
-            elif job.state not in (JobState.PENDING, JobState.QUEUED, JobState.RECOVERING):
-                driver.transition(JobState.RECOVERING, "the controller restarted; relaunching")
-            self._start(driver)
-        for recs in live.values():  # slices of jobs that are over
-            for rec in recs:
-                self.release_record(rec)
+        reconcile(self, lambda job_id, adoption: JobDriver(self, job_id, adoption), self._start)
 
 
 class _LogFile(logging.FileHandler):

@@ -2,16 +2,20 @@
 provider on the TPU API emulator, scripted hosts. Every job must end SUCCEEDED (that end recorded once) with
 every step recorded once, every slice's history must run from its request to the state the store holds, a
 reclaimed slice's job must go on on a new slice, and no slice may be left behind; and with
-more slices than `Polling.list_over` the provider looks at them through the zone's listing, not a GET each."""
+more slices than `Polling.list_over` the provider looks at them through the zone's listing, not a GET each.
+And at N=20 with the groups outside the controller's process, the controller killed (SIGKILL) once every
+job runs: the restarted one adopts every job on its running group through the controller's own adoption pass,
+and no step is lost or done twice, no slice left behind, every job ends SUCCEEDED once."""
 
 from __future__ import annotations
 
+import argparse
 import sqlite3
 import time
 
 import pytest
 
-from benchmarks import fleet_world
+from benchmarks import fleet, fleet_world
 from benchmarks.fleet import job_spec
 from benchmarks.fleet_world import FleetWorld
 from orchestrator.control.job import loop
@@ -84,3 +88,22 @@ def test_a_fleet_ends_as_it_should_looking_at_each_slice(tmp_path, no_fence):
     world, counts, reclaimed = _run(tmp_path, list_over=1_000_000)
     _check_store(world, reclaimed)
     assert counts["queuedResources.list"] == 0 and counts["queuedResources.get"] > 0
+
+
+def test_a_restarted_controller_adopts_every_running_job_and_loses_no_step():
+    args = argparse.Namespace(steps=40, step_s=0.25, time_scale=0.005, max_s=120.0, notice_every=0, autoscale_every=4,
+                              seed=0, creates_per_minute=0, list_over=None, tick_s=0, query_every_s=1000.0,
+                              kill_controller=True, kill_wait_s=60.0, kill_after_s=1.0, down_s=1.0,
+                              profile_adoption=False)
+    run = fleet.run_one(20, args)
+    kill = run["kill"]
+    assert run["exit_code"] == 0 and run["job_states"] == {"SUCCEEDED": 20}
+    assert kill["running_at_kill"] == 20 and kill["adopted"] == 20 and kill["relaunched"] == []
+    assert kill["to_adopt_s"]["n"] == 20
+    steps = kill["steps"]
+    assert (steps["unrecorded"], steps["recorded_twice"], steps["done_again"], steps["recorded_before_kill_gone"]) \
+        == (0, 0, 0, 0), steps
+    events = kill["events"]
+    assert events["adopted_recorded"] == 20 and events["jobs_adopted_twice"] == [] and events["ends_not_once"] == []
+    assert events["slices_with_broken_history"] == []
+    assert run["left_in_api"] == 0 and run["live_slices_in_store"] == 0

@@ -1,0 +1,158 @@
+"""Adoption finds a job's running group through a `GroupFinder` (Ray's named actors in the controller, the
+fleet benchmark's scripted groups outside it): a group found is adopted with the finder's own group and its
+history's newest step; one that cannot be found is discarded through the same finder and its slices
+released. A whole reconcile lists each cloud provider once, not once per job (one out of reach: once, holding
+nothing)."""
+
+from __future__ import annotations
+
+from benchmarks.fleet import job_spec
+from orchestrator import catalog
+from orchestrator.control.adoption import CloudListing, Found, adopt
+from orchestrator.domain.spec import JobSpec
+from orchestrator.providers.base import Slice
+from orchestrator.state.events import Launched
+from orchestrator.state.states import JobState, SliceState
+from orchestrator.state.store import SliceRow, Store
+
+
+class _Local:
+    """This machine's hosts, as adoption follows them again."""
+
+    def __init__(self):
+        self.followed: dict[str, Slice] = {}
+
+    def adopt(self, s: Slice, pgids) -> None:
+        self.followed[s.name] = s
+
+    def get(self, name: str) -> Slice:
+        return self.followed[name]
+
+
+class _Plane:
+    def __init__(self, store: Store):
+        self.store, self.provider, self.released = store, _Local(), []
+
+    def provider_for(self, spec):
+        return self.provider
+
+    def release_record(self, rec: SliceRow) -> None:
+        self.released.append(rec.name)
+
+
+class _Finder:
+    def __init__(self, history=None, error: Exception | None = None):
+        self.history, self.error, self.discarded = history or [], error, []
+
+    def find(self, store, job, running) -> Found:
+        if self.error is not None:
+            raise self.error
+        return Found([], None, self.history, group=("scripted", job.id, job.generation))
+
+    def discard(self, job, running) -> None:
+        self.discarded.append((job.id, job.generation, [r.name for r in running]))
+
+
+def _running_job(tmp_path) -> tuple[Store, list[SliceRow]]:
+    store = Store(tmp_path / "state.db")
+    spec = job_spec(0, "http://127.0.0.1:1", steps=10, autoscale=False)
+    del spec["gcp"]
+    store.create_job("j", "j", JobSpec.from_dict({**spec, "provider": "local"}).model_dump(mode="json"))
+    for state in (JobState.PROVISIONING, JobState.STARTING, JobState.RUNNING):
+        store.transition("j", state, "on its way")
+    store.bump_generation("j")
+    store.add_event("j", Launched("j-1", ["n0", "n1"], None, 1, 1, ["j-1"]), "gen 1")
+    data = {"pgids": [], "hosts": ["h0", "h1"], "zone": None}
+    return store, [SliceRow("j-1", "j", "local", "v4-16", "spot", SliceState.READY, data, 0.0),
+                   SliceRow("j-2m1", "j", "local", "v4-16", "spot", SliceState.REQUESTED, data, 0.0)]
+
+
+def test_a_found_group_is_adopted_as_the_finder_found_it(tmp_path):
+    store, slices = _running_job(tmp_path)
+    plane, finder = _Plane(store), _Finder(history=[{"step": 6, "loss": 0.5}, {"step": 7, "loss": 0.4}])
+    adoption, history = adopt(plane, store.job("j"), slices, groups=finder)
+    assert adoption is not None and adoption.group == ("scripted", "j", 1)
+    assert adoption.last_step == 7 and [h["step"] for h in history] == [6, 7]
+    assert [s.name for s in adoption.launch.slices] == ["j-1"] and adoption.launch.generation == 1
+    assert adoption.provider is plane.provider and list(plane.provider.followed) == ["j-1"]
+    assert plane.released == ["j-2m1"] and finder.discarded == []  # the request beside it given back, no more
+
+
+def test_a_group_not_found_is_discarded_through_the_finder_and_its_slices_released(tmp_path):
+    store, slices = _running_job(tmp_path)
+    plane, finder = _Plane(store), _Finder(error=RuntimeError("the hosts hold no group of this generation"))
+    adoption, history = adopt(plane, store.job("j"), slices, groups=finder)
+    assert adoption is None and history == []
+    assert finder.discarded == [("j", 1, ["j-1"])]
+    assert sorted(plane.released) == ["j-1", "j-2m1"] and plane.provider.followed == {}
+
+
+class _Cloud:
+    def __init__(self, slices: list[Slice]):
+        self.slices, self.lists = slices, 0
+
+    def list(self, *, job_id: str | None = None) -> list[Slice]:
+        self.lists += 1
+        return [s for s in self.slices if job_id is None or s.job_id == job_id]
+
+
+def test_a_reconcile_lists_each_cloud_once_and_finds_a_jobs_slices_by_its_id_or_label():
+    t = catalog.lookup("v4-16")
+    cloud = _Cloud([Slice(name, job, t, catalog.Tier.SPOT, "z", SliceState.READY, (), "gcp")
+                    for name, job in (("a-1", "Job-A"), ("a-2", "job-a"), ("b-1", "job-b"))])
+    listing = CloudListing()
+    assert [s.name for s in listing.of(cloud, "Job-A")] == ["a-1", "a-2"]  # "job-a" is Job-A's label value
+    assert [s.name for s in listing.of(cloud, "job-b")] == ["b-1"]
+    assert listing.of(cloud, "job-c") == []
+    assert cloud.lists == 1
+
+
+class _Unreachable:
+    name = "gcp"
+
+    def __init__(self):
+        self.lists = 0
+
+    def list(self, *, job_id: str | None = None) -> list[Slice]:
+        self.lists += 1
+        raise ConnectionError("the TPU API is out of reach")
+
+
+def test_a_cloud_out_of_reach_holds_nothing_for_the_pass_and_is_asked_once():
+    cloud, listing = _Unreachable(), CloudListing()
+    assert listing.of(cloud, "job-a") == [] and listing.of(cloud, "job-b") == []
+    assert cloud.lists == 1
+
+
+class _CloudPlane(_Plane):
+    def __init__(self, store: Store, cloud):
+        super().__init__(store)
+        self.cloud = cloud
+
+    def provider_for(self, spec):
+        return self.cloud
+
+
+class _HeldCloud(_Cloud):
+    name = "gcp"
+
+    def __init__(self, slices: list[Slice]):
+        super().__init__(slices)
+        self.released: list[str] = []
+
+    def release(self, name: str) -> None:
+        self.released.append(name)
+
+
+def test_a_relaunched_gcp_job_gives_back_what_the_cloud_still_holds_for_it(tmp_path):
+    """Its slice GONE in the store (so not among its live slices) but ACTIVE in the API: released, not leaked."""
+    store = Store(tmp_path / "state.db")
+    store.create_job("j", "j", JobSpec.from_dict(job_spec(0, "http://127.0.0.1:1", steps=10, autoscale=False))
+                     .model_dump(mode="json"))
+    for state in (JobState.PROVISIONING, JobState.STARTING, JobState.RUNNING):
+        store.transition("j", state, "on its way")
+    t = catalog.lookup("v4-16")
+    cloud = _HeldCloud([Slice(name, job, t, catalog.Tier.SPOT, "z", SliceState.READY, (), "gcp")
+                        for name, job in (("j-1", "j"), ("k-1", "k"))])
+    adoption, _ = adopt(_CloudPlane(store, cloud), store.job("j"), [], groups=_Finder())
+    assert adoption is None and cloud.released == ["j-1"]
