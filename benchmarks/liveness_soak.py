@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import fresh_client, machine, save, wait_until  # noqa: E402
 from benchmarks.multislice import Vms, share_nothing  # noqa: E402
 from orchestrator import JobSpec, JobState  # noqa: E402
+from orchestrator.errors import JobStateError  # noqa: E402
 
 RTOL = 1e-5  # per-step losses against the undisturbed run, as tests/chaos/test_multislice.py
 POLL_S = 0.5  # the events carry their times: polling faster measures nothing better and loads the machine
@@ -86,6 +87,15 @@ def back_on_two_slices(job, after: float, gap: int) -> float | None:
     at, base = events(job, "launched")[-1].at, job.status().step
     wait_until(lambda: job.status().done or job.status().step >= base + gap, timeout_s=900, poll_s=POLL_S)
     return None if job.status().done else at
+
+
+def end(job) -> None:
+    """Cancel the job unless it has ended (on its own, or cancelled from outside), and wait until it has."""
+    try:
+        job.cancel()
+    except JobStateError:  # it ended first
+        pass
+    wait_until(lambda: job.status().done, timeout_s=300, poll_s=POLL_S)
 
 
 def losses(job) -> dict[int, float]:
@@ -152,8 +162,7 @@ def soak(client, world: Vms, minutes: float, burners: Burners) -> dict:
         print(f"soak: {each_minute[-1]}", flush=True)
     ran_s = time.monotonic() - started
     steps_done = job.status().step - first_step
-    job.cancel()
-    wait_until(lambda: job.status().done, timeout_s=300, poll_s=POLL_S)
+    end(job)
     false = disruptions(job, wall)
     return {"minutes": round(ran_s / 60, 2), "steps_done": steps_done, "each_minute": each_minute,
             "load_avg_1min": spread([m["load_avg_1min"] for m in each_minute]),
@@ -208,13 +217,11 @@ def kills(client, world: Vms, n: int, steps: int, gap: int, burners: Burners, bu
                          "kill_to_next_step_s": None, "kill_to_two_slices_s": None, "steps_recomputed": None})
         print(f"kill {len(done)}: {done[-1]}", flush=True)
         ready = done[-1]["kill_to_two_slices_s"] is not None
-    job.cancel()
-    wait_until(lambda: job.status().done, timeout_s=300, poll_s=POLL_S)
+    end(job)
     got = losses(job)
     wait_until(lambda: reference.status().done or reference.status().step > max(got, default=0), timeout_s=1800,
                poll_s=POLL_S)
-    reference.cancel()
-    wait_until(lambda: reference.status().done, timeout_s=300, poll_s=POLL_S)
+    end(reference)
     diff = max_relative_difference(got, losses(reference))
     all_disruptions, ref_false = disruptions(job, wall), disruptions(reference, wall)
     detected = [k for k in done if k["detected_by_beats"]]
