@@ -69,23 +69,6 @@ token) subject to meeting the deadline. The decision rule, in `decide`:
 
 Neither rule has a constant of its own: both compare a learned stretch with restart figures.
 
-6. No spot the safety net would take back before it pays (issue 38). While the job could still
-   leave on-demand, a move to a spot size, or a request for it kept beside the running slice, is a
-   candidate only while the slack left after its start, falling at the share of the fastest
-   on-demand speed the spot size lacks, outlasts two startups and a reclaim's loss
-   (`_spot_pays_before_net`). Near the end of a job a spot request beside on-demand was asked for
-   and let go every few minutes, never usable.
-7. No wait the safety net would end (issue 38). A running slice is given up to hold nothing only
-   while the slack outlasts the expected outage of the smallest spot size (learned per zone and
-   size) and the start on it (`_wait_pays_before_net`); otherwise the job pays the restart back
-   on on-demand for nothing.
-8. No on-demand count change that buys nothing (issue 38). From on-demand, another on-demand
-   option no faster and no cheaper a token is not a candidate (`_dominated_on_demand_move`): with
-   the all-reduce hidden, 1 to 4 x v4-16 cost the same a token, and the values traded counts near
-   the end of a job on the plan's shifting spot share, a startup each time.
-
-Rules 6-8 compare the slack and learned figures with restart figures; none adds a constant.
-
 What this does that Can't Be Late's rules do not: it chooses the slice size (small spot
 slices are cheaper per token, large ones use scarce spot windows when the deadline is
 tight), it starts on-demand when the risk that waiting forces a larger, dearer
@@ -184,7 +167,6 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
         left = live_left - (lead_s * snap.current.tokens_per_s if lead_s and snap.current else 0.0)
         return lead_s + snap.overhead_s(d) + snap.restart.train_s(max(left, 0.0), d.tokens_per_s)
 
-    slack_s, fastest = math.inf, None  # (no on-demand option: no safety net)
     if on_demand:
         fastest = max(on_demand, key=lambda o: o.tokens_per_s)
         fallback_s = (snap.decision_interval_s + snap.restart.overhead_s
@@ -193,14 +175,8 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
         if slack_s < 0:
             return _safety_net(snap, on_demand, od_finish_s, horizon_s, slack_s)
 
-    def reachable(o: Option) -> bool:  # rule 6
-        return fastest is None or _spot_pays_before_net(snap, o, slack_s, fastest)
-
-    waiting_pays = fastest is None or _wait_pays_before_net(snap, slack_s)  # rule 7
-
-    spot_now = [o for o in spot_now if _stretch_pays(snap, o) and reachable(o)]
-    on_demand_moves = [d for d in on_demand if not _dominated_on_demand_move(snap, d)]  # rule 8
-    candidates = [*([None] if waiting_pays else []), *spot_now, *on_demand_moves]
+    spot_now = [o for o in spot_now if _stretch_pays(snap, o)]
+    candidates = [None, *spot_now, *on_demand]
     view = plan_inputs(snap)
     values = [value_of(a, snap, view, lookahead_s) for a in candidates]
     # Hysteresis: leaving the current slice must also pay for the startup of coming back
@@ -233,53 +209,7 @@ def decide(snap: Snapshot, *, safety_margin_s: float = SAFETY_MARGIN_S, lookahea
         chosen = wider
     decision = _decision(snap, chosen.option, _reason(snap, chosen), chosen.cost_usd,
                          snap.now_s + chosen.elapsed_s + chosen.plan.finish_after_s)
-    wait_for = _wait_for(snap, chosen)
-    return replace(decision, wait_for=wait_for if wait_for is None or reachable(wait_for) else None)
-
-
-def _spot_pays_before_net(snap: Snapshot, o: Option, slack_s: float, fastest: Option) -> bool:
-    """Rule 6 (issue 38): a move to spot `o` (or a request for it) pays only if `o` can train, before
-    the safety net calls the job back to on-demand, longer than what going there and coming back
-    costs: the two startups and the work a reclaim loses (as in `_stretch_pays`). The slack falls by
-    the start on `o` (its startup beside a running slice, its whole overhead from none), then at the
-    share of the fastest on-demand speed that `o` lacks. Near the end of a job a spot request beside
-    on-demand was asked for and let go every few minutes, never usable (7 of one replay's 13
-    unfilled requests). Keeping `o` is left to the values."""
-    if o == snap.current or not o.preemptible:
-        return True
-    r = snap.restart
-    start_s = snap.overhead_s(o) if snap.current is None else min(snap.overhead_s(o), r.startup_s)
-    falls = max(1 - o.tokens_per_s / fastest.tokens_per_s, 0.0)
-    needs_s = 2 * r.startup_s + r.lost_per_preemption_s(r.interval_s(slice_hazard_per_hour(o, snap)))
-    return slack_s - start_s > falls * needs_s
-
-
-def _wait_pays_before_net(snap: Snapshot, slack_s: float) -> bool:
-    """Rule 7 (issue 38): giving up a running slice to wait for spot pays only if spot is expected
-    back before the safety net calls the job to on-demand: the slack must outlast the expected
-    outage of the smallest spot size (learned per zone and size) and the start on it. Otherwise the
-    job pays a restart on on-demand for nothing, near the end of the job (a replay released its
-    on-demand slices 40 minutes before the net took them again). From no slice, waiting is left to
-    the values."""
-    spot = [o for o in snap.options if o.preemptible]
-    if snap.current is None or not spot:
-        return True
-    smallest = min(spot, key=lambda o: o.chips)
-    outage_s = 3600 * snap.availability.outage_h(smallest.zone, smallest.chips)[0]
-    return slack_s > outage_s + snap.restart.overhead_s
-
-
-def _dominated_on_demand_move(snap: Snapshot, d: Option) -> bool:
-    """Rule 8 (issue 38): from an on-demand slice, a move to another on-demand option that is no
-    faster and no cheaper a token is never a candidate: it pays a startup and trains no token sooner
-    or cheaper. With the all-reduce hidden, 1 to 4 x v4-16 on-demand cost the same a token, and the
-    values traded one count for another near the end of a job on the plan's shifting spot share
-    (4 -> 3 -> 2 -> 3 x v4-16 in the last three hours of one replay). A faster one (the deadline) or a
-    cheaper one is left to the values."""
-    c = snap.current
-    if c is None or c.preemptible or d == c or d.preemptible:
-        return False
-    return d.tokens_per_s <= c.tokens_per_s and d.usd_per_token >= c.usd_per_token * (1 - 1e-9)
+    return replace(decision, wait_for=_wait_for(snap, chosen))
 
 
 def _stretch_pays(snap: Snapshot, o: Option) -> bool:
