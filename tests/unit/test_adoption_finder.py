@@ -122,37 +122,3 @@ def test_a_cloud_out_of_reach_holds_nothing_for_the_pass_and_is_asked_once():
     cloud, listing = _Unreachable(), CloudListing()
     assert listing.of(cloud, "job-a") == [] and listing.of(cloud, "job-b") == []
     assert cloud.lists == 1
-
-
-class _CloudPlane(_Plane):
-    def __init__(self, store: Store, cloud):
-        super().__init__(store)
-        self.cloud = cloud
-
-    def provider_for(self, spec):
-        return self.cloud
-
-
-class _HeldCloud(_Cloud):
-    name = "gcp"
-
-    def __init__(self, slices: list[Slice]):
-        super().__init__(slices)
-        self.released: list[str] = []
-
-    def release(self, name: str) -> None:
-        self.released.append(name)
-
-
-def test_a_relaunched_gcp_job_gives_back_what_the_cloud_still_holds_for_it(tmp_path):
-    """Its slice GONE in the store (so not among its live slices) but ACTIVE in the API: released, not leaked."""
-    store = Store(tmp_path / "state.db")
-    store.create_job("j", "j", JobSpec.from_dict(job_spec(0, "http://127.0.0.1:1", steps=10, autoscale=False))
-                     .model_dump(mode="json"))
-    for state in (JobState.PROVISIONING, JobState.STARTING, JobState.RUNNING):
-        store.transition("j", state, "on its way")
-    t = catalog.lookup("v4-16")
-    cloud = _HeldCloud([Slice(name, job, t, catalog.Tier.SPOT, "z", SliceState.READY, (), "gcp")
-                        for name, job in (("j-1", "j"), ("k-1", "k"))])
-    adoption, _ = adopt(_CloudPlane(store, cloud), store.job("j"), [], groups=_Finder())
-    assert adoption is None and cloud.released == ["j-1"]
