@@ -183,7 +183,7 @@ class FleetWorld:
             self._start(driver)
             started[driver.job_id] = time.time()
 
-        reconcile(self, new_driver, start, groups=finder)
+        reconcile(self, new_driver, start, loop.lost_with_the_cluster, groups=finder)
         return {"found": finder.found, "started": started, "adopted": adopted}
 
     def release_record(self, rec: SliceRow) -> None:

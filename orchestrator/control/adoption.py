@@ -134,18 +134,17 @@ class CloudListing:
 
 
 def reconcile(plane: Reconciling, new_driver: Callable[[str, Adoption | None], Any], start: Callable[[Any], None],
-              *, groups: GroupFinder = RAY_GROUPS) -> None:
+              lost_with_the_cluster: Callable[[Any, int], None], *, groups: GroupFinder = RAY_GROUPS) -> None:
     """After a restart: adopt each job's running worker group, or clean up and relaunch; `new_driver(job_id,
-    adoption)` makes a job's driver, `start(driver)` runs it, as soon as its own job is done with. Slices of
-    jobs that are over are released.
+    adoption)` makes a job's driver, `start(driver)` runs it, as soon as its own job is done with;
+    `lost_with_the_cluster(driver, generation)` records a running job none of whose workers was found
+    (`orchestrator.control.job.loop`, above this module). Slices of jobs that are over are released.
 
     At N=1,000 (`benchmarks/fleet.py --kill-controller`) the pass took 201 s: its first 100 jobs 5.6 s, the
     rest slower and slower as the drivers already started competed with it for the process's one core (the
     GIL). Starting every driver only once the pass was over made the pass itself 31 s, but that run stalled
     after it, cause not found: so they start as they did. (A relaunched job does not give back what the cloud
     still holds for it: four queued resources were left behind at N=1,000, their slices GONE in the store.)"""
-    from orchestrator.control.job import loop
-
     live: dict[str, list[SliceRow]] = {}
     for rec in plane.store.slices(live_only=True):
         live.setdefault(rec.job_id, []).append(rec)
@@ -158,7 +157,7 @@ def reconcile(plane: Reconciling, new_driver: Callable[[str, Adoption | None], A
             plane.store.add_event(job.id, Adopted(), f"the controller restarted and adopted the running "
                                   f"generation {job.generation} ({missed} missed steps recorded)")
         elif job.state in (JobState.STARTING, JobState.RUNNING):  # its workers went with the cluster
-            loop.lost_with_the_cluster(driver, job.generation)
+            lost_with_the_cluster(driver, job.generation)
         elif job.state not in (JobState.PENDING, JobState.QUEUED, JobState.RECOVERING):
             driver.transition(JobState.RECOVERING, "the controller restarted; relaunching")
         start(driver)

@@ -345,7 +345,8 @@ class Controller:
 
     def _reconcile(self) -> None:
         """After a restart: adopt each job's running worker group, or clean up and relaunch."""
-        reconcile(self, lambda job_id, adoption: JobDriver(self, job_id, adoption), self._start)
+        reconcile(self, lambda job_id, adoption: JobDriver(self, job_id, adoption), self._start,
+                  loop.lost_with_the_cluster)
 
 
 class _LogFile(logging.FileHandler):
