@@ -65,20 +65,17 @@ def take(names: list[str], num_hosts: int, controller: Any) -> list[ActorHandle 
     return taken
 
 
-def start(worker_class: Any, runtime_env: dict | None, where: list[tuple[str, str, dict]]) -> int:
+def start(worker_class: Any, runtime_env: dict | None, where: list[tuple[str, str, dict]]) -> None:
     """Start a spare for each (Ray node id, worker name, `HostWorker` kwargs but the rank) of `where`; one whose
-    name is taken (a spare made before a controller restart) is left as it is. Returns how many started."""
-    started = 0
+    name is taken (a spare made before a controller restart) is left as it is."""
     for node, name, worker_args in where:
         try:
             worker_class.options(
                 num_cpus=0, max_concurrency=8, runtime_env=runtime_env, name=name, namespace=cluster.NAMESPACE,
                 lifetime="detached", scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
             ).remote(rank=None, **worker_args)
-            started += 1
         except ValueError:  # the name is taken: a spare waits there already
             log.debug("a spare %s waits already", name)
-    return started
 
 
 def _named(name: str) -> ActorHandle | None:
