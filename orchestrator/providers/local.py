@@ -20,7 +20,7 @@ from pathlib import Path
 
 import ray
 
-from orchestrator import cluster
+from orchestrator import catalog, cluster
 from orchestrator.catalog import Tier
 from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import (
@@ -34,6 +34,7 @@ from orchestrator.providers.base import (
     host_node_resources,
     host_resource,
 )
+from orchestrator.state.events import SliceChanged
 from orchestrator.state.states import SliceState, check_slice
 from orchestrator.state.store import SliceRow
 
@@ -335,6 +336,13 @@ def release_recorded(home: cluster.Home, store, rec: SliceRow) -> list[int]:
     Returns the recorded process ids left alone because they are another program's now.
     """
     foreign = cluster.stop_groups(home, rec.data.get("pgids", []))
+    if rec.state is SliceState.RELEASED:  # recorded already: its billing ended then
+        return foreign
+    kind = catalog.CATALOG.get(rec.accelerator)  # the catalog may have lost a type since
+    # The event ends the slice's billing and its capacity record, as a provider's own release does.
+    event = SliceChanged(rec.name, rec.accelerator, kind.chips if kind else None, rec.tier, SliceState.RELEASED.value,
+                         kind.usd_per_hour(rec.tier) if kind else None, rec.data.get("zone"))
     store.put_slice(rec.name, rec.job_id, rec.provider, rec.accelerator, rec.tier,
-                    SliceState.RELEASED.value, rec.data)
+                    SliceState.RELEASED.value, rec.data, event=event,
+                    reason=f"slice {rec.name} released (an earlier controller's, found in the store)")
     return foreign
