@@ -268,3 +268,27 @@ def test_an_autoscaled_job_starts_on_the_second_of_two_spot_slices_when_it_fills
     assert world.provider.slices["job-1"].state is SliceState.RELEASED
     assert [e.reason for e in world.store.events("job") if e.kind is EventKind.AUTOSCALE
             and e.reason.startswith("1 of 2 slices could be had now")]
+
+
+def test_a_restarted_controller_asks_for_no_name_an_earlier_one_used(tmp_path):
+    """The counts that name requests start again under a new controller; the store's slices say which names
+    the job used, and those are passed over (a released slice cannot be asked for again: the store refuses)."""
+    asking = Asking(tmp_path, all_or_none(), {"job-1m1": [W], "job-1m1s1": [W], "job-1g2": [W]})
+    assert asking.requests.ask_beside(asking.spec, Shape("v4-16", "spot", 2), generation=0, adding=None)
+    asking.requests.drop("the policy changed its mind")
+    asking.requests.ask_one(asking.spec, generation=0)
+    asking.requests.drop("not wanted")
+    asking.cloud.release("job-1")  # not asked: a name the first provisioning would take, released
+    asking.store.put_slice("job-1", "job", "local", "v4-16", "spot", "RELEASED", {})
+
+    restarted = Requests(asking.store, "job", threading.Event(), asking.transition)  # a new controller's
+    restarted.use(asking.cloud)
+    assert restarted.ask_beside(asking.spec, Shape("v4-16", "spot", 2), generation=0, adding=None)
+    restarted.drop("again")
+    restarted.ask_one(asking.spec, generation=0)
+    restarted.drop("again")
+    asking.requests = restarted
+    got = asking.provision()
+    assert [s.name for s in got] == ["job-1b", "job-1s1"]
+    assert asking.cloud.asked == ["job-1m1", "job-1m1s1", "job-1g2", "job-1m2", "job-1m2s1", "job-1g3", "job-1b",
+                                  "job-1s1"]

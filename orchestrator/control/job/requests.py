@@ -7,17 +7,19 @@ Names say where a request comes from: `JOB-N` (and `JOB-Ns1`, ... for a multi-sl
 slices; `JOB-Nq2` after two refusals) for generation N's provisioning, `JOB-Nm3` for the third
 request made beside running slices (a move, a grow), `JOB-Ng4` for a slice asked to regrow; a
 slice of a provisioning asked for again after its hosts did not start adds `b`, then `c`
-(`JOB-Ns1b`).
+(`JOB-Ns1b`). A name is never asked for twice: the store records every slice a job asked for, an earlier
+controller's too, and a name it holds is passed over (a released slice's lifecycle has no way back).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 
 import tenacity
@@ -54,10 +56,11 @@ class _Seen:
     failed: dict[int, str] = dataclasses.field(default_factory=dict)  # its hosts could not start -> why (released)
 
 
-def _names(base: str, kept: tuple[str, ...]) -> Iterator[str]:
-    """The names a slice of the attempt is asked for under, in turn (`base`, then again after a failed start),
-    none of them a kept request's."""
-    return (n for n in (f"{base}{suffix}" for suffix in ["", "b", "c", "d"]) if n not in kept)
+def _names(base: str, taken: Collection[str]) -> Iterator[str]:
+    """The names a slice of the attempt is asked for under, in turn (`base`, then again after a failed start:
+    `b`, `c`, `d`, then `r5`, `r6`, ...), none of them `taken`."""
+    suffixes = itertools.chain(["", "b", "c", "d"], (f"r{k}" for k in itertools.count(5)))
+    return (n for n in (f"{base}{suffix}" for suffix in suffixes) if n not in taken)
 
 
 class Requests:
@@ -65,7 +68,7 @@ class Requests:
         self.store, self.job_id, self.cancel, self.transition = store, job_id, cancel, transition
         self.provider: SliceProvider | None = None  # chosen before the first request
         self.waiting: Waiting | None = None  # the request not READY yet, or READY for a switch not made
-        self._made = 0  # requests made beside running slices, for unique names
+        self._made = 0  # requests made beside running slices, for unique names (`_fresh`)
 
     def use(self, provider: SliceProvider) -> None:
         """Every request from now on goes to `provider` (the spec's)."""
@@ -90,6 +93,20 @@ class Requests:
         assert w is not None, "taken only once READY (the caller checks)"
         self.waiting = None
         return w
+
+    def _taken(self) -> set[str]:
+        """Every slice name the job has asked for, by this controller or an earlier one."""
+        return {r.name for r in self.store.slices(job_id=self.job_id)}
+
+    def _fresh(self, prefix: str) -> str:
+        """The next `prefix` + count that names no slice the job asked for, alone or with a part's suffix (`s1`).
+        The count starts again at 0 under a restarted controller: the store says which names are used."""
+        taken = self._taken()
+        while True:
+            self._made += 1
+            stem = f"{prefix}{self._made}"
+            if not any(n == stem or n.startswith(f"{stem}s") for n in taken):
+                return stem
 
     def _created_at(self) -> float:
         return self.store.job(self.job_id).created_at
@@ -117,7 +134,8 @@ class Requests:
         asked: dict[int, Waiting | None] = {  # by slice position; None: to be asked for
             i: replace(kept_waiting, name=kept[i], parts=(), grow=False) if kept_waiting and i < len(kept) else None
             for i in range(spec.slices)}
-        names = {i: _names(f"{stem}s{i}" if i else stem, kept) for i in asked}
+        taken = self._taken() | set(kept)
+        names = {i: _names(f"{stem}s{i}" if i else stem, taken) for i in asked}
         booting: dict[str, float] = {}  # a slice's name -> when its hosts were first seen starting
         takes_part = spec.autoscaling is not None and spec.tier.value == "spot"
 
@@ -262,8 +280,7 @@ class Requests:
     def ask_beside(self, spec: JobSpec, want: Shape, *, generation: int, adding: int | None) -> bool:
         """Ask for `want`'s slices beside the running ones without waiting (`adding`: for a grow, only
         that many, the rest being the running ones); False when refused at once (nothing asked)."""
-        self._made += 1
-        stem = f"{self.job_id}-{generation + 1}m{self._made}"
+        stem = self._fresh(f"{self.job_id}-{generation + 1}m")
         made: list[Waiting] = []
         try:
             for part in range(adding if adding is not None else want.count):
@@ -281,8 +298,7 @@ class Requests:
 
     def ask_one(self, spec: JobSpec, *, generation: int) -> None:
         """Ask for one slice of the spec's type and tier beside the running ones (a regrow)."""
-        self._made += 1
-        name = f"{self.job_id}-{generation + 1}g{self._made}"
+        name = self._fresh(f"{self.job_id}-{generation + 1}g")
         try:
             self.waiting = request(self.chosen_provider, self.job_id, name, spec, spec.accelerator, spec.tier.value,
                                    created_at=self._created_at(), limit_s=None)
