@@ -11,7 +11,9 @@ The pieces, and what each one owns (the only code that writes it):
   (`policies.decisions.recovery.after`).
 - `placement.Placement` owns where the job runs: the held slices, the ready slices the next launch
   goes on, the lost ones, the survivors and their memory step, and regrowing. Its `requests.Requests`
-  owns the request waiting beside the slices, request naming, and all-or-none requests.
+  owns the request waiting beside the slices, request naming, and all-or-none requests; an attempt's
+  requests are waited on together by `attempt_slices.AttemptSlices` (QUEUED or PROVISIONING, a part
+  taken, a late start asked for again).
 - `moves.Moves` asks the cost policy and applies its `Move` to the placement; it owns when the policy
   is asked next and its last choice before provisioning.
 - `reports.ReportSink` owns the job's progress: what the workers reported (started, last step,

@@ -1,5 +1,6 @@
 """A job's slice requests: asked for (all of a multi-slice job's at once, all or none), named, waited
-on (all of them together: they fill in any order), followed beside the running slices, given back.
+on (all of them together: they fill in any order, `attempt_slices`), followed beside the running slices,
+given back.
 `Requests` is the one writer of the request waiting beside the slices (`waiting`) and of the count
 that names requests.
 
@@ -13,25 +14,24 @@ controller's too, and a name it holds is passed over (a released slice's lifecyc
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
 
 import tenacity
 
+from orchestrator.control.job.attempt_slices import AttemptSlices
 from orchestrator.control.waiting import Look, Waiting, look, release, request
 from orchestrator.domain.shape import Shape
 from orchestrator.domain.spec import JobSpec
 from orchestrator.errors import ProvisioningError
 from orchestrator.providers.base import CapacityError, Slice, SliceProvider
-from orchestrator.state.events import Autoscaled, StateChange
+from orchestrator.state.events import Autoscaled
 from orchestrator.state.protocol import JobStore
-from orchestrator.state.states import JobState, SliceState
+from orchestrator.state.states import SliceState
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +42,6 @@ class Followed(str, enum.Enum):
     WAITING = "waiting"  # for capacity, or for its hosts
     READY = "ready"  # all of it, or for a grow the part that came
     REFUSED = "refused"  # released: ask the policy again
-
-
-@dataclasses.dataclass(frozen=True)
-class _Seen:
-    """One look at each request of an attempt, by slice position."""
-
-    ready: dict[int, Slice]
-    pending: list[int]  # still waiting for capacity: nothing started for them yet
-    queued: list[int]  # of those, the ones in the cloud's queue for lack of capacity (WAITING, not just REQUESTED)
-    booting: list[int]  # capacity came; their hosts are starting
-    refused: dict[str, str]  # name -> why (released)
-    failed: dict[int, str] = dataclasses.field(default_factory=dict)  # its hosts could not start -> why (released)
 
 
 def _names(base: str, taken: Collection[str]) -> Iterator[str]:
@@ -136,15 +124,16 @@ class Requests:
             for i in range(spec.slices)}
         taken = self._taken() | set(kept)
         names = {i: _names(f"{stem}s{i}" if i else stem, taken) for i in asked}
-        booting: dict[str, float] = {}  # a slice's name -> when its hosts were first seen starting
-        takes_part = spec.autoscaling is not None and spec.tier.value == "spot"
+        together = AttemptSlices(spec, asked, self.chosen_provider, self.store, self.job_id, cancel=self.cancel,
+                                 transition=self.transition, on_asked=self._waiting_on)
 
         def once() -> list[Slice]:
             for i in [i for i, w in asked.items() if w is None]:
                 asked[i] = request(self.chosen_provider, self.job_id, next(names[i]), spec, spec.accelerator,
                                    spec.tier.value, created_at=self._created_at(), limit_s=limit_s)
                 self._waiting_on(asked, spec.slices)
-            return self._wait_all(spec, asked, booting, takes_part=takes_part, still_wanted=still_wanted)
+            return together.wait(takes_part=spec.autoscaling is not None and spec.tier.value == "spot",
+                                 still_wanted=still_wanted)
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(3), wait=tenacity.wait_exponential_jitter(initial=1, max=20),
@@ -167,113 +156,6 @@ class Requests:
         """`waiting` names every request of the attempt made now, so that `drop` gives them all back."""
         made = [w for w in asked.values() if w is not None]
         self.waiting = replace(made[0], count=count, parts=tuple(w.name for w in made[1:])) if made else None
-
-    def _wait_all(self, spec: JobSpec, asked: dict[int, Waiting | None], booting: dict[str, float], *,
-                  takes_part: bool, still_wanted: Callable[[JobSpec], bool]) -> list[Slice]:
-        """Look at every request of the attempt each poll until all are READY (`takes_part`: once one is, those
-        still waiting for capacity are let go); the job is QUEUED while one waits for capacity, and says so.
-
-        Raises CapacityError when one is refused or expires (released, unbilled), when the policy no longer
-        wants them or the job is cancelled, and ProvisioningError when one's hosts could not start or did not
-        all start within `start_timeout_s` (that one released, to be asked for again)."""
-        while True:
-            if self.cancel.is_set() or self.store.job(self.job_id).cancel_requested:
-                raise CapacityError("cancelled while waiting for the slices")
-            seen = self._look_all(asked)
-            if takes_part and seen.ready:
-                seen = self._let_go(asked, seen, spec.slices)
-            if seen.refused:
-                name, why = next(iter(seen.refused.items()))
-                raise CapacityError(why, slice_name=name)
-            if seen.failed:  # a start that failed is a failure, as a start that timed out is: asked for again
-                self._start_failed(spec, asked, seen.failed)
-            self._tell(asked, seen)
-            if len(seen.ready) == len(asked):
-                return [seen.ready[i] for i in sorted(seen.ready)]
-            if not still_wanted(spec):
-                raise CapacityError(f"the policy no longer wants {spec.accelerator} {spec.tier.value}")
-            self._time_out(spec, asked, booting, seen.booting)
-            self.cancel.wait(spec.provider_facts.poll_interval_s)
-
-    def _look_all(self, asked: dict[int, Waiting | None]) -> _Seen:
-        ready: dict[int, Slice] = {}
-        pending: list[int] = []
-        queued: list[int] = []
-        booting: list[int] = []
-        refused: dict[str, str] = {}
-        failed: dict[int, str] = {}
-        for i, w in asked.items():
-            assert w is not None, "every slice of the attempt is asked for before it is waited on"
-            kind, s, why = look(self.chosen_provider, w)
-            if kind is Look.REFUSED:
-                refused[w.name] = why
-            elif kind is Look.FAILED:
-                failed[i] = why
-            elif kind is Look.READY:
-                assert s is not None, "a READY look has its slice"
-                ready[i] = s
-            elif s is not None and s.state in (SliceState.REQUESTED, SliceState.WAITING):
-                pending.append(i)
-                if s.state is SliceState.WAITING:
-                    queued.append(i)
-            else:
-                booting.append(i)
-        return _Seen(ready, pending, queued, booting, refused, failed)
-
-    def _let_go(self, asked: dict[int, Waiting | None], seen: _Seen, count: int) -> _Seen:
-        """A job that takes part of its slices, one READY: those still waiting for capacity are let go, as are
-        those refused or failed (released already); it waits only for those whose hosts are starting."""
-        for i in seen.pending:
-            w = asked[i]
-            assert w is not None, "a slice looked at was asked for"
-            release(self.chosen_provider, w.name, "the slices that came are taken; the rest wait for capacity")
-        for i in [i for i, w in asked.items()
-                  if i in seen.pending or i in seen.failed or (w is not None and w.name in seen.refused)]:
-            del asked[i]
-        self._waiting_on(asked, count)
-        return _Seen(seen.ready, [], [], seen.booting, {})
-
-    def _tell(self, asked: dict[int, Waiting | None], seen: _Seen) -> None:
-        """The job is QUEUED while one of its requests waits in the cloud's queue for capacity, PROVISIONING once
-        all have it."""
-        job = self.store.job(self.job_id)
-        if seen.queued and job.state is JobState.PROVISIONING:
-            w = asked[seen.queued[0]]
-            assert w is not None, "a slice looked at was asked for"
-            limit = "while the policy wants it" if w.limit_s is None else f"up to {w.limit_s:.0f} s"
-            self.transition(JobState.QUEUED, f"waiting for capacity: {w.accelerator} {w.tier} ({limit})",
-                            data=StateChange(outcome="no_capacity", slice=w.name))
-        elif not seen.pending and job.state is JobState.QUEUED:
-            names = [w.name for w in asked.values() if w is not None]
-            which, its = (f"slice {names[0]}", "its") if len(names) == 1 else (f"slices {', '.join(names)}", "their")
-            self.transition(JobState.PROVISIONING, f"capacity came for {which}; "
-                            + (f"starting {its} hosts" if seen.booting else f"{its} hosts joined"))
-
-    def _start_failed(self, spec: JobSpec, asked: dict[int, Waiting | None], failed: dict[int, str]) -> None:
-        """ProvisioningError (transient) for slices whose hosts could not start (released already): asked for
-        again, as a slice whose hosts did not join in time is. Not a refusal: capacity was there."""
-        i, why = next(iter(failed.items()))
-        w = asked[i]
-        assert w is not None, "a slice looked at was asked for"
-        for j in failed:
-            asked[j] = None
-        self._waiting_on(asked, spec.slices)
-        raise ProvisioningError(f"slice {w.name}: {why}", slice_name=w.name, transient=True)
-
-    def _time_out(self, spec: JobSpec, asked: dict[int, Waiting | None], booting: dict[str, float],
-                  starting: list[int]) -> None:
-        """ProvisioningError (transient) for a slice whose hosts have not all joined `start_timeout_s` after
-        capacity came: released, to be asked for again."""
-        now = time.monotonic()
-        for i in starting:
-            w = asked[i]
-            assert w is not None, "a slice looked at was asked for"
-            if now - booting.setdefault(w.name, now) > spec.recovery.start_timeout_s:
-                release(self.chosen_provider, w.name, "its hosts did not join in time")
-                asked[i] = None
-                self._waiting_on(asked, spec.slices)
-                raise ProvisioningError(f"slice {w.name}: its hosts did not all join the cluster within "
-                                        f"{spec.recovery.start_timeout_s:.0f} s", slice_name=w.name, transient=True)
 
     # -- beside the running slices -------------------------------------------------------
 
