@@ -39,8 +39,8 @@ from orchestrator.control.queue import AdmissionQueue, queue_positions
 from orchestrator.control.store_faults import HeldWrites, StoreHealth
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Host, Slice, host_resource
+from orchestrator.providers.local import release_recorded
 from orchestrator.state.events import Launched, SliceChanged
-from orchestrator.state.states import SliceState
 from orchestrator.state.store import SliceRow, Store
 from workers.protocol import Ending, Ready, Saved, StepDone, Timings, WorkerResult
 
@@ -187,10 +187,10 @@ class FleetWorld:
         return {"found": finder.found, "started": started, "adopted": adopted}
 
     def release_record(self, rec: SliceRow) -> None:
-        """A slice known only from the store (an earlier controller's): released in the API and the store."""
+        """A slice known only from the store (an earlier controller's): released in the store (with its event, as
+        `Controller.release_record`) and in the API."""
+        release_recorded(self.home, self.store, rec)
         self.gcp.release(rec.name)
-        self.store.put_slice(rec.name, rec.job_id, rec.provider, rec.accelerator, rec.tier, SliceState.RELEASED.value,
-                             rec.data)
 
     def _forget(self, job_id: str) -> None:
         with self._lock:
