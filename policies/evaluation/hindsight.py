@@ -45,6 +45,9 @@ from policies.evaluation.simulator import SimJob, quantized_restart, simulate, s
 from policies.evaluation.traces import SpotTrace
 
 SCHEDULES_SIMULATED = 4  # clairvoyant schedules priced by the simulator for each optimum
+# How much earlier than the deadline each further try of the schedules aims, when every schedule of the
+# try before missed the deadline in the simulator.
+SCHEDULE_MARGINS_S = (0.0, 1800.0, 3600.0, 7200.0)
 
 
 @dataclass(frozen=True)
@@ -85,43 +88,69 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
     reshape = round(quantized.reshape_s / dt)
     relaxed = _DualProgramme(job.options, capacity, dt, 0, startup, reshape)
     total = job.total_tokens
-    per_token = np.array([o.usd_per_token for o in job.options])
-    grid = np.geomspace(0.5 * per_token.min(), 200 * per_token.max(), 24)
-    g = relaxed.dual(grid, total)
+    grid, g = _maximise_dual(relaxed, job, total)
     if g[-1] > g[-2] and relaxed.evaluate(relaxed.path(grid[-1]), total)[0] < total:
         return Optimum(math.inf, math.inf, math.inf, False)  # not even the clairvoyant finishes
-    for _ in range(3):
-        k = int(np.argmax(g))
-        grid = np.linspace(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)], 16)
-        g = relaxed.dual(grid, total)
     k = int(np.argmax(g))
     # A run that finishes mid-step pays only part of that step; the DP pays whole steps.
     bound = max(float(g[k]) - dt * max(o.usd_per_hour for o in job.options) / 3600, 0.0)
     if schedules <= 0:
         return Optimum(bound, math.nan, math.nan, True)
-    dp = _DualProgramme(job.options, capacity, dt, prov, startup)
+    reach = tuple(int(c) for c in trace.capacity_chips(start_s, dt, steps + 1))
+    runs: list[tuple[float, float]] = []
+    # A schedule the programme times to the last step finishes a little late in the simulator (its
+    # saves, a grow's relaunch, whole-step provisioning): aim each try earlier until one is in time.
+    for margin_s in SCHEDULE_MARGINS_S:
+        short = steps - round(margin_s / dt)
+        if short <= prov + startup:
+            break
+        if margin_s:
+            relaxed = _DualProgramme(job.options, capacity[:short], dt, 0, startup, reshape)
+            grid, g = _maximise_dual(relaxed, job, total)
+            k = int(np.argmax(g))
+        dp = _DualProgramme(job.options, capacity[:short], dt, prov, startup)
+        for held, levels, lead in _candidates(dp, relaxed, grid, k, job, total, prov)[:schedules]:
+            policy = SchedulePolicy(job.options, held, dt, levels, reach, lead)
+            run = simulate(policy, job, trace, start_s=start_s, restart=restart, knowledge="own",
+                           decision_interval_s=dt)
+            if run.deadline_met:
+                runs.append((run.cost_usd, run.finish_s or 0.0))
+        if runs:
+            break
+    if not runs:
+        return Optimum(bound, math.nan, math.nan, True)
+    cost, finish = min(runs)
+    return Optimum(bound, float(cost), float(finish), True)
+
+
+def _maximise_dual(relaxed: _DualProgramme, job: SimJob, total: float) -> tuple[np.ndarray, np.ndarray]:
+    """The price grid, zoomed three times around the maximum of g, and g on it."""
+    per_token = np.array([o.usd_per_token for o in job.options])
+    grid = np.geomspace(0.5 * per_token.min(), 200 * per_token.max(), 24)
+    g = relaxed.dual(grid, total)
+    if g[-1] > g[-2] and relaxed.evaluate(relaxed.path(grid[-1]), total)[0] < total:
+        return grid, g  # (infeasible: the caller says so)
+    for _ in range(3):
+        k = int(np.argmax(g))
+        grid = np.linspace(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)], 16)
+        g = relaxed.dual(grid, total)
+    return grid, g
+
+
+def _candidates(dp: _DualProgramme, relaxed: _DualProgramme, grid: np.ndarray, k: int, job: SimJob, total: float,
+                prov: int) -> list[tuple[tuple[int, ...], int, int]]:
+    """Schedules to try in the simulator, cheapest first in the programme's own arithmetic (those
+    short of the target last): (states held, overhead levels, provisioning lead)."""
     above, below = dp.path(grid[min(k + 1, len(grid) - 1)]), dp.path(grid[max(k - 1, 0)])
     paths = [above, dp.splice_to_target(above, below, total), dp.splice_to_target(below, above, total)]
     paths += [dp.fill(below, d, total) for d in range(len(job.options)) if not job.options[d].preemptible]
-    reach = trace.capacity_chips(start_s, dt, steps + 1)
     # The same from the relaxed programme, each slice asked for `prov` steps before it starts.
     r_above, r_below = relaxed.path(grid[min(k + 1, len(grid) - 1)]), relaxed.path(grid[max(k - 1, 0)])
     relaxed_schedules = [r_above, relaxed.splice_to_target(r_above, r_below, total),
                          relaxed.splice_to_target(r_below, r_above, total)]
     candidates = {(tuple(int(x) for x in h), dp.k, 0): dp.evaluate(h, total) for h in paths}
     candidates |= {(tuple(int(x) for x in h), relaxed.k, prov): relaxed.evaluate(h, total) for h in relaxed_schedules}
-    # The simulator prices the few cheapest in the programme's own arithmetic (those short of the target last).
-    ranked = sorted(candidates, key=lambda c: (candidates[c][0] < total, candidates[c][1]))
-    runs = []
-    for held, levels, lead in ranked[:schedules]:
-        policy = SchedulePolicy(job.options, held, dt, levels, tuple(int(c) for c in reach), lead)
-        run = simulate(policy, job, trace, start_s=start_s, restart=restart, knowledge="own", decision_interval_s=dt)
-        if run.deadline_met:
-            runs.append((run.cost_usd, run.finish_s))
-    if not runs:
-        return Optimum(bound, math.nan, math.nan, True)
-    cost, finish = min(runs)
-    return Optimum(bound, float(cost), float(finish or 0.0), True)
+    return sorted(candidates, key=lambda c: (candidates[c][0] < total, candidates[c][1]))
 
 
 def single_slice_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
