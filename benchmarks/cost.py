@@ -278,6 +278,8 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
         return mean(t[p]["unfilled_requests"] for t in traces.values())
 
     first = next(iter(traces.values()))
+    over_known = {name: t["product"]["cost_per_btok"] / t["optimum"]["best_known_cost_per_btok"]
+                  for name, t in traces.items()}
     worst = max(ratios("product").items(), key=lambda kv: kv[1])
     worst_single = max(ratios("product", "optimum_single").items(), key=lambda kv: kv[1])
     summary = {
@@ -288,7 +290,10 @@ def summarise(trace_runs: dict[str, list[dict]]) -> dict:
                     "shrinks_per_job": mean(t["product"]["shrinks"] for t in traces.values()),
                     "worst_trace_over_single_slice_optimum": round(worst_single[1], 4),
                     "worst_trace_single": worst_single[0],
-                    "worst_trace_ratio": round(worst[1], 4), "worst_trace": worst[0]},
+                    "worst_trace_ratio": round(worst[1], 4), "worst_trace": worst[0],
+                    # the policy's own share of the gap: against the cheapest run known to meet the deadline
+                    "policy_over_best_known": mean(over_known.values()),
+                    "worst_trace_over_best_known": round(max(over_known.values()), 4)},
         "single_slice_optimum_over_optimum": over_optimum("optimum_single"),
         "best_known_over_bound": {
             o: {"mean": mean(t[o]["best_known_over_bound"] for t in traces.values()),
