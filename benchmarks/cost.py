@@ -16,7 +16,8 @@ the choices and the product against the optima within one, not dollars across th
 Issue 38: the simulator charges a grow, a shrink and a move the relaunch the controller pays
 (`RestartCost.reshape_s`, the startup unless given); both optima are lower bounds by construction
 (a relaxation of the simulator: `policies.evaluation.hindsight`); each prices up to `--schedules`
-clairvoyant schedules in the simulator, and `best_known_over_bound` (per trace and in the
+clairvoyant schedules in the simulator for each of its tries (aimed at the deadline, and 0.5, 1 and 2 h
+before it: `hindsight.SCHEDULE_MARGINS_S`), and `best_known_over_bound` (per trace and in the
 summary) is the cheapest run that met the deadline on each window, of every policy run and those
 schedules, over the bound. `--scaling pessimistic` prices the options with the all-reduce not
 hidden and no large-slice penalty (`policies.cost.scaling_assumptions`; results/

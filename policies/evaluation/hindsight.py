@@ -77,7 +77,9 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
     its schedule just below with idle stretches filled with on-demand, and the two spliced
     at the step where the target is just reached. Each is run in the simulator by
     `SchedulePolicy`; the cheapest that meets the deadline is reported (`schedules` of them are
-    simulated; 0: none, the bound alone).
+    simulated a try; 0: none, the bound alone). The tries aim the schedules at the deadline and at
+    `SCHEDULE_MARGINS_S` before it, since the simulator's saves and whole-step provisioning make a
+    schedule timed to the last step finish late.
     """
     dt = step_seconds(trace)
     quantized = quantized_restart(restart, dt)
