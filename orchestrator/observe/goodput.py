@@ -127,13 +127,22 @@ def compute_goodput(job: JobRecord, events: list[Event], steps: list[StepMetric]
     start, end = intervals[0].start, intervals[-1].end
     claimed, kept = claims(intervals, events, steps)
     spent = dict.fromkeys(CATEGORIES, 0.0)
+    # Lost work that does not fit in the run it was lost in (that run's steps, timed by the hosts, filled
+    # the time the controller saw it run) is taken from what the intervals after it leave unclaimed: the
+    # work was lost all the same, and the categories still add up to the wall time.
+    unplaced_lost = 0.0
     for i, iv in enumerate(intervals):
         left = iv.end - iv.start
         for category, seconds in sorted(claimed.get(i, []), key=lambda c: _CARVE_ORDER.index(c[0])):
             take = min(max(seconds, 0.0), left)
             spent[category] += take
             left -= take
-        spent[iv.base_category] += left
+            if category == "lost_work":
+                unplaced_lost += max(seconds, 0.0) - take
+        take = min(unplaced_lost, left)
+        spent["lost_work"] += take
+        unplaced_lost -= take
+        spent[iv.base_category] += left - take
 
     usd_by: dict[tuple[str, str], float] = {}
     for s in billed_slices(events, end=end):

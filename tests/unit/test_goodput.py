@@ -311,3 +311,31 @@ def test_a_slice_is_not_billed_while_it_waits_in_the_queue(store):
     store.transition(job, J.FAILED, "gave up", at=T0 + 4500)
     g = goodput(store, job)
     assert g.usd_by == pytest.approx({("v4-8", "spot"): lookup("v4-8").usd_per_hour("spot") * 3600 / 3600})
+
+
+def test_lost_work_that_its_run_has_no_room_for_is_taken_from_the_intervals_after_it(store):
+    """A run whose steps (timed by the hosts) fill all the time the controller saw it run, then a lost host:
+    the lost work it reports is counted all the same, from the recovering and later intervals' unclaimed
+    time, and the categories still add up to the wall time (a chaos run once reported 2 steps lost and
+    0 s of lost work this way)."""
+    job = "job-l"
+    store.create_job(job, "l", {}, at=T0)
+    store.transition(job, J.PROVISIONING, "requesting", at=T0)
+    store.transition(job, J.STARTING, "ready", at=T0 + 1)
+    store.transition(job, J.RUNNING, "joined", data=StateChange(generation=1), at=T0 + 2)
+    store.record_steps(job, 1, [(k, 1.0, None, 2.0) for k in range(6)], at=T0 + 12)  # 12 s of steps in 10 s
+    store.import_event(job, "disruption", "host lost", {"kind": "infra_lost", "step": 5, "generation": 1},
+                       at=T0 + 12)
+    store.transition(job, J.RECOVERING, "host lost", data=StateChange(outcome="infra_lost"), at=T0 + 12)
+    store.transition(job, J.PROVISIONING, "requesting", at=T0 + 13)
+    store.transition(job, J.STARTING, "relaunch", at=T0 + 20)
+    store.transition(job, J.RUNNING, "joined", data=StateChange(generation=2), at=T0 + 22)
+    store.import_event(job, "restore", "restored step 4", {"restore_s": 1.0, "compile_s": 0.0, "restored_step": 4},
+                       at=T0 + 23)
+    store.import_event(job, "lost_work", "lost 2 steps", {"steps": 2, "seconds": 4.0, "from_step": 6, "to_step": 4},
+                       at=T0 + 23)
+    store.record_steps(job, 2, [(k, 1.0, None, 2.0) for k in range(4, 10)], at=T0 + 40)
+    store.transition(job, J.SUCCEEDED, "done", at=T0 + 40)
+    g = goodput(store, job)
+    _assert_adds_up(g)
+    assert g.lost_steps == 2 and g.lost_work_s == pytest.approx(4.0)
