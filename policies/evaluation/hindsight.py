@@ -89,8 +89,8 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
     reshape = round(quantized.reshape_s / dt)
     relaxed = _DualProgramme(job.options, capacity, dt, 0, startup, reshape)
     total = job.total_tokens
-    grid, g = _maximise_dual(relaxed, job, total)
-    if g[-1] > g[-2] and relaxed.evaluate(relaxed.path(grid[-1]), total)[0] < total:
+    grid, g, feasible = _maximise_dual(relaxed, job, total)
+    if not feasible:
         return Optimum(math.inf, math.inf, math.inf, False)  # not even the clairvoyant finishes
     k = int(np.argmax(g))
     # A run that finishes mid-step pays only part of that step; the DP pays whole steps.
@@ -108,7 +108,7 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
             break
         if margin_s:
             relaxed = _DualProgramme(job.options, capacity[:short], dt, 0, startup, reshape)
-            grid, g = _maximise_dual(relaxed, job, total)
+            grid, g, _ = _maximise_dual(relaxed, job, total)  # (an aim too early to finish: its runs miss)
             k = int(np.argmax(g))
         dp = _DualProgramme(job.options, capacity[:short], dt, prov, startup)
         for held, levels, lead in _candidates(dp, relaxed, grid, k, job, total, prov)[:schedules]:
@@ -123,18 +123,19 @@ def hindsight_optimum(job: SimJob, trace: SpotTrace, *, start_s: float = 0.0,
     return Optimum(bound, float(cost), float(finish), True)
 
 
-def _maximise_dual(relaxed: _DualProgramme, job: SimJob, total: float) -> tuple[np.ndarray, np.ndarray]:
-    """The price grid, zoomed three times around the maximum of g, and g on it."""
+def _maximise_dual(relaxed: _DualProgramme, job: SimJob, total: float) -> tuple[np.ndarray, np.ndarray, bool]:
+    """The price grid, zoomed three times around the maximum of g, g on it, and whether the target can be
+    reached at all (if not, the grid is left unzoomed)."""
     per_token = np.array([o.usd_per_token for o in job.options])
     grid = np.geomspace(0.5 * per_token.min(), 200 * per_token.max(), 24)
     g = relaxed.dual(grid, total)
     if g[-1] > g[-2] and relaxed.evaluate(relaxed.path(grid[-1]), total)[0] < total:
-        return grid, g  # (infeasible: the caller says so)
+        return grid, g, False
     for _ in range(3):
         k = int(np.argmax(g))
         grid = np.linspace(grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)], 16)
         g = relaxed.dual(grid, total)
-    return grid, g
+    return grid, g, True
 
 
 def _candidates(dp: _DualProgramme, relaxed: _DualProgramme, grid: np.ndarray, k: int, job: SimJob, total: float,
