@@ -36,6 +36,8 @@ fn = jax.jit(lambda x: (x * 2.0).sum(), in_shardings=row, out_shardings=NamedSha
 lowered = fn.lower(jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=row))
 path = programs.executable_path(lowered)
 hit = path.exists()
+from jax._src import distributed  # both look before either compiles: else process 1 may see process 0's fresh file
+distributed.global_state.client.wait_at_barrier("looked", 60_000)
 compiled = programs.compile_cached(lowered)
 x = jax.make_array_from_callback((8, 3), row, lambda idx: np.arange(24, dtype=np.float32).reshape(8, 3)[idx])
 print(json.dumps({"rank": rank, "hit": hit, "cached": path.exists(), "value": float(compiled(x))}))
