@@ -12,20 +12,21 @@ from orchestrator.state.store import Store
 SPEC = {"name": "j", "accelerator": "v4-8", "tier": "spot", "workload": {"type": "lm", "steps": 10}}
 
 
-def _slice(store: Store, job: str, name: str, state: str, at: float) -> None:
+def _slice(store: Store, job: str, name: str, state: str, at: float, zone: str | None = None) -> None:
     store.put_slice(name, job, "gcp", "v4-8", "spot", state, {"hosts": []},
-                    event=SliceChanged(name, "v4-8", 4, "spot", state, 1.0))
+                    event=SliceChanged(name, "v4-8", 4, "spot", state, 1.0, zone=zone))
     store._conn().execute("UPDATE events SET at=? WHERE seq=(SELECT MAX(seq) FROM events)", (at,))
 
 
-def _fresh(store: Store, *, since: float, exclude_job: str) -> list[tuple[float, str, str, str]]:
+def _fresh(store: Store, *, since: float, exclude_job: str,
+           zone: str = "default") -> list[tuple[float, str, str, str]]:
     return [(at, job, p.name, p.state) for at, job, p in
-            _slice_changes(store.slice_events(since=since, exclude_job=exclude_job))]
+            _slice_changes(store.slice_events(since=since, exclude_job=exclude_job)) if (p.zone or "default") == zone]
 
 
-def _kept(store: Store, *, since: float, exclude_job: str) -> list[tuple[float, str, str, str]]:
+def _kept(store: Store, *, since: float, exclude_job: str, zone: str = "default") -> list[tuple[float, str, str, str]]:
     return [(at, job, p.name, p.state) for at, job, p in
-            _pooled(store).others(store, since=since, exclude_job=exclude_job)]
+            _pooled(store).others(store, zone=zone, since=since, exclude_job=exclude_job)]
 
 
 def test_pooled_slice_events_are_what_a_fresh_read_gives_as_events_come(tmp_path):
@@ -42,6 +43,23 @@ def test_pooled_slice_events_are_what_a_fresh_read_gives_as_events_come(tmp_path
         assert _kept(store, since=since, exclude_job=exclude) == _fresh(store, since=since, exclude_job=exclude)
     assert [x[2:] for x in _kept(store, since=0.0, exclude_job="c")] == [
         ("b-1", "REQUESTED"), ("a-1", "REQUESTED"), ("b-1", "WAITING"), ("a-1", "PROVISIONING")]
+
+
+def test_pooled_slice_events_are_kept_by_zone_and_a_decision_reads_its_zone_s_alone(tmp_path):
+    store = Store(tmp_path / "state.db")
+    for job in ("a", "b", "c"):
+        store.create_job(job, job, SPEC)
+    _slice(store, "a", "a-1", "REQUESTED", 100.0, zone="us-central2-b")
+    _slice(store, "b", "b-1", "REQUESTED", 90.0, zone="europe-west4-a")
+    _slice(store, "c", "c-1", "REQUESTED", 95.0)  # no zone: the "default" zone's
+    assert _kept(store, since=0.0, exclude_job="x", zone="us-central2-b") == [(100.0, "a", "a-1", "REQUESTED")]
+    _slice(store, "b", "b-2", "REQUESTED", 80.0, zone="us-central2-b")  # earlier, written later
+    _slice(store, "a", "a-1", "PROVISIONING", 110.0, zone="us-central2-b")
+    for zone in ("us-central2-b", "europe-west4-a", "default", "nowhere"):
+        for since, exclude in ((0.0, "x"), (0.0, "a"), (85.0, "b"), (100.0, "c"), (200.0, "a")):
+            assert (_kept(store, since=since, exclude_job=exclude, zone=zone)
+                    == _fresh(store, since=since, exclude_job=exclude, zone=zone))
+    assert [x[2] for x in _kept(store, since=0.0, exclude_job="x", zone="us-central2-b")] == ["b-2", "a-1", "a-1"]
 
 
 def test_a_job_read_again_keeps_its_parsed_spec_only_while_the_stored_spec_is_the_same(tmp_path):

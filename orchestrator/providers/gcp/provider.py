@@ -277,15 +277,10 @@ class GcpTpuProvider:
 
     def _look(self, t: Tracked) -> Seen:
         listing = self._listings.get(t.zone, followed=lambda: self._followed(t.zone))
+        seen = listing.seen(t.req.name, self._api.full_name(t.zone, "node", t.req.name),
+                            lambda: self._api.get(t.zone, "node", t.req.name)) if listing is not None else None
         # A queued resource missing from the listing (created since, or gone) is asked for by name.
-        qr = listing.qrs.get(t.req.name) if listing is not None else None
-        if listing is None or qr is None:
-            return self._look_by_name(t)
-        def node() -> Any:
-            listed = listing.nodes.get(self._api.full_name(t.zone, "node", t.req.name))
-            return listed if listed is not None else self._api.get(t.zone, "node", t.req.name)  # listed before made
-
-        return seen_of(qr, node)
+        return seen if seen is not None else self._look_by_name(t)
 
     def _followed(self, zone: str) -> int:
         with self._lock:
