@@ -119,7 +119,7 @@ class StepMetric:
     metrics: dict[str, float] = field(default_factory=dict)
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> StepMetric:
+    def from_row(cls, row: sqlite3.Row | tuple[Any, ...]) -> StepMetric:
         step, generation, loss, tokens_per_s, step_time_s, at, metrics = tuple(row)
         return cls(step, generation, loss, tokens_per_s, step_time_s, at, json.loads(metrics) if metrics else {})
 

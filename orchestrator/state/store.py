@@ -332,6 +332,17 @@ class Store:
             "ORDER BY step", (job_id,)).fetchall()
         return [StepMetric.from_row(r) for r in rows]
 
+    def steps_written_after(self, job_id: str, row: int = 0) -> tuple[list[StepMetric], int]:
+        """The job's step rows written after the write numbered `row` (0: all of them), in write order, and the
+        number to pass next time. A step written again (a recomputed step, a missed one filled in later) is a
+        new write: its row is deleted and inserted afresh, and SQLite numbers the new row above every row in
+        the table (nothing is ever deleted from it otherwise), so a reader that keeps what it read before
+        misses nothing (`orchestrator.observe.metrics` reads running jobs' steps so on every scrape)."""
+        rows = self._conn().execute(
+            "SELECT rowid, step, generation, loss, tokens_per_s, step_time_s, at, metrics FROM steps "
+            "WHERE job_id=? AND rowid>? ORDER BY rowid", (job_id, row)).fetchall()
+        return [StepMetric.from_row(tuple(r)[1:]) for r in rows], max([row, *(r["rowid"] for r in rows)])
+
     def last_step(self, job_id: str) -> StepMetric | None:
         row = self._conn().execute(
             "SELECT step, generation, loss, tokens_per_s, step_time_s, at, metrics FROM steps WHERE job_id=? "
