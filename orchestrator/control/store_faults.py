@@ -220,6 +220,9 @@ class HoldingStore(JobStore):
     def steps(self, job_id: str) -> list[StepMetric]:
         return self._store.steps(job_id)
 
+    def steps_written_after(self, job_id: str, row: int = 0) -> tuple[list[StepMetric], int]:
+        return self._store.steps_written_after(job_id, row)
+
     def last_step(self, job_id: str) -> StepMetric | None:
         return self._store.last_step(job_id)
 

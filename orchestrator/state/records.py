@@ -131,13 +131,17 @@ def event_from_row(r: sqlite3.Row) -> Event:
                  r["reason"], json.loads(r["data"]) if r["data"] else None)
 
 
-def job_from_row(row: sqlite3.Row) -> JobRecord:
+def job_from_row(row: sqlite3.Row, *, same_spec_as: JobRecord | None = None) -> JobRecord:
+    """The job of `row`; `same_spec_as`: a record read from the same spec and shape text, whose JSON is
+    taken as parsed (never changed in place) instead of parsing it again."""
+    like = same_spec_as
     return JobRecord(
-        id=row["id"], name=row["name"], stored_spec=json.loads(row["spec"]), state=JobState(row["state"]),
+        id=row["id"], name=row["name"], stored_spec=like.stored_spec if like else json.loads(row["spec"]),
+        state=JobState(row["state"]),
         reason=row["reason"], created_at=row["created_at"], updated_at=row["updated_at"],
         generation=row["generation"], preemptions=row["preemptions"], failures=row["failures"],
         cancel_requested=bool(row["cancel_requested"]), error=row["error"],
         result=json.loads(row["result"]) if row["result"] else None,
         cause=FailedBecause(row["cause"]) if row["cause"] in FailedBecause._value2member_map_ else None,
-        stored_shape=json.loads(row["shape"]) if row["shape"] else None,
+        stored_shape=like.stored_shape if like else json.loads(row["shape"]) if row["shape"] else None,
     )

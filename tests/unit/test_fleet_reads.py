@@ -68,7 +68,10 @@ def test_a_job_read_again_keeps_its_parsed_spec_only_while_the_stored_spec_is_th
     first = store.job("a").spec
     again = store.job("a").spec
     assert again is first  # the same text: parsed once
+    assert store.job("a").stored_spec is store.job("a").stored_spec  # its JSON too
     store.place("a", Shape("v4-16", "on-demand", 1))
     moved = store.job("a").spec
     assert (moved.accelerator, moved.tier.value) == ("v4-16", "on-demand")
+    fresh = Store(tmp_path / "state.db").job("a")
+    assert store.job("a").stored_shape == ["v4-16", "on-demand", 1] == fresh.stored_shape
     assert store.job("a").spec is moved and Store(tmp_path / "state.db").job("a").spec == moved

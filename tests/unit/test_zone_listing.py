@@ -6,7 +6,7 @@ from __future__ import annotations
 from google.cloud import tpu_v2
 
 from orchestrator.providers.gcp.api import QRS
-from orchestrator.providers.gcp.looks import ZoneListing
+from orchestrator.providers.gcp.looks import ZoneListing, ZoneListings
 
 NODE = "projects/p/locations/z/nodes/"
 
@@ -47,3 +47,32 @@ def test_a_node_made_after_the_listing_is_asked_for_by_name_on_every_look():
     assert listing.seen("a", NODE + "a", get_node).node is None  # not made yet
     again = listing.seen("a", NODE + "a", get_node)
     assert (again.node, again.addresses, asked) == ("READY", ("10.0.0.2",), 2)  # asked again, not kept
+
+
+class _Zone:
+    """What `ZoneListings` asks of the API: one listing of a zone (queued resources, nodes by full name)."""
+
+    def __init__(self):
+        self.listed = 0
+
+    def list_zone(self, zone):
+        self.listed += 1
+        return [tpu_v2.QueuedResource(name=f"projects/p/locations/{zone}/queuedResources/a")], {}
+
+
+def test_the_slices_followed_are_counted_once_a_second_not_once_a_look():
+    api, counted = _Zone(), []
+
+    def followed() -> int:
+        counted.append(1)
+        return 20
+
+    listings = ZoneListings(api, "p", list_over=8, list_s=1.0)
+    for _ in range(50):  # every look of a moment, the listing fresh or not
+        listing = listings.get("z", followed=followed)
+        listings._latest.pop("z")  # as if stale again at once
+    assert listing is not None and set(listing.qrs) == {"a"}
+    assert api.listed == 50 and len(counted) == 1
+    few = ZoneListings(api, "p", list_over=8, list_s=1.0)
+    assert [few.get("z", followed=lambda: counted.append(1) or 3) for _ in range(20)] == [None] * 20
+    assert len(counted) == 2  # too few to list: each look GETs its own, and that was counted once too

@@ -84,10 +84,11 @@ class ZoneListings:
         self._lock = threading.Lock()
         self._latest: dict[str, ZoneListing] = {}
         self._locks: dict[str, threading.Lock] = {}  # one listing of a zone at a time
+        self._counted: dict[str, tuple[int, float]] = {}  # zone -> (slices followed there, when counted)
 
     def get(self, zone: str, *, followed: Callable[[], int]) -> ZoneListing | None:
         """The zone's listing, no older than `list_s`, if `followed()` slices there are more than
-        `list_over` (counted once a listing, not once a look).
+        `list_over` (counted at most once every `list_s`, not once a look).
 
         One caller lists; while it does, the others read the listing before it rather than wait (a
         listing of a thousand slices takes a while to parse, and every driver's look would queue behind
@@ -99,7 +100,7 @@ class ZoneListings:
                 return listing
             lock = self._locks.setdefault(zone, threading.Lock())
             latest = self._latest.get(zone)
-        if followed() <= self.list_over:
+        if self._count(zone, followed) <= self.list_over:
             return None
         if not lock.acquire(blocking=latest is None):  # being listed: the one before it will do meanwhile
             return latest
@@ -121,6 +122,20 @@ class ZoneListings:
             return listing
         finally:
             lock.release()
+
+    def _count(self, zone: str, followed: Callable[[], int]) -> int:
+        """`followed()`, counted at most once every `list_s` a zone: counting walks every slice followed, and
+        every look counted while a listing was stale or being made (a tenth of the controller's time at
+        N=1,000). It decides only whether to list, so a count a second old does."""
+        now = time.monotonic()
+        with self._lock:
+            counted = self._counted.get(zone)
+            if counted is not None and now - counted[1] <= self.list_s:
+                return counted[0]
+        n = followed()
+        with self._lock:
+            self._counted[zone] = (n, now)
+        return n
 
     def _fresh(self, zone: str) -> ZoneListing | None:
         listing = self._latest.get(zone)
