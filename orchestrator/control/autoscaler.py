@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import operator
 import statistics
 import threading
 import weakref
@@ -153,12 +154,7 @@ def _zone(p: SliceChanged) -> str:
     return getattr(p, "zone", None) or "default"
 
 
-def _at(change: tuple[float, int, str, SliceChanged]) -> float:
-    return change[0]
-
-
-def _at_seq(change: tuple[float, int, str, SliceChanged]) -> tuple[float, int]:
-    return change[0], change[1]
+_at, _at_seq = operator.itemgetter(0), operator.itemgetter(0, 1)  # of a kept (at, seq, job, what)
 
 
 _POOLED: weakref.WeakKeyDictionary[Store, _PooledSlices] = weakref.WeakKeyDictionary()

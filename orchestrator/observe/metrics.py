@@ -6,8 +6,8 @@ have ended, and the rows already read of the others (`_Rows`: events are only ev
 and a step written again is a new row), so the numbers are those `orchestrator status`
 shows and a restarted controller exports the same series. Reading every running job's rows
 again on each scrape took 12 s at 1,000 jobs, beyond Prometheus's default 10 s timeout.
-Each sample carries the job id as `job`; note that Prometheus renames a target's own `job` label to `exported_job`
-unless the scrape config sets `honor_labels: true`.
+Each sample carries the job id as `job`; note that Prometheus renames a target's own `job`
+label to `exported_job` unless the scrape config sets `honor_labels: true`.
 
 Exported (all gauges unless marked as counters):
 
@@ -133,7 +133,7 @@ class JobCollector(Collector):
             self._ended[job.id] = (job.updated_at, g)
             return g
         events, steps = self._rows.setdefault(job.id, _Rows()).read(self.store, job.id)
-        return compute_goodput(self.store.job(job.id), events, steps, now=self._clock())
+        return compute_goodput(job, events, steps, now=self._clock())  # the record this scrape read
 
 
 class _Rows:
