@@ -154,21 +154,25 @@ def test_every_move_is_checked_against_the_table():
     assert m.QR_TRANSITIONS[m.DELETING] == frozenset()
 
 
-def test_delete_of_an_active_queued_resource_needs_force(emulator):
-    client = emulator.client()
-    create(client)
-    wait_state(client, QR_NAME, QRState.ACTIVE)
-    with pytest.raises(gexc.BadRequest, match="force"):
-        client.delete_queued_resource(name=QR_NAME)
-    with pytest.raises(gexc.BadRequest, match="queued resource"):
-        client.delete_node(name=NODE_NAME)  # owned by the queued resource
-    op = client.delete_queued_resource(request=tpu_v2.DeleteQueuedResourceRequest(name=QR_NAME, force=True))
-    assert client.get_queued_resource(name=QR_NAME).state.state == QRState.DELETING
-    op.result(timeout=10)
-    with pytest.raises(gexc.NotFound):
-        client.get_queued_resource(name=QR_NAME)
-    with pytest.raises(gexc.NotFound):
-        client.get_node(name=NODE_NAME)
+def test_delete_of_an_active_queued_resource_needs_force():
+    # On the manual clock the forced delete stays DELETING until its time passes, however busy the machine.
+    with manual_emulator() as emu:
+        client = emu.client()
+        create(client)
+        emu.advance(TO_ACTIVE_S)
+        assert state_of(client) == "ACTIVE"
+        with pytest.raises(gexc.BadRequest, match="force"):
+            client.delete_queued_resource(name=QR_NAME)
+        with pytest.raises(gexc.BadRequest, match="queued resource"):
+            client.delete_node(name=NODE_NAME)  # owned by the queued resource
+        op = client.delete_queued_resource(request=tpu_v2.DeleteQueuedResourceRequest(name=QR_NAME, force=True))
+        assert state_of(client) == "DELETING"
+        emu.advance(STEPS.delete_s)
+        op.result(timeout=10)
+        with pytest.raises(gexc.NotFound):
+            client.get_queued_resource(name=QR_NAME)
+        with pytest.raises(gexc.NotFound):
+            client.get_node(name=NODE_NAME)
 
 
 def test_direct_node_create_and_delete(emulator):
