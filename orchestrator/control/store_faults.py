@@ -214,8 +214,8 @@ class HoldingStore(JobStore):
     def last_event(self, job_id: str, kind: EventKind, *, to_state: JobState | None = None) -> Event | None:
         return self._store.last_event(job_id, kind, to_state=to_state)
 
-    def slice_events(self, *, since: float, exclude_job: str | None = None) -> list[Event]:
-        return self._store.slice_events(since=since, exclude_job=exclude_job)
+    def slice_events(self, *, since: float, exclude_job: str | None = None, after_seq: int = 0) -> list[Event]:
+        return self._store.slice_events(since=since, exclude_job=exclude_job, after_seq=after_seq)
 
     def steps(self, job_id: str) -> list[StepMetric]:
         return self._store.steps(job_id)

@@ -29,6 +29,16 @@ def test_the_holding_store_writes_out_every_member_and_forwards_nothing_by_name(
     assert not hasattr(HoldingStore, "__getattr__")
 
 
+def _parameters(cls: type, name: str) -> list[tuple[str, object, object]]:
+    return [(p.name, p.kind, p.default) for p in inspect.signature(getattr(cls, name)).parameters.values()]
+
+
+@pytest.mark.parametrize("name", sorted(READS | WRITES))
+def test_the_store_the_protocol_and_the_holding_store_take_the_same_parameters(name):
+    # A parameter the Store takes and the Protocol lacks is one the HoldingStore would not pass on.
+    assert _parameters(JobStore, name) == _parameters(Store, name) == _parameters(HoldingStore, name)
+
+
 class _Refusing:
     """A store whose every method refuses its first call (`StoreFaultError`) and records the calls it takes."""
 
