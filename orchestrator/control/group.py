@@ -11,8 +11,8 @@ it listens. Each worker is told what its slice says its host is (`workers.accele
 and decides its platform from what the host is: TPU, or its CPU where its Ray node declares
 that it stands in for the chips. Workers are detached actors named by slice, generation and rank, so a
 restarted controller finds them (`orchestrator.control.adoption`). A worker whose process
-is gone is asked about where it ran: its Ray node dead, or a task that cannot run there,
-is a host loss; otherwise its stderr's end says how it aborted.
+is gone is asked about where it ran (`orchestrator.control.postmortem`): its Ray node dead, or a
+task that cannot run there, is a host loss; otherwise its stderr's end says how it aborted.
 
 A host that goes silently (powered off, no reset) is seen by the beats every worker sends the
 controller's liveness monitor (`orchestrator.control.liveness`), in about two seconds rather than
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator import cluster
 from orchestrator.cluster.home import Home
-from orchestrator.control import liveness, memory, shipping, spares
+from orchestrator.control import liveness, memory, postmortem, shipping, spares
 from orchestrator.control.compile_ahead import launch_programs
 from orchestrator.control.generation import kill_workers, pg_name, where_placed, worker_name
 from orchestrator.domain.provider_facts import ReportRoute
@@ -46,16 +46,11 @@ from orchestrator.providers.base import Slice
 from orchestrator.state.events import Launched
 from orchestrator.state.store import Store
 from policies.decisions.recovery import (
-    WORKER_DIED,
-    WORKER_UNREACHABLE,
     Outcome,
     OutcomeKind,
-    native_error,
-    telling_lines,
 )
 from workers import inbox
 from workers.accelerator import CPU, TPU, HostClaim
-from workers.crash import stderr_tail
 from workers.host import HostWorker
 from workers.order import LaunchOrder, UserEntrypoint
 from workers.protocol import WorkerResult
@@ -68,7 +63,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PROBE_S = 30.0  # how long a dead worker's host has to run a task (the answer that it is up, and the stderr)
 PING_S = 30.0  # how long workers have to answer a ping, or to be seen dead (a process that aborts takes a while to go)
 
 
@@ -321,33 +315,14 @@ class RayWorkerGroup:
         return None, [refs.index(r) for r in pending]
 
     def died(self, error: WorkerGone) -> Outcome:
-        at = time.time()
+        """Why a worker is gone (`orchestrator.control.postmortem`): a lost host marks its slice lost."""
         placed = where_placed(self.store, self.job_id, self.launched.generation)
-        dead = [rank for rank, w in enumerate(self.workers) if not _answers(w)]
-        alive_nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        dead = [rank for rank in dead if rank < len(placed)]
-        # A host gone first, whichever rank died first: when one host goes, the others' processes abort
-        # (their collectives fail), and one of those can be the first seen dead.
-        for rank in dead:
-            node, _ = placed[rank]
-            if node not in alive_nodes:
-                self._lost(rank)
-                return Outcome(OutcomeKind.INFRA_LOST, f"host {rank} is gone (its Ray node {node[:12]} is dead)", at=at)
-        for rank in dead:
-            node, pid = placed[rank]
-            try:
-                tail = ray.get(ray.remote(num_cpus=0, max_retries=0)(stderr_tail).options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pid), timeout=PROBE_S)
-            except Exception as e:  # noqa: BLE001 -- a host that cannot run a task, however, is as good as gone
-                self._lost(rank)
-                return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_UNREACHABLE} (host {rank} runs no task: "
-                                                       f"{type(e).__name__})", at=at)
-            said = telling_lines(tail or "")
-            summary = native_error(tail) if tail is not None else "its stderr is not in its node's log folder"
-            self._log_lines(rank, [f"its worker process died: {summary}", *said])
-            return Outcome(OutcomeKind.WORKER_ABORTED, f"host {rank}'s worker process died, its host still up: "
-                                                       f"{summary}", traceback="\n".join(said) or None, at=at)
-        return Outcome(OutcomeKind.INFRA_LOST, f"{WORKER_DIED} ({error.error_type})", at=at)
+        verdict = postmortem.why_died(self.workers, placed, error.error_type)
+        if verdict.rank is not None and verdict.host_lost:
+            self._lost(verdict.rank)
+        elif verdict.rank is not None and verdict.log_lines:
+            self._log_lines(verdict.rank, verdict.log_lines)
+        return verdict.outcome
 
     def held_step(self, slices: list[Slice]) -> tuple[int | None, str]:
         return memory.common_step(slices)
@@ -402,13 +377,3 @@ def _report_to(spec: JobSpec):
     if spec.provider_facts.report_route is ReportRoute.DIRECT:
         return (cluster.CONTROLLER_NAME, cluster.NAMESPACE)
     return inbox.start(cluster.NAMESPACE, cluster.CONTROLLER_NAME, ray.get_runtime_context().get_node_id())
-
-
-def _answers(worker) -> bool:
-    try:
-        ray.get(worker.info.remote(), timeout=10)
-        return True
-    except ray.exceptions.RayActorError:
-        return False
-    except ray.exceptions.GetTimeoutError:
-        return True  # slow, not dead: the heartbeat decides
