@@ -114,6 +114,22 @@ def test_byte_corpus_is_a_dataset_with_the_rows_it_always_had():
     np.testing.assert_array_equal(data.batch_rows(4, 9, 6, 64, slice(1, 3)), want[1:3])
 
 
+def test_the_corpus_files_come_in_sorted_path_order_without_a_walk_of_the_whole_tree(tmp_path):
+    """The corpus is the first files of the tree by sorted path (what `sorted(rglob)` gave); they are found
+    folder by folder, skipping `test` and `site-packages` folders, and a folder's files come before a
+    sibling's whose name sorts after the folder's."""
+    for rel in ["a.py", "a/z.py", "a/b/c.py", "a-b.py", "ab.py", "b/test/skip.py", "b/x.py",
+                "site-packages/pkg.py", "c/notes.txt", "c/site-packages/deep.py", "c/y.py", "test/t.py"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(rel)
+    want = [p for p in sorted(tmp_path.rglob("*.py"))
+            if "test" not in p.relative_to(tmp_path).parts and "site-packages" not in p.relative_to(tmp_path).parts]
+    got = list(data._sources(tmp_path))
+    assert got == want
+    assert [p.relative_to(tmp_path).as_posix() for p in got] == ["a/b/c.py", "a/z.py", "a-b.py", "a.py", "ab.py",
+                                                                  "b/x.py", "c/y.py"]
+
+
 # -- check: every problem names the file --------------------------------------------
 
 
