@@ -461,3 +461,27 @@ def test_the_api_refuses_what_a_browser_page_sends(emulator):
     assert emulator.client().list_queued_resources(parent=PARENT).queued_resources == []
     status, _ = http(url, "POST", body)  # the same request from a program: served
     assert status == 200
+
+
+def test_a_burst_of_connections_is_taken_not_dropped(emulator):
+    """A controller of many jobs opens a connection a request (HTTP/1.0) from many threads at once. The
+    server's backlog holds a burst of them: none waits for its SYN to be sent again (a second or more), as
+    over socketserver's default backlog of 5 (the kernel drops what is over it)."""
+    import select
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(emulator.url)
+    socks = [socket.socket() for _ in range(200)]
+    try:
+        for s in socks:
+            s.setblocking(False)
+            s.connect_ex((where.hostname, where.port))
+        pending, deadline = set(socks), time.monotonic() + 0.5  # well under the first SYN resend (1 s)
+        while pending and time.monotonic() < deadline:
+            _, writable, _ = select.select([], list(pending), [], max(0.0, deadline - time.monotonic()))
+            pending -= {s for s in writable if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0}
+        assert not pending, f"{len(pending)} of {len(socks)} connections not taken in 0.5 s"
+    finally:
+        for s in socks:
+            s.close()
