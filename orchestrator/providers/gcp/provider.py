@@ -241,13 +241,13 @@ class GcpTpuProvider:
             t = self._tracked[name]
         if t.released:
             return t
-        seen = self._look(t)
+        seen, at = self._look(t)
         with self._lock:
             cur = self._tracked[name]
-            if cur.released or cur.plan != t.plan:  # released, or moved on, while we looked
+            if cur.released or cur.plan != t.plan or at < cur.seen_at:  # released, moved on, or read since
                 return cur
             before = cur.state
-            cur = self._tracked[name] = self._judge(cur, seen)
+            cur = self._tracked[name] = replace(self._judge(cur, seen), seen_at=at)
         self._changed(before, cur)
         if cur.state is not SliceState.PROVISIONING or seen.qr != "ACTIVE" or seen.node != "READY":
             return cur
@@ -275,12 +275,18 @@ class GcpTpuProvider:
         except Exception:  # the record of a change must not break following the slice
             log.exception("on_change failed for slice %s (%s)", t.req.name, t.state.value)
 
-    def _look(self, t: Tracked) -> Seen:
+    def _look(self, t: Tracked) -> tuple[Seen, float]:
+        """What the API says of the slice, and when (monotonic) that was read: from the zone's listing, unless it
+        began before the slice's last reading or does not hold its queued resource (created since, or gone),
+        then by name."""
         listing = self._listings.get(t.zone, followed=lambda: self._followed(t.zone))
-        seen = listing.seen(t.req.name, self._api.full_name(t.zone, "node", t.req.name),
-                            lambda: self._api.get(t.zone, "node", t.req.name)) if listing is not None else None
-        # A queued resource missing from the listing (created since, or gone) is asked for by name.
-        return seen if seen is not None else self._look_by_name(t)
+        if listing is not None and listing.at >= t.seen_at:
+            seen = listing.seen(t.req.name, self._api.full_name(t.zone, "node", t.req.name),
+                                lambda: self._api.get(t.zone, "node", t.req.name))
+            if seen is not None:
+                return seen, listing.at
+        at = time.monotonic()
+        return self._look_by_name(t), at
 
     def _followed(self, zone: str) -> int:
         with self._lock:
@@ -322,7 +328,7 @@ class GcpTpuProvider:
             # Still the same request, now in another zone: the slice keeps its state (REQUESTED or
             # WAITING), and the next zone's looks move it on from there, never back.
             moved = self._tracked[t.req.name] = replace(cur, plan=plan, since=time.monotonic(), seen=None,
-                                                        hosts=(), reported=frozenset())
+                                                        seen_at=0.0, hosts=(), reported=frozenset())
         self._create(moved)
 
     # -- creating and deleting ----------------------------------------------------------

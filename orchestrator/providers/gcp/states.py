@@ -63,6 +63,10 @@ class Tracked:
     created_at: float = field(default_factory=time.time)
     state: SliceState = SliceState.REQUESTED
     seen: Seen | None = None
+    # When (monotonic) the data of `seen` was read: its listing began, or its GET was sent. A reading older than
+    # this one is dropped: judged after it, it would take the slice back (a listing begun before a GET that saw
+    # the node READY, finished after it, still shows the node CREATING: a READY slice read as lost).
+    seen_at: float = 0.0
     ever_up: bool = False  # its node was READY at least once
     hosts: tuple[Host, ...] = ()
     reported: frozenset[SliceEventKind] = frozenset()  # events already reported for this zone
