@@ -291,9 +291,13 @@ class Controller:
             return self._drivers.get(job_id)
 
     def _start(self, driver: JobDriver) -> None:
+        loop.start(self._register(driver), on_exit=self._forget)
+
+    def _register(self, driver: JobDriver) -> JobDriver:
+        """The driver takes its job's reports, cancels and resizes from now on (before it starts, after a restart)."""
         with self._lock:
             self._drivers[driver.job_id] = driver
-        loop.start(driver, on_exit=self._forget)
+        return driver
 
     def _forget(self, job_id: str) -> None:
         with self._lock:
@@ -345,7 +349,7 @@ class Controller:
 
     def _reconcile(self) -> None:
         """After a restart: adopt each job's running worker group, or clean up and relaunch."""
-        reconcile(self, lambda job_id, adoption: JobDriver(self, job_id, adoption), self._start,
+        reconcile(self, lambda job_id, adoption: self._register(JobDriver(self, job_id, adoption)), self._start,
                   loop.lost_with_the_cluster)
 
 
