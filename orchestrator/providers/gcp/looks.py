@@ -5,7 +5,8 @@ Every running job's driver looks at its slices four times a second; a look used 
 resource and its node, 8 requests a second a job. Once the provider follows more than `list_over`
 slices in a zone, `ZoneListings` lists the zone's queued resources and nodes at most every `list_s`
 (2 calls, however many slices) and every look of that moment reads the same listing. What is missing
-from the listing (made since, or gone) is asked for by name.
+from the listing (made since, or gone) is asked for by name, and so is a slice whose last reading is newer than
+the listing: readings are judged in the order their data was read (`look`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from orchestrator.providers.gcp.api import QRS, CloudApiError, TpuApi
-from orchestrator.providers.gcp.states import Seen
+from orchestrator.providers.gcp.states import Seen, Tracked
 
 log = logging.getLogger(__name__)
 
@@ -140,3 +141,18 @@ class ZoneListings:
     def _fresh(self, zone: str) -> ZoneListing | None:
         listing = self._latest.get(zone)
         return listing if listing is not None and time.monotonic() - listing.at <= listing.fresh_for else None
+
+
+def look(api: TpuApi, listings: ZoneListings, t: Tracked, *, followed: Callable[[], int]) -> tuple[Seen, float]:
+    """What the API says of the slice `t`, and when (monotonic) that was read: from its zone's listing (`followed`:
+    how many slices the provider follows there), unless the listing began before the slice's last reading
+    (`Tracked.seen_at`) or does not hold its queued resource (made since, or gone); then by name."""
+    listing = listings.get(t.zone, followed=followed)
+    if listing is not None and listing.at >= t.seen_at:
+        seen = listing.seen(t.req.name, api.full_name(t.zone, "node", t.req.name),
+                            lambda: api.get(t.zone, "node", t.req.name))
+        if seen is not None:
+            return seen, listing.at
+    at = time.monotonic()
+    qr = api.get(t.zone, "qr", t.req.name)
+    return (Seen(qr=None) if qr is None else seen_of(qr, lambda: api.get(t.zone, "node", t.req.name))), at

@@ -25,7 +25,7 @@ from orchestrator.providers.base import Slice, SliceEvent, SliceEventKind, Slice
 from orchestrator.providers.gcp.api import CloudApiError, RetryPolicy, TpuApi, queued_resource
 from orchestrator.providers.gcp.gc import find_ours, label_value, labelled_ours, labels_for, made_for
 from orchestrator.providers.gcp.join import JoinCheck, ray_join_check
-from orchestrator.providers.gcp.looks import ZoneListings, seen_of
+from orchestrator.providers.gcp.looks import ZoneListings, look
 from orchestrator.providers.gcp.pace import CreatePace, Polling
 from orchestrator.providers.gcp.states import Seen, Tracked, judge, move, no_capacity, still_queued
 from orchestrator.providers.gcp.zones import NoCapacityError, ZonePlan, tier_fields, zone_order
@@ -276,27 +276,11 @@ class GcpTpuProvider:
             log.exception("on_change failed for slice %s (%s)", t.req.name, t.state.value)
 
     def _look(self, t: Tracked) -> tuple[Seen, float]:
-        """What the API says of the slice, and when (monotonic) that was read: from the zone's listing, unless it
-        began before the slice's last reading or does not hold its queued resource (created since, or gone),
-        then by name."""
-        listing = self._listings.get(t.zone, followed=lambda: self._followed(t.zone))
-        if listing is not None and listing.at >= t.seen_at:
-            seen = listing.seen(t.req.name, self._api.full_name(t.zone, "node", t.req.name),
-                                lambda: self._api.get(t.zone, "node", t.req.name))
-            if seen is not None:
-                return seen, listing.at
-        at = time.monotonic()
-        return self._look_by_name(t), at
+        return look(self._api, self._listings, t, followed=lambda: self._followed(t.zone))
 
     def _followed(self, zone: str) -> int:
         with self._lock:
             return sum(1 for t in self._tracked.values() if t.zone == zone and not t.released)
-
-    def _look_by_name(self, t: Tracked) -> Seen:
-        qr = self._api.get(t.zone, "qr", t.req.name)
-        if qr is None:
-            return Seen(qr=None)
-        return seen_of(qr, lambda: self._api.get(t.zone, "node", t.req.name))
 
     def _judge(self, t: Tracked, seen: Seen) -> Tracked:
         """The slice state that `seen` means, and the events it raises (called under the lock)."""
