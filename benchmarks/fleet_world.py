@@ -42,7 +42,7 @@ from orchestrator.providers.base import Host, Slice, host_resource
 from orchestrator.providers.local import release_recorded
 from orchestrator.state.events import Launched, SliceChanged
 from orchestrator.state.store import SliceRow, Store
-from workers.protocol import Ending, Ready, Saved, StepDone, Timings, WorkerResult
+from workers.protocol import Ending, Ready, Saved, StepDone, Timings, WorkerResult, saved_entry
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +250,7 @@ class Script:
         if done % self.interval == 0 or done == self.total or self.stop_reason:
             self.committed[self.job_id] = done
             reports.append(Saved(done))
+            self.history[-1] = {**self.history[-1], **saved_entry(reports[-1])}  # as a `HostWorker` keeps it
         noticed = self.notice_at is not None and self.step >= self.notice_at and self.stop_reason is None
         if noticed:
             self.notice_at = None

@@ -39,7 +39,7 @@ from workers.host_output import LineBuffer, route_logs
 from workers.notices import MetadataWatcher, install_sigterm
 from workers.order import BuiltInTrainer, LaunchOrder, UserEntrypoint
 from workers.profiling import CaptureRequest, Profiler
-from workers.protocol import Ending, Lines, Noticed, Ready, Report, StepDone, WorkerResult
+from workers.protocol import Ending, Lines, Noticed, Ready, Report, Saved, StepDone, WorkerResult, saved_entry
 
 if TYPE_CHECKING:
     from workers import api
@@ -161,7 +161,8 @@ class HostWorker:
         return self._result
 
     def history(self) -> list[dict]:
-        """Every step report of this worker so far (for a controller that missed some)."""
+        """Every step report of this worker so far, each with the checkpoint committed after it if one was
+        (`protocol.saved_entry`), for a controller that missed some."""
         return list(self._history)
 
     def request_stop(self, reason: str) -> None:
@@ -392,6 +393,8 @@ class HostWorker:
         if isinstance(report, StepDone):
             self._history.append({**dataclasses.asdict(report), "at": time.time()})
             self._log_progress(report)
+        elif isinstance(report, Saved) and self._history:  # kept with the step it followed (`history`)
+            self._history[-1] = {**self._history[-1], **saved_entry(report)}
         lines = self._out.drain()
         ctrl = self._ctrl()
         if ctrl is None:

@@ -9,6 +9,7 @@ workers import nothing of the controller.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 
 
@@ -51,6 +52,12 @@ class Saved:
 
     step: int
     blocking_s: float | None = None
+
+
+def saved_entry(report: Saved) -> dict:
+    """What a worker's step history (`HostWorker.history`) keeps of a checkpoint committed after that step: a
+    controller that restarted meanwhile records it from there (`ReportSink.record_missed`)."""
+    return {"saved": report.step, "save_blocking_s": report.blocking_s, "saved_at": time.time()}
 
 
 @dataclass(frozen=True)

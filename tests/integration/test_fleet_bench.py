@@ -106,4 +106,5 @@ def test_a_restarted_controller_adopts_every_running_job_and_loses_no_step():
     events = kill["events"]
     assert events["adopted_recorded"] == 20 and events["jobs_adopted_twice"] == [] and events["ends_not_once"] == []
     assert events["slices_with_broken_history"] == []
+    assert events["checkpoints_unrecorded"] == 0  # those committed while no controller ran: from the history
     assert run["left_in_api"] == 0 and run["live_slices_in_store"] == 0

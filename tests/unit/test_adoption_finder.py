@@ -177,3 +177,23 @@ def test_every_driver_starts_once_the_pass_is_over_in_its_order_each_made_when_i
     assert started == ["a", "b", "c"] and lost == [("b", 1)]
     assert [e.reason for e in store.events("a") if e.kind == "adopted"] == [
         "the controller restarted and adopted the running generation 1 (1 missed steps recorded)"]
+
+
+def test_the_checkpoints_hosts_committed_while_no_controller_ran_are_recorded_once_from_their_history(tmp_path):
+    """A worker's history keeps each checkpoint with the step it followed (`saved_entry`): the controller that
+    adopts the group records those its store lacks, once (a fleet restart at N=1,000 lost 904 of these events)."""
+    from orchestrator.state.events import CheckpointSaved, EventKind
+    from tests.unit.driver_world import World, spec
+    from workers.protocol import Saved, saved_entry
+
+    world = World(tmp_path)
+    driver = world.submit(spec())
+    world.store.add_event("job", CheckpointSaved(10, 0.1), "saved step 10")  # reported before the restart
+    history = [{"step": s, "loss": 1.0 / (s + 1), "at": 100.0 + s} for s in range(8, 22)]
+    for i, saved in ((1, 10), (11, 20)):  # steps 9 and 19 each followed by its checkpoint
+        history[i] = {**history[i], **saved_entry(Saved(saved, 0.2))}
+    assert driver.progress.record_missed(1, history) == 14
+    assert driver.progress.record_missed(1, history) == 0  # again (a catch-up after the adoption): nothing twice
+    saves = [e for e in world.store.events("job", kind=EventKind.CHECKPOINT)]
+    assert [(e.payload.step, e.reason) for e in saves] == [(10, "saved step 10"), (20, "saved step 20")]
+    assert saves[1].payload.blocking_s == 0.2 and saves[1].at == history[11]["saved_at"]

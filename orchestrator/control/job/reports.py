@@ -20,6 +20,7 @@ from orchestrator.errors import IllegalTransitionError
 from orchestrator.state.events import (
     AheadCompiled,
     CheckpointSaved,
+    EventKind,
     LostWork,
     MemoryCadence,
     NoticeSeen,
@@ -210,13 +211,21 @@ class ReportSink:
                 log.warning("job %s: cannot write its log (lines are dropped): %s", self.job_id, e)
 
     def record_missed(self, generation: int, history: list[dict]) -> int:
-        """Record the steps of a worker's history that no report brought (reports are fire-and-forget)."""
+        """Record the steps of a worker's history that no report brought (reports are fire-and-forget), and the
+        checkpoints committed after them (`workers.protocol.saved_entry`: a controller restarted while the hosts
+        saved). Returns how many steps."""
         store = self.services.store
         known = {m.step for m in store.steps(self.job_id)}
         # A step whose loss the worker has not read back yet (reads lag the step) is not recorded.
         missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"), h.get("at"), h.get("metrics"))
                   for h in history if h["step"] not in known and h.get("loss") is not None]
         store.record_steps(self.job_id, generation, missed)  # one transaction, each row at its own time
+        saved = {e.payload.step for e in store.events(self.job_id, kind=EventKind.CHECKPOINT)
+                 if isinstance(e.payload, CheckpointSaved)}
+        for h in history:
+            if "saved" in h and h["saved"] not in saved:
+                store.add_event(self.job_id, CheckpointSaved(h["saved"], h.get("save_blocking_s")),
+                                f"saved step {h['saved']}", at=h.get("saved_at"))
         return len(missed)
 
     def catch_up(self, outcome: Outcome, group: WorkerGroup | None) -> None:
