@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 FENCE = ".fence"  # the file's name in the folder
 
 
+class FolderTaken(RuntimeError):
+    """The fence beside the job's checkpoints names another job: another controller took the folder."""
+
+
 @dataclass(frozen=True)
 class Fence:
     """What a fence records: the generation whose workers may write, and whose folder it is."""
@@ -103,6 +107,28 @@ def read_fence(directory: PathLike, *, endpoint: str | None = None) -> Fence | N
             return None
         raise
     return Fence.parse(text)
+
+
+def may_write(directory: PathLike, *, endpoint: str | None, job_id: str, generation: int) -> bool:
+    """Whether the workers of the job's `generation` may write checkpoints in `directory`: only its current one.
+
+    The controller writes the current generation into the fence beside the checkpoints (`write_fence`: a file,
+    or an object in the bucket) before it launches a group, so the check needs no controller (it may be
+    restarting). A fence that cannot be read, or none, says no. FolderTaken if it names another job.
+    """
+    try:
+        fence = read_fence(directory, endpoint=endpoint)
+    except Exception as e:  # noqa: BLE001 -- unreachable, unreadable: not sure it is ours, so not writing
+        log.warning("cannot read the fence in %s (%s: %s); not writing", directory, type(e).__name__, e)
+        return False
+    if fence is None:
+        log.warning("no fence in %s; not writing", directory)
+        return False
+    if fence.owner not in (None, job_id):  # not an older generation of this job: another job's folder now
+        raise FolderTaken(f"the checkpoint folder {directory} was taken by job {fence.owner} (its generation "
+                          f"{fence.generation}): another controller runs a job there; this job stops without "
+                          "saving, so as not to train on with no checkpoint")
+    return fence.generation == generation
 
 
 def write_fence(directory: PathLike, generation: int, owner: str | None, *, endpoint: str | None = None) -> Fence:

@@ -34,7 +34,7 @@ import ray
 from policies.decisions.recovery import FailureCause, failure_cause
 from workers import accelerator, beats, reaper, runtime, storage
 from workers import fence as fences
-from workers.host_errors import EntrypointError, FolderTaken, error_chain, error_line
+from workers.host_errors import EntrypointError, error_chain, error_line
 from workers.host_output import LineBuffer, route_logs
 from workers.notices import MetadataWatcher, install_sigterm
 from workers.order import BuiltInTrainer, LaunchOrder, UserEntrypoint
@@ -202,7 +202,7 @@ class HostWorker:
         except accelerator.PlatformError as e:  # not the host its slice claims: nothing of the job's ran
             log.error("%s", e)
             result = WorkerResult(Ending.FAILED, self.rank, error=str(e), cause=FailureCause.PLATFORM.value)
-        except FolderTaken as e:  # at a save: the fence names another job
+        except fences.FolderTaken as e:  # at a save: the fence names another job
             log.error("%s", e)
             result = WorkerResult(Ending.FAILED, self.rank, error=str(e), cause=FailureCause.FOLDER_TAKEN.value)
         except SystemExit as e:  # the job's code called sys.exit(): an end it chose, never to be taken for a hang
@@ -347,27 +347,9 @@ class HostWorker:
     # -- fencing and reporting ------------------------------------------------------
 
     def _may_write(self) -> bool:
-        """Fencing: only the job's current generation may write checkpoints.
-
-        The controller writes the current generation into the fence beside the checkpoints
-        (`workers.fence.write_fence`: a file, or an object in the bucket) before it launches
-        a group, so the check needs no controller (it may be restarting).
-        """
-        if not self._fence_dir:
-            return True
-        try:
-            fence = fences.read_fence(self._fence_dir, endpoint=self._storage_endpoint)
-        except Exception as e:  # noqa: BLE001 -- unreachable, unreadable: not sure it is ours, so not writing
-            log.warning("cannot read the fence in %s (%s: %s); not writing", self._fence_dir, type(e).__name__, e)
-            return False
-        if fence is None:
-            log.warning("no fence in %s; not writing", self._fence_dir)
-            return False
-        if fence.owner not in (None, self.job_id):  # not an older generation of this job: another job's folder now
-            raise FolderTaken(f"the checkpoint folder {self._fence_dir} was taken by job {fence.owner} (its "
-                              f"generation {fence.generation}): another controller runs a job there; this job "
-                              "stops without saving, so as not to train on with no checkpoint")
-        return fence.generation == self.generation
+        """Fencing: only the job's current generation may write checkpoints (`workers.fence.may_write`)."""
+        return not self._fence_dir or fences.may_write(self._fence_dir, endpoint=self._storage_endpoint,
+                                                       job_id=self.job_id, generation=self.generation)
 
     def _log_progress(self, r: StepDone) -> None:
         total = self._steps_total

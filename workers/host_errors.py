@@ -5,10 +5,6 @@ from __future__ import annotations
 from policies.decisions.recovery import FailureCause, failure_cause
 
 
-class FolderTaken(RuntimeError):
-    """The fence beside the job's checkpoints names another job: another controller took the folder."""
-
-
 class EntrypointError(Exception):
     """The job's entrypoint could not be imported (its module, a module it imports, or its function)."""
 
