@@ -220,10 +220,11 @@ class ReportSink:
         missed = [(h["step"], h["loss"], h.get("tokens_per_s"), h.get("step_time_s"), h.get("at"), h.get("metrics"))
                   for h in history if h["step"] not in known and h.get("loss") is not None]
         store.record_steps(self.job_id, generation, missed)  # one transaction, each row at its own time
-        saved = {e.payload.step for e in store.events(self.job_id, kind=EventKind.CHECKPOINT)
-                 if isinstance(e.payload, CheckpointSaved)}
-        for h in history:
-            if "saved" in h and h["saved"] not in saved:
+        saves = [h for h in history if "saved" in h]
+        recorded = {e.payload.step for e in store.events(self.job_id, kind=EventKind.CHECKPOINT)
+                    if isinstance(e.payload, CheckpointSaved)} if saves else set()
+        for h in saves:
+            if h["saved"] not in recorded:
                 store.add_event(self.job_id, CheckpointSaved(h["saved"], h.get("save_blocking_s")),
                                 f"saved step {h['saved']}", at=h.get("saved_at"))
         return len(missed)

@@ -241,7 +241,7 @@ class GcpTpuProvider:
             t = self._tracked[name]
         if t.released:
             return t
-        seen, at = self._look(t)
+        seen, at = look(self._api, self._listings, t, followed=lambda: self._followed(t.zone))
         with self._lock:
             cur = self._tracked[name]
             if cur.released or cur.plan != t.plan or at < cur.seen_at:  # released, moved on, or read since
@@ -274,9 +274,6 @@ class GcpTpuProvider:
             self._on_change(self._slice(t))
         except Exception:  # the record of a change must not break following the slice
             log.exception("on_change failed for slice %s (%s)", t.req.name, t.state.value)
-
-    def _look(self, t: Tracked) -> tuple[Seen, float]:
-        return look(self._api, self._listings, t, followed=lambda: self._followed(t.zone))
 
     def _followed(self, zone: str) -> int:
         with self._lock:
