@@ -176,12 +176,12 @@ def test_the_program_key_changes_with_what_shapes_the_program_and_nothing_else(m
     assert programs.program_id("step", {"d_model": 128}) == base
     assert programs.program_id("step", {"d_model": 256}) != base
     assert programs.program_id("init", {"d_model": 128}) != base
-    monkeypatch.setenv("KERNELS_PALLAS_INTERPRET", "generic")
-    assert programs.program_id("step", {"d_model": 128}) != base
-    monkeypatch.delenv("KERNELS_PALLAS_INTERPRET")
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
-    assert programs.program_id("step", {"d_model": 128}) != base
-    monkeypatch.delenv("XLA_FLAGS")
+    with monkeypatch.context() as m:  # each variable back as it was after (the suite sets XLA_FLAGS)
+        m.setenv("KERNELS_PALLAS_INTERPRET", "generic")
+        assert programs.program_id("step", {"d_model": 128}) != base
+    with monkeypatch.context() as m:
+        m.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+        assert programs.program_id("step", {"d_model": 128}) != base
     with jax.default_matmul_precision("highest"):
         assert programs.program_id("step", {"d_model": 128}) != base
     dir_before = jax.config.jax_compilation_cache_dir
