@@ -3,8 +3,8 @@
 One module per op, each in the same order (block sizes, public function, Pallas path with
 its custom VJP and kernel bodies, XLA path, plain ``jax.numpy`` reference):
 
-- `attention` (+ `attention_mask`, `attention_chunked`): flash attention, causal / sliding
-  window / packed segments / grouped-query heads, forward and backward.
+- `attention` (+ `attention_flash`, its Pallas path; `attention_mask`; `attention_chunked`): flash
+  attention, causal / sliding window / packed segments / grouped-query heads, forward and backward.
 - `norm`: fused RMSNorm and LayerNorm.
 - `rope`: rotary position embedding with in-kernel angles.
 - `moe` (+ `grouped_matmul`): top-k routed experts, dropless or with a capacity.

@@ -18,9 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from kernels.attention_mask import MaskBand, segments_may_meet
-
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+from kernels.attention_mask import MASK_VALUE, MaskBand, segments_may_meet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +144,7 @@ def _forward(q, k, v, segment_ids, config: _Config):
                 m, l, acc = carry
                 s = _logits(qi, k_chunks[j], config.sm_scale)
                 mask = _mask(config, segments, i, j)
-                m_next = jnp.maximum(m, jnp.where(mask, s, _MASK_VALUE).max(-1, keepdims=True))
+                m_next = jnp.maximum(m, jnp.where(mask, s, MASK_VALUE).max(-1, keepdims=True))
                 p = jnp.where(mask, jnp.exp(s - m_next), 0.0)
                 alpha = jnp.exp(m - m_next)
                 pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(v.dtype), v_chunks[j],
@@ -156,7 +154,7 @@ def _forward(q, k, v, segment_ids, config: _Config):
             return _skip_unless(segments, i, j, update, carry)
 
         first, last = config.band.kv_blocks(i, config.chunk_q, config.chunk_kv)
-        init = (jnp.full(row_shape, _MASK_VALUE), jnp.zeros(row_shape), jnp.zeros(qi.shape, jnp.float32))
+        init = (jnp.full(row_shape, MASK_VALUE), jnp.zeros(row_shape), jnp.zeros(qi.shape, jnp.float32))
         m, l, acc = lax.fori_loop(first, last + 1, visit, init)
         l = jnp.where(l == 0.0, 1.0, l)  # padding rows see no key; they output 0
         return (acc / l).astype(q.dtype), (m + jnp.log(l))[..., 0]

@@ -29,6 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The logit of a masked pair: far below any real one, finite so that a fully masked row stays NaN-free.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
 
 @dataclasses.dataclass(frozen=True)
 class MaskBand:
