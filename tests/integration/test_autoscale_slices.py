@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from benchmarks.autoscale_replay import job_spec, write_trace
 from orchestrator import JobSpec, JobState
-from tests.conftest import assert_losses_close, run_reference
+from tests.conftest import assert_losses_close, start_reference
 
 SCALE = 40.0  # trace seconds a wall second
 STEPS = 300
@@ -30,6 +30,7 @@ def test_the_policy_adds_a_slice_beside_the_running_one_when_one_slice_cannot_ma
     raw["autoscaling"] = {"accelerators": ["v4-16"], "tiers": ["spot", "on-demand"], "max_slices": 2}
     spec = JobSpec.from_dict(raw)
     job = client.submit(spec)
+    ref = start_reference(spec, devices=8, tmp_path=tmp_path / "ref")  # trains while the job waits on its slice
     st = job.wait(timeout_s=300)
     assert st.state is JobState.SUCCEEDED, st.reason
     assert client.store.job(job.id).failures == 0
@@ -64,5 +65,4 @@ def test_the_policy_adds_a_slice_beside_the_running_one_when_one_slice_cannot_ma
     # What it did after is the policy's call on the speed it measured on two slices (on this machine's
     # CPU "slices" two can be slower than one, and the policy may move back): nothing is lost either way.
 
-    ref = run_reference(spec, devices=8, tmp_path=tmp_path / "ref")
-    assert_losses_close([m.loss for m in metrics], ref["losses"], rtol=1e-5)
+    assert_losses_close([m.loss for m in metrics], ref.result()["losses"], rtol=1e-5)
