@@ -76,23 +76,24 @@ def _barriers_off_gloo() -> None:
         flag.parse("true")
 
 
-# Below this many bytes a replica's part of an array, every replica's part is written by one replica.
+# A replicated array is split among its replicas to be saved only where each part is at least this many
+# bytes; below that, one replica saves it whole.
 REPLICA_PARALLEL_MIN_BYTES = 1 << 20
 
 
 @functools.cache
 def _small_arrays_whole() -> None:
-    """orbax writes an array whose replica slices would be small whole from one replica (once a process).
+    """Small replicated arrays saved whole by one replica (once a process).
 
     By default orbax splits every replicated array among its replicas (replica-parallel saves),
     and each replica's part is cut on its device by a program compiled for that shape and
     device. A process compiles them at its first save, and every generation is a new process:
-    the built-in trainer's tiny model compiled 28 of them a host at each launch (JAX logged 1.3-2.8 s
-    a host, 11 s on a 4-host slice sharing two cores; the hosts of two local jobs' tests took 83.2 ->
-    77.5 CPU-s without them). Splitting pays for large arrays
-    only, so below `REPLICA_PARALLEL_MIN_BYTES` a replica's part (orbax's own threshold, which
-    it leaves unset) the shard is written whole. The values a checkpoint holds are the same; only
-    their chunks on disk differ, and a restore reads either (`tests/numerics/test_checkpoint_slices.py`).
+    the built-in trainer's tiny model compiled 28 of them a host at each launch (JAX logged
+    1.3-2.8 s a host, 11 s on a 4-host slice sharing two cores; the hosts of two local jobs'
+    tests took 83.2 -> 77.5 CPU-s without them). Splitting pays for large arrays only, so a
+    part under `REPLICA_PARALLEL_MIN_BYTES` (orbax's own threshold, which it leaves unset) is
+    not split. The values a checkpoint holds are the same; only their chunks on disk differ,
+    and a restore reads either (`tests/numerics/test_checkpoint_slices.py`).
     """
     from orbax.checkpoint._src.metadata import array_metadata_store  # the default handler's own store
 
