@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 ANSWER_S = 30.0  # how long the workers have to answer after a restart (Ray may call them unavailable meanwhile)
 SETTLE_S = 5.0  # how long the rest have once a whole slice answered
+FIND_AT_ONCE = 32  # groups looked for at once after a restart: one that does not answer holds up only itself
 
 
 class Reconciling(Protocol):
@@ -146,15 +148,19 @@ def reconcile(plane: Reconciling, new_driver: Callable[[str, Adoption | None], A
     restart. Started after it, the last was adopted 38.8 s after the restart. (An earlier try of that order
     seemed to stall after the pass; the likely cause, the emulator's listen backlog of 5 dropping the
     drivers' connections, was fixed before this one was measured.) What the workers report meanwhile is
-    recorded all the same: a driver takes reports from when it is made, not when it starts.
+    recorded all the same: a driver takes reports from when it is made, not when it starts. The running
+    groups are looked for many at once from the start of the pass (`_find_all`), each job's taken in order.
     A relaunched job does not give back what the cloud still holds for a slice the store calls GONE.
     """
     live: dict[str, list[SliceRow]] = {}
     for rec in plane.store.slices(live_only=True):
         live.setdefault(rec.job_id, []).append(rec)
+    jobs = plane.store.jobs(active_only=True)
+    finding = _find_all(plane.store, jobs, live, groups)
     cloud, drivers = CloudListing(), []
-    for job in plane.store.jobs(active_only=True):
-        adoption, history = adopt(plane, job, live.pop(job.id, []), groups=groups, cloud=cloud)
+    for job in jobs:
+        adoption, history = adopt(plane, job, live.pop(job.id, []), groups=groups, cloud=cloud,
+                                  finding=finding.get(job.id))
         driver = new_driver(job.id, adoption)
         if adoption is not None:
             missed = driver.progress.record_missed(job.generation, history)
@@ -172,16 +178,36 @@ def reconcile(plane: Reconciling, new_driver: Callable[[str, Adoption | None], A
             plane.release_record(rec)
 
 
+def _find_all(store: Store, jobs: list[JobRecord], live: dict[str, list[SliceRow]],
+              groups: GroupFinder) -> dict[str, Future[Found]]:
+    """Each running job's group, looked for `FIND_AT_ONCE` at a time while the pass goes on (by job).
+
+    A group that does not answer keeps its finder waiting up to `ANSWER_S`. Looked for one job after
+    another, each such group held up every job after it in the pass, and since every driver starts once
+    the pass is over, every job: ten frozen groups were five minutes before any driver ran again.
+    """
+    pool = ThreadPoolExecutor(FIND_AT_ONCE, thread_name_prefix="adoption-find")
+    finding = {}
+    for job in jobs:
+        running, _, whole = running_slices(store, job, live.get(job.id, []))
+        if job.state in (JobState.STARTING, JobState.RUNNING) and whole:
+            finding[job.id] = pool.submit(groups.find, store, job, running)
+    pool.shutdown(wait=False)  # its threads end once the last group is found
+    return finding
+
+
 def adopt(plane: Reconciling, job: JobRecord, slices: list[SliceRow], *, groups: GroupFinder = RAY_GROUPS,
-          cloud: CloudListing | None = None) -> tuple[Adoption | None, list[dict]]:
+          cloud: CloudListing | None = None,
+          finding: Future[Found] | None = None) -> tuple[Adoption | None, list[dict]]:
     """The job's running group as an `Adoption` (with its worker 0's step history), or None
-    after stopping whatever is left of it; and the history to record (empty if none)."""
+    after stopping whatever is left of it; and the history to record (empty if none). `finding`: the
+    group as `_find_all` is looking for it (None: looked for here)."""
     running, beside, whole = running_slices(plane.store, job, slices)
     for rec in beside:  # a request waiting beside them (make-before-break): given back; the policy asks again
         plane.release_record(rec)
     if job.state in (JobState.STARTING, JobState.RUNNING) and whole:
         try:
-            found = groups.find(plane.store, job, running)
+            found = finding.result() if finding is not None else groups.find(plane.store, job, running)
         except Exception as e:  # noqa: BLE001 -- any part gone, however it fails, means relaunch (logged)
             log.warning("job %s: cannot adopt generation %d on %d slice(s) (%s)", job.id, job.generation,
                         len(running), e)

@@ -6,6 +6,8 @@ nothing)."""
 
 from __future__ import annotations
 
+import threading
+
 from benchmarks.fleet import job_spec
 from orchestrator import catalog
 from orchestrator.control.adoption import CloudListing, Found, adopt
@@ -148,17 +150,12 @@ class _FailingFor(_Finder):
         return super().find(store, job, running)
 
 
-def test_every_driver_starts_once_the_pass_is_over_in_its_order_each_made_when_its_job_is_passed(tmp_path):
-    """Drivers started as the pass went competed with it for the process's core (at N=1,000 the last job was
-    adopted 209 s after the restart): each is made (and takes its job's reports) when the pass reaches its job,
-    and started only when the pass has been over every job."""
-    from orchestrator.control.adoption import reconcile
-
+def _running_jobs(tmp_path, jobs: list[str]) -> Store:
     store = Store(tmp_path / "state.db")
     spec = job_spec(0, "http://127.0.0.1:1", steps=10, autoscale=False)
     del spec["gcp"]
     data = {"pgids": [], "hosts": ["h0", "h1"], "zone": None}
-    for job in ("a", "b", "c"):
+    for job in jobs:
         store.create_job(job, job, JobSpec.from_dict({**spec, "provider": "local"}).model_dump(mode="json"))
         for state in (JobState.PROVISIONING, JobState.STARTING, JobState.RUNNING):
             store.transition(job, state, "on its way")
@@ -166,6 +163,16 @@ def test_every_driver_starts_once_the_pass_is_over_in_its_order_each_made_when_i
         store.add_event(job, Launched(f"{job}-1", ["n0", "n1"], None, 1, 1, [f"{job}-1"]), "gen 1")
         for state in ("REQUESTED", "PROVISIONING", "READY"):
             store.put_slice(f"{job}-1", job, "local", "v4-16", "spot", state, data)
+    return store
+
+
+def test_every_driver_starts_once_the_pass_is_over_in_its_order_each_made_when_its_job_is_passed(tmp_path):
+    """Drivers started as the pass went competed with it for the process's core (at N=1,000 the last job was
+    adopted 209 s after the restart): each is made (and takes its job's reports) when the pass reaches its job,
+    and started only when the pass has been over every job."""
+    from orchestrator.control.adoption import reconcile
+
+    store = _running_jobs(tmp_path, ["a", "b", "c"])
     plane, made, started, lost = _Plane(store), [], [], []
 
     def start(driver) -> None:
@@ -178,6 +185,34 @@ def test_every_driver_starts_once_the_pass_is_over_in_its_order_each_made_when_i
     assert [e.reason for e in store.events("a") if e.kind == "adopted"] == [
         "the controller restarted and adopted the running generation 1 (1 missed steps recorded)"]
 
+
+
+class _AnsweringTogether(_Finder):
+    """Each group answers only once every job's group is being looked for: a pass that looks for one
+    group after another waits on the first until it gives up."""
+
+    def __init__(self, jobs: int):
+        super().__init__(history=[{"step": 3}])
+        self.together = threading.Barrier(jobs, timeout=5.0)
+
+    def find(self, store, job, running) -> Found:
+        self.together.wait()  # raises BrokenBarrierError if the others never come
+        return super().find(store, job, running)
+
+
+def test_the_groups_are_looked_for_at_once_so_one_that_is_slow_to_answer_holds_up_only_itself(tmp_path):
+    """A group that does not answer keeps its finder waiting up to ANSWER_S (30 s). Looked for one after another,
+    it held up every job after it in the pass, and so every driver (they start when the pass is over)."""
+    from orchestrator.control.adoption import FIND_AT_ONCE, reconcile
+
+    jobs = [f"j{i}" for i in range(6)]
+    assert len(jobs) <= FIND_AT_ONCE
+    store = _running_jobs(tmp_path, jobs)
+    plane, made, started, lost = _Plane(store), [], [], []
+    reconcile(plane, lambda job_id, adoption: _Driver(job_id, adoption, made), lambda d: started.append(d.job_id),
+              lambda driver, generation: lost.append((driver.job_id, generation)), groups=_AnsweringTogether(len(jobs)))
+    assert lost == [] and started == jobs  # every group found, in the pass's order
+    assert all(len([e for e in store.events(j) if e.kind == "adopted"]) == 1 for j in jobs)
 
 def test_the_checkpoints_hosts_committed_while_no_controller_ran_are_recorded_once_from_their_history(tmp_path):
     """A worker's history keeps each checkpoint with the step it followed (`saved_entry`): the controller that
