@@ -184,7 +184,7 @@ def _find_all(store: Store, jobs: list[JobRecord], live: dict[str, list[SliceRow
 
     A group that does not answer keeps its finder waiting up to `ANSWER_S`. Looked for one job after
     another, each such group held up every job after it in the pass, and since every driver starts once
-    the pass is over, every job: ten frozen groups were five minutes before any driver ran again.
+    the pass is over, every job: ten frozen groups could keep every driver from running for five minutes.
     """
     pool = ThreadPoolExecutor(FIND_AT_ONCE, thread_name_prefix="adoption-find")
     finding = {}
