@@ -178,8 +178,16 @@ def reconcile(plane: Reconciling, new_driver: Callable[[str, Adoption | None], A
             plane.release_record(rec)
 
 
+@dataclass(frozen=True)
+class Finding:
+    """A running job's slices as `running_slices` split them, and its group as it is being looked for."""
+
+    slices: tuple[list[SliceRow], list[SliceRow], bool]
+    group: Future[Found]
+
+
 def _find_all(store: Store, jobs: list[JobRecord], live: dict[str, list[SliceRow]],
-              groups: GroupFinder) -> dict[str, Future[Found]]:
+              groups: GroupFinder) -> dict[str, Finding]:
     """Each running job's group, looked for `FIND_AT_ONCE` at a time while the pass goes on (by job).
 
     A group that does not answer keeps its finder waiting up to `ANSWER_S`. Looked for one job after
@@ -189,25 +197,27 @@ def _find_all(store: Store, jobs: list[JobRecord], live: dict[str, list[SliceRow
     pool = ThreadPoolExecutor(FIND_AT_ONCE, thread_name_prefix="adoption-find")
     finding = {}
     for job in jobs:
-        running, _, whole = running_slices(store, job, live.get(job.id, []))
-        if job.state in (JobState.STARTING, JobState.RUNNING) and whole:
-            finding[job.id] = pool.submit(groups.find, store, job, running)
+        if job.state not in (JobState.STARTING, JobState.RUNNING):
+            continue
+        running, beside, whole = running_slices(store, job, live.get(job.id, []))
+        if whole:
+            finding[job.id] = Finding((running, beside, whole), pool.submit(groups.find, store, job, running))
     pool.shutdown(wait=False)  # its threads end once the last group is found
     return finding
 
 
 def adopt(plane: Reconciling, job: JobRecord, slices: list[SliceRow], *, groups: GroupFinder = RAY_GROUPS,
           cloud: CloudListing | None = None,
-          finding: Future[Found] | None = None) -> tuple[Adoption | None, list[dict]]:
+          finding: Finding | None = None) -> tuple[Adoption | None, list[dict]]:
     """The job's running group as an `Adoption` (with its worker 0's step history), or None
     after stopping whatever is left of it; and the history to record (empty if none). `finding`: the
-    group as `_find_all` is looking for it (None: looked for here)."""
-    running, beside, whole = running_slices(plane.store, job, slices)
+    job's slices as `_find_all` split them and its group as it is looking for it (None: both done here)."""
+    running, beside, whole = finding.slices if finding is not None else running_slices(plane.store, job, slices)
     for rec in beside:  # a request waiting beside them (make-before-break): given back; the policy asks again
         plane.release_record(rec)
     if job.state in (JobState.STARTING, JobState.RUNNING) and whole:
         try:
-            found = finding.result() if finding is not None else groups.find(plane.store, job, running)
+            found = finding.group.result() if finding is not None else groups.find(plane.store, job, running)
         except Exception as e:  # noqa: BLE001 -- any part gone, however it fails, means relaunch (logged)
             log.warning("job %s: cannot adopt generation %d on %d slice(s) (%s)", job.id, job.generation,
                         len(running), e)
