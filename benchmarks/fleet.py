@@ -287,11 +287,32 @@ def pct(xs: list[float], q: float) -> float | None:
     return round(xs[min(len(xs) - 1, int(q * len(xs)))], 3)
 
 
+def _stats(xs: list[float]) -> dict:
+    return {"n": len(xs), "p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}
+
+
+def _reaction_parts(seen: float, request: float, job_states: list[tuple[float, str]]) -> dict[str, float] | None:
+    """Where a job's reaction to a lost READY slice went, from seeing the loss to its next request: to
+    its RECOVERING transition (the attempt's end written: its group stopped, the slice released, the
+    disruption, the decision), to its PROVISIONING transition (the next attempt's checks and the policy),
+    and to the request itself (the create)."""
+    recovering = next((t for t, st in job_states if st == "RECOVERING" and seen <= t <= request), None)
+    if recovering is None:
+        return None
+    provisioning = next((t for t, st in job_states if st == "PROVISIONING" and recovering <= t <= request), None)
+    if provisioning is None:
+        return None
+    return {"seen_to_recovering": recovering - seen, "recovering_to_provisioning": provisioning - recovering,
+            "provisioning_to_request": request - provisioning}
+
+
 def _reclaim_latencies(reclaims: list[tuple[str, float]], slice_job: dict[str, str],
-                       slice_events: dict[str, list[tuple[float, str, str]]]) -> dict:
+                       slice_events: dict[str, list[tuple[float, str, str]]],
+                       job_states: dict[str, list[tuple[float, str]]] | None = None) -> dict:
     """From each reclaim in the API: to the job's next request, to the controller seeing it, and on."""
     reclaim_to_request, by_view, seen_s, seen_to_request = [], {}, [], []
     to_request_by_view: dict[str, list[float]] = {}
+    parts: dict[str, list[float]] = {}
     for name, at in reclaims:
         job = slice_job.get(name)
         evs = slice_events.get(job, [])
@@ -310,6 +331,10 @@ def _reclaim_latencies(reclaims: list[tuple[str, float]], slice_job: dict[str, s
             if later:
                 seen_to_request.append(min(later) - min(seen))
                 to_request_by_view.setdefault(view, []).append(min(later) - min(seen))
+                split = _reaction_parts(min(seen), min(later), (job_states or {}).get(job, []))
+                if view == "READY" and split is not None:
+                    for part, x in split.items():
+                        parts.setdefault(part, []).append(x)
     return {"reclaim_to_next_request_s": {"n": len(reclaim_to_request), "p50": pct(reclaim_to_request, 0.5),
                                           "p99": pct(reclaim_to_request, 0.99),
                                           "max": pct(reclaim_to_request, 1.0)},
@@ -321,7 +346,9 @@ def _reclaim_latencies(reclaims: list[tuple[str, float]], slice_job: dict[str, s
             "seen_to_next_request_s": {"n": len(seen_to_request), "p50": pct(seen_to_request, 0.5),
                                        "p99": pct(seen_to_request, 0.99),
                                        "by_controller_view": {v: {"n": len(x), "p50": pct(x, 0.5), "p99": pct(x, 0.99)}
-                                                              for v, x in sorted(to_request_by_view.items())}},
+                                                              for v, x in sorted(to_request_by_view.items())},
+                                       # a READY slice's: where the reaction's time went (`_reaction_parts`)
+                                       "ready_parts": {part: _stats(x) for part, x in parts.items()}},
             "reclaims_without_next_request": len(reclaims) - len(reclaim_to_request)}
 
 
@@ -332,15 +359,18 @@ def from_store(db: Path, reclaims: list[tuple[str, float]]) -> dict:
     slice_job = {r["name"]: r["job_id"] for r in con.execute("SELECT name, job_id FROM slices")}
     slice_events: dict[str, list[tuple[float, str, str]]] = {}  # job -> (at, slice, state)
     starts: dict[str, list[tuple[float, str]]] = {}  # job -> (at, slice)
+    job_states: dict[str, list[tuple[float, str]]] = {}  # job -> (at, state it moved to)
     kinds: dict[str, int] = {}
     for r in con.execute("SELECT job_id, at, kind, to_state, data FROM events ORDER BY seq"):
         kinds[r["kind"]] = kinds.get(r["kind"], 0) + 1
         data = json.loads(r["data"]) if r["data"] else {}
         if r["kind"] == "slice" and isinstance(data, dict):
             slice_events.setdefault(r["job_id"], []).append((r["at"], data.get("name"), data.get("state")))
+        if r["to_state"] in ("RECOVERING", "PROVISIONING"):
+            job_states.setdefault(r["job_id"], []).append((r["at"], r["to_state"]))
         if r["to_state"] == "STARTING" and isinstance(data, dict) and data.get("slice"):
             starts.setdefault(r["job_id"], []).append((r["at"], data["slice"]))
-    reclaim = _reclaim_latencies(reclaims, slice_job, slice_events)
+    reclaim = _reclaim_latencies(reclaims, slice_job, slice_events, job_states)
     ready_to_launch = []
     for job, evs in slice_events.items():
         for t, s, st in evs:
