@@ -308,7 +308,7 @@ def _reaction_parts(seen: float, request: float, job_states: list[tuple[float, s
 
 def _reclaim_latencies(reclaims: list[tuple[str, float]], slice_job: dict[str, str],
                        slice_events: dict[str, list[tuple[float, str, str]]],
-                       job_states: dict[str, list[tuple[float, str]]] | None = None) -> dict:
+                       job_states: dict[str, list[tuple[float, str]]]) -> dict:
     """From each reclaim in the API: to the job's next request, to the controller seeing it, and on."""
     reclaim_to_request, by_view, seen_s, seen_to_request = [], {}, [], []
     to_request_by_view: dict[str, list[float]] = {}
@@ -331,21 +331,20 @@ def _reclaim_latencies(reclaims: list[tuple[str, float]], slice_job: dict[str, s
             if later:
                 seen_to_request.append(min(later) - min(seen))
                 to_request_by_view.setdefault(view, []).append(min(later) - min(seen))
-                split = _reaction_parts(min(seen), min(later), (job_states or {}).get(job, []))
-                if view == "READY" and split is not None:
+                split = _reaction_parts(min(seen), min(later), job_states.get(job, [])) if view == "READY" else None
+                if split is not None:
                     for part, x in split.items():
                         parts.setdefault(part, []).append(x)
     return {"reclaim_to_next_request_s": {"n": len(reclaim_to_request), "p50": pct(reclaim_to_request, 0.5),
                                           "p99": pct(reclaim_to_request, 0.99),
                                           "max": pct(reclaim_to_request, 1.0)},
             "reclaim_seen_s": {"n": len(seen_s), "p50": pct(seen_s, 0.5), "p99": pct(seen_s, 0.99),
-                               "by_controller_view": {v: {"n": len(x), "p50": pct(x, 0.5), "p99": pct(x, 0.99)}
-                                                      for v, x in sorted(by_view.items())}},
+                               "by_controller_view": {v: _stats(x) for v, x in sorted(by_view.items())}},
             # By what the controller held: a READY slice's job asks again at once (the reaction); a request
             # refused while it waited asks again after the queue's backoff (`retry_after`, 7.5-15 s and up).
             "seen_to_next_request_s": {"n": len(seen_to_request), "p50": pct(seen_to_request, 0.5),
                                        "p99": pct(seen_to_request, 0.99),
-                                       "by_controller_view": {v: {"n": len(x), "p50": pct(x, 0.5), "p99": pct(x, 0.99)}
+                                       "by_controller_view": {v: _stats(x)
                                                               for v, x in sorted(to_request_by_view.items())},
                                        # a READY slice's: where the reaction's time went (`_reaction_parts`)
                                        "ready_parts": {part: _stats(x) for part, x in parts.items()}},
