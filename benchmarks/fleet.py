@@ -335,15 +335,12 @@ def _reclaim_latencies(reclaims: list[tuple[str, float]], slice_job: dict[str, s
                 if split is not None:
                     for part, x in split.items():
                         parts.setdefault(part, []).append(x)
-    return {"reclaim_to_next_request_s": {"n": len(reclaim_to_request), "p50": pct(reclaim_to_request, 0.5),
-                                          "p99": pct(reclaim_to_request, 0.99),
-                                          "max": pct(reclaim_to_request, 1.0)},
-            "reclaim_seen_s": {"n": len(seen_s), "p50": pct(seen_s, 0.5), "p99": pct(seen_s, 0.99),
+    return {"reclaim_to_next_request_s": {**_stats(reclaim_to_request), "max": pct(reclaim_to_request, 1.0)},
+            "reclaim_seen_s": {**_stats(seen_s),
                                "by_controller_view": {v: _stats(x) for v, x in sorted(by_view.items())}},
             # By what the controller held: a READY slice's job asks again at once (the reaction); a request
             # refused while it waited asks again after the queue's backoff (`retry_after`, 7.5-15 s and up).
-            "seen_to_next_request_s": {"n": len(seen_to_request), "p50": pct(seen_to_request, 0.5),
-                                       "p99": pct(seen_to_request, 0.99),
+            "seen_to_next_request_s": {**_stats(seen_to_request),
                                        "by_controller_view": {v: _stats(x)
                                                               for v, x in sorted(to_request_by_view.items())},
                                        # a READY slice's: where the reaction's time went (`_reaction_parts`)
