@@ -120,6 +120,7 @@ def child(args: argparse.Namespace) -> int:
                 time.sleep(0.2)
         (out / f"{part}.json").write_text(json.dumps({
             "submit_s": round(submit_s, 2), "run_s": round(time.time() - t0, 1), "writes": writes.count,
+            "writes_in_batches": writes.in_batches,
             "fences_skipped": fleet_world.FENCES[0], "notices": world.notices, "still_running": world.running(),
             "cancelled_after_s": None if cancelled_at is None else round(cancelled_at - t0, 1),
             "cancel_s": None if cancelled_at is None else round(time.time() - cancelled_at, 1),
@@ -580,8 +581,9 @@ def run_one(n: int, args: argparse.Namespace) -> dict:
                        "rss_end_mib": round(samples[-1][1] / 2**20, 1) if samples else None,
                        "cpu_share": round(cpu_share, 3) if cpu_share is not None else None,
                        "threads_peak": max((s[3] for s in samples), default=None)},
-        "store": {"bytes": size, "writes": childj.get("writes"),
+        "store": {"bytes": size, "writes": childj.get("writes"),  # transactions
                   "writes_per_s": round(childj["writes"] / run_s, 1) if childj.get("writes") else None,
+                  "writes_in_batches": childj.get("writes_in_batches"),
                   "events": store["events"], "step_rows": store["step_rows"]},
         "reclaim_to_next_request_s": store["reclaim_to_next_request_s"],
         "reclaim_seen_s": store["reclaim_seen_s"], "seen_to_next_request_s": store["seen_to_next_request_s"],

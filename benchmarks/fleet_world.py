@@ -33,6 +33,7 @@ from pathlib import Path
 
 from orchestrator.cluster.home import Home
 from orchestrator.control.adoption import Adoption, Found, reconcile
+from orchestrator.control.controller import save_slice
 from orchestrator.control.job import loop
 from orchestrator.control.job.driver import JobDriver
 from orchestrator.control.queue import AdmissionQueue, queue_positions
@@ -40,7 +41,7 @@ from orchestrator.control.store_faults import HeldWrites, StoreHealth
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Host, Slice, host_resource
 from orchestrator.providers.local import release_recorded
-from orchestrator.state.events import Launched, SliceChanged
+from orchestrator.state.events import Launched
 from orchestrator.state.store import SliceRow, Store
 from workers.protocol import Ending, Ready, Saved, StepDone, Timings, WorkerResult, saved_entry
 
@@ -61,10 +62,12 @@ class _Hosts:
 
 
 class Writes:
-    """Counts the store's write transactions (each `Store._tx`), by wrapping it for the run."""
+    """Counts the store's write transactions (each `Store._tx` not inside a `Store.batch`), and the writes made
+    inside batches (but step rows, which a batch puts in at its end), by wrapping it for the run."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.in_batches = 0
         self._lock = threading.Lock()
 
     @contextmanager
@@ -74,10 +77,14 @@ class Writes:
 
         @contextmanager
         def counted(store, *args, **kwargs):
+            inside = getattr(store._local, "batch", None) is not None
             with original(store, *args, **kwargs) as db:
                 yield db
             with counter._lock:
-                counter.count += 1
+                if inside:
+                    counter.in_batches += 1
+                else:
+                    counter.count += 1
 
         Store._tx = counted
         try:
@@ -100,7 +107,7 @@ class FleetWorld:
         self.home = Home(root).ensure()
         self.store = Store(self.home.db)
         self.store_health = StoreHealth()
-        self.held = HeldWrites(self.store_health)
+        self.held = HeldWrites(self.store_health, self.store.batch)
         self.provider = _Hosts()
         self.queue = AdmissionQueue(self.store, self.provider)
         self.endpoint, self.step_s, self.notice_every = endpoint, step_s, notice_every
@@ -143,10 +150,7 @@ class FleetWorld:
         return self.gcp
 
     def _save_slice(self, s: Slice) -> None:
-        self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
-                             {"hosts": [h.resource for h in s.hosts], "zone": s.zone},
-                             event=SliceChanged(s.name, s.tpu_type.name, s.tpu_type.chips, s.tier.value,
-                                                s.state.value, s.tpu_type.usd_per_hour(s.tier)))
+        save_slice(self.held, self.store, s, {"hosts": [h.resource for h in s.hosts], "zone": s.zone})  # as Controller
 
     # -- jobs ------------------------------------------------------------------------------
 

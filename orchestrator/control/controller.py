@@ -60,7 +60,7 @@ class Controller:
         _log_to(self.home.root / "logs" / "controller.log")
         self.store = Store(self.home.db)
         self.store_health = StoreHealth(on_change=self._tell_jobs)
-        self.held = HeldWrites(self.store_health)  # writes that may not wait for a store at fault
+        self.held = HeldWrites(self.store_health, self.store.batch)  # every write, in order, by one thread
         self.address = address
         self.provider = LocalProvider(self.home, address, max_hosts=max_hosts, on_change=self._save_slice)
         # The queue runs on drivers' threads: its writes wait out a store fault, as theirs do.
@@ -235,6 +235,9 @@ class Controller:
                     provider.release(s.name)
             except Exception:  # one unreachable cloud must not keep the others' slices alive
                 log.exception("could not release the slices of provider %s", provider.name)
+        # The slices' ends, written before the cluster stops (unless the store cannot take them).
+        if self.store_health.fault is None and not self.held.flush(timeout_s=30):
+            log.error("the state store did not take the last writes before shutdown (%d held)", self.store_health.held)
 
     # -- for drivers ----------------------------------------------------------------
 
@@ -305,18 +308,7 @@ class Controller:
 
     def _save_slice(self, s: Slice, pgids: list[int]) -> None:
         """A provider's word on one of its slices: the store records it, or refuses a move its lifecycle forbids."""
-        event = SliceChanged(s.name, s.tpu_type.name, s.tpu_type.chips, s.tier.value, s.state.value,
-                             s.tpu_type.usd_per_hour(s.tier))
-        data = {"pgids": pgids, "hosts": [h.resource for h in s.hosts], "zone": s.zone}
-
-        def put() -> None:
-            try:
-                self.store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value,
-                                     data, event=event)
-            except IllegalTransitionError as e:  # a provider's bug: keep the record as it was, and say so
-                log.error("job %s: the store refused a slice move: %s", s.job_id, e)
-
-        self.held.add(put)  # written now, or held while the store cannot be written
+        save_slice(self.held, self.store, s, {"pgids": pgids, "hosts": [h.resource for h in s.hosts], "zone": s.zone})
 
     def _tell_jobs(self, line: str, ended: StoreFault | None) -> None:
         """A store fault began or `ended`: a line in the log of every job this controller drives
@@ -362,6 +354,23 @@ class _LogFile(logging.FileHandler):
 
     def handleError(self, record: logging.LogRecord) -> None:
         pass
+
+
+def save_slice(held: HeldWrites, store: Store, s: Slice, data: dict) -> None:
+    """Record a provider's word on slice `s` through the controller's writer (it runs on the driver that looked):
+    written soon after the writes before it, or held while the store cannot be written."""
+    event = SliceChanged(s.name, s.tpu_type.name, s.tpu_type.chips, s.tier.value, s.state.value,
+                         s.tpu_type.usd_per_hour(s.tier))
+    at = time.time()  # when it was seen, not when the writer gets to it
+
+    def put() -> None:
+        try:
+            store.put_slice(s.name, s.job_id, s.provider, s.tpu_type.name, s.tier.value, s.state.value, data,
+                            event=event, at=at)
+        except IllegalTransitionError as e:  # a provider's bug: keep the record as it was, and say so
+            log.error("job %s: the store refused a slice move: %s", s.job_id, e)
+
+    held.add(put)
 
 
 def _log_to(path: Path) -> None:

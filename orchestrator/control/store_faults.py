@@ -7,11 +7,12 @@ controller does about it, so that no driver dies of it and no job is left RUNNIN
   writes wait. `status` and `logs` read it from the controller's metrics endpoint (the
   store itself cannot say it), and its log lines are rate-limited: one when the fault
   begins or its cause changes, one a minute while it lasts, one when it ends.
-- A job's driver thread writes through `HoldingStore`: a refused write is tried again with
-  backoff (tenacity) until the store takes it, so the driver holds where it is, its
-  workers train on (or stop at a committed step), and it picks up by itself.
-- Workers' reports must not wait (they arrive on the controller's shared threads), so
-  their writes go to `HeldWrites`, kept in order and written as soon as the store works.
+- Every write of the controller goes through `HeldWrites`, one writer thread that keeps them
+  in order and tries a refused one again with backoff (tenacity) until the store takes it.
+- A job's driver thread writes through `HoldingStore`, which waits for its write: the driver
+  holds where it is, its workers train on (or stop at a committed step), and it picks up by
+  itself. Workers' reports must not wait (they arrive on the controller's shared threads):
+  their writes are put in the queue and written as soon as the store works.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -33,7 +35,7 @@ from orchestrator.errors import StoreFaultError
 from orchestrator.state.events import EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.protocol import JobStore
 from orchestrator.state.states import JobState
-from orchestrator.state.store import Event, JobRecord, SliceRow, StepMetric
+from orchestrator.state.store import REFUSED_BEFORE_WRITING, BatchSpoiled, Event, JobRecord, SliceRow, StepMetric
 
 log = logging.getLogger(__name__)
 
@@ -137,46 +139,144 @@ def write_through(health: StoreHealth, write: Callable[[], T], *, first_wait_s: 
     return result
 
 
-class HeldWrites:
-    """Writes that may not wait for the store (workers' reports): written in order, at once if the store
-    takes them, else kept and written with the next write or `flush`."""
+class _Write:
+    """One write in the writer's queue: `done` is set once it is written (or failed) for a caller who waits."""
 
-    def __init__(self, health: StoreHealth):
+    __slots__ = ("write", "done", "result", "error")
+
+    def __init__(self, write: Callable[[], Any], waited: bool):
+        self.write = write
+        self.done = threading.Event() if waited else None
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class HeldWrites:
+    """Every write of the controller's threads, in the order asked, by one writer thread of its own.
+
+    `add` (a worker's report, which must not wait) puts a write in the queue and returns; `write` (a driver's)
+    waits until its write is in the store and answers what it answered. The writer takes every write waiting
+    and writes them in one transaction (`Store.batch`, when `batch` is given): at 1,000 jobs, one transaction
+    a write was the controller's limit (about 200 a second, each driver waiting its turn behind every other
+    job's step reports; `benchmarks/fleet.py`). A write the store refuses (`StoreFaultError`) stays first in
+    the queue, with every write after it, and is tried again with backoff until the store takes it; its
+    caller, if it waits, waits on. A write that fails otherwise (a refused transition, a bug of ours) fails
+    alone: a waiting caller gets its error, and a report's is logged and dropped. The thread ends when the
+    queue has been empty for `idle_s`, and starts again with the next write.
+    """
+
+    MOST_A_BATCH = 2000  # writes one transaction takes; the rest wait for the next
+
+    def __init__(self, health: StoreHealth, batch: Callable[[], AbstractContextManager[Any]] | None = None, *,
+                 first_wait_s: float = 0.2, max_wait_s: float = 10.0, idle_s: float = 2.0):
         self._health = health
-        self._pending: deque[Callable[[], Any]] = deque()
-        self._lock = threading.Lock()
+        self._batch = batch
+        self._first_wait_s, self._max_wait_s, self._idle_s = first_wait_s, max_wait_s, idle_s
+        self._pending: deque[_Write] = deque()
+        self._ready = threading.Condition()
+        self._writer: threading.Thread | None = None
 
     def add(self, write: Callable[[], Any]) -> None:
-        with self._lock:
-            self._pending.append(write)
-            try:
-                self._flush()
-            except StoreFaultError as e:
-                self._health.failed(e)
+        """Write `write()` after every write asked before it; at once, without waiting for it."""
+        self._put(_Write(write, waited=False))
 
-    def flush(self) -> None:
-        """Write what is held, in order; StoreFaultError if the store still refuses (the rest stays held)."""
-        with self._lock:
-            self._flush()
+    def write(self, write: Callable[[], T]) -> T:
+        """Write `write()` after every write asked before it, and answer what it answered (or raise what it
+        raised); waits for as long as the store refuses it."""
+        if threading.current_thread() is self._writer:  # a write made by a write: part of it
+            return write()
+        item = _Write(write, waited=True)
+        self._put(item)
+        assert item.done is not None
+        item.done.wait()
+        if item.error is not None:
+            raise item.error
+        answer: T = item.result
+        return answer
 
-    def _flush(self) -> None:
-        try:
-            while self._pending:
-                try:
-                    self._pending[0]()
-                except StoreFaultError:
-                    raise
-                except Exception:  # a held write that can never be written (a bug of ours): not the store's fault
-                    log.exception("a held store write failed; it is dropped")
-                self._pending.popleft()
-        finally:
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every write asked before this call is written (at most `timeout_s`); whether they are."""
+        item = _Write(lambda: None, waited=True)
+        self._put(item)
+        assert item.done is not None
+        return item.done.wait(timeout_s)
+
+    def _put(self, item: _Write) -> None:
+        with self._ready:
+            self._pending.append(item)
             self._health.held = len(self._pending)
-        self._health.worked()
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._run, name="store-writer", daemon=True)
+                self._writer.start()
+            self._ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                if not self._pending:
+                    self._ready.wait(self._idle_s)
+                if not self._pending:
+                    self._writer = None
+                    return
+            write_through(self._health, self._write_first, first_wait_s=self._first_wait_s,
+                          max_wait_s=self._max_wait_s)
+
+    def _write_first(self) -> None:
+        """Write the first writes of the queue and take them out of it: all in one transaction if there is a
+        batch and none of them fails after writing, else one at a time (each taken out once written).
+        StoreFaultError if the store refuses one: it and those after it stay in the queue."""
+        with self._ready:
+            items = [self._pending[i] for i in range(min(len(self._pending), self.MOST_A_BATCH))]
+        if self._batch is not None and len(items) > 1:
+            try:
+                with self._batch():
+                    for item in items:
+                        self._run_one(item)
+                        if item.error is not None and not isinstance(item.error, REFUSED_BEFORE_WRITING):
+                            raise BatchSpoiled(item.error)
+            except BatchSpoiled:
+                pass
+            else:
+                self._taken(items)
+                return
+        for item in items:
+            if self._batch is None:
+                self._run_one(item)
+            else:
+                try:
+                    with self._batch():
+                        self._run_one(item)
+                        if item.error is not None:
+                            raise BatchSpoiled(item.error)  # nothing of a failed write is kept, as in its own
+                except BatchSpoiled:
+                    pass
+            self._taken([item])
+
+    @staticmethod
+    def _run_one(item: _Write) -> None:
+        item.result, item.error = None, None
+        try:
+            item.result = item.write()
+        except StoreFaultError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- the write's own failure: its caller gets it, or it is logged
+            item.error = e
+
+    def _taken(self, items: list[_Write]) -> None:
+        with self._ready:
+            for _ in items:
+                self._pending.popleft()
+            self._health.held = len(self._pending)
+        for item in items:
+            if item.done is not None:
+                item.done.set()
+            elif item.error is not None:
+                log.error("a held store write failed; it is dropped", exc_info=item.error)
 
 
 class HoldingStore(JobStore):
     """The store as a job's driver thread writes it: reads as the store; a write waits until the store takes
-    it (`write_through`), after the held writes before it, so the job's records keep their order.
+    it (`HeldWrites.write`), after the writes held before it, so the job's records keep their order.
 
     Each method of `JobStore` is written out here: a read passes through, a write goes through `_write`.
     A method added to the Protocol and not here is abstract to the type checker (no HoldingStore can be
@@ -184,15 +284,11 @@ class HoldingStore(JobStore):
     that refuses it once and checks that the write was held and tried again.
     """
 
-    def __init__(self, store: JobStore, health: StoreHealth, held: HeldWrites, *, first_wait_s: float = 0.2):
+    def __init__(self, store: JobStore, health: StoreHealth, held: HeldWrites):
         self._store, self._health, self._held = store, health, held
-        self._first_wait_s = first_wait_s
 
     def _write(self, write: Callable[[], T]) -> T:
-        def once() -> T:
-            self._held.flush()
-            return write()
-        return write_through(self._health, once, first_wait_s=self._first_wait_s)
+        return self._held.write(write)
 
     # -- reads: as the store answers them -------------------------------------------------------
 
@@ -266,9 +362,10 @@ class HoldingStore(JobStore):
         self._write(lambda: self._store.record_steps(job_id, generation, rows, at=at))
 
     def put_slice(self, name: str, job_id: str, provider: str, accelerator: str, tier: str, state: str,
-                  data: dict[str, Any], *, event: SliceChanged | None = None, reason: str | None = None) -> None:
+                  data: dict[str, Any], *, event: SliceChanged | None = None, reason: str | None = None,
+                  at: float | None = None) -> None:
         self._write(lambda: self._store.put_slice(name, job_id, provider, accelerator, tier, state, data,
-                                                  event=event, reason=reason))
+                                                  event=event, reason=reason, at=at))
 
 
 def os_fault(path: Path | str, e: OSError) -> StoreFaultError:

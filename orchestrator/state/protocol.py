@@ -78,7 +78,8 @@ class StoreWrites(Protocol):
                      at: float | None = None) -> None: ...
 
     def put_slice(self, name: str, job_id: str, provider: str, accelerator: str, tier: str, state: str,
-                  data: dict[str, Any], *, event: SliceChanged | None = None, reason: str | None = None) -> None: ...
+                  data: dict[str, Any], *, event: SliceChanged | None = None, reason: str | None = None,
+                  at: float | None = None) -> None: ...
 
 
 class JobStore(StoreReads, StoreWrites, Protocol):

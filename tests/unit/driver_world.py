@@ -121,7 +121,7 @@ class World:
         self.home = Home(root).ensure()
         self.store = Store(self.home.db)
         self.store_health = StoreHealth()
-        self.held = HeldWrites(self.store_health)
+        self.held = HeldWrites(self.store_health, self.store.batch)
         self.provider = FakeProvider(self.store)
         self.queue = AdmissionQueue(self.store, self.provider)
         self.groups: list[ScriptedGroup] = []

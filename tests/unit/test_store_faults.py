@@ -120,7 +120,7 @@ def test_a_driver_write_holds_through_the_fault_which_is_exported_and_goes_on_by
     raw = Store(small_disk / "state.db")
     raw.create_job("j1", "j", {})
     health = StoreHealth()
-    held = HeldWrites(health)
+    held = HeldWrites(health, raw.batch)
     store = HoldingStore(raw, health, held)
     server, port = serve_metrics(raw, store_health=health)
     url = f"http://127.0.0.1:{port}/metrics"
@@ -129,22 +129,17 @@ def test_a_driver_write_holds_through_the_fault_which_is_exported_and_goes_on_by
         undo = fault(raw)
         caplog.set_level(logging.ERROR, logger="orchestrator.control.store_faults")
         held.add(lambda: raw.record_steps("j1", 1, [(0, 2.5, None, None)]))  # a worker's report: does not wait
-        driver_refusals = []  # each refused try of the driver's write is told to the health
-        tell = health.failed
-
-        def failed(e: StoreFaultError) -> None:
-            if threading.current_thread().name == "driver":
-                driver_refusals.append(e)
-            tell(e)
-
-        health.failed = failed
-        driver = threading.Thread(target=store.transition, args=("j1", JobState.PROVISIONING, "asking"),
-                                  name="driver")
-        driver.start()
         seen = wait_for(lambda: read_store_fault(url), 10, "the fault in the metrics", poll_s=0.1)
         assert seen["cause"] == cause and seen["held"] == 1
         assert seen["message"].startswith(f"state store not writable: {cause}")
-        wait_for(lambda: len(driver_refusals) >= 2, 10, "the driver's write refused twice (its first try, a retry)")
+        refusals = []  # each refused try of the writes, the driver's with the report, is told to the health
+        tell = health.failed
+        health.failed = lambda e: (refusals.append(e), tell(e))
+        driver = threading.Thread(target=store.transition, args=("j1", JobState.PROVISIONING, "asking"),
+                                  name="driver")
+        driver.start()
+        wait_for(lambda: health.held == 2, 10, "the driver's write held behind the report")
+        wait_for(lambda: len(refusals) >= 2, 20, "the writes refused twice more (tried again)")
         assert driver.is_alive()  # the driver holds where it is
         assert len([r for r in caplog.records if "not writable" in r.getMessage()]) == 1  # logged once, not per try
 
