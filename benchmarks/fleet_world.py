@@ -37,7 +37,7 @@ from orchestrator.control.controller import save_slice
 from orchestrator.control.job import loop
 from orchestrator.control.job.driver import JobDriver
 from orchestrator.control.queue import AdmissionQueue, queue_positions
-from orchestrator.control.store_faults import HeldWrites, StoreHealth
+from orchestrator.control.store_faults import HeldWrites, HoldingStore, StoreHealth
 from orchestrator.domain.spec import JobSpec
 from orchestrator.providers.base import Host, Slice, host_resource
 from orchestrator.providers.local import release_recorded
@@ -109,7 +109,7 @@ class FleetWorld:
         self.store_health = StoreHealth()
         self.held = HeldWrites(self.store_health, self.store.batch)
         self.provider = _Hosts()
-        self.queue = AdmissionQueue(self.store, self.provider)
+        self.queue = AdmissionQueue(HoldingStore(self.store, self.store_health, self.held), self.provider)
         self.endpoint, self.step_s, self.notice_every = endpoint, step_s, notice_every
         self.rng = random.Random(seed)
         # list_over: None keeps the provider's default; a large number makes every look a GET per slice

@@ -32,10 +32,11 @@ import tenacity
 
 from orchestrator.domain.shape import Shape
 from orchestrator.errors import StoreFaultError
+from orchestrator.state.batch import REFUSED_BEFORE_WRITING, BatchSpoiled
 from orchestrator.state.events import EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.protocol import JobStore
 from orchestrator.state.states import JobState
-from orchestrator.state.store import REFUSED_BEFORE_WRITING, BatchSpoiled, Event, JobRecord, SliceRow, StepMetric
+from orchestrator.state.store import Event, JobRecord, SliceRow, StepMetric
 
 log = logging.getLogger(__name__)
 
@@ -218,8 +219,15 @@ class HeldWrites:
                 if not self._pending:
                     self._writer = None
                     return
-            write_through(self._health, self._write_first, first_wait_s=self._first_wait_s,
-                          max_wait_s=self._max_wait_s)
+            try:  # a retrying loop only once the store refuses: making one each batch was a tenth of the process
+                self._write_first()
+            except StoreFaultError as e:
+                self._health.failed(e)
+                time.sleep(self._first_wait_s)  # then tried again, with backoff, until the store takes it
+                write_through(self._health, self._write_first, first_wait_s=self._first_wait_s,
+                              max_wait_s=self._max_wait_s)
+            else:
+                self._health.worked()
 
     def _write_first(self) -> None:
         """Write the first writes of the queue and take them out of it: all in one transaction if there is a

@@ -74,3 +74,17 @@ def upgrade(db: sqlite3.Connection) -> None:
         db.execute("ALTER TABLE jobs ADD COLUMN folder TEXT")  # older jobs: NULL, claim no folder
     if "shape" not in jobs:
         db.execute("ALTER TABLE jobs ADD COLUMN shape TEXT")  # older jobs: their spec was rewritten
+
+
+def bring_up(db: sqlite3.Connection, path: object) -> None:
+    """In a write transaction on a store with the tables: its version recorded, or what an older one lacks added
+    (RuntimeError for a store of a newer version than this one reads)."""
+    row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+    if row is None:
+        db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+    elif int(row[0]) > SCHEMA_VERSION:
+        raise RuntimeError(f"{path} has schema version {row[0]}; this version reads {SCHEMA_VERSION}")
+    elif int(row[0]) < SCHEMA_VERSION:  # a store of an older version: add what it lacks
+        upgrade(db)
+        db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+    db.execute("CREATE INDEX IF NOT EXISTS jobs_folder ON jobs (folder)")

@@ -1,28 +1,22 @@
 """The durable store: jobs, their events, per-step metrics and slices, in SQLite (WAL).
 
-The only module that writes SQL, with `schema` (the tables and their upgrades); the frozen records
-it returns are in `records`. Each state change is one transaction: a guarded
-UPDATE that succeeds only from an allowed previous state, plus its event row, so a
-crash never leaves a state without its event or the reverse. Readers (`status`,
-`logs` from another shell) never block the controller's writes.
+The only module that writes SQL, with `schema` (the tables and their upgrades) and `batch` (a batch's step
+rows); the frozen records it returns are in `records`. Each state change is one transaction: a guarded
+UPDATE that succeeds only from an allowed previous state, plus its event row, so a crash never leaves a
+state without its event or the reverse. Readers (`status`, `logs` from another shell) never block the
+controller's writes. `batch` makes every write of one thread one transaction (the controller's writer).
 
-A write the file system refuses (a full disk, a read-only file) raises `StoreFaultError`
-with its cause, and leaves the connection as it was before the write, so the same write
-can be tried again once there is room. Every write first checks that the path still
-names the file this store opened (device and inode): a `state.db` deleted or replaced
-while the cluster runs would otherwise take the controller's writes into a file no one
-can read any more, and a reader would see a different history.
-
-`batch` makes every write of one thread one transaction (the controller's writer thread,
-`control.store_faults.HeldWrites`): inside it each write runs its statements only, and the
-step rows of all of them go in as one statement at the end.
+A write the file system refuses (a full disk, a read-only file) raises `StoreFaultError` with its cause,
+and leaves the connection as it was before the write, so the same write can be tried again once there is
+room. Every write first checks that the path still names the file this store opened (device and inode): a
+`state.db` deleted or replaced while the cluster runs would otherwise take the controller's writes into a
+file no one can read any more, and a reader would see a different history.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 import sqlite3
 import threading
 import time
@@ -33,32 +27,16 @@ from typing import Any, Iterator
 from orchestrator.domain.shape import Shape
 from orchestrator.errors import FolderInUseError, IllegalTransitionError, JobNotFoundError, StoreFaultError
 from orchestrator.state import store_file
+from orchestrator.state.batch import REFUSED_BEFORE_WRITING, Batch, BatchSpoiled, insert_steps
 from orchestrator.state.events import EventKind, Payload, SliceChanged, StateChange
 from orchestrator.state.records import Event, JobRecord, SliceRow, StepMetric, event_from_row, job_from_row
-from orchestrator.state.schema import SCHEMA, SCHEMA_VERSION, upgrade
+from orchestrator.state.schema import SCHEMA, SCHEMA_VERSION, bring_up
 from orchestrator.state.states import JOB_TRANSITIONS, JobState, SliceState, check_slice
 
 # The records themselves are in `state.records`.
-__all__ = ["SCHEMA_VERSION", "Batch", "BatchSpoiled", "Event", "JobRecord", "SliceRow", "StepMetric", "Store"]
+__all__ = ["SCHEMA_VERSION", "Event", "JobRecord", "SliceRow", "StepMetric", "Store"]
 
 log = logging.getLogger(__name__)
-
-# What a write raises, by its own checks, before it has written anything: a batch it is part of stays good.
-REFUSED_BEFORE_WRITING = (IllegalTransitionError, JobNotFoundError, FolderInUseError)
-STEP_ROWS_A_STATEMENT = 1000  # 8 values a row: under SQLite's 32,766 bound parameters of one statement
-
-
-class BatchSpoiled(Exception):
-    """A write of a `Store.batch` failed after it may have written: nothing of the batch was committed."""
-
-
-class Batch:
-    """The transaction `Store.batch` holds open on one thread: the step rows written in it (put in by one
-    statement before it commits) and whether a write in it failed after it may have written something."""
-
-    def __init__(self) -> None:
-        self.steps: list[tuple[Any, ...]] = []
-        self.spoiled = False  # a write raised something other than REFUSED_BEFORE_WRITING: commit none of it
 
 
 class Store:
@@ -86,25 +64,12 @@ class Store:
     def _create_or_upgrade(self) -> None:
         self._conn().executescript(SCHEMA)  # idempotent; executescript commits on its own
         with self._tx(check=False) as db:
-            row = db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(row[0]) > SCHEMA_VERSION:
-                raise RuntimeError(f"{self.path} has schema version {row[0]}; this version reads {SCHEMA_VERSION}")
-            elif int(row[0]) < SCHEMA_VERSION:  # a store of an older version: add what it lacks
-                upgrade(db)
-                db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
-            db.execute("CREATE INDEX IF NOT EXISTS jobs_folder ON jobs (folder)")
+            bring_up(db, self.path)
 
     def _conn(self) -> sqlite3.Connection:
         conn = getattr(self._local, "conn", None)
         if conn is None:
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None)
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute("PRAGMA busy_timeout=30000")
-            conn.row_factory = sqlite3.Row
-            self._local.conn = conn
+            conn = self._local.conn = store_file.connect(self.path)
         return conn
 
     @contextmanager
@@ -113,11 +78,9 @@ class Store:
         the file system refuses it (nothing of it is written). A write that raises inside leaves the batch
         good if it raised one of REFUSED_BEFORE_WRITING, else `spoiled`: nothing of it is committed
         (BatchSpoiled, if the block does not raise on its own), and its writes are best written one by one.
-
-        With many threads writing, each write's own transaction cost more than its statements: every
-        statement gives up Python's lock inside SQLite and must win it back from the busy threads, and a
-        transaction is three more statements and two system calls (the fleet benchmark)."""
-        if getattr(self._local, "batch", None) is not None:
+        With many threads writing, a transaction a write cost more than the writes: each statement gives up
+        Python's lock and must win it back from the busy threads (the fleet benchmark)."""
+        if self._open_batch() is not None:
             raise RuntimeError("a batch is already open on this thread")
         with self._tx() as db:
             batch = self._local.batch = Batch()
@@ -125,9 +88,13 @@ class Store:
                 yield batch
                 if batch.spoiled:
                     raise BatchSpoiled("a write of the batch failed after it may have written: not committed")
-                self._insert_steps(db, batch)
+                insert_steps(db, batch)
             finally:
                 self._local.batch = None
+
+    def _open_batch(self) -> Batch | None:
+        batch: Batch | None = getattr(self._local, "batch", None)
+        return batch
 
     @contextmanager
     def _tx(self, *, check: bool = True) -> Iterator[sqlite3.Connection]:
@@ -137,8 +104,7 @@ class Store:
         The writers of one process take turns on a lock of their own (`_writers`) before SQLite's: a
         writer that finds SQLite's lock taken sleeps in its busy handler, up to 100 ms a try, and with
         hundreds of drivers writing, a job's transition waited seconds for its turn (fleet benchmark)."""
-        batch: Batch | None = getattr(self._local, "batch", None)
-        if batch is not None:
+        if (batch := self._open_batch()) is not None:
             try:
                 yield self._conn()
             except REFUSED_BEFORE_WRITING:
@@ -172,10 +138,8 @@ class Store:
             self._local.conn = None
 
     def copy_to(self, dest: Path | str) -> None:
-        """A consistent copy of the store, as this process reads it, at `dest` (SQLite's online backup).
-
-        It reads through this process's open connection, so it works for a file deleted meanwhile.
-        """
+        """A consistent copy of the store, as this process reads it, at `dest` (SQLite's online backup): read
+        through this process's open connection, so it works for a file deleted meanwhile."""
         target = sqlite3.connect(dest)
         try:
             self._conn().backup(target)
@@ -184,16 +148,7 @@ class Store:
 
     def check_writable(self) -> None:
         """StoreFaultError unless the path still names the file this store opened and it may be written."""
-        try:
-            now = store_file.identity(self.path)
-        except FileNotFoundError:
-            raise StoreFaultError(self.path, "deleted", "the file was removed while the cluster had it open; "
-                                                        "writes to it would reach no reader") from None
-        if now != self._identity:
-            raise StoreFaultError(self.path, "replaced", f"another file is at this path now (inode {now[1]}, "
-                                                         f"opened as inode {self._identity[1]})")
-        if not os.access(self.path, os.W_OK):
-            raise StoreFaultError(self.path, "read-only", "permission to write the file is denied")
+        store_file.check_writable(self.path, self._identity)
 
     # -- jobs ------------------------------------------------------------------
 
@@ -378,31 +333,17 @@ class Store:
             step, loss, tps, dt, row_at, metrics = (*row, None, None)[:6]
             values.append((job_id, step, generation, loss, tps, dt, now if row_at is None else row_at,
                            json.dumps(metrics) if metrics else None))
-        batch: Batch | None = getattr(self._local, "batch", None)
-        if batch is not None:  # with the batch's other rows, in one statement
+        if (batch := self._open_batch()) is not None:  # with the batch's other rows, in one statement
             batch.steps.extend(values)
             return
         with self._tx() as db:
-            self._insert_steps(db, values)
-
-    @staticmethod
-    def _insert_steps(db: sqlite3.Connection, values: list[tuple[Any, ...]] | Batch) -> None:
-        """Step rows in as few statements as SQLite takes (in order: of one step twice, the last one stays)."""
-        if isinstance(values, Batch):
-            batch = values
-            values, batch.steps = batch.steps, []
-        for i in range(0, len(values), STEP_ROWS_A_STATEMENT):
-            part = values[i:i + STEP_ROWS_A_STATEMENT]
-            db.execute("INSERT OR REPLACE INTO steps (job_id, step, generation, loss, tokens_per_s, step_time_s, at, "
-                       "metrics) VALUES " + ",".join(["(?,?,?,?,?,?,?,?)"] * len(part)),
-                       [v for row in part for v in row])
+            insert_steps(db, values)
 
     def _written_steps(self) -> sqlite3.Connection:
         """The connection to read steps on, with this thread's batch's step rows put in first."""
         db = self._conn()
-        batch: Batch | None = getattr(self._local, "batch", None)
-        if batch is not None and batch.steps:
-            self._insert_steps(db, batch)
+        if (batch := self._open_batch()) is not None and batch.steps:
+            insert_steps(db, batch)
         return db
 
     def steps(self, job_id: str) -> list[StepMetric]:

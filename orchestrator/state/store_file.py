@@ -40,6 +40,16 @@ def set_aside_orphans(path: Path) -> None:
             log.warning("%s has no database beside it (the store was deleted): moved to %s", orphan, aside)
 
 
+def connect(path: Path) -> sqlite3.Connection:
+    """A connection to the store (one a thread): WAL, commits synced at checkpoints, 30 s for SQLite's lock."""
+    conn = sqlite3.connect(path, timeout=30, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=30000")
+    conn.row_factory = sqlite3.Row
+    return conn
+
+
 def identity(path: Path) -> tuple[int, int]:
     st = os.stat(path)
     return st.st_dev, st.st_ino
@@ -52,3 +62,17 @@ FAULTS = {13: "disk full", 8: "read-only", 10: "I/O error", 14: "cannot open"}
 def fault(path: Path, e: sqlite3.Error) -> StoreFaultError | None:
     cause = FAULTS.get((getattr(e, "sqlite_errorcode", None) or 0) & 0xFF)
     return StoreFaultError(path, cause, str(e)) if cause else None
+
+
+def check_writable(path: Path, opened: tuple[int, int]) -> None:
+    """StoreFaultError unless `path` still names the file opened as `opened` (`identity`) and may be written."""
+    try:
+        now = identity(path)
+    except FileNotFoundError:
+        raise StoreFaultError(path, "deleted", "the file was removed while the cluster had it open; "
+                                               "writes to it would reach no reader") from None
+    if now != opened:
+        raise StoreFaultError(path, "replaced", f"another file is at this path now (inode {now[1]}, "
+                                                f"opened as inode {opened[1]})")
+    if not os.access(path, os.W_OK):
+        raise StoreFaultError(path, "read-only", "permission to write the file is denied")

@@ -13,8 +13,9 @@ import pytest
 
 from orchestrator.control.store_faults import HeldWrites, HoldingStore, StoreHealth
 from orchestrator.errors import IllegalTransitionError
+from orchestrator.state.batch import BatchSpoiled
 from orchestrator.state.states import JobState
-from orchestrator.state.store import BatchSpoiled, Store
+from orchestrator.state.store import Store
 
 
 @pytest.fixture
