@@ -232,3 +232,38 @@ def test_the_checkpoints_hosts_committed_while_no_controller_ran_are_recorded_on
     saves = [e for e in world.store.events("job", kind=EventKind.CHECKPOINT)]
     assert [(e.payload.step, e.reason) for e in saves] == [(10, "saved step 10"), (20, "saved step 20")]
     assert saves[1].payload.blocking_s == 0.2 and saves[1].at == history[11]["saved_at"]
+
+
+def test_a_save_reported_and_not_yet_written_is_not_recorded_again_from_the_history(tmp_path):
+    """The reports are written by the store's writer a moment after they arrive. A history read in that moment
+    (an adoption, a catch-up) must not take a save already reported for one the store lacks: at N=1,000 a
+    restart recorded 10 jobs' checkpoints twice so, until the history was read by the writer after the reports."""
+    import threading
+
+    from orchestrator.control.store_faults import HeldWrites
+    from orchestrator.state.events import CheckpointSaved, EventKind
+    from tests.unit.driver_world import World, spec
+    from workers.protocol import Saved, saved_entry
+
+    world = World(tmp_path)
+    driver = world.submit(spec())
+    gate = threading.Event()
+
+    def gated_batch():  # the writer is slow to get to its queue (busy elsewhere): nothing of it is written yet
+        gate.wait(10)
+        return world.store.batch()
+
+    world.held = HeldWrites(world.store_health, gated_batch)
+    world.held.add(lambda: world.store.add_event("job", CheckpointSaved(20, 0.2), "saved step 20"))  # the report
+    history = [{"step": s, "loss": 1.0 / (s + 1), "at": 100.0 + s} for s in range(18, 22)]
+    history[1] = {**history[1], **saved_entry(Saved(20, 0.2))}
+    missed: list[int] = []
+    reader = threading.Thread(target=lambda: missed.append(driver.progress.record_missed(1, history)))
+    reader.start()
+    reader.join(1.0)  # reads while the report waits (a reader that did not wait for the writer is done by now)
+    gate.set()
+    reader.join(10)
+    world.held.flush()
+    assert missed == [4]
+    saves = [e.payload.step for e in world.store.events("job", kind=EventKind.CHECKPOINT)]
+    assert saves == [20]

@@ -213,7 +213,11 @@ class ReportSink:
     def record_missed(self, generation: int, history: list[dict]) -> int:
         """Record the steps of a worker's history that no report brought (reports are fire-and-forget), and the
         checkpoints committed after them (`workers.protocol.saved_entry`: a controller restarted while the hosts
-        saved). Returns how many steps."""
+        saved). Returns how many steps. Read and written by the store's writer after every report it holds,
+        so a report taken and not yet written is not recorded a second time from the history."""
+        return self.services.held.write(lambda: self._record_missed(generation, history))
+
+    def _record_missed(self, generation: int, history: list[dict]) -> int:
         store = self.services.store
         known = {m.step for m in store.steps(self.job_id)}
         # A step whose loss the worker has not read back yet (reads lag the step) is not recorded.
