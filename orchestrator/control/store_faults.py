@@ -235,30 +235,43 @@ class HeldWrites:
         StoreFaultError if the store refuses one: it and those after it stay in the queue."""
         with self._ready:
             items = [self._pending[i] for i in range(min(len(self._pending), self.MOST_A_BATCH))]
-        if self._batch is not None and len(items) > 1:
-            try:
-                with self._batch():
-                    for item in items:
-                        self._run_one(item)
-                        if item.error is not None and not isinstance(item.error, REFUSED_BEFORE_WRITING):
-                            raise BatchSpoiled(item.error)
-            except BatchSpoiled:
-                pass
-            else:
-                self._taken(items)
-                return
+        if self._batch is not None and len(items) > 1 and self._together(self._batch, items):
+            self._taken(items)
+            return
         for item in items:
             if self._batch is None:
                 self._run_one(item)
             else:
-                try:
-                    with self._batch():
-                        self._run_one(item)
-                        if item.error is not None:
-                            raise BatchSpoiled(item.error)  # nothing of a failed write is kept, as in its own
-                except BatchSpoiled:
-                    pass
+                self._alone(self._batch, item)
             self._taken([item])
+
+    def _together(self, batch: Callable[[], AbstractContextManager[Any]], items: list[_Write]) -> bool:
+        """Whether `items` were written in one transaction (none failed after it may have written)."""
+        try:
+            with batch():
+                for item in items:
+                    self._run_one(item)
+                    if item.error is not None and not isinstance(item.error, REFUSED_BEFORE_WRITING):
+                        raise BatchSpoiled(item.error)
+        except StoreFaultError:
+            raise
+        except Exception:  # noqa: BLE001 -- spoiled, or the transaction itself failed: one write at a time
+            return False
+        return True
+
+    def _alone(self, batch: Callable[[], AbstractContextManager[Any]], item: _Write) -> None:
+        """`item` in a transaction of its own: nothing of it is kept if it fails, as before the writer."""
+        try:
+            with batch():
+                self._run_one(item)
+                if item.error is not None:
+                    raise BatchSpoiled(item.error)
+        except BatchSpoiled:
+            pass
+        except StoreFaultError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- its transaction failed (SQLite, not the disk): so did it
+            item.error = e
 
     @staticmethod
     def _run_one(item: _Write) -> None:

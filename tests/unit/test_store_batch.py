@@ -7,6 +7,7 @@ that built up while it was busy in one transaction."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 
 import pytest
@@ -114,3 +115,20 @@ def test_the_writer_thread_ends_when_idle_and_starts_again(store):
     held.add(lambda: (writers.append(threading.current_thread()), store.update_job("j1", reason="second")))
     held.flush()
     assert store.job("j1").reason == "second" and writers[1] is not writers[0]
+
+
+def test_a_transaction_that_fails_for_another_reason_than_the_disk_fails_its_write_and_the_writer_goes_on(store):
+    # SQLite's own errors (its lock held past its timeout, say) are not the file system's: the write fails with
+    # the error, as it did in its own transaction before, and the writes after it are written.
+    failures = iter([sqlite3.OperationalError("database is locked")])
+
+    def flaky():
+        if (e := next(failures, None)) is not None:
+            raise e
+        return store.batch()
+
+    held = HeldWrites(StoreHealth(), flaky)
+    with pytest.raises(sqlite3.OperationalError, match="locked"):
+        held.write(lambda: store.update_job("j1", reason="lost"))
+    held.write(lambda: store.update_job("j1", reason="written"))
+    assert store.job("j1").reason == "written"
