@@ -15,6 +15,7 @@ file no one can read any more, and a reader would see a different history.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sqlite3
@@ -140,11 +141,8 @@ class Store:
     def copy_to(self, dest: Path | str) -> None:
         """A consistent copy of the store, as this process reads it, at `dest` (SQLite's online backup): read
         through this process's open connection, so it works for a file deleted meanwhile."""
-        target = sqlite3.connect(dest)
-        try:
+        with contextlib.closing(sqlite3.connect(dest)) as target:
             self._conn().backup(target)
-        finally:
-            target.close()
 
     def check_writable(self) -> None:
         """StoreFaultError unless the path still names the file this store opened and it may be written."""
@@ -323,21 +321,18 @@ class Store:
     def record_steps(self, job_id: str, generation: int, rows: list[tuple[Any, ...]], *,
                      at: float | None = None) -> None:
         """Upsert (step, loss, tokens/s, step time[, at[, metrics]]) rows; a recomputed step keeps the newest
-        generation's value.
-
-        A row without its own time gets `at` (default now).
-        """
+        generation's value. A row without its own time gets `at` (default now)."""
         now = time.time() if at is None else at
         values = []
         for row in rows:
             step, loss, tps, dt, row_at, metrics = (*row, None, None)[:6]
             values.append((job_id, step, generation, loss, tps, dt, now if row_at is None else row_at,
                            json.dumps(metrics) if metrics else None))
-        if (batch := self._open_batch()) is not None:  # with the batch's other rows, in one statement
-            batch.steps.extend(values)
-            return
-        with self._tx() as db:
-            insert_steps(db, values)
+        if (batch := self._open_batch()) is not None:
+            batch.steps.extend(values)  # with the batch's other rows, in one statement
+        else:
+            with self._tx() as db:
+                insert_steps(db, values)
 
     def _written_steps(self) -> sqlite3.Connection:
         """The connection to read steps on, with this thread's batch's step rows put in first."""
