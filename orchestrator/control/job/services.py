@@ -27,7 +27,7 @@ class JobServices(Protocol):
     def store_health(self) -> StoreHealth: ...
 
     @property
-    def held(self) -> HeldWrites: ...  # writes that wait, in order, for a store that cannot be written
+    def held(self) -> HeldWrites: ...  # the store's one writer: every write, in order, many a transaction
 
     @property
     def home(self) -> Home: ...
