@@ -30,7 +30,7 @@ def test_a_listed_slice_is_read_from_the_listing_once_and_the_same_look_is_given
     assert listing.seen("a", NODE + "a", lambda: asked.append("a")) is first
     waiting = listing.seen("w", NODE + "w", lambda: asked.append("w"))
     assert (waiting.qr, waiting.node) == ("WAITING_FOR_RESOURCES", None)  # no node in that state: none asked for
-    assert listing.seen("gone", NODE + "gone", lambda: asked.append("gone")) is None  # not listed: the caller GETs
+    assert listing.seen("gone", NODE + "gone", lambda: asked.append("gone")) is None  # not listed: `look` decides
     assert asked == []
 
 

@@ -20,6 +20,7 @@ import tenacity
 from google.api_core import exceptions as gexc
 from google.api_core.client_options import ClientOptions
 from google.cloud import tpu_v2
+from requests.adapters import HTTPAdapter
 
 from orchestrator.errors import ProvisioningError
 from orchestrator.providers.gcp.pace import CreatePace
@@ -67,7 +68,7 @@ class TpuApi:
 
     def __init__(self, project: str, *, endpoint: str | None, credentials: Any, impersonate: str | None,
                  retry: RetryPolicy, request_timeout_s: float, sleep: Callable[[float], None],
-                 pace: CreatePace | None = None):
+                 pace: CreatePace | None = None, connections: int = 10):
         self.project = project
         self._retry, self._timeout_s, self._sleep = retry, request_timeout_s, sleep
         self.pace = pace or CreatePace(None)  # the project's creates a minute, shared by the providers of one
@@ -75,6 +76,7 @@ class TpuApi:
             credentials=_credentials(credentials, impersonate, endpoint), transport="rest",
             client_options=ClientOptions(api_endpoint=endpoint) if endpoint else None,
         )
+        _keep_connections(self.client, connections)
 
     def parent(self, zone: str) -> str:
         return f"projects/{self.project}/locations/{zone}"
@@ -170,6 +172,19 @@ def queued_resource(parent: str, node_id: str, *, accelerator_type: str, runtime
         qr.queueing_policy = tpu_v2.QueuedResource.QueueingPolicy(
             valid_until_duration=dt.timedelta(seconds=max(1.0, valid_for_s)))
     return qr
+
+
+def _keep_connections(client: tpu_v2.TpuClient, n: int) -> None:
+    """Keep up to `n` HTTP connections of `client` open for reuse (`Polling.connections`). The REST transport
+    makes its own `requests` session and offers no way to size its pool, so its adapters are replaced."""
+    session = getattr(client.transport, "_session", None)
+    if not isinstance(session, requests.Session):  # a client version that holds its session elsewhere
+        log.warning("the TPU API client keeps no requests session where expected; its connection pool stays at "
+                    "requests' default size")
+        return
+    for prefix, adapter in list(session.adapters.items()):
+        if type(adapter) is HTTPAdapter:  # an mTLS adapter (client certificates) is left as it is
+            session.mount(prefix, HTTPAdapter(pool_connections=n, pool_maxsize=n, max_retries=adapter.max_retries))
 
 
 def is_transient(e: BaseException) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import builtins
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -82,6 +83,7 @@ class GcpTpuProvider:
         self._on_change = on_change
         self._api = TpuApi(project, endpoint=endpoint, credentials=credentials, impersonate=impersonate,
                            retry=retry, request_timeout_s=polling.request_timeout_s, sleep=sleep,
+                           connections=polling.connections,
                            pace=create_pace or CreatePace(polling.creates_per_minute, burst=polling.create_burst))
         self._lock = threading.Lock()
         self._tracked: dict[str, Tracked] = {}
@@ -101,6 +103,7 @@ class GcpTpuProvider:
         zones = zone_order(req, self.zones, fallthrough=self._fallthrough, reservation=self._reservation)
         t = Tracked(req, ZonePlan.start(zones), since=time.monotonic())  # a new slice: its lifecycle starts
         self._create(t)
+        t = replace(t, listable_at=time.monotonic())
         with self._lock:
             self._tracked[req.name] = t
             self._released_at.pop(req.name, None)
@@ -241,14 +244,22 @@ class GcpTpuProvider:
             t = self._tracked[name]
         if t.released:
             return t
-        seen, at = look(self._api, self._listings, t, followed=lambda: self._followed(t.zone))
-        with self._lock:
-            cur = self._tracked[name]
-            if cur.released or cur.plan != t.plan or at < cur.seen_at:  # released, moved on, or read since
+        read = look(self._api, self._listings, t, followed=lambda: self._followed(t.zone))
+        if read is None:  # nothing newer than its last reading yet (`looks.look`)
+            with self._lock:
+                cur = self._tracked[name]
+            seen = cur.seen
+            if cur.released or cur.plan != t.plan or seen is None:
                 return cur
-            before = cur.state
-            cur = self._tracked[name] = replace(self._judge(cur, seen), seen_at=at)
-        self._changed(before, cur)
+        else:
+            seen, at = read
+            with self._lock:
+                cur = self._tracked[name]
+                if cur.released or cur.plan != t.plan or at < cur.seen_at:  # released, moved on, or read since
+                    return cur
+                before = cur.state
+                cur = self._tracked[name] = replace(self._judge(cur, seen), seen_at=at)
+            self._changed(before, cur)
         if cur.state is not SliceState.PROVISIONING or seen.qr != "ACTIVE" or seen.node != "READY":
             return cur
         hosts = tuple(self._join_check(self._slice(cur)))
@@ -309,8 +320,13 @@ class GcpTpuProvider:
             # Still the same request, now in another zone: the slice keeps its state (REQUESTED or
             # WAITING), and the next zone's looks move it on from there, never back.
             moved = self._tracked[t.req.name] = replace(cur, plan=plan, since=time.monotonic(), seen=None,
-                                                        seen_at=0.0, hosts=(), reported=frozenset())
+                                                        seen_at=0.0, listable_at=math.inf, hosts=(),
+                                                        reported=frozenset())
         self._create(moved)
+        with self._lock:
+            cur = self._tracked[t.req.name]
+            if not cur.released and cur.plan == plan:
+                self._tracked[t.req.name] = replace(cur, listable_at=time.monotonic())
 
     # -- creating and deleting ----------------------------------------------------------
 

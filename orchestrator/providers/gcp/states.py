@@ -67,6 +67,9 @@ class Tracked:
     # this one is dropped: judged after it, it would take the slice back (a listing begun before a GET that saw
     # the node READY, finished after it, still shows the node CREATING: a READY slice read as lost).
     seen_at: float = 0.0
+    # When (monotonic) its create had returned: a zone listing begun since holds its queued resource unless it is
+    # gone. One begun before may not hold it yet (`looks.look`). 0: an adopted slice's exists already.
+    listable_at: float = 0.0
     ever_up: bool = False  # its node was READY at least once
     hosts: tuple[Host, ...] = ()
     reported: frozenset[SliceEventKind] = frozenset()  # events already reported for this zone
