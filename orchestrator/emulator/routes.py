@@ -10,6 +10,9 @@ API paths (as ``google.cloud.tpu_v2``'s REST transport sends them):
     DELETE /v2/projects/P/locations/Z/nodes/N
     GET    /v2/projects/P/locations/Z/operations/OP
 
+Every API call answers only the fields an ``X-Goog-FieldMask`` header or a ``fields`` query parameter names
+(`fieldmask`), as Google's APIs do.
+
 Control paths (JSON in, JSON out; see ``ControlClient`` for the same over Python). Each
 needs the emulator's control token, ``Authorization: Bearer <token>`` (else 401, and
 nothing changes), and each POST a JSON body sent as ``application/json`` (else 415):
@@ -50,6 +53,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from google.cloud import tpu_v2
 
+from orchestrator.emulator import fieldmask
 from orchestrator.emulator.errors import ApiError, invalid, not_found
 from orchestrator.emulator.metadata import NOTICE_EVENTS
 from orchestrator.emulator.world import World
@@ -72,6 +76,14 @@ _METHODS = {
     ("GET", "nodes", True): "nodes.get",
     ("DELETE", "nodes", True): "nodes.delete",
     ("GET", "operations", True): "operations.get",
+}
+# API method -> the message its answer is (what a field mask is checked against); an operation's fields are not
+# checked, only kept or dropped
+_ANSWERS = {
+    "queuedResources.list": tpu_v2.ListQueuedResourcesResponse.pb().DESCRIPTOR,
+    "queuedResources.get": tpu_v2.QueuedResource.pb().DESCRIPTOR,
+    "nodes.list": tpu_v2.ListNodesResponse.pb().DESCRIPTOR,
+    "nodes.get": tpu_v2.Node.pb().DESCRIPTOR,
 }
 
 
@@ -163,8 +175,14 @@ class ApiHandler(BaseHTTPRequestHandler):
                     raise not_found(url.path)
                 method, zone = _METHODS[key], match["zone"]
                 int_enums = "enum-encoding=int" in query.get("$alt", "")
-                status, payload = 200, _render(self._api(method, match, query, body), coll=match["coll"],
-                                               query=query, int_enums=int_enums)
+                answer = _ANSWERS.get(method)
+                mask = self.headers.get("X-Goog-FieldMask") or query.get("fields") or ""
+                fields = fieldmask.parse(mask)  # a bad mask is refused before anything changes
+                if answer is not None:
+                    fieldmask.check(fields, answer, mask)
+                status, payload = 200, fieldmask.apply(
+                    _render(self._api(method, match, query, body), coll=match["coll"], query=query,
+                            int_enums=int_enums), fields, answer)
         except ApiError as e:
             status, payload = e.http, e.body()
         except (ValueError, KeyError, TypeError) as e:  # a malformed control request

@@ -55,7 +55,7 @@ class _Zone:
     def __init__(self):
         self.listed = 0
 
-    def list_zone(self, zone):
+    def list_zone(self, zone, *, states_only=False):
         self.listed += 1
         return [tpu_v2.QueuedResource(name=f"projects/p/locations/{zone}/queuedResources/a")], {}
 

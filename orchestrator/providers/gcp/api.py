@@ -31,6 +31,12 @@ T = TypeVar("T")
 QRS = tpu_v2.QueuedResourceState.State
 CLOUD_PLATFORM = "https://www.googleapis.com/auth/cloud-platform"
 
+# What a look at a slice reads of a zone's listing (`looks.seen_of`), as field masks (`X-Goog-FieldMask`: Google's
+# APIs answer only the fields it names). Each queued resource and node otherwise carries its whole spec with the
+# startup script, about 4 KB apiece: 8 MB a listing at 1,000 slices, for 0.3 MB of states.
+BRIEF_QRS = "queuedResources(name,state),nextPageToken"
+BRIEF_NODES = "nodes(name,state,networkEndpoints.ipAddress),nextPageToken"
+
 _TRANSIENT_HTTP = frozenset({429, 500, 502, 503, 504})
 # A 429 that is a resource quota, not a request rate: waiting seconds will not free it.
 _PERMANENT_REASONS = frozenset({"QUOTA_EXCEEDED"})
@@ -145,13 +151,14 @@ class TpuApi:
             if e.code != 404:  # already gone is what we wanted
                 raise
 
-    def list_zone(self, zone: str) -> tuple[list[Any], dict[str, Any]]:
-        """Every queued resource of the zone, and every node by its full name."""
+    def list_zone(self, zone: str, *, states_only: bool = False) -> tuple[list[Any], dict[str, Any]]:
+        """Every queued resource of the zone, and every node by its full name. `states_only`: with only the
+        fields a look reads (`BRIEF_QRS`, `BRIEF_NODES`), not their specs."""
         parent = self.parent(zone)
         nodes = {n.name: n for n in self.call(f"list nodes of {parent}", zone, _all(self.client.list_nodes),
-                                              parent=parent)}
+                                              parent=parent, metadata=_mask(BRIEF_NODES if states_only else None))}
         qrs = self.call(f"list queued resources of {parent}", zone, _all(self.client.list_queued_resources),
-                        parent=parent)
+                        parent=parent, metadata=_mask(BRIEF_QRS if states_only else None))
         return qrs, nodes
 
 
@@ -193,6 +200,11 @@ def is_transient(e: BaseException) -> bool:
     if isinstance(e, gexc.GoogleAPICallError):
         return e.code in _TRANSIENT_HTTP and e.reason not in _PERMANENT_REASONS
     return False
+
+
+def _mask(fields: str | None) -> tuple[tuple[str, str], ...]:
+    """A call's metadata (its HTTP headers over REST) that asks for only `fields`; None: every field."""
+    return (("x-goog-fieldmask", fields),) if fields else ()
 
 
 def _all(list_method: Callable[..., Any]) -> Callable[..., list[Any]]:
