@@ -76,6 +76,7 @@ class HostWorker:
         self._notice_reason: str | None = None
         self.multislice: dict[str, str] = {}  # this launch's multislice settings (`runtime.multislice_env`)
         self._result: WorkerResult | None = None
+        self._done = threading.Event()  # set with `_result`
         self._ctx: api.Context | None = None  # the training API's context of the running program
         self._keeper = None  # this host's `workers.memory.HostMemory` (a multi-slice job's first tier), or None
         self._history: list[dict] = []
@@ -160,6 +161,12 @@ class HostWorker:
         """None while training; then how it ended."""
         return self._result
 
+    def wait_result(self, timeout_s: float) -> WorkerResult | None:
+        """How it ended, as soon as it has; None if it still trains after `timeout_s` (the controller asks again,
+        so a call never outlives a controller that went by long: `orchestrator.control.ends`)."""
+        self._done.wait(timeout_s)
+        return self._result
+
     def history(self) -> list[dict]:
         """Every step report of this worker so far, each with the checkpoint committed after it if one was
         (`protocol.saved_entry`), for a controller that missed some."""
@@ -219,6 +226,7 @@ class HostWorker:
                 watcher.close()
         self._send(Lines(), wait=True)  # the last lines land before the controller sees the result
         self._result = result
+        self._done.set()
 
     def _on_notice(self, reason: str) -> None:
         if not self._notice.is_set():

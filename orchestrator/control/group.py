@@ -39,6 +39,7 @@ from orchestrator import cluster
 from orchestrator.cluster.home import Home
 from orchestrator.control import liveness, memory, postmortem, shipping, spares
 from orchestrator.control.compile_ahead import launch_programs
+from orchestrator.control.ends import END_WAIT_S, WorkerEnds
 from orchestrator.control.generation import kill_workers, pg_name, where_placed, worker_name
 from orchestrator.domain.provider_facts import ReportRoute
 from orchestrator.domain.spec import JobSpec
@@ -130,6 +131,7 @@ class RayWorkerGroup:
         self.hosts = sum(s.tpu_type.hosts for s in self.slices)
         self._nodes: list[str] | None = None  # each rank's Ray node, once launched
         self._spares_started = False
+        self._ends: WorkerEnds | None = None  # the workers' ends as they come back, once launched or adopted
         if workers:
             self._beats_here()
 
@@ -265,6 +267,16 @@ class RayWorkerGroup:
         return mon.address, key, period
 
     def results(self, timeout_s: float) -> list[WorkerResult | None] | None:
+        """Each worker's result (None while it trains), read from what its `wait_result` call sent back
+        (`orchestrator.control.ends`): no call, no wait. Workers that cannot wait are asked now, and given up
+        to `timeout_s` to answer (None: slow to answer)."""
+        if self._ends is None and WorkerEnds.can_wait(self.workers):
+            self._ends = WorkerEnds(self.workers, self.wake)
+        if self._ends is not None:
+            try:
+                return self._ends.results()
+            except ray.exceptions.RayActorError as e:
+                raise WorkerGone(type(e).__name__, str(e)) from e
         refs: list[Any] = [w.result.remote() for w in self.workers]
         deadline = time.monotonic() + timeout_s
         try:
@@ -283,6 +295,12 @@ class RayWorkerGroup:
 
     def _host_lost(self) -> bool:
         return self.liveness is not None and self.liveness.lost is not None
+
+    def quiet_s(self) -> float:
+        """How long the driver may wait before it looks again (`watch._wait_s`): as long as it likes once its
+        workers' ends come back by themselves and wake it (a host the liveness monitor finds lost wakes it
+        too); else not at all (looked at every `watch.POLL_S`)."""
+        return 0.0 if self._ends is None else END_WAIT_S
 
     def silent_host(self) -> Outcome | None:
         lost = self.liveness.lost if self.liveness is not None else None
@@ -346,7 +364,7 @@ class RayWorkerGroup:
     def stop(self) -> None:
         self.stop_watching()
         kill_workers(self.workers, self.pg)
-        self.workers, self.pg = [], None
+        self.workers, self.pg, self._ends = [], None, None
 
     def _lost(self, rank: int) -> None:
         if (name := self.launched.slice_of(rank)) is not None:

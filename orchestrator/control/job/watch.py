@@ -109,8 +109,9 @@ def _watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll
 def _wait_s(group: WorkerGroup) -> float:
     """How long the loop may wait for a wake before it looks again: POLL_S, unless the group tells when it next
     has something to say (`quiet_s`, seconds) waits that long, at most LOOK_S; a stop asked or a cancel wakes
-    the wait at once (`JobDriver.wake`). A group that does not say (the Ray group: a lost host is found by
-    polling `silent_host`) is looked at every POLL_S, as before."""
+    the wait at once (`JobDriver.wake`), and so do a Ray group's workers ending or going (`control.ends`) and
+    a host its liveness monitor finds lost. A group that does not say (0, or no `quiet_s`: workers of a
+    version that cannot wait for their end) is looked at every POLL_S."""
     quiet_s = getattr(group, "quiet_s", None)
     return POLL_S if quiet_s is None else min(LOOK_S, max(POLL_S, quiet_s()))
 
