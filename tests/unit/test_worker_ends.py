@@ -44,24 +44,27 @@ try:
     wake = threading.Event()
     watched = WorkerEnds([a, b], wake)
     assert watched.results() == [None, None]
-    time.sleep(1.0)  # three of the calls' waits run out meanwhile
-    assert watched.results() == [None, None]
-    time.sleep(0.5)
-    assert watched.results() == [None, None]
-    asked = ray.get(a.calls.remote())
-    assert asked >= 3, f"asked {asked} times in 1.5 s with calls of 0.3 s"
-    wake.clear()
+    deadline = time.monotonic() + 30  # each call's wait runs out after 0.3 s: asked again at the next look
+    while ray.get(a.calls.remote()) < 3:
+        assert time.monotonic() < deadline, f"asked {ray.get(a.calls.remote())} times in 30 s with calls of 0.3 s"
+        assert watched.results() == [None, None]
+        time.sleep(0.1)
+
+    ends.END_WAIT_S = 600.0  # from here no call runs out: only an end or a death can wake the driver
+    a, b = W.remote(), W.remote()
+    wake = threading.Event()
+    watched = WorkerEnds([a, b], wake)
+    assert watched.results() == [None, None] and not wake.wait(1.0)
     a.finish.remote("a ended")
     t0 = time.monotonic()
-    assert wake.wait(5), "an end did not wake the driver"
+    assert wake.wait(30), "an end did not wake the driver"
     woke_s = time.monotonic() - t0
     assert watched.results() == ["a ended", None]
     asked = ray.get(a.calls.remote())
-    time.sleep(0.8)
     assert watched.results() == ["a ended", None] and ray.get(a.calls.remote()) == asked  # ended: not asked again
     wake.clear()
     ray.kill(b)
-    assert wake.wait(10), "a worker gone did not wake the driver"
+    assert wake.wait(30), "a worker gone did not wake the driver"
     try:
         watched.results()
         raise AssertionError("a worker gone read as training")
