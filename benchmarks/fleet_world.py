@@ -286,7 +286,7 @@ class _Scripted:
     def died(self, error):
         raise AssertionError("no scripted worker dies alone")
 
-    def held_step(self, slices):
+    def held_step(self, slices, expect=None):
         return None, "scripted hosts keep no copy in memory"
 
     def request_profile(self, request) -> None:

@@ -101,8 +101,9 @@ class WorkerGroup(Protocol):
         """How a worker's process went, once the provider has not said its host went: INFRA_LOST or
         WORKER_ABORTED (its native error in the job's log)."""
 
-    def held_step(self, slices: list[Slice]) -> tuple[int | None, str]:
-        """The newest step every host of `slices` holds in its memory, or None and why not."""
+    def held_step(self, slices: list[Slice], expect: int | None = None) -> tuple[int | None, str]:
+        """The newest step every host of `slices` holds in its memory, or None and why not; `expect`: the step
+        they should hold, waited for a moment (`memory.common_step`)."""
 
     def history(self) -> list[dict] | None:
         """Worker 0's steps of this generation (None if it does not answer)."""
@@ -342,8 +343,8 @@ class RayWorkerGroup:
             self._log_lines(verdict.rank, verdict.log_lines)
         return verdict.outcome
 
-    def held_step(self, slices: list[Slice]) -> tuple[int | None, str]:
-        return memory.common_step(slices)
+    def held_step(self, slices: list[Slice], expect: int | None = None) -> tuple[int | None, str]:
+        return memory.common_step(slices, expect=expect)
 
     def history(self) -> list[dict] | None:
         try:

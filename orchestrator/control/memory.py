@@ -8,6 +8,7 @@ goes when the slice is released (`Placement.teardown`), and with its host when t
 from __future__ import annotations
 
 import logging
+import time
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -19,6 +20,7 @@ from workers.memory import HostMemory, keeper_name
 log = logging.getLogger(__name__)
 
 ASK_S = 10.0  # how long a keeper has to say what it holds
+SETTLE_S = 3.0  # how long the survivors' copies of the last step done may take to reach their keepers
 
 
 def keepers(s: Slice, runtime_env: dict | None) -> list:
@@ -40,8 +42,22 @@ def keepers(s: Slice, runtime_env: dict | None) -> list:
     return out
 
 
-def common_step(slices: list[Slice]) -> tuple[int | None, str]:
-    """The newest step every host of `slices` holds in one layout, or None and why not."""
+def common_step(slices: list[Slice], *, expect: int | None = None,
+                settle_s: float = SETTLE_S) -> tuple[int | None, str]:
+    """The newest step every host of `slices` holds in one layout, or None and why not. `expect`: the step
+    they should hold (the last one done that the cadence copies); until they all do, asked again for up to
+    `settle_s`. A copy goes to its keeper after its step is reported, and a loss seen at once (a worker's death
+    wakes its driver) can be seen while the survivors' copy of the last step is still on its way: read then,
+    the job restored one step back and did it again."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        step, why = _common_step(slices)
+        if step is None or expect is None or step >= expect or time.monotonic() >= deadline:
+            return step, why
+        time.sleep(0.05)
+
+
+def _common_step(slices: list[Slice]) -> tuple[int | None, str]:
     held: list[dict[int, str]] = []
     for s in slices:
         for h in s.hosts:

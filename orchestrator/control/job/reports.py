@@ -68,6 +68,7 @@ class ReportSink:
         self.accepting = False  # whether reports of `generation` still count (not once its attempt ended)
         self.last_progress = time.monotonic()
         self.last_step = -1  # newest step reported by worker 0 in this generation
+        self.memory_every: int | None = None  # the hosts' memory cadence, once worker 0 says it (`MemoryKept`)
         self.last_step_at: float | None = None  # wall time it was reported (None: no step yet this generation)
         self.restored_step: int | None = None  # the steps complete this generation restored (None: fresh, or not yet)
         self.disrupted_at: float | None = None  # wall time of the last disruption, for "resumed after"
@@ -81,7 +82,7 @@ class ReportSink:
         """A new launch: reports of its generation count from now on."""
         self._launch, self.generation = launch, launch.generation
         self.started, self.last_step, self.accepting, self.restored_step = False, -1, True, None
-        self.last_step_at = None
+        self.last_step_at, self.memory_every = None, None  # a new generation chooses its cadence again
         self.last_progress = time.monotonic()
 
     def adopted(self, launch: Launch, last_step: int) -> None:
@@ -100,6 +101,16 @@ class ReportSink:
     def close(self) -> None:
         """The attempt ended: a dying group's last words must not land after its disruption."""
         self.accepting = False
+
+    def last_copied_step(self) -> int | None:
+        """The newest step the hosts' memory should hold: the steps done, down to the memory cadence's last copy
+        (`workers.memory.Keeping`: a copy once `step` steps are done, every `every`); None before any step. The
+        cadence is not known to a controller that adopted the job after it was chosen: then every step."""
+        done = self.last_step + 1
+        if done <= 0:
+            return None
+        every = self.memory_every or 1
+        return done - done % every
 
     def disrupted(self, at: float, steps_done: int) -> None:
         """The job stood at `steps_done` at wall time `at`; the next first step says how long it took to resume."""
@@ -157,6 +168,7 @@ class ReportSink:
     def _memory_kept(self, generation: int, rank: int, report: MemoryKept, now: float) -> None:
         if rank != 0:
             return
+        self.memory_every = report.every
         risk = "no step" if report.every == 1 else f"at most {report.every - 1} steps"
         self.services.held.add(lambda: self.services.store.add_event(
             self.job_id, MemoryCadence(report.every, round(report.copy_s, 6), round(report.step_s, 6)),

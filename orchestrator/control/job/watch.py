@@ -68,7 +68,8 @@ def watch(store: JobStore, job_id: str, spec: JobSpec, run: Watched, *, on_poll:
     this controller launched it or adopted it."""
     outcome = _watch(store, job_id, spec, run, on_poll=on_poll)
     if outcome.kind in (OutcomeKind.INFRA_LOST, OutcomeKind.PREEMPTED):
-        run.placement.keep_survivors(spec, run.group.held_step)
+        expect = run.progress.last_copied_step()
+        run.placement.keep_survivors(spec, lambda slices: run.group.held_step(slices, expect))
     return outcome
 
 
