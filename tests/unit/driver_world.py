@@ -215,7 +215,7 @@ class ScriptedGroup:
     def history(self):
         return []
 
-    def held_step(self, slices):
+    def held_step(self, slices, expect=None):
         """Every host keeps every step in memory; a lost slice's memory went with it."""
         gone = [s.name for s in slices if s.name in self.world.lost_memory]
         return (None, f"{gone[0]} holds no copy") if gone else (self.step + 1, "")
