@@ -245,22 +245,15 @@ class GcpTpuProvider:
         if t.released:
             return t
         read = look(self._api, self._listings, t, followed=lambda: self._followed(t.zone))
-        if read is None:  # nothing newer than its last reading yet (`looks.look`)
-            with self._lock:
-                cur = self._tracked[name]
-            seen = cur.seen
-            if cur.released or cur.plan != t.plan or seen is None:
-                return cur
-        else:
-            seen, at = read
-            with self._lock:
-                cur = self._tracked[name]
-                if cur.released or cur.plan != t.plan or at < cur.seen_at:  # released, moved on, or read since
-                    return cur
-                before = cur.state
-                cur = self._tracked[name] = replace(self._judge(cur, seen), seen_at=at)
-            self._changed(before, cur)
-        if cur.state is not SliceState.PROVISIONING or seen.qr != "ACTIVE" or seen.node != "READY":
+        with self._lock:
+            cur = before = self._tracked[name]
+            if cur.released or cur.plan != t.plan or (read is not None and read[1] < cur.seen_at):
+                return cur  # released, moved on, or read since
+            if read is not None:  # else nothing newer than its last reading yet (`looks.look`)
+                cur = self._tracked[name] = replace(self._judge(cur, read[0]), seen_at=read[1])
+        self._changed(before.state, cur)
+        seen = cur.seen
+        if seen is None or cur.state is not SliceState.PROVISIONING or seen.qr != "ACTIVE" or seen.node != "READY":
             return cur
         hosts = tuple(self._join_check(self._slice(cur)))
         with self._lock:
