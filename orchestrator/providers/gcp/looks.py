@@ -1,9 +1,9 @@
 """How the provider looks at a slice in the TPU API: what a look saw (`seen_of`), and one listing of a
 zone shared by every look at that zone's slices.
 
-Every running job's driver looks at its slices four times a second; a look used to GET the queued
-resource and its node, 8 requests a second a job. Once the provider follows more than `list_over`
-slices in a zone, `ZoneListings` lists the zone's queued resources and nodes at most every `list_s`
+Every running job's driver looks at its slices once a second (four times, when this was written); a look used
+to GET the queued resource and its node, 2 requests a second a job (8 then). Once the provider follows more
+than `list_over` slices in a zone, `ZoneListings` lists the zone's queued resources and nodes at most every `list_s`
 (2 calls, however many slices) and every look of that moment reads the same listing. A slice made since the
 listing began waits for the next one; one missing from a listing begun after its create is gone. Readings are
 judged in the order their data was read (`look`).

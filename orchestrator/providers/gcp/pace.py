@@ -30,7 +30,7 @@ class Polling:
     request_timeout_s: float = 30.0  # one HTTP call
     # Following more than `list_over` slices in a zone, the provider looks at them all through one listing of
     # the zone's queued resources and nodes, at most every `list_s` (2 calls, however many slices), not 1-2
-    # GETs per slice per look: every running job's driver looks at its slices 4 times a second.
+    # GETs per slice per look: every running job's driver looks at its slices every second (`watch.LOOK_S`).
     list_over: int = 8
     list_s: float = 1.0
     # Queued resources created a minute in the project, by every job of this controller (`pace.CreatePace`:
