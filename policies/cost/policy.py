@@ -60,7 +60,8 @@ token) subject to meeting the deadline. The decision rule, in `decide`:
    fits now when the larger count costs no more a token (`_every_slice_that_fits`: with the
    all-reduce hidden, N slices cost what one does a token and finish N times sooner) and the
    added slices' expected stretch, learned per zone and size, outlasts the relaunch their loss
-   costs the group.
+   costs the group. A running spot group the policy keeps grows the same way, to a count the
+   zone has been seen to give (`_grow_to_what_fits`).
 5. No chasing of short bursts (issue 38). Leaving a running slice for a spot one is a
    candidate only while the spot size's expected stretch outlasts the two startups of going
    there and coming back, and the work a reclaim loses (`_stretch_pays`). Adding slices to the
@@ -240,16 +241,18 @@ def _every_slice_that_fits(snap: Snapshot, chosen: ActionValue, values: list[Act
     count costs no more a token and its expected value pays the start. Where several slices train
     at the speed of one times their count (the all-reduce hidden), N slices cost what one does a
     token and finish N times sooner, which leaves more of the job for later spot; the fluid plan
-    prices them near-equal, and the tie went to the smaller slice. Only a start: the job pays the
-    startup whatever the count; adding slices to running ones is a relaunch the values decide on.
+    prices them near-equal, and the tie went to the smaller slice. On a start the job pays the
+    startup whatever the count; a running group kept is grown by `_grow_to_what_fits`.
 
     Whether the stretch pays: when the zone takes the added slices back, the group relaunches on
     the survivors (`RestartCost.reshape_s` of the whole group's time); the added slices pay for it
     if, over the expected stretch of their size (learned per zone and size, `SpotAvailability.
     uptime_h`), they train more than that relaunch loses."""
     o = chosen.option
-    if o is None or not o.preemptible or o == snap.current or snap.is_grow(o):
+    if o is None or not o.preemptible or snap.is_grow(o):
         return None
+    if o == snap.current:
+        return _grow_to_what_fits(snap, o, values)
 
     def pays(v: Option) -> bool:
         stretch_s = 3600 * snap.availability.uptime_h(v.zone, v.chips)[0]
@@ -258,6 +261,22 @@ def _every_slice_that_fits(snap: Snapshot, chosen: ActionValue, values: list[Act
     wider = [v for v in values if v.option is not None and v.option.preemptible and v.option.count > o.count
              and (v.option.name, v.option.zone) == (o.name, o.zone)
              and v.option.usd_per_token <= o.usd_per_token * (1 + 1e-9) and pays(v.option)]
+    return max(wider, key=lambda v: v.option.count if v.option else 0, default=None)
+
+
+def _grow_to_what_fits(snap: Snapshot, held: Option, values: list[ActionValue]) -> ActionValue | None:
+    """Rule 4 on a running spot group: when the policy keeps it, it adds every slice of its type that
+    fits, where the larger count costs no more a token, the added slices' stretch pays the two
+    relaunches (`_stretch_pays`, which `values` already passed), and the zone has been seen to give
+    that many chips (`SpotAvailability.seen_up`, pooled over the zone's jobs). The values alone priced
+    the relaunch of a grow against a fluid plan that counted on spot later at the learned fraction, and
+    kept one v4-16 for 7 hours while the zone had two (the deadline far off, the learned fraction 0.91
+    where the trace then gave half of it). A size the zone was never seen to give is asked for only by
+    a start or by the values: growing to it on every look made a request that waited unfilled (6.2
+    a job at 4 start times against 4.3, when the bundled 1-node zones never gave more than two)."""
+    wider = [v for v in values if v.option is not None and snap.is_grow(v.option)
+             and v.option.usd_per_token <= held.usd_per_token * (1 + 1e-9)
+             and snap.availability.seen_up(v.option.zone, v.option.chips)]
     return max(wider, key=lambda v: v.option.count if v.option else 0, default=None)
 
 

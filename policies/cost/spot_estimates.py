@@ -134,6 +134,10 @@ class SpotAvailability:
     def _counts(self, zone: str, chips: int) -> AvailabilityCounts:
         return self.counts.get((zone, chips), AvailabilityCounts())
 
+    def seen_up(self, zone: str, chips: int) -> bool:
+        """Whether the size was ever seen up (its prior aside)."""
+        return self._counts(zone, chips).available_h > 0
+
     def fraction(self, zone: str, chips: int) -> float:
         c = self._counts(zone, chips)
         return (self.prior_fraction * self.prior_hours + c.available_h) / (self.prior_hours + c.observed_h)
