@@ -258,10 +258,8 @@ def _every_slice_that_fits(snap: Snapshot, chosen: ActionValue, values: list[Act
         stretch_s = 3600 * snap.availability.uptime_h(v.zone, v.chips)[0]
         return (v.count - o.count) * stretch_s > v.count * snap.restart.reshape_s
 
-    wider = [v for v in values if v.option is not None and v.option.preemptible and v.option.count > o.count
-             and (v.option.name, v.option.zone) == (o.name, o.zone)
-             and v.option.usd_per_token <= o.usd_per_token * (1 + 1e-9) and pays(v.option)]
-    return max(wider, key=lambda v: v.option.count if v.option else 0, default=None)
+    return _widest(values, o, lambda v: v.preemptible and v.count > o.count and (v.name, v.zone) == (o.name, o.zone)
+                   and pays(v))
 
 
 def _grow_to_what_fits(snap: Snapshot, held: Option, values: list[ActionValue]) -> ActionValue | None:
@@ -274,9 +272,13 @@ def _grow_to_what_fits(snap: Snapshot, held: Option, values: list[ActionValue]) 
     where the trace then gave half of it). A size the zone was never seen to give is asked for only by
     a start or by the values: growing to it on every look made a request that waited unfilled (6.2
     a job at 4 start times against 4.3, when the bundled 1-node zones never gave more than two)."""
-    wider = [v for v in values if v.option is not None and snap.is_grow(v.option)
-             and v.option.usd_per_token <= held.usd_per_token * (1 + 1e-9)
-             and snap.availability.seen_up(v.option.zone, v.option.chips)]
+    return _widest(values, held, lambda v: snap.is_grow(v) and snap.availability.seen_up(v.zone, v.chips))
+
+
+def _widest(values: list[ActionValue], than: Option, ok: Callable[[Option], bool]) -> ActionValue | None:
+    """The value of the most slices among the options `ok` takes that cost no more a token than `than`."""
+    wider = [v for v in values if v.option is not None and ok(v.option)
+             and v.option.usd_per_token <= than.usd_per_token * (1 + 1e-9)]
     return max(wider, key=lambda v: v.option.count if v.option else 0, default=None)
 
 
