@@ -29,13 +29,14 @@ def pick(opts, label: str) -> Option:
     return next(o for o in opts if o.label == label)
 
 
-def seen_up_periods(hours: float, chips_sizes=(8, 16, 24, 32), periods: int = 6) -> SpotAvailability:
-    """A zone whose spot sizes came and went in stretches of `hours` (as long down)."""
+def seen_up_periods(hours: float, chips_sizes=(8, 16, 24, 32), periods: int = 6,
+                    capacity: int = 32) -> SpotAvailability:
+    """A zone whose spot came and went in stretches of `hours` (as long down), giving `capacity` chips when up."""
     a = SpotAvailability()
     for _ in range(periods):
-        a = a.observe("default", chips_sizes, 32, hours * HOUR)
+        a = a.observe("default", chips_sizes, capacity, hours * HOUR)
         a = a.observe("default", chips_sizes, 0, hours * HOUR)
-    return a.observe("default", chips_sizes, 32, 60.0)
+    return a.observe("default", chips_sizes, capacity, 60.0)
 
 
 def snap(opts, *, availability: SpotAvailability, current=None, capacity=32, hours_left=30.0) -> Snapshot:
@@ -77,15 +78,6 @@ def test_a_running_slice_is_not_left_for_spot_bursts_shorter_than_the_move():
     assert d.option is not None and d.option.preemptible, d.reason  # long stretches: spot pays
 
 
-def zone_up_to(chips: int, hours: float = 3.0, periods: int = 6) -> SpotAvailability:
-    """A zone whose spot came and went in stretches of `hours`, giving at most `chips` chips."""
-    a = SpotAvailability()
-    for _ in range(periods):
-        a = a.observe("default", (8, 16, 24, 32), chips, hours * HOUR)
-        a = a.observe("default", (8, 16, 24, 32), 0, hours * HOUR)
-    return a.observe("default", (8, 16, 24, 32), chips, 60.0)
-
-
 def test_a_running_spot_slice_kept_grows_to_every_slice_the_zone_was_seen_to_give():
     """One v4-16 running with the deadline far off: the values alone priced the grow's relaunch
     against a plan that counts on spot later, and kept one slice while the zone had more. Kept, it
@@ -94,7 +86,8 @@ def test_a_running_spot_slice_kept_grows_to_every_slice_the_zone_was_seen_to_giv
     opts = options()
     one = pick(opts, "v4-16 spot")
     for seen, capacity, grown in ((32, 32, "4xv4-16 spot"), (16, 32, "2xv4-16 spot"), (32, 16, "2xv4-16 spot")):
-        d = decide(snap(opts, availability=zone_up_to(seen), current=one, capacity=capacity, hours_left=70.0))
+        zone = seen_up_periods(3.0, capacity=seen)
+        d = decide(snap(opts, availability=zone, current=one, capacity=capacity, hours_left=70.0))
         assert d.option == pick(opts, grown), (seen, capacity, d.reason)
 
 
@@ -103,9 +96,9 @@ def test_a_running_spot_slice_does_not_grow_where_it_costs_more_a_token_or_stret
     running is kept as it is. Stretches of two minutes: the added slices would not pay the relaunch."""
     opts = options(PESSIMISTIC)
     one = pick(opts, "v4-16 spot")
-    d = decide(snap(opts, availability=zone_up_to(32), current=one, hours_left=70.0))
+    d = decide(snap(opts, availability=seen_up_periods(3.0), current=one, hours_left=70.0))
     assert d.option == one, d.reason
     opts = options()
     one = pick(opts, "v4-16 spot")
-    d = decide(snap(opts, availability=zone_up_to(32, hours=2 / 60, periods=60), current=one, hours_left=70.0))
+    d = decide(snap(opts, availability=seen_up_periods(2 / 60, periods=60), current=one, hours_left=70.0))
     assert d.option is not None and d.option.count == 1, d.reason
