@@ -16,9 +16,9 @@ from orchestrator.providers.gcp.api import RetryPolicy, TpuApi
 CALLERS, CALLS_EACH = 16, 4
 
 
-class _SlowNotFound(BaseHTTPRequestHandler):
-    """Answers every GET with the API's 404, after a moment, so the callers' requests overlap; counts the
-    connections it was given."""
+class _NotFoundTogether(BaseHTTPRequestHandler):
+    """Answers every GET with the API's 404 once all of a burst's requests have arrived, so they hold their
+    connections at once however slowly a loaded machine runs the callers; counts the connections it was given."""
 
     protocol_version = "HTTP/1.1"  # keep-alive, as the API speaks
 
@@ -28,7 +28,7 @@ class _SlowNotFound(BaseHTTPRequestHandler):
             self.server.connections += 1  # type: ignore[attr-defined]
 
     def do_GET(self) -> None:  # noqa: N802 -- http.server's name
-        time.sleep(0.05)
+        self.server.burst.wait()  # type: ignore[attr-defined]
         body = json.dumps({"error": {"code": 404, "message": "not found", "status": "NOT_FOUND"}}).encode()
         self.send_response(404)
         self.send_header("Content-Type", "application/json")
@@ -46,8 +46,9 @@ class _Server(ThreadingHTTPServer):
 
 @pytest.fixture
 def server():
-    srv = _Server(("127.0.0.1", 0), _SlowNotFound)
+    srv = _Server(("127.0.0.1", 0), _NotFoundTogether)
     srv.lock, srv.connections, srv.daemon_threads = threading.Lock(), 0, True
+    srv.burst = threading.Barrier(CALLERS, timeout=30)  # a burst that never gathers fails, it does not hang
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield srv
@@ -84,4 +85,4 @@ def test_overlapping_calls_reuse_the_kept_connections(server):
 def test_a_pool_smaller_than_the_callers_opens_new_connections_for_every_burst(server):
     """What the default pool of 10 did with more callers than that: once a burst ended, the connections a full
     pool could not keep were closed, and the next burst opened new ones."""
-    assert _connections_for_overlapping_calls(server, connections=4) >= CALLERS + (CALLERS - 4) * (CALLS_EACH - 1)
+    assert _connections_for_overlapping_calls(server, connections=4) == CALLERS + (CALLERS - 4) * (CALLS_EACH - 1)
