@@ -135,7 +135,7 @@ def test_a_frozen_process_is_not_alive_though_its_kernel_accepts_the_connection(
         server.listen()
         t0 = time.monotonic()
         assert probe_node(server.getsockname(), 0.3) == "no answer within 0.3 s"
-        assert 0.25 < time.monotonic() - t0 < 1.0
+        assert 0.25 < time.monotonic() - t0 < 2.0  # its own timeout, not an answer (none comes); slack for load
 
 
 # -- beats ---------------------------------------------------------------------------------------------------
